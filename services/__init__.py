@@ -1,0 +1,1 @@
+"""Services: one package per actor process (router, prefill, relay_decode, main_decode, cache_index)."""

@@ -1,0 +1,71 @@
+"""Sampling parameters and the sampler.
+
+Seeded sampling draws token ``i`` of a request from a generator seeded by
+``(seed, i)`` alone. Which instance samples a token (relay or main decoder) therefore
+never changes the output: a handoff is invisible in sampled text as well as in greedy text.
+"""
+
+import msgspec
+import torch
+import xxhash
+
+MAX_STOP_STRINGS = 16
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How one request picks its tokens and when it stops.
+
+    Attributes:
+        max_tokens: Upper bound on generated tokens (the first token counts).
+        temperature: 0 for greedy; otherwise logits are divided by it before softmax.
+        top_p: Nucleus sampling mass in (0, 1]; 1 disables it.
+        seed: Per-request seed for reproducible sampling; None lets the engine pick one.
+        stop: Strings that end generation once they appear in the generated text.
+        ignore_eos: Keep generating past end-of-sequence tokens (benchmarks).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self):
+        """Raise ValueError naming the first field out of range."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
+            raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling is deterministic argmax."""
+        return self.temperature == 0
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, token_index: int) -> int:
+    """Pick one token from a 1-D logits row.
+
+    Args:
+        logits: Next-token logits, shape ``[vocab]``.
+        params: The request's sampling parameters.
+        seed: The request's effective seed (``params.seed`` or one the engine chose).
+        token_index: Index of the token being sampled among the request's outputs.
+    """
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, sorted_ids = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+        sorted_probs[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, sorted_ids, sorted_probs)
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(xxhash.xxh3_64_intdigest(f"{seed}:{token_index}".encode()) >> 1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))

@@ -1,0 +1,64 @@
+"""Per-request state inside one engine instance."""
+
+import enum
+from dataclasses import dataclass, field
+
+from shared.engine.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life on this instance."""
+
+    IMPORTING = "importing"  # KV frames are landing; not schedulable yet
+    RUNNING = "running"      # schedulable whenever it has tokens without KV
+    FINISHED = "finished"    # stopped (EOS, length, stop string or error); blocks still held until freed
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's tokens, KV blocks and progress on this instance.
+
+    Attributes:
+        request_id: Caller's id, unique among live sequences of the engine.
+        token_ids: Prompt followed by every output token known here (sampled here or
+            handed over by another instance).
+        num_prompt_tokens: Length of the prompt prefix of ``token_ids``.
+        sampling: Sampling and stopping parameters.
+        seed: Effective sampling seed (the request's, or one the engine drew).
+        block_ids: Block table: block ``i`` holds tokens ``[i*B, (i+1)*B)``.
+        num_kv_tokens: Leading tokens whose KV is in the pool; the rest are pending.
+        num_cached_tokens: Tokens whose KV came from the prefix cache.
+        num_imported_tokens: Tokens whose KV came from wire frames.
+        num_computed_tokens: Tokens whose KV this instance computed in forward passes.
+        block_hashes: Chained hashes of the leading full blocks that have KV.
+        finish_reason: ``stop``, ``length`` or ``error`` once finished.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    seed: int
+    status: SequenceStatus = SequenceStatus.RUNNING
+    block_ids: list[int] = field(default_factory=list)
+    num_kv_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_imported_tokens: int = 0
+    num_computed_tokens: int = 0
+    block_hashes: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Tokens after the prompt."""
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Known tokens whose KV is not computed yet."""
+        return len(self.token_ids) - self.num_kv_tokens
+
+    @property
+    def schedulable(self) -> bool:
+        """Whether the next step should compute something for this sequence."""
+        return self.status is SequenceStatus.RUNNING and self.num_pending_tokens > 0

@@ -1,0 +1,243 @@
+"""The KV wire format: how KV blocks travel between instances (bulk channel, files, tests).
+
+A frame is ``prefix | header | body``:
+
+- prefix (20 bytes, little-endian): magic ``PDKV``, format version (u16), reserved (u16),
+  header length (u32), body length (u64) — enough to bound a read before trusting anything;
+- header: a msgpack ``KvFrameHeader`` describing model, layout, dtype, request, token IDs
+  and block hash chain, plus an xxh3-64 checksum of the body;
+- body: raw KV ``[layers, 2 (K/V), tokens, kv_heads, head_dim]`` in the sender's dtype,
+  received zero-copy (``torch.frombuffer`` over the receive buffer).
+
+``decode_frame`` checks every header field against what the receiver expects before a
+single byte can reach a pool; a bad frame raises a ``KvFrameError`` subclass.
+"""
+
+import struct
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import xxhash
+
+from shared.block_hash import HASH_SCHEME_VERSION, hash_blocks
+from shared.engine.kv_layout import KvLayout
+from shared.errors import (
+    CorruptFrame,
+    IncompatibleFrame,
+    OversizedFrame,
+    TruncatedFrame,
+)
+
+MAGIC = b"PDKV"
+WIRE_FORMAT_VERSION = 1
+PREFIX = struct.Struct("<4sHHIQ")
+PREFIX_SIZE = PREFIX.size
+MAX_HEADER_BYTES = 1 << 20
+DEFAULT_MAX_BODY_BYTES = 1 << 30
+
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
+
+
+class KvFrameHeader(msgspec.Struct, frozen=True, kw_only=True):
+    """Self-describing header of one KV frame.
+
+    Attributes:
+        format_version: Wire format version (``WIRE_FORMAT_VERSION``).
+        model_fingerprint: Digest of the sender's model; the receiver's must match.
+        num_layers: Decoder layers in the body.
+        num_kv_heads: KV heads per layer.
+        head_dim: Channels per head.
+        dtype: Element type of the body (``float32``, ``bfloat16``, ``float16``).
+        block_size: Tokens per block on the sender; must equal the receiver's.
+        hash_scheme: Block-hash scheme version (``HASH_SCHEME_VERSION``).
+        request_id: Request the KV belongs to.
+        first_block_index: Index, within the request, of the first block in the body.
+        parent_hash: Chained hash of the block before the first (0 for the first block).
+        block_hashes: Chained hashes of the full blocks in the body, in order.
+        token_ids: Token IDs whose KV the body holds; a partial last block is allowed.
+        body_xxh3: xxh3-64 of the body bytes.
+        traceparent: W3C trace context of the transfer, if traced.
+    """
+
+    format_version: int
+    model_fingerprint: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+    hash_scheme: int
+    request_id: str
+    first_block_index: int
+    parent_hash: int
+    block_hashes: list[int]
+    token_ids: list[int]
+    body_xxh3: int
+    traceparent: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose KV the body holds."""
+        return len(self.token_ids)
+
+    @property
+    def first_token_index(self) -> int:
+        """Index, within the request, of the first token in the body."""
+        return self.first_block_index * self.block_size
+
+
+@dataclass(frozen=True)
+class KvFrame:
+    """A validated frame: its header and a zero-copy view of its body.
+
+    Attributes:
+        header: The validated header.
+        kv: Body as ``[layers, 2, tokens, kv_heads, head_dim]`` over the receive buffer.
+    """
+
+    header: KvFrameHeader
+    kv: torch.Tensor
+
+
+@dataclass(frozen=True)
+class FrameExpectation:
+    """What a receiver accepts.
+
+    Attributes:
+        model_fingerprint: Receiver's model fingerprint.
+        layout: Receiver's KV layout (layers, heads, head dim, block size).
+        max_body_bytes: Largest body accepted.
+    """
+
+    model_fingerprint: str
+    layout: KvLayout
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+_header_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(KvFrameHeader)
+
+
+def encode_frame(
+    *, kv: torch.Tensor, model_fingerprint: str, block_size: int, request_id: str,
+    first_block_index: int, parent_hash: int, token_ids: list[int], traceparent: str | None = None,
+) -> list[bytes | memoryview]:
+    """Build one frame as buffers ready for ``writelines`` (the body is not copied).
+
+    Args:
+        kv: ``[layers, 2, tokens, kv_heads, head_dim]``, contiguous, on any device.
+        model_fingerprint: Sender's model fingerprint.
+        block_size: Sender's block size.
+        request_id: Request the KV belongs to.
+        first_block_index: Block index of ``token_ids[0]`` within the request.
+        parent_hash: Chained hash of the block before.
+        token_ids: The tokens whose KV ``kv`` holds.
+        traceparent: Optional W3C trace context.
+
+    Returns:
+        ``[prefix + header, body]``.
+    """
+    num_layers, two, num_tokens, num_kv_heads, head_dim = kv.shape
+    if two != 2 or num_tokens != len(token_ids) or num_tokens == 0:
+        raise ValueError(f"kv shape {tuple(kv.shape)} does not match {len(token_ids)} tokens")
+    body = memoryview(kv.detach().cpu().contiguous().view(torch.uint8).numpy()).cast("B")
+    header = KvFrameHeader(
+        format_version=WIRE_FORMAT_VERSION, model_fingerprint=model_fingerprint,
+        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        dtype=DTYPE_NAMES[kv.dtype], block_size=block_size, hash_scheme=HASH_SCHEME_VERSION,
+        request_id=request_id, first_block_index=first_block_index, parent_hash=parent_hash,
+        block_hashes=hash_blocks(token_ids, block_size, parent_hash), token_ids=list(token_ids),
+        body_xxh3=xxhash.xxh3_64_intdigest(body), traceparent=traceparent,
+    )
+    header_bytes = _header_encoder.encode(header)
+    prefix = PREFIX.pack(MAGIC, WIRE_FORMAT_VERSION, 0, len(header_bytes), body.nbytes)
+    return [prefix + header_bytes, body]
+
+
+def read_prefix(prefix: bytes | memoryview, expect: FrameExpectation) -> tuple[int, int]:
+    """Check a frame's fixed prefix; return ``(header_len, body_len)`` to read next."""
+    if len(prefix) < PREFIX_SIZE:
+        raise TruncatedFrame(f"frame prefix is {len(prefix)} bytes, needs {PREFIX_SIZE}")
+    magic, version, _reserved, header_len, body_len = PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise CorruptFrame(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != WIRE_FORMAT_VERSION:
+        raise IncompatibleFrame(f"wire format version {version}, expected {WIRE_FORMAT_VERSION}")
+    if header_len > MAX_HEADER_BYTES:
+        raise OversizedFrame(f"header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
+    if body_len > expect.max_body_bytes:
+        raise OversizedFrame(f"body of {body_len} bytes exceeds {expect.max_body_bytes}")
+    return header_len, body_len
+
+
+def decode_frame(buffer: bytes | bytearray | memoryview, expect: FrameExpectation) -> KvFrame:
+    """Validate one whole frame and view its body without copying.
+
+    Raises:
+        TruncatedFrame, CorruptFrame, OversizedFrame, IncompatibleFrame: the frame is bad.
+    """
+    view = memoryview(buffer).cast("B")
+    header_len, body_len = read_prefix(view, expect)
+    expected_len = PREFIX_SIZE + header_len + body_len
+    if len(view) < expected_len:
+        raise TruncatedFrame(f"frame is {len(view)} bytes, prefix declares {expected_len}")
+    if len(view) > expected_len:
+        raise CorruptFrame(f"frame has {len(view) - expected_len} trailing bytes")
+    try:
+        header = _header_decoder.decode(view[PREFIX_SIZE:PREFIX_SIZE + header_len])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CorruptFrame(f"undecodable frame header: {exc}") from exc
+    _check_compatible(header, expect)
+    _check_consistent(header, body_len)
+    body = view[PREFIX_SIZE + header_len:]
+    if xxhash.xxh3_64_intdigest(body) != header.body_xxh3:
+        raise CorruptFrame(f"body checksum mismatch for request {header.request_id!r}")
+    dtype = WIRE_DTYPES[header.dtype]
+    # torch.frombuffer shares memory with the receive buffer; a read-only buffer (bytes)
+    # would make later in-place ops undefined, so ask for a writable one.
+    if view.readonly:
+        body = memoryview(bytearray(body))
+    kv = torch.frombuffer(body, dtype=dtype).view(
+        header.num_layers, 2, header.num_tokens, header.num_kv_heads, header.head_dim)
+    return KvFrame(header, kv)
+
+
+def _check_compatible(header: KvFrameHeader, expect: FrameExpectation):
+    layout = expect.layout
+    checks = (
+        ("model_fingerprint", header.model_fingerprint, expect.model_fingerprint),
+        ("num_layers", header.num_layers, layout.num_layers),
+        ("num_kv_heads", header.num_kv_heads, layout.num_kv_heads),
+        ("head_dim", header.head_dim, layout.head_dim),
+        ("block_size", header.block_size, layout.block_size),
+        ("hash_scheme", header.hash_scheme, HASH_SCHEME_VERSION),
+        ("format_version", header.format_version, WIRE_FORMAT_VERSION),
+    )
+    for name, got, want in checks:
+        if got != want:
+            raise IncompatibleFrame(f"frame {name} is {got!r}, receiver expects {want!r}")
+    if header.dtype not in WIRE_DTYPES:
+        raise IncompatibleFrame(f"frame dtype {header.dtype!r} not in {sorted(WIRE_DTYPES)}")
+
+
+def _check_consistent(header: KvFrameHeader, body_len: int):
+    if header.num_tokens == 0:
+        raise CorruptFrame("frame carries no tokens")
+    if header.first_block_index < 0:
+        raise CorruptFrame(f"negative first_block_index {header.first_block_index}")
+    if any(not 0 <= t < 1 << 32 for t in header.token_ids):
+        raise CorruptFrame("token id out of range")
+    itemsize = WIRE_DTYPES[header.dtype].itemsize
+    shape_bytes = (header.num_layers * 2 * header.num_tokens * header.num_kv_heads
+                   * header.head_dim * itemsize)
+    if shape_bytes != body_len:
+        raise CorruptFrame(f"body is {body_len} bytes, header shape needs {shape_bytes}")
+    if hash_blocks(header.token_ids, header.block_size, header.parent_hash) != header.block_hashes:
+        raise CorruptFrame(f"block hash chain does not verify for request {header.request_id!r}")
+
+
+def frame_bytes(parts: list[bytes | memoryview]) -> bytes:
+    """Join a frame's buffers (for files and tests; sockets take the parts as they are)."""
+    return b"".join(parts)
