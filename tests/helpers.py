@@ -1,0 +1,53 @@
+"""Helpers the tests share: the transformers reference and real-text prompts."""
+
+import torch
+
+from shared.model_loader import LoadedModel
+
+_TOPICS = ["the sea", "mountains", "a city at night", "rivers", "old libraries", "trains"]
+
+
+def reference_greedy(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int,
+                     stop_at_eos: bool = False) -> list[int]:
+    """What transformers itself produces with ``generate(do_sample=False)``.
+
+    With ``stop_at_eos`` False, generation runs past end-of-sequence tokens (the engine's
+    ``ignore_eos``), so long outputs can be compared token by token.
+    """
+    inputs = torch.tensor([prompt_ids], device=loaded.device)
+    config = loaded.model.generation_config
+    saved_eos = config.eos_token_id
+    if not stop_at_eos:
+        config.eos_token_id = None
+    try:
+        with torch.inference_mode():
+            output = loaded.model.generate(
+                inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
+                do_sample=False, pad_token_id=loaded.tokenizer.pad_token_id,
+            )
+    finally:
+        config.eos_token_id = saved_eos
+    return output[0, len(prompt_ids):].tolist()
+
+
+def prompt_of_length(loaded: LoadedModel, num_tokens: int, seed: int = 0) -> list[int]:
+    """A chat-formatted prompt of exactly ``num_tokens`` tokens of real text.
+
+    The user message is cut to fit between the template's head and its
+    ``<|im_end|>…<|im_start|>assistant`` tail; prompts shorter than the template are plain text.
+    """
+    tokenizer = loaded.tokenizer
+    body = " ".join(
+        f"Paragraph {i}: describe {_TOPICS[(i + seed) % len(_TOPICS)]} in vivid detail, "
+        f"then list three facts about it and explain why they matter."
+        for i in range(num_tokens // 8 + 4)
+    )
+    body_ids = tokenizer.encode(body, add_special_tokens=False)
+    empty = list(tokenizer.apply_chat_template(
+        [{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=True,
+        return_dict=False))
+    tail = tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    if num_tokens <= len(empty):
+        return body_ids[:num_tokens]
+    head = empty[:len(empty) - len(tail)]
+    return head + body_ids[:num_tokens - len(empty)] + tail

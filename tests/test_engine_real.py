@@ -1,0 +1,72 @@
+"""Exactness with the real SmolLM2-135M (fp32): KV shipping, relay handoff, prefix reuse."""
+
+import pytest
+import torch
+
+from shared.engine.engine import Engine
+from shared.engine.sampling import SamplingParams
+from shared.model_loader import load_model
+from tests.helpers import prompt_of_length, reference_greedy
+from tests.test_engine_exactness import run_to_end, ship
+
+pytestmark = pytest.mark.real_model
+
+PROMPT_LEN = 520
+NEW_TOKENS = 88  # covers the longest relay (64) plus 24 tokens decoded after the handoff
+
+
+@pytest.fixture(scope="module")
+def prompt(smollm2):
+    return prompt_of_length(smollm2, PROMPT_LEN)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2, prompt):
+    return reference_greedy(smollm2, prompt, NEW_TOKENS)
+
+
+def test_long_prompt_shipped_to_separately_loaded_engine(smollm2, prompt, reference):
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    prefill = Engine(smollm2, num_blocks=64)
+    decode = Engine(load_model("smollm2"), num_blocks=64)
+    prefill.add_request("r", prompt, sampling)
+    first = prefill.step()[0].token_id
+    decode.begin_import("r", prompt, sampling)
+    ship(prefill, decode, "r", 0, max_tokens_per_frame=128)
+    prefill.free("r")
+    decode.finish_import("r", [first])
+    assert run_to_end(decode, "r") == reference[:40]
+    assert decode.get("r").num_computed_tokens == 39
+
+
+@pytest.mark.parametrize("num_relay_tokens", [16, 64])
+def test_relay_handoff_by_token_ids(smollm2, prompt, reference, num_relay_tokens):
+    sampling = SamplingParams(max_tokens=num_relay_tokens + 24, ignore_eos=True)
+    relay, main = Engine(smollm2, num_blocks=64), Engine(smollm2, num_blocks=64)
+    relay.add_request("r", prompt, sampling)
+    main.begin_import("r", prompt, sampling)
+    relay.step()
+    ship(relay, main, "r", 0)
+    main.finish_import("r", [])
+    while len(relay.get("r").output_token_ids) < num_relay_tokens:
+        relay.step()
+    relay_seq = relay.get("r")
+    main.extend("r", relay_seq.output_token_ids)
+    assert run_to_end(main, "r") == reference[: sampling.max_tokens]
+    relay_kv = relay.pool.export_tokens(relay_seq.block_ids, relay_seq.num_kv_tokens)
+    main_kv = main.pool.export_tokens(main.get("r").block_ids, relay_seq.num_kv_tokens)
+    torch.testing.assert_close(main_kv, relay_kv, rtol=1e-3, atol=1e-3)
+
+
+def test_multi_turn_prefix_reuse(smollm2, prompt, reference):
+    """A follow-up turn re-sends the first turn and its answer: only the new part is computed."""
+    sampling = SamplingParams(max_tokens=24, ignore_eos=True)
+    engine = Engine(smollm2, num_blocks=96)
+    first_answer = engine.generate("t1", prompt, sampling)
+    assert first_answer == reference[:24]
+    follow_up = prompt + first_answer + smollm2.tokenizer.encode(
+        "<|im_end|>\n<|im_start|>user\nShorter, please.<|im_end|>\n<|im_start|>assistant\n")
+    seq = engine.add_request("t2", follow_up, sampling)
+    assert seq.num_cached_tokens >= PROMPT_LEN // 16 * 16
+    assert run_to_end(engine, "t2") == reference_greedy(smollm2, follow_up, 24)
+    assert seq.num_computed_tokens < len(follow_up) - PROMPT_LEN + 24
