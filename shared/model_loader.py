@@ -115,12 +115,17 @@ def load_model(
 
 def _load_folder(folder: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    # A reload takes about a second; HF's per-tensor progress bar there is only noise.
+    hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model folder {folder}: {exc}") from exc
+    finally:
+        hf_logging.enable_progress_bar()
     return model, tokenizer
 
 

@@ -25,8 +25,9 @@ def run_to_end(engine: Engine, request_id: str) -> list[int]:
 
 def ship(sender: Engine, receiver: Engine, request_id: str, first_token_index: int,
          max_tokens_per_frame: int = 512) -> int:
-    """Export from sender, push the bytes through the wire decoder, import on receiver."""
-    frames = sender.export_frames(request_id, first_token_index,
+    """Export the prompt's KV from sender, through the wire decoder, into receiver."""
+    num_prompt_tokens = sender.get(request_id).num_prompt_tokens
+    frames = sender.export_frames(request_id, first_token_index, num_prompt_tokens,
                                   max_tokens_per_frame=max_tokens_per_frame)
     for parts in frames:
         receiver.import_frame(decode_frame(bytearray(frame_bytes(parts)), receiver.frame_expectation))

@@ -70,3 +70,18 @@ def test_multi_turn_prefix_reuse(smollm2, prompt, reference):
     assert seq.num_cached_tokens >= PROMPT_LEN // 16 * 16
     assert run_to_end(engine, "t2") == reference_greedy(smollm2, follow_up, 24)
     assert seq.num_computed_tokens < len(follow_up) - PROMPT_LEN + 24
+
+
+def test_stops_at_eos_like_transformers(smollm2):
+    prompt = smollm2.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say hello in three words."}], add_generation_prompt=True,
+        tokenize=True, return_dict=False)
+    engine = Engine(smollm2, num_blocks=16)
+    engine.add_request("r", prompt, SamplingParams(max_tokens=64))
+    outputs = []
+    while engine.has_work():
+        outputs.extend(engine.step())
+    tokens = [o.token_id for o in outputs]
+    assert tokens == reference_greedy(smollm2, prompt, 64, stop_at_eos=True)
+    assert tokens[-1] == smollm2.tokenizer.eos_token_id and len(tokens) < 64
+    assert outputs[-1].finish_reason == "stop"

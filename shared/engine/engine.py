@@ -203,25 +203,35 @@ class Engine:
 
     # ----- export ------------------------------------------------------------------------
 
-    def export_frames(self, request_id: str, first_token_index: int = 0, *,
-                      max_tokens_per_frame: int = 512, traceparent: str | None = None):
-        """Encode the request's computed KV from ``first_token_index`` on as wire frames.
+    def export_frames(self, request_id: str, first_token_index: int = 0,
+                      end_token_index: int | None = None, *, max_tokens_per_frame: int = 512,
+                      traceparent: str | None = None):
+        """Encode the request's computed KV for tokens ``[first, end)`` as wire frames.
+
+        Args:
+            request_id: A live request.
+            first_token_index: A block start: where the receiver's cached prefix ends.
+            end_token_index: One past the last token to send; default all computed KV
+                (a prefill instance sends exactly the prompt).
+            max_tokens_per_frame: Frame size bound, rounded down to whole blocks.
+            traceparent: W3C trace context to stamp on each frame.
 
         Returns:
             A list of frames, each a list of buffers for ``writelines``.
         """
         seq = self.get(request_id)
         block_size = self.layout.block_size
-        if first_token_index % block_size or not 0 <= first_token_index < seq.num_kv_tokens:
-            raise ValueError(f"first_token_index {first_token_index} is not a block start "
-                             f"below {seq.num_kv_tokens}")
-        hashes = hash_blocks(seq.token_ids[:seq.num_kv_tokens], block_size)
+        stop = seq.num_kv_tokens if end_token_index is None else end_token_index
+        if first_token_index % block_size or not 0 <= first_token_index < stop <= seq.num_kv_tokens:
+            raise ValueError(f"cannot export tokens [{first_token_index}, {stop}): need a block "
+                             f"start below the end, within {seq.num_kv_tokens} computed tokens")
+        hashes = hash_blocks(seq.token_ids[:stop], block_size)
         blocks_per_frame = max(1, max_tokens_per_frame // block_size)
         frames = []
         for first_block in range(first_token_index // block_size,
-                                 math.ceil(seq.num_kv_tokens / block_size), blocks_per_frame):
+                                 math.ceil(stop / block_size), blocks_per_frame):
             start = first_block * block_size
-            end = min(start + blocks_per_frame * block_size, seq.num_kv_tokens)
+            end = min(start + blocks_per_frame * block_size, stop)
             block_ids = seq.block_ids[first_block:math.ceil(end / block_size)]
             frames.append(encode_frame(
                 kv=self.pool.export_tokens(block_ids, end - start),

@@ -1,0 +1,49 @@
+"""The ``pdd`` console script as a user runs it: a real subprocess."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import reference_greedy
+
+PDD = [str(Path(sys.executable).parent / "pdd")]
+
+
+def run_pdd(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(PDD + list(args), capture_output=True, text=True, timeout=240)
+
+
+def test_generate_prints_the_greedy_answer(tiny):
+    result = run_pdd("generate", "Tell me about the sea.", "--model", "tiny", "--max-tokens", "12")
+    assert result.returncode == 0, result.stderr
+    prompt = list(tiny.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me about the sea."}], add_generation_prompt=True,
+        tokenize=True, return_dict=False))
+    expected = tiny.tokenizer.decode(reference_greedy(tiny, prompt, 12), skip_special_tokens=True)
+    assert result.stdout.rstrip("\n") == expected
+    stats = json.loads(result.stderr.strip().splitlines()[-1])
+    assert stats["prompt_tokens"] == len(prompt) and stats["output_tokens"] == 12
+
+
+def test_generate_reports_bad_model_clearly():
+    result = run_pdd("generate", "hi", "--model", "/no/such/model")
+    assert result.returncode == 2
+    assert "not 'smollm2', 'tiny' or an HF folder" in result.stderr
+
+
+def test_generate_rejects_bad_sampling():
+    result = run_pdd("generate", "hi", "--model", "tiny", "--max-tokens", "0")
+    assert result.returncode == 2
+    assert "max_tokens must be >= 1" in result.stderr
+
+
+def test_bench_engine_quick_prints_every_figure():
+    result = run_pdd("bench", "engine", "--quick")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report["prefill_tok_s"]) == {"256", "1024"}
+    assert set(report["decode_ms_per_step"]) == {"batch_1", "batch_4"}
+    assert set(report["extend_cost_in_decode_steps"]) == {"16", "64", "100"}
+    assert report["kv_transfer"]["export_gb_s"] > 0 and report["kv_transfer"]["import_gb_s"] > 0
+    assert report["decode_throughput_ratio_batch4_vs_batch1"] > 0
