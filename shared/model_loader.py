@@ -176,16 +176,43 @@ def ensure_smollm2_converted() -> Path:
     return target
 
 
-def build_tiny_model():
-    """A random-weight 2-layer Llama with SmolLM2's tokenizer, for fast tests.
+@dataclass(frozen=True)
+class ModelMetadata:
+    """What the router needs to know about a model without loading its weights.
 
-    ``initializer_range=1.0`` makes logits decisive: near-ties between tokens would let
-    harmless float differences flip greedy choices and make exactness tests flaky.
+    Attributes:
+        tokenizer: The model's tokenizer (with chat template).
+        max_context_tokens: Prompt plus output limit.
+        kv_bytes_per_token: KV bytes per token in float32 (for WAN predictions).
     """
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_converted())
-    config = LlamaConfig(
+    tokenizer: object
+    max_context_tokens: int
+    kv_bytes_per_token: int
+
+
+def load_metadata(source: str = SMOLLM2) -> ModelMetadata:
+    """Tokenizer and KV geometry of ``source`` (same sources as ``load_model``)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if source == TINY:
+        tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_converted())
+        config = tiny_config(tokenizer)
+    else:
+        folder = ensure_smollm2_converted() if source == SMOLLM2 else Path(source).expanduser()
+        if not (folder / "config.json").is_file():
+            raise ModelLoadError(f"model source {source!r}: not 'smollm2', 'tiny' or an HF folder")
+        tokenizer, config = AutoTokenizer.from_pretrained(folder), AutoConfig.from_pretrained(folder)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    return ModelMetadata(tokenizer, config.max_position_embeddings, kv_bytes)
+
+
+def tiny_config(tokenizer):
+    """Configuration of the tiny test Llama (vocabulary of SmolLM2's tokenizer)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -200,6 +227,18 @@ def build_tiny_model():
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
+
+
+def build_tiny_model():
+    """A random-weight 2-layer Llama with SmolLM2's tokenizer, for fast tests.
+
+    ``initializer_range=1.0`` makes logits decisive: near-ties between tokens would let
+    harmless float differences flip greedy choices and make exactness tests flaky.
+    """
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2_converted())
+    config = tiny_config(tokenizer)
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(TINY_SEED)
     try:

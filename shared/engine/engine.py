@@ -89,13 +89,14 @@ class Engine:
     # ----- lifecycle of a sequence -------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    sampling: SamplingParams) -> Sequence:
+                    sampling: SamplingParams, seed: int | None = None) -> Sequence:
         """Queue a prompt for prefill, reusing whatever prefix blocks the cache holds.
 
         The block holding the last prompt token is never taken from the cache: the model
-        must compute at least one token to produce the next-token logits.
+        must compute at least one token to produce the next-token logits. ``seed``
+        overrides ``sampling.seed`` (instances of one request share the router's seed).
         """
-        seq = self._new_sequence(request_id, prompt_token_ids, sampling)
+        seq = self._new_sequence(request_id, prompt_token_ids, sampling, seed)
         hashes = hash_blocks(prompt_token_ids[:-1], self.layout.block_size)
         hit = self.prefix_cache.match(hashes)
         self.blocks.acquire(hit)
@@ -152,7 +153,7 @@ class Engine:
         seq.num_imported_tokens += header.num_tokens
         self._cache_full_blocks(seq)
 
-    def finish_import(self, request_id: str, token_ids: list[int]):
+    def finish_import(self, request_id: str, token_ids: list[int]) -> Sequence:
         """End an import and make the sequence runnable.
 
         Args:
@@ -161,20 +162,34 @@ class Engine:
                 prefill sampled, or a relay's tokens). Empty parks the sequence until
                 ``extend`` hands it tokens. Prompt tokens not covered by frames are
                 recomputed here.
+
+        Returns:
+            The sequence; already FINISHED if ``token_ids`` end the request (EOS, stop
+            string, max tokens), in which case nothing more is computed.
         """
         seq = self._get(request_id, SequenceStatus.IMPORTING)
-        self._append_outputs(seq, token_ids)
         seq.status = SequenceStatus.RUNNING
+        self._append_outputs(seq, token_ids)
+        return seq
 
-    def extend(self, request_id: str, token_ids: list[int]):
+    def extend(self, request_id: str, token_ids: list[int]) -> Sequence:
         """Hand a running, idle sequence tokens produced elsewhere; the next step computes
-        their KV in one pass and samples the token after them."""
+        their KV in one pass and samples the token after them (unless they end the request)."""
         seq = self._get(request_id, SequenceStatus.RUNNING)
         if seq.num_pending_tokens:
             raise InvalidRequestState(f"request {request_id!r} still has pending tokens")
         if not token_ids:
             raise ValueError("extend needs at least one token")
         self._append_outputs(seq, token_ids)
+        return seq
+
+    def pause(self, request_id: str):
+        """Stop scheduling a running sequence (e.g. while a handoff is in flight)."""
+        self._get(request_id, SequenceStatus.RUNNING).status = SequenceStatus.PAUSED
+
+    def resume(self, request_id: str):
+        """Schedule a paused sequence again."""
+        self._get(request_id, SequenceStatus.PAUSED).status = SequenceStatus.RUNNING
 
     def free(self, request_id: str) -> Sequence:
         """Forget a sequence and release its blocks (cached ones stay reusable)."""
@@ -191,6 +206,10 @@ class Engine:
         if seq is None:
             raise UnknownRequest(f"unknown request {request_id!r}")
         return seq
+
+    def holds(self, request_id: str) -> bool:
+        """Whether ``request_id`` is a live sequence here."""
+        return request_id in self._sequences
 
     def has_work(self) -> bool:
         """Whether a step would compute anything."""
@@ -364,6 +383,9 @@ class Engine:
         if len(seq.output_token_ids) + len(token_ids) > seq.sampling.max_tokens:
             raise InvalidRequestState(f"request {seq.request_id!r} would exceed max_tokens")
         seq.token_ids.extend(token_ids)
+        reason = self._finish_reason(seq, token_ids[-1]) if token_ids else None
+        if reason:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def _get(self, request_id: str, status: SequenceStatus) -> Sequence:
         seq = self.get(request_id)

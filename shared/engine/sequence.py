@@ -11,6 +11,7 @@ class SequenceStatus(enum.Enum):
 
     IMPORTING = "importing"  # KV frames are landing; not schedulable yet
     RUNNING = "running"      # schedulable whenever it has tokens without KV
+    PAUSED = "paused"        # holds its KV but is not scheduled (handoff in flight)
     FINISHED = "finished"    # stopped (EOS, length, stop string or error); blocks still held until freed
 
 

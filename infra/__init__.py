@@ -1,0 +1,1 @@
+"""Deployment infrastructure: the WAN link emulator, NATS server configs, the launcher."""

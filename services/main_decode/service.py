@@ -1,0 +1,107 @@
+"""Main decode (MD, site B): the decode-strong side where every request ends.
+
+It receives prompt KV over the WAN into its decode-side prefix cache (only the blocks it
+lacks cross the link), announces ``KvReady``, and then either decodes at once (P→MD: the
+prefill's first token came with the KV) or waits for the relay's handoff (P→RLD→MD): token
+IDs it absorbs in one extend pass between decode steps of its running batch.
+"""
+
+import asyncio
+
+from opentelemetry import trace
+
+from shared import subjects
+from shared.bulk.kv_importer import ImportState
+from shared.bulk.receiver import FlowStats
+from shared.config import BulkReceiverConfig
+from shared.decode_service import DecodeService
+from shared.engine.engine import StepOutput
+from shared.engine.sequence import Sequence, SequenceStatus
+from shared.errors import PddError
+from shared.messages import HandoffAccepted, HandoffTokens, KvReady, RequestFailed, decoder, encode
+from shared.metrics import HANDOFFS
+from shared.tracing import context_from, tracer
+
+_handoff_decoder = decoder(HandoffTokens)
+_tracer = tracer("pdd.main_decode")
+
+
+class MainDecodeService(DecodeService):
+    """The main decode actor."""
+
+    service_name = "main_decode"
+    producer = "MD"
+    bulk_path = "wan"
+
+    def __init__(self, config: BulkReceiverConfig, loaded=None):
+        super().__init__(config, loaded)
+        self._traceparents: dict[str, str | None] = {}
+        self._recompute_spans: dict[str, trace.Span] = {}
+        self._handoff_chunks: dict[str, int] = {}
+
+    async def on_start(self):
+        await super().on_start()
+        await self.nc.subscribe(subjects.instance_work(
+            self.config.site, self.service_name, self.instance_id, subjects.HANDOFF),
+            cb=self._on_handoff_msg)
+
+    async def _on_import_complete(self, state: ImportState, seq: Sequence, stats: FlowStats):
+        rid = seq.request_id
+        await self.publish(subjects.request_events(rid), KvReady(
+            request_id=rid, instance_id=self.instance_id, site=self.config.site,
+            cached_tokens=state.cached_tokens, imported_tokens=seq.num_imported_tokens,
+            wan_kv_bytes=stats.bytes_received, transfer_s=stats.transfer_s))
+        self._traceparents[rid] = state.flow_open.traceparent
+        if seq.output_token_ids:
+            self.start_span(rid, "main.decode", state.flow_open.traceparent, pipeline="P-MD")
+        await super()._on_import_complete(state, seq, stats)
+
+    async def _on_handoff_msg(self, msg):
+        asyncio.create_task(self._accept_handoff(msg))
+
+    async def _accept_handoff(self, msg):
+        handoff = _handoff_decoder.decode(msg.data)
+        rid = handoff.request_id
+        parent = context_from(headers=msg.headers)
+        try:
+            seq = await self.worker.call(self.engine.extend, rid, handoff.token_ids)
+        except PddError as exc:
+            self.log.warning("handoff_refused", request_id=rid, error=str(exc))
+            await msg.respond(encode(RequestFailed(request_id=rid, instance_id=self.instance_id,
+                                                   code=exc.code, message=str(exc))))
+            return
+        chunk = self._handoff_chunks.get(rid, 0) + 1
+        self._handoff_chunks[rid] = chunk
+        accepted = HandoffAccepted(request_id=rid, instance_id=self.instance_id,
+                                   next_index=len(seq.output_token_ids), chunk=chunk)
+        await msg.respond(encode(accepted))
+        await self.publish(subjects.request_events(rid), accepted)
+        HANDOFFS.labels("one-shot" if handoff.final else "catch-up").inc()
+        self.log.info("handoff_accepted", request_id=rid, tokens=len(handoff.token_ids), chunk=chunk)
+        if seq.status is SequenceStatus.FINISHED:
+            await self.worker.call(self._free_if_live, rid)
+            return
+        self._recompute_spans[rid] = _tracer.start_span(
+            "main.recompute", context=parent,
+            attributes={"request_id": rid, "tokens": len(handoff.token_ids), "chunk": chunk})
+        if rid not in self.spans:
+            self.start_span(rid, "main.decode", self._traceparents.get(rid), pipeline="P-RLD-MD")
+        self.loop.wake()
+
+    async def _on_outputs(self, outputs: list[StepOutput]):
+        for out in outputs:
+            span = self._recompute_spans.pop(out.request_id, None)
+            if span is not None:
+                span.end()
+        await super()._on_outputs(outputs)
+
+    async def on_finished(self, out: StepOutput):
+        self._traceparents.pop(out.request_id, None)
+        self._handoff_chunks.pop(out.request_id, None)
+
+    async def on_cancel(self, cancel):
+        self._traceparents.pop(cancel.request_id, None)
+        span = self._recompute_spans.pop(cancel.request_id, None)
+        if span is not None:
+            span.end()
+        await super().on_cancel(cancel)

@@ -1,0 +1,209 @@
+"""Prefill (P, site A): computes prompt KV, samples the first token, ships KV on both paths.
+
+For each ``StartPrefill`` it opens the KV flows first (to main decode over the WAN, and to
+relay decode over the local path for P→RLD→MD) so their handshakes overlap the compute;
+then it prefills (batched with other requests by the engine loop), exports the blocks each
+receiver lacks, frees its sequence (the blocks stay in its own prefix cache) and streams
+the frames on both paths at once. The first token travels with the KV: the decoder that
+continues the stream emits it.
+"""
+
+import asyncio
+import time
+
+import msgspec
+import nats
+from opentelemetry import trace
+
+from shared import subjects
+from shared.bulk.sender import BulkFlow, open_flow
+from shared.config import PrefillConfig
+from shared.engine.engine import StepOutput
+from shared.engine_loop import EngineLoop
+from shared.engine_service import EngineService
+from shared.errors import PddError
+from shared.messages import (
+    CancelRequest,
+    FlowOpen,
+    InstanceRef,
+    PrefillCompleted,
+    RequestFailed,
+    StartPrefill,
+    decoder,
+    encode,
+)
+from shared.tracing import context_from, current_traceparent, tracer
+
+_start_decoder = decoder(StartPrefill)
+_tracer = tracer("pdd.prefill")
+
+
+class PrefillService(EngineService):
+    """The prefill actor."""
+
+    service_name = "prefill"
+
+    def __init__(self, config: PrefillConfig, loaded=None):
+        super().__init__(config, loaded)
+        self.config: PrefillConfig = config
+        self._first_tokens: dict[str, asyncio.Future] = {}
+        self._active: dict[str, asyncio.Task] = {}
+        self._loop: EngineLoop | None = None
+
+    async def on_start(self):
+        self._loop = EngineLoop(self.worker, self._on_outputs)
+        self._loop.start()
+        site = self.config.site
+        await self.nc.subscribe(subjects.instance_work(site, self.service_name, self.instance_id,
+                                                       subjects.START_PREFILL), cb=self._on_start_msg)
+        await self.nc.subscribe(subjects.shared_work(site, self.service_name, subjects.START_PREFILL),
+                                queue=f"{self.service_name}-{site}", cb=self._on_start_msg)
+
+    async def on_stop(self):
+        # Finish what was accepted; refuse nothing silently (subscriptions drain with NATS).
+        await asyncio.gather(*self._active.values(), return_exceptions=True)
+        await self._loop.stop()
+
+    async def on_cancel(self, cancel: CancelRequest):
+        task = self._active.get(cancel.request_id)
+        if task and cancel.kind != "finished":
+            self.log.info("prefill_cancelled", request_id=cancel.request_id, reason=cancel.reason)
+            task.cancel()
+
+    async def _on_start_msg(self, msg):
+        # NATS runs one callback at a time per subscription: hand the request to a task.
+        cmd = _start_decoder.decode(msg.data)
+        task = asyncio.create_task(self._serve(cmd, msg))
+        self._active[cmd.request_id] = task
+        task.add_done_callback(lambda _: self._active.pop(cmd.request_id, None))
+
+    async def _serve(self, cmd: StartPrefill, msg):
+        log = self.log.bind(request_id=cmd.request_id, pipeline=cmd.pipeline)
+        try:
+            reply = await self._prefill(cmd, context_from(headers=msg.headers))
+            log.info("prefill_done", wan_bytes=reply.bytes_per_path.get("wan", 0),
+                     local_bytes=reply.bytes_per_path.get("local", 0), cached_tokens=reply.cached_tokens)
+        except asyncio.CancelledError:
+            reply = RequestFailed(request_id=cmd.request_id, instance_id=self.instance_id,
+                                  code="cancelled", message="request cancelled")
+        except (PddError, ConnectionError, asyncio.TimeoutError, OSError) as exc:
+            code = getattr(exc, "code", "bulk_unreachable" if not isinstance(exc, asyncio.TimeoutError) else "timeout")
+            log.warning("prefill_failed", code=code, error=str(exc) or type(exc).__name__)
+            reply = RequestFailed(request_id=cmd.request_id, instance_id=self.instance_id, code=code,
+                                  message=str(exc) or type(exc).__name__, retryable=True)
+        try:
+            await msg.respond(encode(reply))
+        except nats.errors.Error:
+            pass
+
+    async def _prefill(self, cmd: StartPrefill, parent) -> PrefillCompleted:
+        rid = cmd.request_id
+        paths = [("wan", cmd.main_decode, "main_decode")]
+        if cmd.pipeline == "P-RLD-MD" and cmd.relay_decode is not None:
+            paths.append(("local", cmd.relay_decode, "relay_decode"))
+        spans = {path: _tracer.start_span(f"kv.transfer.{path}", context=parent,
+                                          attributes={"request_id": rid, "path": path})
+                 for path, _, _ in paths}
+        opens = {path: asyncio.create_task(self._open(cmd, spans[path], path, target, role))
+                 for path, target, role in paths}
+        flows: dict[str, BulkFlow] = {}
+        try:
+            with _tracer.start_as_current_span("prefill.compute", context=parent,
+                                               attributes={"request_id": rid}) as span:
+                started = time.perf_counter()
+                first_token, cached_tokens = await self._compute_first_token(cmd)
+                compute_s = time.perf_counter() - started
+                span.set_attribute("cached_tokens", cached_tokens)
+            for path, task in opens.items():
+                flows[path] = await task
+            frames = await self._export(rid, len(cmd.token_ids), flows)
+            sent = await asyncio.gather(*(
+                self._send(flows[path], spans[path], frames[flows[path].first_token_index],
+                           self._end_tokens(cmd, role, first_token))
+                for path, _, role in paths))
+        except BaseException:
+            for task in opens.values():
+                task.cancel()
+            await asyncio.gather(*(f.cancel("prefill failed or cancelled") for f in flows.values()),
+                                 return_exceptions=True)
+            await self.worker.call(self._free_if_live, rid)
+            raise
+        finally:
+            for span in spans.values():
+                span.end()
+        return PrefillCompleted(
+            request_id=rid, instance_id=self.instance_id, first_token=first_token,
+            prompt_tokens=len(cmd.token_ids), cached_tokens=cached_tokens, compute_s=compute_s,
+            bytes_per_path={path: n for (path, _, _), n in zip(paths, sent)})
+
+    async def _compute_first_token(self, cmd: StartPrefill) -> tuple[int, int]:
+        future = asyncio.get_running_loop().create_future()
+        self._first_tokens[cmd.request_id] = future
+        # The prefill samples exactly one token, with the request's own seed and parameters.
+        sampling = msgspec.structs.replace(cmd.sampling, max_tokens=1)
+        seq = await self.worker.call(self.engine.add_request, cmd.request_id, cmd.token_ids,
+                                     sampling, cmd.seed)
+        self._loop.wake()
+        try:
+            timeout = max(0.1, cmd.deadline_unix_s - time.time())
+            first_token = await asyncio.wait_for(future, timeout)
+        finally:
+            self._first_tokens.pop(cmd.request_id, None)
+        return first_token, seq.num_cached_tokens
+
+    async def _open(self, cmd: StartPrefill, span, path: str, target: InstanceRef,
+                    role: str) -> BulkFlow:
+        with trace.use_span(span, end_on_exit=False):
+            flow_open = FlowOpen(
+                request_id=cmd.request_id, attempt=cmd.attempt, role=role, token_ids=cmd.token_ids,
+                sampling=cmd.sampling, seed=cmd.seed, traceparent=current_traceparent(),
+                relay_instance_id=cmd.relay_decode.instance_id if cmd.relay_decode else None,
+                sender_id=self.instance_id, unix_s=0.0, nonce="")
+            return await open_flow(target.bulk_endpoint, flow_open, self.config.bulk_secret,
+                                   path=path, timeout_s=self.config.connect_timeout_s)
+
+    async def _export(self, request_id: str, num_prompt_tokens: int,
+                      flows: dict[str, BulkFlow]) -> dict[int, list]:
+        """Frames per distinct start index (a receiver's cached prefix), then free the sequence."""
+        frames = {}
+        for flow in flows.values():
+            start = flow.first_token_index
+            if start not in frames:
+                frames[start] = [] if start >= num_prompt_tokens else await self.worker.call(
+                    self.engine.export_frames, request_id, start, num_prompt_tokens,
+                    max_tokens_per_frame=self.config.frame_tokens, traceparent=current_traceparent())
+        await self.worker.call(self.engine.free, request_id)
+        return frames
+
+    async def _send(self, flow: BulkFlow, span, frames: list, end_tokens: list[int]) -> int:
+        with trace.use_span(span, end_on_exit=False):
+            async def stream():
+                for parts in frames:
+                    await flow.send_frame(parts)
+                await flow.end(end_tokens)
+
+            await asyncio.wait_for(stream(), self.config.send_timeout_s)
+            span.set_attribute("kv_bytes", flow.bytes_sent)
+            span.set_attribute("first_token_index", flow.first_token_index)
+            return flow.bytes_sent
+
+    @staticmethod
+    def _end_tokens(cmd: StartPrefill, role: str, first_token: int) -> list[int]:
+        # A main decoder behind a relay waits for the relay's handoff instead.
+        if role == "main_decode" and cmd.pipeline == "P-RLD-MD":
+            return []
+        return [first_token]
+
+    async def _on_outputs(self, outputs: list[StepOutput]):
+        for out in outputs:
+            future = self._first_tokens.get(out.request_id)
+            if future is None or future.done():
+                continue
+            if out.error:
+                future.set_exception(PddError(out.error))
+            else:
+                future.set_result(out.token_id)
+
+    def _free_if_live(self, request_id: str):
+        if self.engine.holds(request_id):
+            self.engine.free(request_id)

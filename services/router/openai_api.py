@@ -1,0 +1,176 @@
+"""The OpenAI-compatible surface: request validation and response shapes.
+
+Accepts what common clients send (the official ``openai`` client, aiperf, guidellm):
+``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
+``stream``, ``stream_options.include_usage``, ``ignore_eos``. Errors use OpenAI's error
+object with a fitting HTTP status.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.engine.sampling import MAX_STOP_STRINGS, SamplingParams
+
+
+class ApiError(Exception):
+    """An error answered to the client in OpenAI's format."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        """The JSON error object."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass
+class ParsedRequest:
+    """A validated completion or chat request.
+
+    Attributes:
+        chat: True for ``/v1/chat/completions``.
+        model: The model name the client asked for.
+        prompt_token_ids: The tokenized prompt (chat template applied for chat).
+        sampling: Sampling and stopping parameters.
+        stream: Server-sent events instead of one JSON body.
+        include_usage: Send a usage chunk at the end of a stream.
+    """
+
+    chat: bool
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _number(body: dict, name: str, kind, default, low=None, high=None, low_open=False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise ApiError(400, f"'{name}' must be {'a number' if kind is float else 'an integer'}", param=name)
+    if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
+        bounds = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high is not None else "")
+        raise ApiError(400, f"'{name}' must be {bounds}, got {value}", param=name)
+    return kind(value)
+
+
+def parse_sampling(body: dict, default_max_tokens: int) -> SamplingParams:
+    """Sampling parameters from an OpenAI request body, validated."""
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _number({name: max_tokens}, name, int, default_max_tokens, low=1)
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stop = tuple(stop)
+    else:
+        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
+    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+        raise ApiError(400, f"'stop' takes up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "only n=1 is supported", param="n")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, "'ignore_eos' must be a boolean", param="ignore_eos")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(400, "'seed' must be an integer", param="seed")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", float, 1.0, low=0, high=2),
+        top_p=_number(body, "top_p", float, 1.0, low=0, high=1, low_open=True),
+        seed=seed, stop=stop, ignore_eos=ignore_eos)
+
+
+def chat_messages(body: dict) -> list[dict[str, str]]:
+    """The ``messages`` array, validated and flattened to text content."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty array", param="messages")
+    flat = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool", "developer"):
+            raise ApiError(400, f"messages[{i}] needs a role of system, user, assistant, tool or developer", param="messages")
+        content = message.get("content", "")
+        if isinstance(content, list):
+            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
+        role = "system" if message["role"] == "developer" else message["role"]
+        flat.append({"role": role, "content": content})
+    return flat
+
+
+def stream_flags(body: dict) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options.include_usage``."""
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+    return stream, bool(options.get("include_usage", False)) and stream
+
+
+def completion_body(req: ParsedRequest, request_id: str, text: str, finish_reason: str,
+                    num_output_tokens: int, pdd: dict[str, Any]) -> dict:
+    """The non-streaming response."""
+    usage = usage_of(req, num_output_tokens)
+    if req.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": request_id, "object": obj, "created": req.created, "model": req.model,
+            "choices": [choice], "usage": usage, "pdd": pdd}
+
+
+def chunk_body(req: ParsedRequest, request_id: str, delta_text: str | None,
+               finish_reason: str | None = None, *, first: bool = False,
+               pdd: dict | None = None) -> dict:
+    """One streaming chunk (``delta_text`` None with a finish reason for the last one)."""
+    if req.chat:
+        delta: dict[str, Any] = {}
+        if first:
+            delta["role"] = "assistant"
+        if delta_text:
+            delta["content"] = delta_text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    body = {"id": request_id, "object": obj, "created": req.created, "model": req.model,
+            "choices": [choice]}
+    if pdd is not None:
+        body["pdd"] = pdd
+    return body
+
+
+def usage_chunk(req: ParsedRequest, request_id: str, num_output_tokens: int) -> dict:
+    """The final ``include_usage`` chunk (no choices)."""
+    obj = "chat.completion.chunk" if req.chat else "text_completion"
+    return {"id": request_id, "object": obj, "created": req.created, "model": req.model,
+            "choices": [], "usage": usage_of(req, num_output_tokens)}
+
+
+def usage_of(req: ParsedRequest, num_output_tokens: int) -> dict:
+    """OpenAI usage counts."""
+    prompt = len(req.prompt_token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": num_output_tokens,
+            "total_tokens": prompt + num_output_tokens}

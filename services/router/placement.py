@@ -1,0 +1,93 @@
+"""Where a request runs: prefill and main-decode instances, and the pipeline.
+
+P→RLD→MD when the WAN transfer of the blocks the chosen main decoder lacks is predicted to
+exceed the TTFT target (bytes / bandwidth + RTT); P→MD otherwise. P→RLD alone is never a
+choice. Among instances, the larger prefix hit wins, then the lighter load.
+"""
+
+from dataclasses import dataclass
+
+from services.router.registry import InstanceRegistry, InstanceState
+from shared.errors import PddError
+from shared.messages import InstanceRef, Pipeline
+
+
+class NoInstances(PddError):
+    """A service the request needs has no live instance."""
+
+    code = "no_instances"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The routing decision for one request and its inputs.
+
+    Attributes:
+        pipeline: ``P-MD`` or ``P-RLD-MD``.
+        prefill: Chosen prefill instance.
+        main_decode: Chosen main decode instance.
+        relay_decode: Chosen relay, for ``P-RLD-MD``.
+        md_cached_blocks: Leading prompt blocks the main decoder holds (cache-index).
+        missing_kv_bytes: KV bytes predicted to cross the WAN.
+        predicted_wan_s: Their predicted transfer time.
+    """
+
+    pipeline: Pipeline
+    prefill: InstanceRef
+    main_decode: InstanceRef
+    relay_decode: InstanceRef | None
+    md_cached_blocks: int
+    missing_kv_bytes: int
+    predicted_wan_s: float
+
+
+@dataclass(frozen=True)
+class WanEstimate:
+    """What the router believes about the link.
+
+    Attributes:
+        bandwidth_bps: Bits per second.
+        rtt_s: Round trip in seconds.
+    """
+
+    bandwidth_bps: float
+    rtt_s: float
+
+    def transfer_s(self, num_bytes: int) -> float:
+        """Predicted time to ship ``num_bytes`` (plus one round trip for the handshake)."""
+        return num_bytes * 8 / self.bandwidth_bps + self.rtt_s
+
+
+def _pick(candidates: list[InstanceState], hits: dict[str, int]) -> InstanceState:
+    return max(candidates, key=lambda s: (
+        hits.get(s.report.instance.instance_id, 0),
+        -(s.report.active_sequences + s.assigned),
+        -candidates.index(s)))
+
+
+def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens: int,
+          block_size: int, kv_bytes_per_token: int, wan: WanEstimate,
+          ttft_target_s: float) -> Placement:
+    """Choose instances and pipeline for a prompt.
+
+    Raises:
+        NoInstances: no live prefill or main decode instance.
+    """
+    prefills, mains = registry.live("prefill"), registry.live("main_decode")
+    if not prefills or not mains:
+        raise NoInstances("no live " + ("prefill" if not prefills else "main_decode") + " instance")
+    prefill, main = _pick(prefills, hits), _pick(mains, hits)
+    cached_blocks = hits.get(main.report.instance.instance_id, 0)
+    missing_tokens = max(0, num_prompt_tokens - cached_blocks * block_size)
+    missing_bytes = missing_tokens * kv_bytes_per_token
+    predicted_s = wan.transfer_s(missing_bytes)
+    relays = registry.live("relay_decode")
+    relay = None
+    if predicted_s > ttft_target_s and relays:
+        relay = min(relays, key=lambda s: s.report.active_sequences + s.assigned)
+    return Placement(
+        pipeline="P-RLD-MD" if relay else "P-MD",
+        prefill=prefill.report.instance, main_decode=main.report.instance,
+        relay_decode=relay.report.instance if relay else None,
+        md_cached_blocks=cached_blocks, missing_kv_bytes=missing_bytes,
+        predicted_wan_s=predicted_s)

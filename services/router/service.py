@@ -1,0 +1,276 @@
+"""Router (site A): the OpenAI-compatible HTTP front door of the whole deployment.
+
+Tokenizes (chat template for chat), asks the cache-index how many leading blocks each
+instance holds, places the request (prefill, main decode, pipeline), dispatches it and
+streams the ordered tokens back as SSE or one JSON body with a ``pdd`` extension object.
+"""
+
+import asyncio
+import json
+import time
+
+import nats
+import structlog
+from aiohttp import web
+from opentelemetry import trace
+
+from services.router import openai_api
+from services.router.detokenizer import Detokenizer
+from services.router.openai_api import ApiError, ParsedRequest
+from services.router.placement import NoInstances, WanEstimate, place
+from services.router.registry import InstanceRegistry
+from services.router.request_flow import RequestFlow, UpstreamFailed, UpstreamTimeout, new_request_id
+from shared import subjects
+from shared.block_hash import HASH_SCHEME_VERSION, hash_blocks
+from shared.config import RouterConfig
+from shared.messages import OverlapQuery, OverlapReply, decoder, encode
+from shared.metrics import PIPELINE_CHOICES, REQUESTS, TTFT_SECONDS, exposition
+from shared.model_loader import ModelMetadata, load_metadata
+from shared.service import Service
+from shared.tracing import tracer
+
+_overlap_decoder = decoder(OverlapReply)
+_tracer = tracer("pdd.router")
+OVERLAP_TIMEOUT_S = 0.25
+
+
+class RouterService(Service):
+    """The router actor: HTTP in, NATS out."""
+
+    service_name = "router"
+
+    def __init__(self, config: RouterConfig, metadata: ModelMetadata | None = None):
+        super().__init__(config)
+        self.config: RouterConfig = config
+        self.metadata = metadata
+        self.registry = InstanceRegistry(config.instance_ttl_s)
+        self.port = config.http_port
+        self._runner: web.AppRunner | None = None
+        self._in_flight: set[asyncio.Task] = set()
+        self._draining = False
+
+    async def on_start(self):
+        if self.metadata is None:
+            self.metadata = await asyncio.get_running_loop().run_in_executor(
+                None, load_metadata, self.config.model)
+        await self.nc.subscribe(subjects.LOAD_ALL, cb=self.registry.on_message)
+        app = web.Application(client_max_size=64 << 20)
+        app.add_routes([
+            web.get("/v1/models", self._models), web.get("/health", self._health),
+            web.get("/metrics", self._metrics),
+            web.post("/v1/completions", self._completions),
+            web.post("/v1/chat/completions", self._chat_completions),
+        ])
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.http_host, self.config.http_port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        self.log.info("router_listening", url=f"http://{self.config.http_host}:{self.port}/v1")
+
+    async def on_stop(self):
+        self._draining = True
+        if self._in_flight:
+            await asyncio.wait(self._in_flight, timeout=30)
+        if self._runner:
+            await self._runner.cleanup()
+
+    # --- plain endpoints ----------------------------------------------------------------
+
+    async def _models(self, request):
+        return web.json_response({"object": "list", "data": [{
+            "id": self.config.served_model_name, "object": "model", "created": 0, "owned_by": "pdd"}]})
+
+    async def _health(self, request):
+        live = self.registry.summary()
+        healthy = bool(live["prefill"] and live["main_decode"]) and not self._draining
+        return web.json_response({"status": "ok" if healthy else "unavailable", "instances": live},
+                                 status=200 if healthy else 503)
+
+    async def _metrics(self, request):
+        body, content_type = exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    # --- completions --------------------------------------------------------------------
+
+    async def _completions(self, request):
+        return await self._serve(request, chat=False)
+
+    async def _chat_completions(self, request):
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool):
+        task = asyncio.current_task()
+        self._in_flight.add(task)
+        try:
+            if self._draining:
+                raise ApiError(503, "router is shutting down", type="server_error", code="unavailable")
+            parsed = self._parse(await self._json_body(request), chat)
+            return await self._run(request, parsed)
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        finally:
+            self._in_flight.discard(task)
+
+    async def _json_body(self, request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        return body
+
+    def _parse(self, body: dict, chat: bool) -> ParsedRequest:
+        model = body.get("model")
+        if model != self.config.served_model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves "
+                                f"{self.config.served_model_name!r}", param="model", code="model_not_found")
+        sampling = openai_api.parse_sampling(body, self.config.default_max_tokens)
+        stream, include_usage = openai_api.stream_flags(body)
+        tokenizer = self.metadata.tokenizer
+        if chat:
+            prompt = list(tokenizer.apply_chat_template(
+                openai_api.chat_messages(body), add_generation_prompt=True, tokenize=True,
+                return_dict=False))
+        else:
+            prompt = self._completion_prompt(body.get("prompt"))
+        limit = self.metadata.max_context_tokens
+        if len(prompt) + sampling.max_tokens > limit:
+            raise ApiError(400, f"prompt ({len(prompt)} tokens) plus max_tokens ({sampling.max_tokens}) "
+                                f"exceeds the model's context of {limit} tokens",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
+        return ParsedRequest(chat=chat, model=model, prompt_token_ids=prompt, sampling=sampling,
+                             stream=stream, include_usage=include_usage)
+
+    def _completion_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            return self.metadata.tokenizer.encode(prompt, add_special_tokens=False)
+        vocab = len(self.metadata.tokenizer)
+        if isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+            return prompt
+        raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids", param="prompt")
+
+    async def _run(self, request: web.Request, req: ParsedRequest):
+        started = time.perf_counter()
+        request_id = new_request_id()
+        log = self.log.bind(request_id=request_id)
+        with _tracer.start_as_current_span("router.route", attributes={
+                "request_id": request_id, "prompt_tokens": len(req.prompt_token_ids)}) as span:
+            placement = await self._place(req)
+            span.set_attributes({"pipeline": placement.pipeline,
+                                 "md_cached_blocks": placement.md_cached_blocks,
+                                 "predicted_wan_s": placement.predicted_wan_s})
+            PIPELINE_CHOICES.labels(placement.pipeline).inc()
+            log.info("request_routed", pipeline=placement.pipeline, prompt_tokens=len(req.prompt_token_ids),
+                     md_cached_blocks=placement.md_cached_blocks,
+                     predicted_wan_ms=round(placement.predicted_wan_s * 1000, 1),
+                     main_decode=placement.main_decode.instance_id)
+            flow = RequestFlow(
+                self.nc, self.registry, request_id=request_id, prompt_token_ids=req.prompt_token_ids,
+                sampling=req.sampling, placement=placement, block_size=self.config.block_size,
+                first_token_timeout_s=self.config.first_token_timeout_s,
+                token_timeout_s=self.config.token_timeout_s, started=started)
+            self._assign(placement, +1)
+            try:
+                if req.stream:
+                    return await self._stream(request, req, flow)
+                return await self._collect(req, flow)
+            finally:
+                self._assign(placement, -1)
+                outcome = flow.outcome
+                span.set_attributes({"finished_on": outcome.finished_on or "",
+                                     "eager_tokens": outcome.eager_tokens})
+                log.info("request_done", pipeline=outcome.pipeline, finished_on=outcome.finished_on,
+                         output_tokens=outcome.output_tokens, ttft_ms=outcome.ttft_ms,
+                         eager_tokens=outcome.eager_tokens, wan_kv_bytes=outcome.wan_kv_bytes)
+
+    def _assign(self, placement, delta: int):
+        for ref in (placement.prefill, placement.main_decode, placement.relay_decode):
+            state = self.registry.get(ref.instance_id) if ref else None
+            if state:
+                state.assigned += delta
+
+    async def _place(self, req: ParsedRequest):
+        hashes = hash_blocks(req.prompt_token_ids, self.config.block_size)
+        with _tracer.start_as_current_span("router.cache_index.query", attributes={"blocks": len(hashes)}):
+            hits = await self._overlap(hashes)
+        kv_bytes = self.config.kv_bytes_per_token or self.metadata.kv_bytes_per_token
+        try:
+            return place(self.registry, hits, num_prompt_tokens=len(req.prompt_token_ids),
+                         block_size=self.config.block_size, kv_bytes_per_token=kv_bytes,
+                         wan=WanEstimate(self.config.wan_bandwidth_mbit * 1e6, self.config.wan_rtt_ms / 1000),
+                         ttft_target_s=self.config.ttft_target_ms / 1000)
+        except NoInstances as exc:
+            raise ApiError(503, str(exc), type="server_error", code="no_instances") from None
+
+    async def _overlap(self, hashes: list[int]) -> dict[str, int]:
+        if not hashes:
+            return {}
+        subject = subjects.shared_work(self.config.site, "cache_index", subjects.OVERLAP)
+        try:
+            reply = await self.nc.request(subject, encode(OverlapQuery(
+                block_hashes=hashes, hash_scheme=HASH_SCHEME_VERSION)), timeout=OVERLAP_TIMEOUT_S)
+            return _overlap_decoder.decode(reply.data).hit_blocks
+        except (nats.errors.Error, asyncio.TimeoutError):
+            self.log.warning("cache_index_unavailable")
+            return {}
+
+    async def _collect(self, req: ParsedRequest, flow: RequestFlow):
+        detok = Detokenizer(self.metadata.tokenizer, req.sampling.stop)
+        try:
+            async for batch in flow.tokens():
+                detok.add(batch)
+        except (UpstreamFailed, UpstreamTimeout) as exc:
+            self._count(flow, "error")
+            raise self._upstream_error(exc) from None
+        self._count(flow, "ok")
+        text = detok.emitted + detok.flush()
+        return web.json_response(openai_api.completion_body(
+            req, flow.request_id, text, flow.outcome.finish_reason, flow.outcome.output_tokens,
+            flow.outcome.as_pdd()))
+
+    async def _stream(self, request: web.Request, req: ParsedRequest, flow: RequestFlow):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        detok, first = Detokenizer(self.metadata.tokenizer, req.sampling.stop), True
+        try:
+            async for batch in flow.tokens():
+                delta = detok.add(batch)
+                if delta or first:
+                    await self._sse(response, openai_api.chunk_body(req, flow.request_id, delta, first=first))
+                    first = False
+            rest = detok.flush()
+            if rest:
+                await self._sse(response, openai_api.chunk_body(req, flow.request_id, rest))
+            await self._sse(response, openai_api.chunk_body(
+                req, flow.request_id, None, flow.outcome.finish_reason, pdd=flow.outcome.as_pdd()))
+            if req.include_usage:
+                await self._sse(response, openai_api.usage_chunk(req, flow.request_id, flow.outcome.output_tokens))
+            self._count(flow, "ok")
+        except (UpstreamFailed, UpstreamTimeout) as exc:
+            self._count(flow, "error")
+            await self._sse(response, self._upstream_error(exc).body())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    @staticmethod
+    async def _sse(response: web.StreamResponse, body: dict):
+        await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+
+    def _count(self, flow: RequestFlow, outcome: str):
+        o = flow.outcome
+        REQUESTS.labels(o.pipeline, o.finished_on or "none", outcome).inc()
+        if o.ttft_ms is not None:
+            TTFT_SECONDS.labels(o.pipeline).observe(o.ttft_ms / 1000)
+
+    @staticmethod
+    def _upstream_error(exc) -> ApiError:
+        if isinstance(exc, UpstreamTimeout):
+            return ApiError(504, str(exc), type="timeout", code="timeout")
+        return ApiError(502, str(exc), type="server_error", code="upstream_failed")

@@ -1,0 +1,5 @@
+"""The bulk KV channel: authenticated framed TCP carrying KV frames, one flow per request.
+
+Paths: ``local`` (prefill → relay decode, same site; stands in for RDMA) and ``wan``
+(prefill → main decode, through the WAN link). KV never goes through NATS.
+"""

@@ -1,0 +1,154 @@
+"""Bulk receiver: accepts authenticated KV flows and hands their frames to a FlowHandler."""
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import structlog
+
+from shared.bulk.auth import FlowAuthenticator
+from shared.bulk.framing import read_message, write_control
+from shared.errors import KvFrameError, PddError
+from shared.kv_wire import FrameExpectation, KvFrame
+from shared.messages import FlowAccepted, FlowCancel, FlowEnd, FlowOpen, FlowRejected
+from shared.metrics import KV_BYTES
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class FlowStats:
+    """What one flow delivered.
+
+    Attributes:
+        bytes_received: Bytes of frames and control messages after the FlowOpen.
+        frames: KV frames imported.
+        opened_monotonic: When the FlowOpen arrived.
+        finished_monotonic: When the FlowEnd arrived.
+    """
+
+    bytes_received: int = 0
+    frames: int = 0
+    opened_monotonic: float = field(default_factory=time.monotonic)
+    finished_monotonic: float = 0.0
+
+    @property
+    def transfer_s(self) -> float:
+        """Seconds from FlowOpen to FlowEnd."""
+        return max(0.0, self.finished_monotonic - self.opened_monotonic)
+
+
+class FlowHandler(Protocol):
+    """What a receiving service does with a flow (relay decode, main decode)."""
+
+    async def open_flow(self, flow_open: FlowOpen) -> int:
+        """Prepare the import; return the first token index to receive. Raise PddError to refuse."""
+
+    async def import_frame(self, request_id: str, frame: KvFrame) -> None:
+        """Store one validated frame."""
+
+    async def end_flow(self, request_id: str, output_token_ids: list[int], stats: FlowStats) -> None:
+        """All frames arrived."""
+
+    async def abort_flow(self, request_id: str, reason: str) -> None:
+        """The flow broke or was cancelled: discard what arrived."""
+
+
+class BulkReceiver:
+    """TCP server for one receiving instance; one flow per connection."""
+
+    def __init__(self, handler: FlowHandler, expectation: FrameExpectation, secret: str, *,
+                 path: str, frame_timeout_s: float, host: str = "127.0.0.1", port: int = 0):
+        self._handler = handler
+        self._expect = expectation
+        self._auth = FlowAuthenticator(secret)
+        self._path = path
+        self._frame_timeout_s = frame_timeout_s
+        self._host, self._port = host, port
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task] = set()
+
+    async def start(self) -> tuple[str, int]:
+        """Listen; return the bound (host, port)."""
+        self._server = await asyncio.start_server(self._serve, self._host, self._port,
+                                                  limit=1 << 20)
+        self._host, self._port = self._server.sockets[0].getsockname()[:2]
+        return self._host, self._port
+
+    async def stop(self):
+        """Stop listening and drop open flows (their handlers abort them)."""
+        if self._server:
+            self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        task = asyncio.current_task()
+        self._connections.add(task)
+        try:
+            flow_open = await self._accept(reader, writer)
+            if flow_open is not None:
+                await self._receive(flow_open, reader)
+        except (ConnectionError, asyncio.TimeoutError, KvFrameError) as exc:
+            log.warning("bulk_connection_dropped", path=self._path, error=str(exc))
+        finally:
+            self._connections.discard(task)
+            writer.close()
+
+    async def _accept(self, reader, writer) -> FlowOpen | None:
+        message, _ = await asyncio.wait_for(read_message(reader, None), self._frame_timeout_s)
+        if not isinstance(message, FlowOpen):
+            log.warning("bulk_flow_refused", path=self._path, reason="first message is not FlowOpen")
+            return None
+        problem = self._auth.verify(message)
+        if problem is None:
+            try:
+                first_index = await self._handler.open_flow(message)
+            except PddError as exc:
+                await write_control(writer, FlowRejected(request_id=message.request_id,
+                                                         code=exc.code, message=str(exc)))
+                return None
+            await write_control(writer, FlowAccepted(request_id=message.request_id,
+                                                     first_token_index=first_index))
+            return message
+        log.warning("bulk_flow_refused", path=self._path, request_id=message.request_id, reason=problem)
+        await write_control(writer, FlowRejected(request_id=message.request_id,
+                                                 code="unauthenticated", message=problem))
+        return None
+
+    async def _receive(self, flow_open: FlowOpen, reader):
+        request_id, stats, reason = flow_open.request_id, FlowStats(), "connection closed"
+        try:
+            while True:
+                message, size = await asyncio.wait_for(read_message(reader, self._expect),
+                                                       self._frame_timeout_s)
+                stats.bytes_received += size
+                KV_BYTES.labels(self._path, "received").inc(size)
+                if isinstance(message, KvFrame):
+                    if message.header.request_id != request_id:
+                        reason = f"frame of request {message.header.request_id!r} on this flow"
+                        break
+                    await self._handler.import_frame(request_id, message)
+                    stats.frames += 1
+                elif isinstance(message, FlowEnd):
+                    stats.finished_monotonic = time.monotonic()
+                    await self._handler.end_flow(request_id, message.output_token_ids, stats)
+                    return
+                elif isinstance(message, FlowCancel):
+                    reason = f"cancelled by sender: {message.reason}"
+                    break
+                else:
+                    if message is not None:
+                        reason = f"unexpected {type(message).__name__}"
+                    break
+        except asyncio.TimeoutError:
+            reason = f"no data for {self._frame_timeout_s:.0f} s"
+        except asyncio.CancelledError:
+            reason = "receiver stopping"
+            await self._handler.abort_flow(request_id, reason)
+            raise
+        except PddError as exc:
+            reason = f"{exc.code}: {exc}"
+        await self._handler.abort_flow(request_id, reason)

@@ -1,0 +1,100 @@
+"""Bulk sender: opens an authenticated per-request flow and streams KV frames with back-pressure."""
+
+import asyncio
+import time
+
+import msgspec
+
+from shared.bulk.auth import new_nonce, sign
+from shared.bulk.framing import read_message, write_control
+from shared.errors import PddError
+from shared.messages import FlowAccepted, FlowCancel, FlowEnd, FlowOpen, FlowRejected
+from shared.metrics import KV_BYTES
+
+
+class FlowRefused(PddError):
+    """The receiver refused the flow (authentication, capacity, unknown request…)."""
+
+    code = "bulk_flow_refused"
+
+
+class BulkFlow:
+    """One request's KV flow to one receiver."""
+
+    def __init__(self, request_id: str, path: str, reader, writer, first_token_index: int):
+        self.request_id = request_id
+        self.path = path
+        self.first_token_index = first_token_index
+        self.bytes_sent = 0
+        self._reader, self._writer = reader, writer
+        self._opened = time.monotonic()
+
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds since the flow was accepted."""
+        return time.monotonic() - self._opened
+
+    async def send_frame(self, parts: list[bytes | memoryview]):
+        """Write one frame; waits while the socket's buffer is full (back-pressure)."""
+        self._writer.writelines(parts)
+        size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        self.bytes_sent += size
+        KV_BYTES.labels(self.path, "sent").inc(size)
+        await self._writer.drain()
+
+    async def end(self, output_token_ids: list[int]):
+        """Tell the receiver every frame is sent, then close."""
+        await write_control(self._writer, FlowEnd(request_id=self.request_id,
+                                                  output_token_ids=output_token_ids))
+        await self.close()
+
+    async def cancel(self, reason: str):
+        """Abandon the flow; the receiver discards what arrived."""
+        try:
+            await asyncio.wait_for(write_control(self._writer, FlowCancel(
+                request_id=self.request_id, reason=reason)), 1.0)
+        except (ConnectionError, asyncio.TimeoutError):
+            pass
+        await self.close()
+
+    async def close(self):
+        """Close the connection (idempotent)."""
+        self._writer.close()
+        try:
+            await asyncio.wait_for(self._writer.wait_closed(), 1.0)
+        except (ConnectionError, asyncio.TimeoutError):
+            pass
+
+
+async def open_flow(endpoint: str, flow_open: FlowOpen, secret: str, *, path: str,
+                    timeout_s: float) -> BulkFlow:
+    """Connect to ``endpoint`` (``host:port``), authenticate and wait for FlowAccepted.
+
+    Raises:
+        FlowRefused: the receiver said no.
+        ConnectionError, asyncio.TimeoutError: it could not be reached in time.
+    """
+    host, _, port = endpoint.rpartition(":")
+    signed = sign(_stamp_fresh(flow_open), secret)
+
+    async def handshake():
+        reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 20)
+        try:
+            await write_control(writer, signed)
+            reply, _ = await read_message(reader, None)
+        except BaseException:
+            writer.close()
+            raise
+        if isinstance(reply, FlowAccepted):
+            return BulkFlow(flow_open.request_id, path, reader, writer, reply.first_token_index)
+        writer.close()
+        if isinstance(reply, FlowRejected):
+            raise FlowRefused(f"{endpoint} refused flow: {reply.code}: {reply.message}")
+        raise FlowRefused(f"{endpoint} closed the flow without answering")
+
+    return await asyncio.wait_for(handshake(), timeout_s)
+
+
+def _stamp_fresh(flow_open: FlowOpen) -> FlowOpen:
+    """Stamp a fresh clock reading and nonce (the MAC covers both)."""
+    return msgspec.structs.replace(flow_open, unix_s=time.time(), nonce=new_nonce())

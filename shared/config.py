@@ -1,0 +1,193 @@
+"""Service configuration: read once at start-up from flags and environment, validated.
+
+Each service's configuration is a frozen dataclass. Every field is a setting reachable as a
+flag (``--kv-cache-mb``) and as an environment variable (``PDD_KV_CACHE_MB``); a flag wins
+over the environment, which wins over the default. A bad value raises ``ConfigError``
+naming the flag and the variable.
+"""
+
+import argparse
+import dataclasses
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.errors import ConfigError
+from shared.subjects import check_token
+
+ENV_PREFIX = "PDD_"
+
+
+def setting(default: Any, help: str, check: Callable[[Any], str | None] | None = None,
+            choices: tuple | None = None):
+    """Declare a setting: its default, help text, and an optional check returning an error."""
+    return field(default=default, metadata={"help": help, "check": check, "choices": choices})
+
+
+def positive(value) -> str | None:
+    """Check: strictly positive."""
+    return None if value > 0 else "must be > 0"
+
+
+def non_negative(value) -> str | None:
+    """Check: zero or more."""
+    return None if value >= 0 else "must be >= 0"
+
+
+def subject_token(value: str) -> str | None:
+    """Check: empty (auto) or a NATS subject token."""
+    if not value:
+        return None
+    try:
+        check_token(value, "value")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def host_port(value: str) -> str | None:
+    """Check: empty or ``host:port``."""
+    if not value:
+        return None
+    host, _, port = value.rpartition(":")
+    return None if host and port.isdigit() else "must be host:port"
+
+
+@dataclass(frozen=True)
+class CommonConfig:
+    """Settings every service reads."""
+
+    site: str = setting("site-a", "site (datacenter) this instance runs at", subject_token)
+    instance_id: str = setting("", "unique instance name; default <service>-<host>-<pid>", subject_token)
+    nats_url: str = setting("nats://127.0.0.1:4222", "NATS server of this instance's own site")
+    log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
+    otlp_endpoint: str = setting("", "OTLP/HTTP traces endpoint (e.g. http://jaeger:4318); empty: no export")
+    heartbeat_s: float = setting(1.0, "seconds between LoadReported heartbeats", positive)
+    bulk_secret: str = setting("", "per-deployment secret authenticating bulk KV peers")
+
+
+@dataclass(frozen=True)
+class EngineConfig(CommonConfig):
+    """Settings of services that run the model."""
+
+    model: str = setting("smollm2", "smollm2, tiny or an HF model folder")
+    device: str = setting("cpu", "torch device (cpu, cuda, cuda:N)")
+    dtype: str = setting("float32", "weights and KV dtype", choices=("float32", "bfloat16", "float16"))
+    block_size: int = setting(16, "tokens per KV block (same on every instance)", positive)
+    kv_cache_mb: int = setting(512, "KV pool size in MiB", positive)
+    max_sequences: int = setting(16, "requests held at once", positive)
+    torch_threads: int = setting(0, "torch CPU threads (0: torch's default)", non_negative)
+
+
+@dataclass(frozen=True)
+class BulkReceiverConfig(EngineConfig):
+    """Settings of services that receive KV (relay and main decode)."""
+
+    bulk_host: str = setting("127.0.0.1", "address the bulk KV receiver listens on")
+    bulk_port: int = setting(0, "port of the bulk KV receiver (0: any free port)", non_negative)
+    bulk_advertise: str = setting("", "host:port senders use to reach the bulk receiver "
+                                  "(the WAN link's address for a remote site); default listen address", host_port)
+    kv_timeout_s: float = setting(120.0, "longest wait for a flow's next KV frame", positive)
+    handoff_timeout_s: float = setting(30.0, "longest wait for a handoff reply", positive)
+
+
+@dataclass(frozen=True)
+class PrefillConfig(EngineConfig):
+    """Settings of the prefill service."""
+
+    frame_tokens: int = setting(256, "tokens of KV per bulk frame", positive)
+    connect_timeout_s: float = setting(10.0, "bulk connect + accept timeout", positive)
+    send_timeout_s: float = setting(300.0, "longest time to ship one request's KV", positive)
+
+
+@dataclass(frozen=True)
+class RouterConfig(CommonConfig):
+    """Settings of the router (HTTP front door)."""
+
+    model: str = setting("smollm2", "model whose tokenizer the router uses")
+    served_model_name: str = setting("smollm2-135m-instruct", "model name shown by /v1/models")
+    http_host: str = setting("127.0.0.1", "HTTP listen address")
+    http_port: int = setting(8000, "HTTP port", non_negative)
+    block_size: int = setting(16, "tokens per KV block (same as the engines')", positive)
+    kv_bytes_per_token: int = setting(0, "KV bytes per prompt token for WAN predictions (0: from the model)", non_negative)
+    wan_bandwidth_mbit: float = setting(100.0, "WAN bandwidth estimate for pipeline choice", positive)
+    wan_rtt_ms: float = setting(40.0, "WAN round-trip estimate for pipeline choice", non_negative)
+    ttft_target_ms: float = setting(500.0, "relay when the predicted WAN transfer exceeds this", non_negative)
+    default_max_tokens: int = setting(256, "max_tokens when a request gives none", positive)
+    first_token_timeout_s: float = setting(120.0, "longest wait for a request's first token", positive)
+    token_timeout_s: float = setting(60.0, "longest wait between two tokens", positive)
+    instance_ttl_s: float = setting(5.0, "an instance silent this long is considered gone", positive)
+
+
+@dataclass(frozen=True)
+class CacheIndexConfig(CommonConfig):
+    """Settings of the cache-index."""
+
+
+def settings_of(cls) -> list[dataclasses.Field]:
+    """The settings (dataclass fields) of a config class."""
+    return list(dataclasses.fields(cls))
+
+
+def flag_name(name: str) -> str:
+    """``kv_cache_mb`` → ``--kv-cache-mb``."""
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    """``kv_cache_mb`` → ``PDD_KV_CACHE_MB``."""
+    return ENV_PREFIX + name.upper()
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls):
+    """Add one flag per setting; values stay None unless given, so env and defaults apply."""
+    for f in settings_of(cls):
+        parser.add_argument(flag_name(f.name), dest=f.name, default=None, metavar=f.type.__name__.upper()
+                            if isinstance(f.type, type) else "VALUE",
+                            help=f"{f.metadata['help']} [env {env_name(f.name)}, default {f.default!r}]")
+
+
+def build_config(cls, flags: Mapping[str, Any], environ: Mapping[str, str] | None = None,
+                 service: str = "pdd"):
+    """Resolve every setting of ``cls`` (flag > env > default), convert and validate it."""
+    environ = os.environ if environ is None else environ
+    values = {}
+    for f in settings_of(cls):
+        raw, source = flags.get(f.name), flag_name(f.name)
+        if raw is None and env_name(f.name) in environ:
+            raw, source = environ[env_name(f.name)], env_name(f.name)
+        value = f.default if raw is None else _convert(f, raw, source)
+        _validate(f, value, source)
+        values[f.name] = value
+    if "instance_id" in values and not values["instance_id"]:
+        values["instance_id"] = f"{service}-{socket.gethostname()}-{os.getpid()}".replace(".", "-")[:128]
+    return cls(**values)
+
+
+def _convert(f: dataclasses.Field, raw, source: str):
+    if not isinstance(raw, str):
+        return raw
+    try:
+        if f.type in (int, "int"):
+            return int(raw)
+        if f.type in (float, "float"):
+            return float(raw)
+        if f.type in (bool, "bool"):
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+    except ValueError:
+        raise ConfigError(f"setting {source} ({f.name}): {raw!r} is not a valid {getattr(f.type, '__name__', f.type)}") from None
+    return raw
+
+
+def _validate(f: dataclasses.Field, value, source: str):
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"setting {source} ({f.name}): {value!r} is not one of {', '.join(choices)}")
+    check = f.metadata.get("check")
+    problem = check(value) if check else None
+    if problem:
+        raise ConfigError(f"setting {source} ({f.name}): {problem}, got {value!r}")

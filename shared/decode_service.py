@@ -1,0 +1,134 @@
+"""Base of the two decoding services: receive KV flows, decode, stream tokens, free on cancel."""
+
+import asyncio
+
+from opentelemetry import trace
+
+from shared import subjects
+from shared.bulk.kv_importer import ImportState, KvImporter
+from shared.bulk.receiver import BulkReceiver, FlowStats
+from shared.config import BulkReceiverConfig
+from shared.engine.engine import StepOutput
+from shared.engine.sequence import Sequence, SequenceStatus
+from shared.engine_loop import EngineLoop
+from shared.engine_service import EngineService
+from shared.messages import (
+    CancelRequest,
+    InstanceRef,
+    RequestFailed,
+    TokensEmitted,
+)
+
+
+class DecodeService(EngineService):
+    """Relay decode and main decode share this; subclasses add the handoff."""
+
+    producer = "MD"
+    bulk_path = "wan"
+
+    def __init__(self, config: BulkReceiverConfig, loaded=None):
+        super().__init__(config, loaded)
+        self.config: BulkReceiverConfig = config
+        self.importer: KvImporter | None = None
+        self.receiver: BulkReceiver | None = None
+        self.loop: EngineLoop | None = None
+        self.bulk_endpoint = ""
+        self.spans: dict[str, trace.Span] = {}
+
+    async def start(self):
+        await super().start()
+
+    async def on_start(self):
+        self.importer = KvImporter(self.worker, self._on_import_complete, self._on_import_open)
+        self.receiver = BulkReceiver(
+            self.importer, self.engine.frame_expectation, self.config.bulk_secret,
+            path=self.bulk_path, frame_timeout_s=self.config.kv_timeout_s,
+            host=self.config.bulk_host, port=self.config.bulk_port)
+        host, port = await self.receiver.start()
+        self.bulk_endpoint = self.config.bulk_advertise or f"{host}:{port}"
+        self.loop = EngineLoop(self.worker, self._on_outputs)
+        self.loop.start()
+
+    async def on_stop(self):
+        # Stop accepting KV; let running sequences finish for a short grace period.
+        await self.receiver.stop()
+        for _ in range(100):
+            if not await self.worker.call(self.engine.has_work):
+                break
+            await asyncio.sleep(0.1)
+        await self.loop.stop()
+
+    def instance_ref(self) -> InstanceRef:
+        return InstanceRef(instance_id=self.instance_id, site=self.config.site,
+                           bulk_endpoint=self.bulk_endpoint)
+
+    async def on_cancel(self, cancel: CancelRequest):
+        finished_elsewhere = cancel.kind == "finished"
+        if await self.importer.cancel(cancel.request_id, finished_elsewhere):
+            return
+        if await self.worker.call(self._free_if_live, cancel.request_id):
+            self.log.info("request_dropped", request_id=cancel.request_id, kind=cancel.kind)
+            self.end_span(cancel.request_id)
+
+    # --- hooks for subclasses ------------------------------------------------------------
+
+    async def _on_import_open(self, flow_open):
+        """Called when a flow is accepted, before any frame."""
+
+    async def _on_import_complete(self, state: ImportState, seq: Sequence, stats: FlowStats):
+        """Called when a flow's KV is all in; the base emits already-known output tokens."""
+        if seq.output_token_ids:
+            await self.emit(seq.request_id, 0, seq.output_token_ids,
+                            seq.finish_reason if seq.status is SequenceStatus.FINISHED else None)
+            if seq.status is SequenceStatus.FINISHED:
+                await self.worker.call(self.engine.free, seq.request_id)
+                return
+        self.loop.wake()
+
+    # --- token stream --------------------------------------------------------------------
+
+    async def emit(self, request_id: str, start_index: int, token_ids: list[int],
+                   finish_reason: str | None):
+        """Publish tokens on the request's stream."""
+        await self.publish(subjects.tokens(request_id), TokensEmitted(
+            request_id=request_id, start_index=start_index, token_ids=token_ids,
+            producer=self.producer, instance_id=self.instance_id,
+            final=finish_reason is not None, finish_reason=finish_reason))
+
+    async def _on_outputs(self, outputs: list[StepOutput]):
+        for out in outputs:
+            if out.error:
+                await self.publish(subjects.request_events(out.request_id), RequestFailed(
+                    request_id=out.request_id, instance_id=self.instance_id,
+                    code="out_of_kv_blocks", message=out.error))
+            else:
+                await self.emit(out.request_id, out.token_index, [out.token_id],
+                                out.finish_reason if out.finished else None)
+            if out.finished:
+                await self.worker.call(self.engine.free, out.request_id)
+                self.end_span(out.request_id)
+                await self.on_finished(out)
+
+    async def on_finished(self, out: StepOutput):
+        """A sequence ended here."""
+
+    def start_span(self, request_id: str, name: str, traceparent: str | None, **attributes):
+        """Open this request's long-lived span (relay.decode / main.decode)."""
+        from shared.tracing import context_from, tracer
+
+        self.end_span(request_id)
+        self.spans[request_id] = tracer(f"pdd.{self.service_name}").start_span(
+            name, context=context_from(traceparent), attributes={"request_id": request_id, **attributes})
+
+    def end_span(self, request_id: str, **attributes):
+        """Close this request's long-lived span, if open."""
+        span = self.spans.pop(request_id, None)
+        if span is not None:
+            span.set_attributes(attributes)
+            span.end()
+
+    def _free_if_live(self, request_id: str) -> bool:
+        if self.engine.holds(request_id):
+            self.engine.free(request_id)
+            return True
+        return False

@@ -1,0 +1,61 @@
+"""The stepping loop of a decoding or prefilling service.
+
+Steps the engine whenever it has work, on the engine thread, and hands every step's outputs
+to the service in the asyncio loop. Between two steps the service may add, extend, pause or
+free sequences: those are the step boundaries continuous batching joins at.
+"""
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from shared.engine.engine import StepOutput
+from shared.engine_worker import EngineWorker
+
+log = structlog.get_logger(__name__)
+
+
+class EngineLoop:
+    """Runs ``engine.step`` while there is work; sleeps until ``wake()`` otherwise."""
+
+    def __init__(self, worker: EngineWorker,
+                 on_outputs: Callable[[list[StepOutput]], Awaitable[None]],
+                 between_steps: Callable[[], Awaitable[None]] | None = None):
+        self._worker = worker
+        self._on_outputs = on_outputs
+        self._between_steps = between_steps
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self):
+        """Start stepping in the background."""
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    def wake(self):
+        """Tell the loop there may be new work."""
+        self._wakeup.set()
+
+    async def stop(self):
+        """Stop after the current step."""
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self):
+        engine = self._worker.engine
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while True:
+                if self._between_steps:
+                    await self._between_steps()
+                if not await self._worker.call(engine.has_work):
+                    break
+                try:
+                    outputs = await self._worker.call(engine.step)
+                except Exception:
+                    log.exception("engine_step_failed")
+                    raise
+                if outputs:
+                    await self._on_outputs(outputs)

@@ -1,0 +1,80 @@
+"""Base of the services that run the model: engine thread, KV events, cache dumps, load."""
+
+import asyncio
+import time
+
+from shared import subjects
+from shared.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.messages import KvBlocksEvicted, KvBlocksStored, LoadReported, encode
+from shared.metrics import ACTIVE_SEQUENCES
+from shared.model_loader import load_model
+from shared.service import Service
+from shared.engine_worker import EngineWorker
+
+
+class EngineService(Service):
+    """A service with an engine; publishes its prefix cache's stored/evicted blocks."""
+
+    def __init__(self, config: EngineConfig, loaded=None):
+        super().__init__(config)
+        self.config: EngineConfig = config
+        self._loaded = loaded
+        self.worker: EngineWorker | None = None
+        self._kv_events: asyncio.Queue | None = None
+        self._kv_seq = 0
+
+    @property
+    def engine(self) -> Engine:
+        """The engine (call it only through ``self.worker``)."""
+        return self.worker.engine
+
+    async def start(self):
+        loop = asyncio.get_running_loop()
+        self._kv_events = asyncio.Queue()
+        loaded = self._loaded or await loop.run_in_executor(
+            None, lambda: load_model(self.config.model, device=self.config.device,
+                                     dtype=self.config.dtype))
+
+        def on_kv_event(kind: str, block_hashes: list[int]):
+            # Called on the engine thread; hop to the loop.
+            loop.call_soon_threadsafe(self._kv_events.put_nowait, (kind, block_hashes))
+
+        engine = Engine(loaded, kv_cache_bytes=self.config.kv_cache_mb << 20,
+                        block_size=self.config.block_size, kv_listener=on_kv_event)
+        self.worker = EngineWorker(engine, self.instance_id, self.config.torch_threads)
+        await super().start()
+        await self.nc.subscribe(subjects.instance_work(
+            self.config.site, self.service_name, self.instance_id, subjects.DUMP), cb=self._on_dump)
+        self._tasks.append(asyncio.create_task(self._publish_kv_events(), name="kv-events"))
+
+    async def stop(self):
+        await super().stop()
+        if self.worker:
+            self.worker.shutdown()
+
+    def load_report(self) -> LoadReported:
+        engine = self.worker.engine
+        ACTIVE_SEQUENCES.labels(self.service_name, self.instance_id).set(engine.num_sequences)
+        return LoadReported(
+            instance=self.instance_ref(), service=self.service_name,
+            active_sequences=engine.num_sequences, max_sequences=self.config.max_sequences,
+            free_blocks=engine.blocks.num_free_blocks, total_blocks=engine.blocks.num_blocks,
+            unix_s=time.time())
+
+    async def _publish_kv_events(self):
+        subject = subjects.kv_events(self.config.site, self.instance_id)
+        while True:
+            kind, hashes = await self._kv_events.get()
+            # Merge a burst of same-kind events into one message.
+            while not self._kv_events.empty() and self._kv_events._queue[0][0] == kind:
+                hashes = hashes + self._kv_events.get_nowait()[1]
+            self._kv_seq += 1
+            cls = KvBlocksStored if kind == "stored" else KvBlocksEvicted
+            await self.publish(subject, cls(publisher_id=self.instance_id, seq=self._kv_seq,
+                                            block_hashes=hashes))
+
+    async def _on_dump(self, msg):
+        hashes = await self.worker.call(self.engine.prefix_cache.block_hashes)
+        await msg.respond(encode(KvBlocksStored(publisher_id=self.instance_id, seq=self._kv_seq,
+                                                block_hashes=hashes)))

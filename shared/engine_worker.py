@@ -1,0 +1,28 @@
+"""Runs an Engine on its own thread so a service's asyncio loop never blocks on torch."""
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import torch
+
+from shared.engine.engine import Engine
+
+
+class EngineWorker:
+    """Serialises every engine call on one thread (the engine is not thread-safe)."""
+
+    def __init__(self, engine: Engine, name: str, torch_threads: int = 0):
+        self.engine = engine
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{name}")
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+
+    async def call(self, fn, *args, **kwargs):
+        """Run ``fn(*args, **kwargs)`` on the engine thread and await its result."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, partial(fn, *args, **kwargs))
+
+    def shutdown(self):
+        """Stop the thread after the calls already queued."""
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,380 @@
+"""The schema: every message exchanged over NATS and the bulk channel.
+
+All messages are frozen msgspec Structs encoded as msgpack, tagged with a ``type`` field
+so that each subject is decoded by one typed decoder over a tagged union. Events carry
+``publisher_id`` and a per-publisher ``seq`` where a consumer must detect gaps. Sampling
+parameters travel as the engine's own ``SamplingParams`` struct.
+"""
+
+from typing import Literal
+
+import msgspec
+
+from shared.engine.sampling import SamplingParams
+
+Pipeline = Literal["P-MD", "P-RLD-MD"]
+Producer = Literal["P", "RLD", "MD"]
+FlowRole = Literal["main_decode", "relay_decode"]
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=str.lower):
+    pass
+
+
+class InstanceRef(msgspec.Struct, frozen=True, kw_only=True):
+    """Where an instance is reached.
+
+    Attributes:
+        instance_id: Unique instance name (a subject token).
+        site: Site the instance runs at.
+        bulk_endpoint: ``host:port`` of its bulk KV receiver as reachable from the sender's
+            site (for site-B instances this is the WAN link's address).
+    """
+
+    instance_id: str
+    site: str
+    bulk_endpoint: str = ""
+
+
+# ----- commands ------------------------------------------------------------------------
+
+
+class StartPrefill(_Message, kw_only=True):
+    """Router → prefill: compute a prompt and ship its KV to the chosen decoders.
+
+    Attributes:
+        request_id: The request.
+        attempt: Retry counter; a prefill ignores attempts older than one it has seen.
+        token_ids: The whole prompt.
+        sampling: Sampling and stopping parameters.
+        seed: Effective sampling seed, identical on every instance.
+        pipeline: ``P-MD`` or ``P-RLD-MD``.
+        main_decode: Main decoder (always: both pipelines end there).
+        relay_decode: Relay decoder for ``P-RLD-MD``; None for ``P-MD``.
+        deadline_unix_s: Wall-clock time after which the request is abandoned.
+    """
+
+    request_id: str
+    attempt: int = 0
+    token_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    pipeline: Pipeline
+    main_decode: InstanceRef
+    relay_decode: InstanceRef | None = None
+    deadline_unix_s: float
+
+
+class HandoffTokens(_Message, kw_only=True):
+    """Relay → main decode: take over from ``start_index`` given these output token IDs.
+
+    Attributes:
+        request_id: The request.
+        start_index: Output index of ``token_ids[0]`` (0 for the first handoff).
+        token_ids: Output tokens the relay has emitted, in order.
+        final: True when the relay stops after this handoff and the main decoder owns the
+            request from ``start_index + len(token_ids)`` on.
+    """
+
+    request_id: str
+    start_index: int
+    token_ids: list[int]
+    final: bool = True
+
+
+class CancelRequest(_Message, kw_only=True):
+    """Anyone → everyone: drop a request and free its KV.
+
+    Attributes:
+        request_id: The request.
+        kind: ``finished`` (the request ended elsewhere: finish KV imports so caches stay
+            aligned, then free), ``stop`` (client went away: drop everything now) or
+            ``kill`` (failure elsewhere: drop everything now).
+        reason: Human-readable cause, logged by each service.
+    """
+
+    request_id: str
+    kind: Literal["finished", "stop", "kill"] = "stop"
+    reason: str = ""
+
+
+class OverlapQuery(_Message, kw_only=True):
+    """Router → cache-index: how many leading blocks does each instance hold?
+
+    Attributes:
+        block_hashes: Chained hashes of the prompt's full blocks.
+        hash_scheme: Block-hash scheme version of ``block_hashes``.
+        instance_ids: Instances to answer for; empty means all known.
+    """
+
+    block_hashes: list[int]
+    hash_scheme: int
+    instance_ids: list[str] = []
+
+
+class OverlapReply(_Message, kw_only=True):
+    """Cache-index → router.
+
+    Attributes:
+        hit_blocks: Leading blocks held, per instance id.
+    """
+
+    hit_blocks: dict[str, int]
+
+
+# ----- events --------------------------------------------------------------------------
+
+
+class TokensEmitted(_Message, kw_only=True):
+    """A producer → the request's token stream.
+
+    Attributes:
+        request_id: The request.
+        start_index: Output index of ``token_ids[0]``.
+        token_ids: New output tokens, in order.
+        producer: ``RLD`` or ``MD``.
+        instance_id: The producing instance.
+        final: True on the producer's last message for the request.
+        finish_reason: ``stop`` or ``length`` when the request ended, else None.
+    """
+
+    request_id: str
+    start_index: int
+    token_ids: list[int]
+    producer: Producer
+    instance_id: str
+    final: bool = False
+    finish_reason: str | None = None
+
+
+class PrefillCompleted(_Message, kw_only=True):
+    """Prefill → request events: prompt computed and KV shipped.
+
+    Attributes:
+        request_id: The request.
+        instance_id: The prefill instance.
+        first_token: Token it sampled (shipped with the KV, emitted by the decoder).
+        prompt_tokens: Prompt length.
+        cached_tokens: Prompt tokens the prefill's own prefix cache supplied.
+        compute_s: Prefill forward time.
+        bytes_per_path: KV bytes sent per path (``local``, ``wan``).
+    """
+
+    request_id: str
+    instance_id: str
+    first_token: int
+    prompt_tokens: int
+    cached_tokens: int
+    compute_s: float
+    bytes_per_path: dict[str, int]
+
+
+class KvReady(_Message, kw_only=True):
+    """Main decode → request events: it holds the request's whole prompt KV.
+
+    Attributes:
+        request_id: The request.
+        instance_id: The main decode instance.
+        site: Its site (to address its handoff subject).
+        cached_tokens: Prompt tokens its decode-side cache already held.
+        imported_tokens: Prompt tokens that came over the WAN.
+        wan_kv_bytes: Bytes received on the WAN path for the request (frames included).
+        transfer_s: From flow open to the last frame.
+    """
+
+    request_id: str
+    instance_id: str
+    site: str
+    cached_tokens: int
+    imported_tokens: int
+    wan_kv_bytes: int
+    transfer_s: float
+
+
+class HandoffAccepted(_Message, kw_only=True):
+    """Main decode → relay (reply), and → request events.
+
+    Attributes:
+        request_id: The request.
+        instance_id: The main decode instance.
+        next_index: Output index the main decoder produces next.
+        chunk: 1-based number of this handoff for the request.
+    """
+
+    request_id: str
+    instance_id: str
+    next_index: int
+    chunk: int = 1
+
+
+class RequestFailed(_Message, kw_only=True):
+    """Any service → request events (or as a reply): the request cannot go on here.
+
+    Attributes:
+        request_id: The request.
+        instance_id: Where it failed.
+        code: Stable error code (``PddError.code`` or a service code).
+        message: Human-readable cause.
+        retryable: Whether trying again elsewhere may succeed.
+    """
+
+    request_id: str
+    instance_id: str
+    code: str
+    message: str
+    retryable: bool = False
+
+
+class KvBlocksStored(_Message, kw_only=True):
+    """An instance's prefix cache gained blocks.
+
+    Attributes:
+        publisher_id: The instance.
+        seq: Per-publisher sequence number, from 1, no gaps.
+        block_hashes: Chained hashes added (parents before children).
+    """
+
+    publisher_id: str
+    seq: int
+    block_hashes: list[int]
+
+
+class KvBlocksEvicted(_Message, kw_only=True):
+    """An instance's prefix cache dropped blocks.
+
+    Attributes:
+        publisher_id: The instance.
+        seq: Per-publisher sequence number.
+        block_hashes: Chained hashes removed.
+    """
+
+    publisher_id: str
+    seq: int
+    block_hashes: list[int]
+
+
+class LoadReported(_Message, kw_only=True):
+    """Heartbeat: an instance is alive, where to reach it, and how loaded it is.
+
+    Attributes:
+        instance: Identity and bulk endpoint.
+        service: ``prefill``, ``relay_decode``, ``main_decode`` or ``cache_index``.
+        active_sequences: Requests it holds now.
+        max_sequences: Requests it accepts at most.
+        free_blocks: KV blocks it could allocate now.
+        total_blocks: Size of its KV pool.
+        unix_s: Sender's clock when sent.
+    """
+
+    instance: InstanceRef
+    service: str
+    active_sequences: int = 0
+    max_sequences: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    unix_s: float
+
+
+# ----- bulk channel control (framed next to KV frames, never through NATS) --------------
+
+
+class FlowOpen(_Message, kw_only=True):
+    """Sender → receiver, first message of a per-request KV flow.
+
+    Attributes:
+        request_id: The request.
+        attempt: Retry counter of the request.
+        role: Whether the receiver acts as ``main_decode`` or ``relay_decode``.
+        token_ids: The prompt (the receiver checks every frame's tokens against it).
+        sampling: Sampling parameters the receiver decodes with.
+        seed: Effective sampling seed.
+        relay_instance_id: For a main decoder in ``P-RLD-MD``: the relay that will hand over.
+        traceparent: W3C trace context of the sender's transfer span.
+        sender_id: Sending instance.
+        unix_s: Sender's clock (authentication freshness).
+        nonce: Random hex, unique per flow (replay protection).
+        mac: HMAC-SHA256 over the fields above with the deployment secret.
+    """
+
+    request_id: str
+    attempt: int = 0
+    role: FlowRole
+    token_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    relay_instance_id: str | None = None
+    traceparent: str | None = None
+    sender_id: str
+    unix_s: float
+    nonce: str
+    mac: str = ""
+
+
+class FlowAccepted(_Message, kw_only=True):
+    """Receiver → sender: send KV from ``first_token_index`` on.
+
+    Attributes:
+        request_id: The request.
+        first_token_index: Prompt tokens the receiver already holds (block aligned).
+    """
+
+    request_id: str
+    first_token_index: int
+
+
+class FlowRejected(_Message, kw_only=True):
+    """Receiver → sender: the flow is refused.
+
+    Attributes:
+        request_id: The request.
+        code: Error code.
+        message: Cause.
+    """
+
+    request_id: str
+    code: str
+    message: str
+
+
+class FlowEnd(_Message, kw_only=True):
+    """Sender → receiver: all frames are sent.
+
+    Attributes:
+        request_id: The request.
+        output_token_ids: Output tokens to start from (the prefill's first token for a
+            decoder that begins decoding; empty for a main decoder awaiting a handoff).
+    """
+
+    request_id: str
+    output_token_ids: list[int]
+
+
+class FlowCancel(_Message, kw_only=True):
+    """Sender → receiver: abandon the flow; discard what arrived.
+
+    Attributes:
+        request_id: The request.
+        reason: Cause.
+    """
+
+    request_id: str
+    reason: str = ""
+
+
+BulkControl = FlowOpen | FlowAccepted | FlowRejected | FlowEnd | FlowCancel
+RequestEvent = PrefillCompleted | KvReady | HandoffAccepted | RequestFailed
+KvEvent = KvBlocksStored | KvBlocksEvicted
+HandoffReply = HandoffAccepted | RequestFailed
+PrefillReply = PrefillCompleted | RequestFailed
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    """msgpack bytes of any schema message."""
+    return _encoder.encode(message)
+
+
+def decoder(kind) -> msgspec.msgpack.Decoder:
+    """A typed decoder for one message type or tagged union (make one per subject)."""
+    return msgspec.msgpack.Decoder(kind)

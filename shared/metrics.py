@@ -1,0 +1,21 @@
+"""Prometheus metrics (prefix ``pdd_``), defined once per process and shared by its services."""
+
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+
+KV_BYTES = Counter("pdd_kv_bytes_total", "KV bytes moved on the bulk channel", ["path", "direction"])
+KV_TRANSFER_SECONDS = Histogram(
+    "pdd_kv_transfer_seconds", "Time to ship one request's KV on a path", ["path"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
+REQUESTS = Counter("pdd_requests_total", "Requests finished by the router",
+                   ["pipeline", "finished_on", "outcome"])
+PIPELINE_CHOICES = Counter("pdd_pipeline_choices_total", "Pipeline decisions", ["pipeline"])
+HANDOFFS = Counter("pdd_handoffs_total", "Handoffs relay → main decode", ["mode"])
+EAGER_TOKENS = Counter("pdd_eager_tokens_total", "Tokens emitted by relay decode")
+ACTIVE_SEQUENCES = Gauge("pdd_active_sequences", "Sequences held", ["service", "instance"])
+TTFT_SECONDS = Histogram("pdd_ttft_seconds", "Time to first token at the router", ["pipeline"],
+                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
+
+
+def exposition() -> tuple[bytes, str]:
+    """The Prometheus text exposition of this process and its content type."""
+    return generate_latest(), CONTENT_TYPE_LATEST
