@@ -115,6 +115,8 @@ class RouterConfig(CommonConfig):
     wan_bandwidth_mbit: float = setting(100.0, "WAN bandwidth estimate for pipeline choice", positive)
     wan_rtt_ms: float = setting(40.0, "WAN round-trip estimate for pipeline choice", non_negative)
     ttft_target_ms: float = setting(500.0, "relay when the predicted WAN transfer exceeds this", non_negative)
+    pipeline_policy: str = setting("auto", "auto (PDD's choice), or force P-MD / P-RLD-MD (baselines, tests)",
+                                   choices=("auto", "P-MD", "P-RLD-MD"))
     default_max_tokens: int = setting(256, "max_tokens when a request gives none", positive)
     first_token_timeout_s: float = setting(120.0, "longest wait for a request's first token", positive)
     token_timeout_s: float = setting(60.0, "longest wait between two tokens", positive)

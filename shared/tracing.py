@@ -6,7 +6,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _propagator = TraceContextTextMapPropagator()
@@ -14,13 +14,14 @@ TRACEPARENT = "traceparent"
 
 
 def configure_tracing(service_name: str, otlp_endpoint: str = "",
-                      exporter: SpanExporter | None = None) -> bool:
+                      exporter: SpanExporter | None = None, batch: bool = True) -> bool:
     """Install a tracer provider for this process, once.
 
     Args:
         service_name: ``service.name`` resource attribute.
         otlp_endpoint: OTLP/HTTP collector base URL (``http://jaeger:4318``); empty for none.
         exporter: An explicit exporter (tests pass an in-memory one).
+        batch: Export in batches (False: each span as it ends, for tests).
 
     Returns:
         False if a provider was already installed (the first one stays).
@@ -33,7 +34,8 @@ def configure_tracing(service_name: str, otlp_endpoint: str = "",
 
         exporter = OTLPSpanExporter(endpoint=otlp_endpoint.rstrip("/") + "/v1/traces")
     if exporter is not None:
-        provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
+        provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200)
+                                    if batch else SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     return True
 

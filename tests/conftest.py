@@ -1,8 +1,14 @@
 """Shared fixtures: models are loaded once per session; references come from HF generate."""
 
 import pytest
+import pytest_asyncio
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from shared.model_loader import LoadedModel, load_model
+from shared.model_loader import LoadedModel, ModelMetadata, load_metadata, load_model
+from shared.tracing import configure_tracing
+
+_SPANS = InMemorySpanExporter()
+configure_tracing("pdd-tests", exporter=_SPANS, batch=False)
 
 
 @pytest.fixture(scope="session")
@@ -12,6 +18,38 @@ def tiny() -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_metadata() -> ModelMetadata:
+    """Tokenizer and geometry of the tiny model, as the router loads them."""
+    return load_metadata("tiny")
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     """SmolLM2-135M-Instruct in fp32, from the converted cache."""
     return load_model("smollm2")
+
+
+@pytest.fixture
+def spans() -> InMemorySpanExporter:
+    """Every span finished in this process (cleared before the test)."""
+    _SPANS.clear()
+    return _SPANS
+
+
+@pytest_asyncio.fixture
+async def make_stack(tiny, tiny_metadata):
+    """Start two-site stacks on the tiny model; all are stopped after the test."""
+    from infra.local_stack import LocalStack
+
+    stacks = []
+
+    async def start(**kwargs) -> LocalStack:
+        kwargs.setdefault("router_settings", {})
+        kwargs["router_settings"].setdefault("served_model_name", "tiny")
+        stack = LocalStack(kwargs.pop("loaded", tiny), kwargs.pop("metadata", tiny_metadata), **kwargs)
+        stacks.append(stack)
+        return await stack.start()
+
+    yield start
+    for stack in stacks:
+        await stack.stop()

@@ -51,3 +51,14 @@ def prompt_of_length(loaded: LoadedModel, num_tokens: int, seed: int = 0) -> lis
         return body_ids[:num_tokens]
     head = empty[:len(empty) - len(tail)]
     return head + body_ids[:num_tokens - len(empty)] + tail
+
+
+async def until(predicate, timeout_s: float = 10.0, what: str = "condition"):
+    """Await a condition on state other tasks change (polled; fails after ``timeout_s``)."""
+    import asyncio
+
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)

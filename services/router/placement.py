@@ -67,8 +67,8 @@ def _pick(candidates: list[InstanceState], hits: dict[str, int]) -> InstanceStat
 
 def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens: int,
           block_size: int, kv_bytes_per_token: int, wan: WanEstimate,
-          ttft_target_s: float) -> Placement:
-    """Choose instances and pipeline for a prompt.
+          ttft_target_s: float, policy: str = "auto") -> Placement:
+    """Choose instances and pipeline for a prompt (``policy`` forces one for baselines).
 
     Raises:
         NoInstances: no live prefill or main decode instance.
@@ -83,7 +83,8 @@ def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens
     predicted_s = wan.transfer_s(missing_bytes)
     relays = registry.live("relay_decode")
     relay = None
-    if predicted_s > ttft_target_s and relays:
+    wants_relay = predicted_s > ttft_target_s if policy == "auto" else policy == "P-RLD-MD"
+    if wants_relay and relays:
         relay = min(relays, key=lambda s: s.report.active_sequences + s.assigned)
     return Placement(
         pipeline="P-RLD-MD" if relay else "P-MD",

@@ -160,7 +160,7 @@ class RouterService(Service):
         log = self.log.bind(request_id=request_id)
         with _tracer.start_as_current_span("router.route", attributes={
                 "request_id": request_id, "prompt_tokens": len(req.prompt_token_ids)}) as span:
-            placement = await self._place(req)
+            placement = await self._place(req, request_id)
             span.set_attributes({"pipeline": placement.pipeline,
                                  "md_cached_blocks": placement.md_cached_blocks,
                                  "predicted_wan_s": placement.predicted_wan_s})
@@ -194,16 +194,18 @@ class RouterService(Service):
             if state:
                 state.assigned += delta
 
-    async def _place(self, req: ParsedRequest):
+    async def _place(self, req: ParsedRequest, request_id: str):
         hashes = hash_blocks(req.prompt_token_ids, self.config.block_size)
-        with _tracer.start_as_current_span("router.cache_index.query", attributes={"blocks": len(hashes)}):
+        with _tracer.start_as_current_span("router.cache_index.query", attributes={
+                "request_id": request_id, "blocks": len(hashes)}):
             hits = await self._overlap(hashes)
         kv_bytes = self.config.kv_bytes_per_token or self.metadata.kv_bytes_per_token
         try:
             return place(self.registry, hits, num_prompt_tokens=len(req.prompt_token_ids),
                          block_size=self.config.block_size, kv_bytes_per_token=kv_bytes,
                          wan=WanEstimate(self.config.wan_bandwidth_mbit * 1e6, self.config.wan_rtt_ms / 1000),
-                         ttft_target_s=self.config.ttft_target_ms / 1000)
+                         ttft_target_s=self.config.ttft_target_ms / 1000,
+                         policy=self.config.pipeline_policy)
         except NoInstances as exc:
             raise ApiError(503, str(exc), type="server_error", code="no_instances") from None
 

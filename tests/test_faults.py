@@ -1,0 +1,86 @@
+"""Faults a user will hit: clients leaving, a partitioned WAN, a main decoder dying.
+
+Nothing may hang a client and nothing may leak: every engine ends with no sequence and no
+block in use.
+"""
+
+import asyncio
+import time
+
+import aiohttp
+
+from infra.wan_link import LinkProfile
+from tests.helpers import until
+from tests.test_pipeline_e2e import SLOW_WAN, chat_body, post
+
+
+def engines_idle(stack) -> bool:
+    engines = [s.engine for s in [stack.prefill, *stack.relays, *stack.mains]]
+    return all(e.num_sequences == 0 and e.blocks.num_used_blocks == 0 for e in engines)
+
+
+async def read_some_then_disconnect(stack, body: dict, num_chunks: int):
+    session = aiohttp.ClientSession()
+    response = await session.post(stack.base_url + "/chat/completions", json={**body, "stream": True})
+    assert response.status == 200
+    seen = 0
+    async for line in response.content:
+        if line.startswith(b"data: {"):
+            seen += 1
+            if seen == num_chunks:
+                break
+    response.close()
+    await session.close()
+
+
+async def test_client_disconnect_frees_kv_everywhere(make_stack):
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-RLD-MD"})
+    await read_some_then_disconnect(stack, chat_body("Tell a very long story. " * 20, 3000), 5)
+    await until(lambda: engines_idle(stack), 15, "every engine to drop the request")
+    status, body = await post(stack, "/chat/completions", chat_body("Still there?", 8))
+    assert status == 200 and body["usage"]["completion_tokens"] == 8
+
+
+async def test_non_streaming_disconnect_cancels_too(make_stack):
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD"})
+    session = aiohttp.ClientSession()
+    request = asyncio.create_task(session.post(stack.base_url + "/chat/completions",
+                                               json=chat_body("Go on forever. " * 10, 3000)))
+    await until(lambda: stack.mains[0].engine.num_sequences == 1, 15, "main decode to start")
+    request.cancel()
+    await session.close()
+    await until(lambda: engines_idle(stack), 15, "every engine to drop the request")
+
+
+async def test_partitioned_wan_gives_a_clear_error_then_recovers(make_stack):
+    stack = await make_stack(profile=LinkProfile(bandwidth_bps=0, rtt_ms=10, jitter_ms=0),
+                             router_settings={"pipeline_policy": "P-MD", "first_token_timeout_s": 4})
+    stack.link.set_profile(partitioned=True)
+    started = time.monotonic()
+    status, body = await post(stack, "/chat/completions", chat_body("Anyone there?", 8))
+    assert status in (502, 504), body
+    assert body["error"]["message"] and time.monotonic() - started < 10
+    stack.link.set_profile(partitioned=False)
+    await stack.wait_ready()
+    status, body = await post(stack, "/chat/completions", chat_body("Back again?", 8))
+    assert status == 200
+    await until(lambda: engines_idle(stack), 15, "no leftover sequences")
+
+
+async def test_main_decode_crash_mid_request_fails_fast(make_stack):
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD"})
+    main = stack.mains[0]
+    request = asyncio.create_task(post(stack, "/chat/completions",
+                                       chat_body("A long answer please. " * 10, 3000)))
+    await until(lambda: main.engine.num_sequences == 1, 15, "main decode to start")
+    # Crash: no goodbye on NATS, the bulk port closes, decoding stops mid-stream.
+    await main.loop.stop()
+    for task in main._tasks:
+        task.cancel()
+    await main.receiver.stop()
+    await main.nc.close()
+    started = time.monotonic()
+    status, body = await asyncio.wait_for(request, 20)
+    assert status == 502 and "main-decode-0" in body["error"]["message"]
+    assert time.monotonic() - started < 10
+    stack.mains.clear()  # already stopped

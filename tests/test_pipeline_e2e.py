@@ -1,0 +1,151 @@
+"""Both PDD pipelines end to end: real nats-servers, the WAN link, every service, the tiny model.
+
+Every response is compared with transformers' greedy output for the same prompt; streams
+must carry every token index exactly once, in order, across the relay → main handoff.
+"""
+
+import json
+
+import aiohttp
+import pytest
+
+from infra.wan_link import LinkProfile
+from tests.helpers import reference_greedy, until
+
+SLOW_WAN = LinkProfile(bandwidth_bps=50e6, rtt_ms=40, jitter_ms=2, seed=1)
+
+
+def chat_prompt(tiny, content: str) -> list[int]:
+    return list(tiny.tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True,
+        return_dict=False))
+
+
+def expected_text(tiny, prompt_ids: list[int], max_tokens: int) -> str:
+    return tiny.tokenizer.decode(reference_greedy(tiny, prompt_ids, max_tokens), skip_special_tokens=True)
+
+
+async def post(stack, path: str, body, *, raw: bool = False):
+    async with aiohttp.ClientSession() as session:
+        data = body if raw else json.dumps(body)
+        async with session.post(stack.base_url + path, data=data,
+                                headers={"Content-Type": "application/json"}) as response:
+            return response.status, await response.json()
+
+
+async def stream(stack, path: str, body) -> list[dict]:
+    chunks = []
+    async with aiohttp.ClientSession() as session:
+        async with session.post(stack.base_url + path, json={**body, "stream": True}) as response:
+            assert response.status == 200
+            async for line in response.content:
+                line = line.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def chat_body(content: str, max_tokens: int, **extra) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
+
+
+@pytest.mark.parametrize("policy", ["P-MD", "P-RLD-MD"])
+async def test_chat_is_token_exact_through_each_pipeline(make_stack, tiny, policy):
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": policy})
+    content = "Describe the sea at night. " * 20
+    status, body = await post(stack, "/chat/completions", chat_body(content, 120))
+    assert status == 200, body
+    prompt = chat_prompt(tiny, content)
+    assert body["choices"][0]["message"]["content"] == expected_text(tiny, prompt, 120)
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 120,
+                             "total_tokens": len(prompt) + 120}
+    pdd = body["pdd"]
+    assert pdd["pipeline"] == policy and pdd["prompt_tokens"] == len(prompt)
+    assert pdd["wan_kv_bytes"] >= len(prompt) * stack.prefill.engine.layout.kv_bytes_per_token
+    if policy == "P-RLD-MD":
+        assert pdd["eager_tokens"] >= 1 and pdd["handoff_mode"] == "one-shot"
+        assert pdd["finished_on"] == "MD" and pdd["handoff_chunks"] == 1
+    else:
+        assert pdd["eager_tokens"] == 0 and pdd["finished_on"] == "MD" and pdd["handoff_mode"] is None
+
+
+@pytest.mark.parametrize("policy", ["P-MD", "P-RLD-MD"])
+async def test_stream_holds_every_token_once_in_order(make_stack, tiny, policy):
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": policy})
+    content = "List facts about rivers. " * 15
+    chunks = await stream(stack, "/chat/completions", chat_body(
+        content, 150, stream_options={"include_usage": True}))
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == expected_text(tiny, chat_prompt(tiny, content), 150)
+    final = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(final) == 1 and final[0]["choices"][0]["finish_reason"] == "length"
+    assert final[0]["pdd"]["pipeline"] == policy
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 150
+    if policy == "P-RLD-MD":
+        assert 1 <= final[0]["pdd"]["eager_tokens"] < 150
+
+
+async def test_completions_endpoint_and_token_id_prompts(make_stack, tiny):
+    stack = await make_stack(router_settings={"pipeline_policy": "P-MD"})
+    prompt_text = "Once upon a time, in a city by the sea,"
+    status, body = await post(stack, "/completions", {
+        "model": "tiny", "prompt": prompt_text, "max_tokens": 30, "temperature": 0, "ignore_eos": True})
+    assert status == 200, body
+    ids = tiny.tokenizer.encode(prompt_text, add_special_tokens=False)
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == expected_text(tiny, ids, 30)
+    status, by_ids = await post(stack, "/completions", {
+        "model": "tiny", "prompt": ids, "max_tokens": 30, "temperature": 0, "ignore_eos": True})
+    assert by_ids["choices"][0]["text"] == body["choices"][0]["text"]
+
+
+async def test_follow_up_turn_reuses_main_decode_cache(make_stack, tiny):
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD"})
+    first_turn = [{"role": "user", "content": "Tell me about trains. " * 30}]
+    status, first = await post(stack, "/chat/completions", {
+        "model": "tiny", "messages": first_turn, "max_tokens": 16, "temperature": 0})
+    assert status == 200
+    await until(lambda: stack.cache_index.instances["main-decode-0"].block_hashes, what="KV events")
+    second_turn = first_turn + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                                {"role": "user", "content": "And about ships?"}]
+    status, second = await post(stack, "/chat/completions", {
+        "model": "tiny", "messages": second_turn, "max_tokens": 16, "temperature": 0})
+    assert status == 200
+    first_blocks = first["pdd"]["prompt_tokens"] // 16
+    assert second["pdd"]["cached_blocks_md"] >= first_blocks
+    assert second["pdd"]["wan_kv_bytes"] < first["pdd"]["wan_kv_bytes"] / 3
+
+
+async def test_auto_policy_relays_long_cold_prompts_only(make_stack, tiny):
+    # At 50 Mbit/s a tiny-model token's KV (512 B) crosses in ~0.08 ms: a 100 ms target
+    # makes ~1,000+ uncached tokens worth a relay, a short or cached prompt not.
+    stack = await make_stack(profile=SLOW_WAN, router_settings={
+        "ttft_target_ms": 100, "wan_bandwidth_mbit": 50, "wan_rtt_ms": 40})
+    long_chat = [{"role": "user", "content": "Explain how tides work in great detail. " * 150}]
+    status, cold = await post(stack, "/chat/completions", {
+        "model": "tiny", "messages": long_chat, "max_tokens": 40, "temperature": 0, "ignore_eos": True})
+    assert status == 200 and cold["pdd"]["prompt_tokens"] > 1200
+    assert cold["pdd"]["pipeline"] == "P-RLD-MD" and cold["pdd"]["eager_tokens"] >= 1
+    await until(lambda: len(stack.cache_index.instances["main-decode-0"].block_hashes)
+                >= cold["pdd"]["prompt_tokens"] // 16, what="main decode blocks indexed")
+    follow = long_chat + [{"role": "assistant", "content": cold["choices"][0]["message"]["content"]},
+                          {"role": "user", "content": "Shorter?"}]
+    status, warm = await post(stack, "/chat/completions", {
+        "model": "tiny", "messages": follow, "max_tokens": 10, "temperature": 0})
+    assert status == 200 and warm["pdd"]["pipeline"] == "P-MD"
+
+
+async def test_requests_spread_over_two_main_decoders(make_stack, tiny):
+    import asyncio
+
+    stack = await make_stack(num_main=2, router_settings={"pipeline_policy": "P-MD"})
+    bodies = [chat_body(f"Question number {i}: what is {i} squared?", 30) for i in range(6)]
+    results = await asyncio.gather(*(post(stack, "/chat/completions", b) for b in bodies))
+    used = {body["pdd"]["instances"]["main_decode"] for status, body in results if status == 200}
+    assert len(results) == 6 and all(status == 200 for status, _ in results)
+    assert used == {"main-decode-0", "main-decode-1"}
+    for (_, body), request in zip(results, bodies):
+        prompt = chat_prompt(tiny, request["messages"][0]["content"])
+        assert body["choices"][0]["message"]["content"] == expected_text(tiny, prompt, 30)
