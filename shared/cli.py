@@ -1,4 +1,9 @@
-"""The ``pdd`` command line: ``pdd generate`` and ``pdd bench engine`` (services come later)."""
+"""The ``pdd`` command line.
+
+``generate`` and ``bench engine`` run the engine in-process; ``up``/``down``/``status``
+manage a local two-site deployment; ``wan`` adjusts its link; ``serve`` runs one service;
+``demo`` runs a short agent conversation against a fresh deployment.
+"""
 
 import argparse
 import json
@@ -37,7 +42,37 @@ def build_parser() -> argparse.ArgumentParser:
     engine = bench_kinds.add_parser("engine", help="engine microbenchmark, JSON on stdout")
     _add_model_args(engine)
     engine.add_argument("--quick", action="store_true", help="short contexts, one repeat")
+
+    from infra.serve import add_serve_parsers
+    from infra.wan_control import add_wan_parsers
+
+    add_serve_parsers(commands)
+    add_wan_parsers(commands)
+    for name, helptext in (("up", "start the two-site deployment"), ("demo", "up, agent conversation, down")):
+        _add_up_args(commands.add_parser(name, help=helptext))
+    for name, helptext in (("down", "stop the deployment"), ("status", "show the deployment")):
+        commands.add_parser(name, help=helptext).add_argument("--run-dir", default=None)
     return parser
+
+
+def _add_up_args(parser: argparse.ArgumentParser):
+    parser.add_argument("--detach", action="store_true", help="return once healthy (up)")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill instances")
+    parser.add_argument("--rld", type=int, default=1, help="relay decode instances")
+    parser.add_argument("--md", type=int, default=1, help="main decode instances")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool per engine instance")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--nats-a-port", type=int, default=4222)
+    parser.add_argument("--nats-b-port", type=int, default=4223)
+    parser.add_argument("--wan-control-port", type=int, default=8100)
+    parser.add_argument("--bandwidth", default="100mbit", help="WAN bandwidth (default 100mbit)")
+    parser.add_argument("--rtt", default="40ms", help="WAN round trip (default 40ms)")
+    parser.add_argument("--jitter", default="5ms", help="WAN jitter (default 5ms)")
+    parser.add_argument("--seed", type=int, default=0, help="jitter seed")
+    parser.add_argument("--service-log-level", dest="log_level", default="info")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for health")
+    parser.add_argument("--run-dir", default=None)
 
 
 def cmd_generate(args) -> int:
@@ -93,11 +128,106 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_up(args) -> int:
+    """Start the deployment; with --detach return once healthy, else run until Ctrl-C."""
+    from infra import launcher
+
+    run_dir = _run_dir(args)
+    args.run_dir = str(run_dir)
+    deployment = launcher.up(args)
+    print(f"PDD is up: {deployment.router_url}  (WAN link control: {deployment.wan_control_url}; "
+          f"logs: {run_dir}/logs)")
+    if args.detach:
+        return 0
+    try:
+        signal_wait()
+    finally:
+        launcher.down(run_dir, quiet=True)
+    return 0
+
+
+def signal_wait():
+    """Block until SIGINT or SIGTERM."""
+    import signal
+
+    received = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: received.append(1))
+    while not received:
+        signal.pause()
+
+
+def cmd_down(args) -> int:
+    """Stop the deployment."""
+    from infra import launcher
+
+    stopped = launcher.down(_run_dir(args))
+    print(f"stopped {len(stopped)} processes")
+    return 0
+
+
+def cmd_status(args) -> int:
+    """Print the deployment's processes and health."""
+    from infra import launcher
+
+    print(json.dumps(launcher.status(_run_dir(args)), indent=2))
+    return 0
+
+
+def cmd_wan(args) -> int:
+    """Show or change the WAN link."""
+    from infra import launcher, wan_control
+
+    url = args.control_url
+    if url is None:
+        deployment = launcher.load_state(launcher.default_run_dir())
+        if deployment is None:
+            raise wan_control.WanControlError("no running deployment; pass --control-url")
+        url = deployment.wan_control_url
+    changes = None if args.wan_action == "show" else wan_control.profile_changes(args)
+    print(json.dumps(wan_control.call(url, changes), indent=2))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    """Run one service."""
+    from infra.serve import run_serve
+
+    return run_serve(args)
+
+
+def cmd_demo(args) -> int:
+    """Start a deployment, hold an agent conversation with it, stop it."""
+    from infra import launcher
+    from loadtest.demo_conversation import run_demo
+
+    run_dir = _run_dir(args)
+    args.run_dir = str(run_dir)
+    print("starting the two-site deployment (first run converts SmolLM2 once) ...", flush=True)
+    try:
+        deployment = launcher.up(args)
+        print(f"PDD is up: {deployment.router_url}", flush=True)
+        return run_demo(deployment.router_url, args.model)
+    finally:
+        launcher.down(run_dir, quiet=True)
+        print("deployment stopped")
+
+
+def _run_dir(args):
+    from pathlib import Path
+
+    from infra.launcher import default_run_dir
+
+    return Path(args.run_dir) if getattr(args, "run_dir", None) else default_run_dir()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pdd`` console script."""
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
-    handlers = {"generate": cmd_generate, "bench": cmd_bench}
+    if args.command != "serve":
+        configure_logging(args.log_level if args.command not in ("up", "demo") else "warning")
+    handlers = {"generate": cmd_generate, "bench": cmd_bench, "up": cmd_up, "down": cmd_down,
+                "status": cmd_status, "wan": cmd_wan, "serve": cmd_serve, "demo": cmd_demo}
     try:
         return handlers[args.command](args)
     except (PddError, ValueError) as exc:

@@ -79,24 +79,36 @@ class PrefillService(EngineService):
 
     async def _serve(self, cmd: StartPrefill, msg):
         log = self.log.bind(request_id=cmd.request_id, pipeline=cmd.pipeline)
+        reply: PrefillCompleted | RequestFailed
         try:
-            reply = await self._prefill(cmd, context_from(headers=msg.headers))
-            log.info("prefill_done", wan_bytes=reply.bytes_per_path.get("wan", 0),
-                     local_bytes=reply.bytes_per_path.get("local", 0), cached_tokens=reply.cached_tokens)
+            reply, sending = await self._prefill(cmd, context_from(headers=msg.headers))
         except asyncio.CancelledError:
-            reply = RequestFailed(request_id=cmd.request_id, instance_id=self.instance_id,
-                                  code="cancelled", message="request cancelled")
+            reply, sending = self._failure(cmd, "cancelled", "request cancelled"), None
         except (PddError, ConnectionError, asyncio.TimeoutError, OSError) as exc:
-            code = getattr(exc, "code", "bulk_unreachable" if not isinstance(exc, asyncio.TimeoutError) else "timeout")
+            code = getattr(exc, "code", "timeout" if isinstance(exc, asyncio.TimeoutError) else "bulk_unreachable")
             log.warning("prefill_failed", code=code, error=str(exc) or type(exc).__name__)
-            reply = RequestFailed(request_id=cmd.request_id, instance_id=self.instance_id, code=code,
-                                  message=str(exc) or type(exc).__name__, retryable=True)
+            reply, sending = self._failure(cmd, code, str(exc) or type(exc).__name__), None
+        # The router learns the KV plan now; the frames keep streaming meanwhile.
         try:
             await msg.respond(encode(reply))
         except nats.errors.Error:
             pass
+        if sending is not None:
+            try:
+                await sending
+                log.info("kv_shipped", **{f"{p}_bytes": n for p, n in reply.bytes_per_path.items()},
+                         cached_tokens=reply.cached_tokens)
+            except (PddError, ConnectionError, asyncio.TimeoutError, OSError) as exc:
+                log.warning("kv_shipping_failed", error=str(exc) or type(exc).__name__)
+                await self.publish(subjects.request_events(cmd.request_id), self._failure(
+                    cmd, "kv_transfer_failed", f"KV transfer failed: {exc or type(exc).__name__}"))
 
-    async def _prefill(self, cmd: StartPrefill, parent) -> PrefillCompleted:
+    def _failure(self, cmd: StartPrefill, code: str, message: str) -> RequestFailed:
+        return RequestFailed(request_id=cmd.request_id, instance_id=self.instance_id, code=code,
+                             message=message, retryable=code != "cancelled")
+
+    async def _prefill(self, cmd: StartPrefill, parent):
+        """Compute, export and free; return the completion and the coroutine still sending."""
         rid = cmd.request_id
         paths = [("wan", cmd.main_decode, "main_decode")]
         if cmd.pipeline == "P-RLD-MD" and cmd.relay_decode is not None:
@@ -117,24 +129,38 @@ class PrefillService(EngineService):
             for path, task in opens.items():
                 flows[path] = await task
             frames = await self._export(rid, len(cmd.token_ids), flows)
-            sent = await asyncio.gather(*(
-                self._send(flows[path], spans[path], frames[flows[path].first_token_index],
-                           self._end_tokens(cmd, role, first_token))
-                for path, _, role in paths))
         except BaseException:
-            for task in opens.values():
-                task.cancel()
-            await asyncio.gather(*(f.cancel("prefill failed or cancelled") for f in flows.values()),
-                                 return_exceptions=True)
-            await self.worker.call(self._free_if_live, rid)
-            raise
-        finally:
+            await self._abandon(rid, opens, flows)
             for span in spans.values():
                 span.end()
-        return PrefillCompleted(
+            raise
+        completed = PrefillCompleted(
             request_id=rid, instance_id=self.instance_id, first_token=first_token,
             prompt_tokens=len(cmd.token_ids), cached_tokens=cached_tokens, compute_s=compute_s,
-            bytes_per_path={path: n for (path, _, _), n in zip(paths, sent)})
+            bytes_per_path={path: sum(_frame_size(f) for f in frames[flows[path].first_token_index])
+                            for path, _, _ in paths})
+
+        async def send_all():
+            try:
+                await asyncio.gather(*(
+                    self._send(flows[path], spans[path], frames[flows[path].first_token_index],
+                               self._end_tokens(cmd, role, first_token))
+                    for path, _, role in paths))
+            except BaseException:
+                await self._abandon(rid, opens, flows)
+                raise
+            finally:
+                for span in spans.values():
+                    span.end()
+
+        return completed, send_all()
+
+    async def _abandon(self, rid, opens, flows):
+        for task in opens.values():
+            task.cancel()
+        await asyncio.gather(*(f.cancel("prefill failed or cancelled") for f in flows.values()),
+                             return_exceptions=True)
+        await self.worker.call(self._free_if_live, rid)
 
     async def _compute_first_token(self, cmd: StartPrefill) -> tuple[int, int]:
         future = asyncio.get_running_loop().create_future()
@@ -205,5 +231,10 @@ class PrefillService(EngineService):
                 future.set_result(out.token_id)
 
     def _free_if_live(self, request_id: str):
+        """Drop the request's sequence if the engine still holds it."""
         if self.engine.holds(request_id):
             self.engine.free(request_id)
+
+
+def _frame_size(parts: list) -> int:
+    return sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)

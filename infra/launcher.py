@@ -1,0 +1,226 @@
+"""``pdd up`` / ``pdd down`` / ``pdd status``: the two-site deployment as local processes.
+
+Topology (the same as docker-compose.yml): site A runs nats-a, the router, prefill,
+relay decode and the cache-index; site B runs nats-b and main decode; the WAN link process
+carries the leafnode (B → A) and every P → MD bulk path. Each service instance is its own
+process with its own log under the run folder; ``state.json`` there lets ``pdd down`` and
+``pdd status`` find them.
+"""
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from infra.nats_server import NatsSite, free_port, leafnode_count, start_nats, wait_until
+from shared.errors import PddError
+from shared.model_loader import model_cache_dir
+
+SITE_A, SITE_B = "site-a", "site-b"
+
+
+class LauncherError(PddError):
+    """The deployment could not be started, found or stopped."""
+
+    code = "launcher_error"
+
+
+@dataclass
+class Deployment:
+    """What ``state.json`` records about a running deployment.
+
+    Attributes:
+        run_dir: Folder with logs, NATS data and this state.
+        router_url: OpenAI base URL.
+        wan_control_url: URL of the WAN link's control API.
+        processes: Name → pid of every process started.
+        nats_urls: Site → client URL.
+    """
+
+    run_dir: str
+    router_url: str
+    wan_control_url: str
+    processes: dict[str, int] = field(default_factory=dict)
+    nats_urls: dict[str, str] = field(default_factory=dict)
+
+
+def default_run_dir() -> Path:
+    """``$PDD_RUN_DIR`` or ``<model cache>/run``."""
+    return Path(os.environ.get("PDD_RUN_DIR", model_cache_dir() / "run"))
+
+
+def load_state(run_dir: Path) -> Deployment | None:
+    """The recorded deployment, if any."""
+    path = run_dir / "state.json"
+    return Deployment(**json.loads(path.read_text())) if path.is_file() else None
+
+
+def up(args) -> Deployment:
+    """Start everything; return once the router reports every instance healthy."""
+    run_dir = Path(args.run_dir)
+    existing = load_state(run_dir)
+    if existing and any(_alive(pid) for pid in existing.processes.values()):
+        raise LauncherError(f"a deployment is already running from {run_dir} (pdd down first)")
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    deployment = Deployment(str(run_dir), f"http://127.0.0.1:{args.http_port}/v1",
+                            f"http://127.0.0.1:{args.wan_control_port}")
+    try:
+        _start_all(args, run_dir, deployment)
+        _save(run_dir, deployment)
+        _wait_healthy(deployment, args)
+    except BaseException:
+        _save(run_dir, deployment)
+        down(run_dir, quiet=True)
+        raise
+    return deployment
+
+
+def _start_all(args, run_dir: Path, deployment: Deployment):
+    site_a = NatsSite(SITE_A, args.nats_a_port, free_port(), run_dir / "jetstream-a", leaf_listen_port=free_port())
+    deployment.processes["nats-a"] = start_nats(site_a, run_dir, run_dir / "logs" / "nats-a.log").pid
+    leaf_port, bulk_ports = free_port(), [(free_port(), free_port()) for _ in range(args.md)]
+    routes = [f"leafnode=127.0.0.1:{leaf_port}>127.0.0.1:{site_a.leaf_listen_port}@{SITE_B}"]
+    routes += [f"bulk-main-decode-{i}=127.0.0.1:{wan}>127.0.0.1:{local}@{SITE_A}"
+               for i, (local, wan) in enumerate(bulk_ports)]
+    deployment.processes["wan-link"] = _spawn(run_dir, "wan-link", [
+        "serve", "wan_link", "--control-port", str(args.wan_control_port), "--bandwidth", args.bandwidth,
+        "--rtt", args.rtt, "--jitter", args.jitter, "--seed", str(args.seed),
+        *[arg for route in routes for arg in ("--route", route)]], {})
+    wait_until(lambda: _http_ok(deployment.wan_control_url + "/link"), 30, "WAN link did not start")
+    site_b = NatsSite(SITE_B, args.nats_b_port, free_port(), run_dir / "jetstream-b",
+                      leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}")
+    deployment.processes["nats-b"] = start_nats(site_b, run_dir, run_dir / "logs" / "nats-b.log").pid
+    wait_until(lambda: leafnode_count(site_a) >= 1, 30, "leafnode between the sites did not connect")
+    deployment.nats_urls = {SITE_A: site_a.url, SITE_B: site_b.url}
+    env = {"PDD_BULK_SECRET": secrets.token_hex(16), "PDD_MODEL": args.model,
+           "PDD_LOG_LEVEL": args.log_level, "PDD_KV_CACHE_MB": str(args.kv_cache_mb)}
+    site_env = {SITE_A: {"PDD_SITE": SITE_A, "PDD_NATS_URL": site_a.url},
+                SITE_B: {"PDD_SITE": SITE_B, "PDD_NATS_URL": site_b.url}}
+    spawn = lambda name, argv, site: _spawn(run_dir, name, argv, {**env, **site_env[site]})  # noqa: E731
+    deployment.processes["cache-index"] = spawn("cache-index", ["serve", "cache_index", "--instance-id", "cache-index-0"], SITE_A)
+    for i in range(args.prefill):
+        deployment.processes[f"prefill-{i}"] = spawn(f"prefill-{i}", [
+            "serve", "prefill", "--instance-id", f"prefill-{i}"], SITE_A)
+    for i in range(args.rld):
+        deployment.processes[f"relay-decode-{i}"] = spawn(f"relay-decode-{i}", [
+            "serve", "relay_decode", "--instance-id", f"relay-decode-{i}"], SITE_A)
+    for i, (local, wan) in enumerate(bulk_ports):
+        deployment.processes[f"main-decode-{i}"] = spawn(f"main-decode-{i}", [
+            "serve", "main_decode", "--instance-id", f"main-decode-{i}", "--bulk-port", str(local),
+            "--bulk-advertise", f"127.0.0.1:{wan}"], SITE_B)
+    from infra.wan_link import parse_ms, parse_rate
+
+    deployment.processes["router"] = spawn("router", [
+        "serve", "router", "--instance-id", "router-0", "--http-port", str(args.http_port),
+        "--wan-bandwidth-mbit", str(parse_rate(args.bandwidth) / 1e6 or 100000),
+        "--wan-rtt-ms", str(parse_ms(args.rtt))], SITE_A)
+
+
+def _spawn(run_dir: Path, name: str, argv: list[str], env: dict[str, str]) -> int:
+    log = open(run_dir / "logs" / f"{name}.log", "ab")
+    process = subprocess.Popen([sys.executable, "-m", "shared.cli", *argv], stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True,
+                               env={**os.environ, **env})
+    return process.pid
+
+
+def _wait_healthy(deployment: Deployment, args):
+    want = {"prefill": args.prefill, "relay_decode": args.rld, "main_decode": args.md, "cache_index": 1}
+
+    def healthy():
+        dead = [name for name, pid in deployment.processes.items() if not _alive(pid)]
+        if dead:
+            raise LauncherError(f"{', '.join(dead)} exited; see {deployment.run_dir}/logs/")
+        health = _get_json(deployment.router_url.removesuffix("/v1") + "/health")
+        return bool(health) and all(len(health["instances"].get(s, [])) >= n for s, n in want.items())
+
+    wait_until(healthy, args.timeout, f"services not healthy after {args.timeout:.0f} s; "
+                                      f"see {deployment.run_dir}/logs/")
+
+
+def down(run_dir: Path, quiet: bool = False) -> list[str]:
+    """Stop every recorded process (services first, then the link and NATS)."""
+    deployment = load_state(run_dir)
+    if deployment is None:
+        if not quiet:
+            raise LauncherError(f"no deployment recorded in {run_dir}")
+        return []
+    order = sorted(deployment.processes, key=lambda n: (n.startswith(("nats", "wan")), n))
+    for name in order:
+        _signal(deployment.processes[name], signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    for name in order:
+        pid = deployment.processes[name]
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _alive(pid):
+            _signal(pid, signal.SIGKILL)
+    (run_dir / "state.json").unlink(missing_ok=True)
+    return order
+
+
+def status(run_dir: Path) -> dict:
+    """Each process alive or not, and the router's view of the instances."""
+    deployment = load_state(run_dir)
+    if deployment is None:
+        raise LauncherError(f"no deployment recorded in {run_dir}")
+    return {"router_url": deployment.router_url, "wan_control_url": deployment.wan_control_url,
+            "processes": {n: ("running" if _alive(p) else "exited") for n, p in deployment.processes.items()},
+            "health": _get_json(deployment.router_url.removesuffix("/v1") + "/health")}
+
+
+def _save(run_dir: Path, deployment: Deployment):
+    (run_dir / "state.json").write_text(json.dumps(asdict(deployment), indent=2))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+        if waited == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except (OSError, IndexError):
+        return False
+
+
+def _signal(pid: int, sig):
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _http_ok(url: str) -> bool:
+    return _get_json(url) is not None
+
+
+def _get_json(url: str):
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            return json.loads(exc.read())
+        except ValueError:
+            return None
+    except (OSError, ValueError):
+        return None

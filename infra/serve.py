@@ -1,0 +1,94 @@
+"""``pdd serve <service>``: run one service as its own process."""
+
+import argparse
+import asyncio
+
+from shared.config import (
+    BulkReceiverConfig,
+    CacheIndexConfig,
+    PrefillConfig,
+    RouterConfig,
+    add_arguments,
+    build_config,
+)
+
+SERVICE_CONFIGS = {
+    "router": RouterConfig,
+    "prefill": PrefillConfig,
+    "relay_decode": BulkReceiverConfig,
+    "main_decode": BulkReceiverConfig,
+    "cache_index": CacheIndexConfig,
+}
+
+
+def add_serve_parsers(commands):
+    """``pdd serve router|prefill|relay_decode|main_decode|cache_index|wan_link``."""
+    serve = commands.add_parser("serve", help="run one service in this process")
+    kinds = serve.add_subparsers(dest="service", required=True)
+    for name, cls in SERVICE_CONFIGS.items():
+        add_arguments(kinds.add_parser(name, help=f"run {name}"), cls)
+    wan = kinds.add_parser("wan_link", help="run the WAN link emulator")
+    wan.add_argument("--control-host", default="127.0.0.1")
+    wan.add_argument("--control-port", type=int, default=8100)
+    wan.add_argument("--route", action="append", default=[], metavar="NAME=HOST:PORT>HOST:PORT@SITE",
+                     help="forward NAME from listen HOST:PORT to target HOST:PORT; SITE is the connecting side's site")
+    wan.add_argument("--bandwidth", default="100mbit")
+    wan.add_argument("--rtt", default="40ms")
+    wan.add_argument("--jitter", default="5ms")
+    wan.add_argument("--seed", type=int, default=0)
+    wan.add_argument("--log-level", default="info")
+
+
+def run_serve(args) -> int:
+    """Run the chosen service until SIGTERM."""
+    if args.service == "wan_link":
+        from infra.wan_link_main import run_wan_link
+
+        asyncio.run(run_wan_link(args))
+        return 0
+    from shared.service import run_service
+
+    cls = SERVICE_CONFIGS[args.service]
+    config = build_config(cls, vars(args), service=args.service.replace("_", "-"))
+    service = _make_service(args.service, config)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(run_service(service))
+    return 0
+
+
+def _make_service(name: str, config):
+    if name == "router":
+        from services.router.service import RouterService
+        return RouterService(config)
+    if name == "prefill":
+        from services.prefill.service import PrefillService
+        return PrefillService(config)
+    if name == "relay_decode":
+        from services.relay_decode.service import RelayDecodeService
+        return RelayDecodeService(config)
+    if name == "main_decode":
+        from services.main_decode.service import MainDecodeService
+        return MainDecodeService(config)
+    from services.cache_index.service import CacheIndexService
+    return CacheIndexService(config)
+
+
+def parse_route(text: str):
+    """``leafnode=127.0.0.1:17422>127.0.0.1:7422@site-b`` → Route."""
+    from infra.wan_link import Route
+
+    try:
+        name, rest = text.split("=", 1)
+        listen, rest = rest.split(">", 1)
+        target, from_site = rest.split("@", 1)
+        listen_host, listen_port = listen.rsplit(":", 1)
+        target_host, target_port = target.rsplit(":", 1)
+        return Route(name, listen_host, int(listen_port), target_host, int(target_port), from_site)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"route {text!r}: expected NAME=HOST:PORT>HOST:PORT@SITE") from None

@@ -1,0 +1,67 @@
+"""``pdd wan set|show|partition``: change the running WAN link through its control API."""
+
+import json
+import urllib.request
+
+from infra.wan_link import parse_ms, parse_rate
+from shared.errors import PddError
+
+
+class WanControlError(PddError):
+    """The WAN link's control API refused or could not be reached."""
+
+    code = "wan_control_error"
+
+
+def add_wan_parsers(commands):
+    """The ``pdd wan`` subcommands."""
+    wan = commands.add_parser("wan", help="show or change the WAN link of a running deployment")
+    wan.add_argument("--control-url", default=None, help="default: from the running deployment")
+    actions = wan.add_subparsers(dest="wan_action", required=True)
+    actions.add_parser("show", help="profile and byte counters")
+    change = actions.add_parser("set", help="change bandwidth, RTT, jitter or stalls")
+    change.add_argument("--bandwidth", help="e.g. 100mbit, 1gbit, unlimited")
+    change.add_argument("--rtt", help="e.g. 40ms")
+    change.add_argument("--jitter", help="e.g. 10ms")
+    change.add_argument("--stall-probability", type=float, help="chance per 64 KiB chunk of a stall")
+    change.add_argument("--stall", help="stall length, e.g. 500ms")
+    change.add_argument("--seed", type=int)
+    partition = actions.add_parser("partition", help="cut (on) or restore (off) the link")
+    partition.add_argument("state", choices=["on", "off"])
+
+
+def profile_changes(args) -> dict:
+    """The control API body for ``pdd wan set`` / ``partition``."""
+    if args.wan_action == "partition":
+        return {"partitioned": args.state == "on"}
+    changes = {}
+    if args.bandwidth is not None:
+        changes["bandwidth_bps"] = parse_rate(args.bandwidth)
+    if args.rtt is not None:
+        changes["rtt_ms"] = parse_ms(args.rtt)
+    if args.jitter is not None:
+        changes["jitter_ms"] = parse_ms(args.jitter)
+    if args.stall_probability is not None:
+        changes["stall_probability"] = args.stall_probability
+    if args.stall is not None:
+        changes["stall_ms"] = parse_ms(args.stall)
+    if args.seed is not None:
+        changes["seed"] = args.seed
+    if not changes:
+        raise WanControlError("nothing to set: give --bandwidth, --rtt, --jitter, --stall-probability, --stall or --seed")
+    return changes
+
+
+def call(control_url: str, changes: dict | None) -> dict:
+    """GET (``changes`` None) or PUT the link profile; return the link's snapshot."""
+    data = json.dumps(changes).encode() if changes is not None else None
+    request = urllib.request.Request(control_url.rstrip("/") + "/link", data=data,
+                                     method="PUT" if data else "GET",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        raise WanControlError(json.loads(exc.read()).get("error", str(exc))) from None
+    except OSError as exc:
+        raise WanControlError(f"WAN link at {control_url} unreachable: {exc}") from None

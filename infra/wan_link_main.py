@@ -1,0 +1,30 @@
+"""The WAN link as a process: its routes plus the HTTP control API ``pdd wan`` talks to."""
+
+import asyncio
+import signal
+
+from aiohttp import web
+
+from infra.wan_link import LinkProfile, WanLink, control_app, parse_ms, parse_rate
+from shared.logging import configure_logging
+
+
+async def run_wan_link(args):
+    """Serve the link until SIGTERM."""
+    from infra.serve import parse_route
+
+    configure_logging(args.log_level)
+    link = WanLink(LinkProfile(bandwidth_bps=parse_rate(args.bandwidth), rtt_ms=parse_ms(args.rtt),
+                               jitter_ms=parse_ms(args.jitter), seed=args.seed))
+    for text in args.route:
+        await link.add_route(parse_route(text))
+    runner = web.AppRunner(control_app(link), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.control_host, args.control_port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    await link.close()

@@ -1,0 +1,110 @@
+"""``pdd up``/``status``/``wan``/``down`` as a user runs them: separate processes, real ports.
+
+Uses the tiny model so the processes start quickly; one test kills a main decoder process
+mid-request and checks the client gets a clear error instead of hanging.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from openai import APIError, AsyncOpenAI
+
+from infra.launcher import load_state
+from infra.nats_server import free_port
+from tests.helpers import reference_greedy
+
+PDD = str(Path(sys.executable).parent / "pdd")
+
+
+def pdd(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([PDD, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    ports = {"--http-port": free_port(), "--nats-a-port": free_port(), "--nats-b-port": free_port(),
+             "--wan-control-port": free_port()}
+    result = pdd("up", "--detach", "--model", "tiny", "--md", "2", "--kv-cache-mb", "64",
+                 "--run-dir", str(run_dir), *[str(x) for kv in ports.items() for x in kv])
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert f"http://127.0.0.1:{ports['--http-port']}/v1" in result.stdout
+    yield run_dir, ports
+    stopped = pdd("down", "--run-dir", str(run_dir))
+    assert stopped.returncode == 0, stopped.stderr
+    assert load_state(run_dir) is None
+
+
+def client(ports) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"http://127.0.0.1:{ports['--http-port']}/v1", api_key="none",
+                       max_retries=0, timeout=60)
+
+
+async def test_openai_client_gets_exact_answers_from_both_decoders(deployment, tiny):
+    _, ports = deployment
+    api = client(ports)
+    models = await api.models.list()
+    assert [m.id for m in models.data] == ["smollm2-135m-instruct"]
+    questions = [f"What is {i} plus {i}?" for i in range(6)]
+    answers = await asyncio.gather(*(api.chat.completions.create(
+        model="smollm2-135m-instruct", messages=[{"role": "user", "content": q}], max_tokens=20,
+        temperature=0, extra_body={"ignore_eos": True}) for q in questions))
+    for question, answer in zip(questions, answers):
+        prompt = list(tiny.tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
+            return_dict=False))
+        expected = tiny.tokenizer.decode(reference_greedy(tiny, prompt, 20), skip_special_tokens=True)
+        assert answer.choices[0].message.content == expected
+    used = {a.model_extra["pdd"]["instances"]["main_decode"] for a in answers}
+    assert used == {"main-decode-0", "main-decode-1"}
+
+
+def test_status_and_wan_control(deployment):
+    run_dir, ports = deployment
+    status = json.loads(pdd("status", "--run-dir", str(run_dir)).stdout)
+    assert set(status["processes"].values()) == {"running"}
+    assert len(status["health"]["instances"]["main_decode"]) == 2
+    control = f"http://127.0.0.1:{ports['--wan-control-port']}"
+    changed = pdd("wan", "--control-url", control, "set", "--bandwidth", "1gbit", "--rtt", "10ms")
+    assert changed.returncode == 0, changed.stderr
+    profile = json.loads(changed.stdout)["profile"]
+    assert profile["bandwidth_bps"] == 1e9 and profile["rtt_ms"] == 10
+    shown = json.loads(pdd("wan", "--control-url", control, "show").stdout)
+    assert shown["routes"]["leafnode"]["bytes_forward"] > 0
+    bad = pdd("wan", "--control-url", control, "set", "--bandwidth", "fast")
+    assert bad.returncode == 2 and "bandwidth 'fast'" in bad.stderr
+
+
+async def test_killing_a_main_decoder_mid_request_never_hangs(deployment):
+    run_dir, ports = deployment
+    api = client(ports)
+    state = load_state(run_dir)
+    decoding = [asyncio.Event() for _ in range(4)]
+
+    async def long_request(i):
+        stream = await api.chat.completions.create(
+            model="smollm2-135m-instruct", messages=[{"role": "user", "content": f"Story {i}"}],
+            max_tokens=3000, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        chunks = 0
+        async for _ in stream:
+            chunks += 1
+            decoding[i].set()
+        return chunks
+
+    requests = [asyncio.create_task(long_request(i)) for i in range(4)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in decoding)), 60)
+    os.kill(state.processes["main-decode-1"], signal.SIGKILL)
+    started = time.monotonic()
+    results = await asyncio.wait_for(asyncio.gather(*requests, return_exceptions=True), 120)
+    failures = [r for r in results if isinstance(r, Exception)]
+    for failure in failures:
+        assert isinstance(failure, APIError) and "main-decode-1" in str(failure), failure
+    assert 1 <= len(failures) < 4, "the killed decoder's requests fail, the others complete"
+    assert time.monotonic() - started < 100
