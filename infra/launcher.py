@@ -24,6 +24,18 @@ from shared.model_loader import model_cache_dir
 
 SITE_A, SITE_B = "site-a", "site-b"
 
+TOPOLOGY = {
+    "nats-a": (SITE_A,), "nats-b": (SITE_B,), "wan-link": (SITE_A, SITE_B),
+    "cache-index": (SITE_A,), "prefill": (SITE_A,), "relay-decode": (SITE_A,),
+    "main-decode": (SITE_B,), "router": (SITE_A,),
+}
+"""Process kinds (instances get a ``-N`` suffix) and the sites they sit in; docker-compose.yml
+has one service per kind on the same networks."""
+
+SERVICE_OF = {"cache-index": "cache_index", "prefill": "prefill", "relay-decode": "relay_decode",
+              "main-decode": "main_decode", "router": "router"}
+"""The ``pdd serve`` service each process kind runs."""
+
 
 class LauncherError(PddError):
     """The deployment could not be started, found or stopped."""
@@ -102,24 +114,24 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
            "PDD_LOG_LEVEL": args.log_level, "PDD_KV_CACHE_MB": str(args.kv_cache_mb)}
     site_env = {SITE_A: {"PDD_SITE": SITE_A, "PDD_NATS_URL": site_a.url},
                 SITE_B: {"PDD_SITE": SITE_B, "PDD_NATS_URL": site_b.url}}
-    spawn = lambda name, argv, site: _spawn(run_dir, name, argv, {**env, **site_env[site]})  # noqa: E731
-    deployment.processes["cache-index"] = spawn("cache-index", ["serve", "cache_index", "--instance-id", "cache-index-0"], SITE_A)
+
+    def spawn(kind: str, index: int, *flags: str):
+        name = kind if kind == "router" else f"{kind}-{index}"
+        argv = ["serve", SERVICE_OF[kind], "--instance-id", f"{kind}-{index}", *flags]
+        deployment.processes[name] = _spawn(run_dir, name, argv, {**env, **site_env[TOPOLOGY[kind][0]]})
+
+    spawn("cache-index", 0)
     for i in range(args.prefill):
-        deployment.processes[f"prefill-{i}"] = spawn(f"prefill-{i}", [
-            "serve", "prefill", "--instance-id", f"prefill-{i}"], SITE_A)
+        spawn("prefill", i)
     for i in range(args.rld):
-        deployment.processes[f"relay-decode-{i}"] = spawn(f"relay-decode-{i}", [
-            "serve", "relay_decode", "--instance-id", f"relay-decode-{i}"], SITE_A)
+        spawn("relay-decode", i)
     for i, (local, wan) in enumerate(bulk_ports):
-        deployment.processes[f"main-decode-{i}"] = spawn(f"main-decode-{i}", [
-            "serve", "main_decode", "--instance-id", f"main-decode-{i}", "--bulk-port", str(local),
-            "--bulk-advertise", f"127.0.0.1:{wan}"], SITE_B)
+        spawn("main-decode", i, "--bulk-port", str(local), "--bulk-advertise", f"127.0.0.1:{wan}")
     from infra.wan_link import parse_ms, parse_rate
 
-    deployment.processes["router"] = spawn("router", [
-        "serve", "router", "--instance-id", "router-0", "--http-port", str(args.http_port),
-        "--wan-bandwidth-mbit", str(parse_rate(args.bandwidth) / 1e6 or 100000),
-        "--wan-rtt-ms", str(parse_ms(args.rtt))], SITE_A)
+    spawn("router", 0, "--http-port", str(args.http_port),
+          "--wan-bandwidth-mbit", str(parse_rate(args.bandwidth) / 1e6 or 100000),
+          "--wan-rtt-ms", str(parse_ms(args.rtt)))
 
 
 def _spawn(run_dir: Path, name: str, argv: list[str], env: dict[str, str]) -> int:
