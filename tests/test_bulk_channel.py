@@ -1,0 +1,135 @@
+"""The bulk KV channel on real sockets: authentication, replay protection, cancel, bad bytes."""
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+
+from shared.bulk.auth import new_nonce, sign
+from shared.bulk.framing import control_bytes, read_message
+from shared.bulk.receiver import BulkReceiver
+from shared.bulk.sender import FlowRefused, open_flow
+from shared.engine.engine import Engine
+from shared.engine.sampling import SamplingParams
+from shared.errors import InvalidRequestState
+from shared.messages import FlowAccepted, FlowOpen, FlowRejected
+from tests.helpers import prompt_of_length, until
+
+SECRET = "s3cret"
+SAMPLING = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+class RecordingHandler:
+    """Imports into a real engine and records what the receiver told it."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.events: list[tuple[str, str]] = []
+        self.ended = asyncio.Event()
+        self.aborted = asyncio.Event()
+
+    async def open_flow(self, flow_open):
+        if flow_open.request_id == "refuse-me":
+            raise InvalidRequestState("refused on purpose")
+        self.events.append(("open", flow_open.request_id))
+        return self.engine.begin_import(flow_open.request_id, flow_open.token_ids, flow_open.sampling)
+
+    async def import_frame(self, request_id, frame):
+        self.engine.import_frame(frame)
+        self.events.append(("frame", request_id))
+
+    async def end_flow(self, request_id, output_token_ids, stats):
+        self.engine.finish_import(request_id, output_token_ids)
+        self.events.append(("end", request_id))
+        self.ended.set()
+
+    async def abort_flow(self, request_id, reason):
+        self.engine.free(request_id)
+        self.events.append(("abort", reason))
+        self.aborted.set()
+
+
+@pytest.fixture
+async def channel(tiny):
+    sender, receiver_engine = Engine(tiny, num_blocks=32), Engine(tiny, num_blocks=32)
+    handler = RecordingHandler(receiver_engine)
+    receiver = BulkReceiver(handler, receiver_engine.frame_expectation, SECRET, path="wan",
+                            frame_timeout_s=5)
+    host, port = await receiver.start()
+    yield sender, handler, f"{host}:{port}"
+    await receiver.stop()
+
+
+def flow_open_for(request_id: str, prompt: list[int]) -> FlowOpen:
+    return FlowOpen(request_id=request_id, role="main_decode", token_ids=prompt, sampling=SAMPLING,
+                    seed=1, sender_id="test", unix_s=0.0, nonce="")
+
+
+async def test_a_flow_delivers_kv_and_counts_bytes(channel, tiny):
+    sender, handler, endpoint = channel
+    prompt = prompt_of_length(tiny, 70)
+    sender.add_request("r", prompt, SAMPLING)
+    first = sender.step()[0].token_id
+    flow = await open_flow(endpoint, flow_open_for("r", prompt), SECRET, path="wan", timeout_s=5)
+    frames = sender.export_frames("r", flow.first_token_index, len(prompt), max_tokens_per_frame=32)
+    for parts in frames:
+        await flow.send_frame(parts)
+    await flow.end([first])
+    await asyncio.wait_for(handler.ended.wait(), 5)
+    assert handler.events == [("open", "r"), ("frame", "r"), ("frame", "r"), ("frame", "r"), ("end", "r")]
+    assert flow.bytes_sent > 70 * sender.layout.kv_bytes_per_token
+    assert handler.engine.get("r").num_imported_tokens == 70
+
+
+async def test_wrong_secret_is_refused_before_anything_is_imported(channel, tiny):
+    _, handler, endpoint = channel
+    with pytest.raises(FlowRefused, match="bulk secret"):
+        await open_flow(endpoint, flow_open_for("r", [1, 2, 3]), "not-the-secret", path="wan", timeout_s=5)
+    assert handler.events == []
+
+
+async def test_replayed_flow_open_is_refused(channel):
+    _, handler, endpoint = channel
+    fresh = msgspec.structs.replace(flow_open_for("r", [1, 2, 3]), unix_s=time.time(), nonce=new_nonce())
+    signed = sign(fresh, SECRET)
+    answers = []
+    for _ in range(2):
+        host, port = endpoint.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(control_bytes(signed))
+        answers.append((await read_message(reader, None))[0])
+        writer.close()
+    assert isinstance(answers[0], FlowAccepted)
+    assert isinstance(answers[1], FlowRejected) and "replayed" in answers[1].message
+
+
+async def test_receiver_refusal_reaches_the_sender(channel):
+    _, _, endpoint = channel
+    with pytest.raises(FlowRefused, match="refused on purpose"):
+        await open_flow(endpoint, flow_open_for("refuse-me", [1, 2, 3]), SECRET, path="wan", timeout_s=5)
+
+
+async def test_cancel_mid_flow_discards_partial_kv(channel, tiny):
+    sender, handler, endpoint = channel
+    prompt = prompt_of_length(tiny, 70)
+    sender.add_request("r", prompt, SAMPLING)
+    sender.step()
+    flow = await open_flow(endpoint, flow_open_for("r", prompt), SECRET, path="wan", timeout_s=5)
+    frames = sender.export_frames("r", 0, len(prompt), max_tokens_per_frame=32)
+    await flow.send_frame(frames[0])
+    await flow.cancel("odd traffic finished on the relay")
+    await asyncio.wait_for(handler.aborted.wait(), 5)
+    assert handler.events[-1] == ("abort", "cancelled by sender: odd traffic finished on the relay")
+    assert handler.engine.num_sequences == 0 and handler.engine.blocks.num_used_blocks == 0
+
+
+async def test_garbage_bytes_drop_the_connection(channel, tiny):
+    sender, handler, endpoint = channel
+    prompt = prompt_of_length(tiny, 20)
+    await open_flow(endpoint, flow_open_for("r", prompt), SECRET, path="wan", timeout_s=5)
+    flow = await open_flow(endpoint, flow_open_for("g", prompt), SECRET, path="wan", timeout_s=5)
+    flow._writer.write(b"XXXX" + b"\0" * 64)
+    await until(lambda: ("abort", "kv_frame_corrupt: unexpected message magic b'XXXX'") in handler.events,
+                5, "the receiver to drop the flow")
+    assert not handler.engine.holds("g")
