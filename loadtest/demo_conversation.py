@@ -30,26 +30,29 @@ TURNS = [
 ]
 
 
-def long_tool_output(num_lines: int = 48) -> str:
+def long_tool_output(num_lines: int = 24) -> str:
     """A realistic, deterministic tool output of roughly 25 tokens per line."""
     return "\n".join(f"[{i:03d}] {TOOL_OUTPUT_LINES[i % len(TOOL_OUTPUT_LINES)]} (checked at step {i * 7})"
                      for i in range(num_lines))
 
 
-def run_demo(base_url: str, model: str, max_tokens: int = 48) -> int:
+def run_demo(base_url: str, model: str, max_tokens: int = 48, first_turn_max_tokens: int = 96) -> int:
     """Hold the conversation; print one line per turn and the answers; return an exit code."""
     client = OpenAI(base_url=base_url, api_key="not-needed")
     served = client.models.list().data[0].id
     messages = [{"role": "system", "content": "You are a careful coding agent. Answer briefly."}]
-    print(f"model {served} ({model}); {len(TURNS)} turns, max {max_tokens} tokens each\n")
+    print(f"model {served} ({model}); {len(TURNS)} turns, max {first_turn_max_tokens} then "
+          f"{max_tokens} tokens\n")
     print(f"{'turn':>4} {'prompt':>7} {'TTFT ms':>8} {'pipeline':>9} {'eager':>6} {'handoff':>10} "
           f"{'done on':>8} {'MD cached':>10} {'WAN KB':>8}")
     for turn, template in enumerate(TURNS, 1):
         messages.append({"role": "user", "content": template.format(tool=long_tool_output())})
         started = time.perf_counter()
         ttft_ms, text, pdd = None, [], {}
+        # A longer first answer lets the relay hand over once the WAN copy has landed.
+        limit = first_turn_max_tokens if turn == 1 else max_tokens
         stream = client.chat.completions.create(
-            model=served, messages=messages, max_tokens=max_tokens, temperature=0, stream=True)
+            model=served, messages=messages, max_tokens=limit, temperature=0, stream=True)
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 ttft_ms = ttft_ms or (time.perf_counter() - started) * 1000
