@@ -1,12 +1,10 @@
 """The WAN link as a process: its routes plus the HTTP control API ``pdd wan`` talks to."""
 
-import asyncio
-import signal
-
 from aiohttp import web
 
 from infra.wan_link import LinkProfile, WanLink, control_app, parse_ms, parse_rate
 from shared.logging import configure_logging
+from shared.service import wait_for_termination
 
 
 async def run_wan_link(args):
@@ -21,10 +19,6 @@ async def run_wan_link(args):
     runner = web.AppRunner(control_app(link), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.control_host, args.control_port).start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_termination()
     await runner.cleanup()
     await link.close()

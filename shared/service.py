@@ -95,14 +95,19 @@ class Service:
         await self.on_cancel(cancel)
 
 
-async def run_service(service: Service):
-    """Run until SIGTERM/SIGINT, then stop gracefully."""
-    configure_logging(service.config.log_level)
-    configure_tracing(f"pdd-{service.service_name}", service.config.otlp_endpoint)
+async def wait_for_termination():
+    """Return at the first SIGTERM or SIGINT."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await service.start()
     await stop.wait()
+
+
+async def run_service(service: Service):
+    """Run until SIGTERM/SIGINT, then stop gracefully."""
+    configure_logging(service.config.log_level)
+    configure_tracing(f"pdd-{service.service_name}", service.config.otlp_endpoint)
+    await service.start()
+    await wait_for_termination()
     await service.stop()
