@@ -23,6 +23,7 @@ from shared.config import (
     BulkReceiverConfig,
     CacheIndexConfig,
     PrefillConfig,
+    RelayDecodeConfig,
     RouterConfig,
     build_config,
 )
@@ -37,13 +38,15 @@ class LocalStack:
     def __init__(self, loaded: LoadedModel, metadata: ModelMetadata, *, num_main: int = 1,
                  num_relay: int = 1, profile: LinkProfile | None = None,
                  router_settings: dict | None = None, engine_settings: dict | None = None,
-                 decode_settings: dict | None = None, secret: str = "local-stack-secret"):
+                 decode_settings: dict | None = None, relay_settings: dict | None = None,
+                 secret: str = "local-stack-secret"):
         self.loaded, self.metadata = loaded, metadata
         self.num_main, self.num_relay = num_main, num_relay
         self.link = WanLink(profile or LinkProfile(bandwidth_bps=0, rtt_ms=0, jitter_ms=0))
         self.router_settings = router_settings or {}
         self.engine_settings = {"model": loaded.name, "kv_cache_mb": 64, **(engine_settings or {})}
         self.decode_settings = decode_settings or {}
+        self.relay_settings = relay_settings or {}
         self.secret = secret
         self.workdir = Path(tempfile.mkdtemp(prefix="pdd-stack-"))
         self.nats_processes = []
@@ -90,9 +93,9 @@ class LocalStack:
             **common, **self.engine_settings, "site": SITE_A, "nats_url": a_url,
             "instance_id": "prefill-0"}, {}), self.loaded)
         for i in range(self.num_relay):
-            self.relays.append(RelayDecodeService(build_config(BulkReceiverConfig, {
-                **common, **self.engine_settings, **self.decode_settings, "site": SITE_A,
-                "nats_url": a_url, "instance_id": f"relay-decode-{i}"}, {}), self.loaded))
+            self.relays.append(RelayDecodeService(build_config(RelayDecodeConfig, {
+                **common, **self.engine_settings, **self.decode_settings, **self.relay_settings,
+                "site": SITE_A, "nats_url": a_url, "instance_id": f"relay-decode-{i}"}, {}), self.loaded))
         for i in range(self.num_main):
             bulk_port = free_port()
             wan_port = await self.link.add_route(Route(f"bulk-main-decode-{i}", "127.0.0.1", 0,

@@ -7,6 +7,7 @@ from shared.config import (
     BulkReceiverConfig,
     CacheIndexConfig,
     PrefillConfig,
+    RelayDecodeConfig,
     RouterConfig,
     add_arguments,
     build_config,
@@ -15,7 +16,7 @@ from shared.config import (
 SERVICE_CONFIGS = {
     "router": RouterConfig,
     "prefill": PrefillConfig,
-    "relay_decode": BulkReceiverConfig,
+    "relay_decode": RelayDecodeConfig,
     "main_decode": BulkReceiverConfig,
     "cache_index": CacheIndexConfig,
 }

@@ -94,6 +94,16 @@ class BulkReceiverConfig(EngineConfig):
 
 
 @dataclass(frozen=True)
+class RelayDecodeConfig(BulkReceiverConfig):
+    """Settings of relay decode: when to hand over, and how."""
+
+    catch_up_threshold_tokens: int = setting(64, "backlog above which the handoff goes in catch-up chunks", positive)
+    final_gap_tokens: int = setting(8, "catch-up hands over for good once the gap is this small", non_negative)
+    load_watermark: float = setting(0.5, "relay load (active/max sequences) at which it hands over one-shot", positive)
+    max_catch_up_chunks: int = setting(8, "catch-up hands over for good after this many chunks", positive)
+
+
+@dataclass(frozen=True)
 class PrefillConfig(EngineConfig):
     """Settings of the prefill service."""
 

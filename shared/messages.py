@@ -73,13 +73,18 @@ class HandoffTokens(_Message, kw_only=True):
         start_index: Output index of ``token_ids[0]`` (0 for the first handoff).
         token_ids: Output tokens the relay has emitted, in order.
         final: True when the relay stops after this handoff and the main decoder owns the
-            request from ``start_index + len(token_ids)`` on.
+            request from ``start_index + len(token_ids)`` on; False for a catch-up chunk the
+            main decoder only absorbs (computes KV, samples nothing).
+        mode: ``one-shot`` or ``catch-up``.
+        chunk: 1-based number of this chunk for the request.
     """
 
     request_id: str
     start_index: int
     token_ids: list[int]
     final: bool = True
+    mode: Literal["one-shot", "catch-up"] = "one-shot"
+    chunk: int = 1
 
 
 class CancelRequest(_Message, kw_only=True):
@@ -197,14 +202,19 @@ class HandoffAccepted(_Message, kw_only=True):
     Attributes:
         request_id: The request.
         instance_id: The main decode instance.
-        next_index: Output index the main decoder produces next.
-        chunk: 1-based number of this handoff for the request.
+        next_index: Output index the main decoder holds KV up to (and produces next, after
+            a final chunk).
+        chunk: 1-based number of the chunk accepted.
+        mode: ``one-shot`` or ``catch-up``.
+        final: Whether the main decoder now owns the request.
     """
 
     request_id: str
     instance_id: str
     next_index: int
     chunk: int = 1
+    mode: Literal["one-shot", "catch-up"] = "one-shot"
+    final: bool = True
 
 
 class RequestFailed(_Message, kw_only=True):

@@ -176,3 +176,30 @@ def test_import_converts_dtype_between_heterogeneous_instances(tiny):
     got = receiver.pool.export_tokens(receiver.get("r").block_ids, len(prompt))
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), sent, rtol=1e-2, atol=1e-2)
+
+
+def test_catch_up_handoff_in_chunks_is_exact(tiny):
+    """Main decode absorbs the relay's tokens in several held chunks, then takes over."""
+    prompt = prompt_of_length(tiny, 90)
+    sampling = SamplingParams(max_tokens=130, ignore_eos=True)
+    relay, main = Engine(tiny, num_blocks=64), Engine(tiny, num_blocks=64)
+    relay.add_request("r", prompt, sampling)
+    main.begin_import("r", prompt, sampling)
+    relay.step()
+    ship(relay, main, "r", 0)
+    main.finish_import("r", [])
+    handed = 0
+    for chunk_end in (70, 95, 100):  # two held chunks while the relay keeps going, then final
+        while len(relay.get("r").output_token_ids) < chunk_end:
+            relay.step()
+        tokens = relay.get("r").output_token_ids[handed:chunk_end]
+        final = chunk_end == 100
+        main.extend("r", tokens, sample=final)
+        outputs = main.step()
+        if final:
+            assert [o.token_index for o in outputs] == [100] and outputs[0].token_id is not None
+        else:
+            assert [(o.absorbed, o.token_index, o.token_id) for o in outputs] == [(True, chunk_end, None)]
+        handed = chunk_end
+    assert main.get("r").num_computed_tokens == 100
+    assert run_to_end(main, "r") == reference_greedy(tiny, prompt, sampling.max_tokens)

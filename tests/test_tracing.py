@@ -9,7 +9,8 @@ EXPECTED_SPANS = {"router.route", "router.cache_index.query", "prefill.compute",
 
 
 async def test_one_trace_spans_the_whole_relay_pipeline(make_stack, spans):
-    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-RLD-MD"})
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-RLD-MD"},
+                             relay_settings={"catch_up_threshold_tokens": 10_000})
     status, body = await post(stack, "/chat/completions", chat_body("Tell me about owls. " * 20, 150))
     assert status == 200 and body["pdd"]["handoff_mode"] == "one-shot"
     request_id = body["id"]

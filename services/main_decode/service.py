@@ -17,7 +17,7 @@ from shared.config import BulkReceiverConfig
 from shared.decode_service import DecodeService
 from shared.engine.engine import StepOutput
 from shared.engine.sequence import Sequence, SequenceStatus
-from shared.errors import PddError
+from shared.errors import InvalidRequestState, PddError
 from shared.messages import HandoffAccepted, HandoffTokens, KvReady, RequestFailed, decoder, encode
 from shared.metrics import HANDOFFS
 from shared.tracing import context_from, tracer
@@ -37,7 +37,7 @@ class MainDecodeService(DecodeService):
         super().__init__(config, loaded)
         self._traceparents: dict[str, str | None] = {}
         self._recompute_spans: dict[str, trace.Span] = {}
-        self._handoff_chunks: dict[str, int] = {}
+        self._absorbing: dict[str, asyncio.Future] = {}
 
     async def on_start(self):
         await super().on_start()
@@ -63,41 +63,67 @@ class MainDecodeService(DecodeService):
         handoff = _handoff_decoder.decode(msg.data)
         rid = handoff.request_id
         parent = context_from(headers=msg.headers)
+        recompute = _tracer.start_span("main.recompute", context=parent, attributes={
+            "request_id": rid, "tokens": len(handoff.token_ids), "chunk": handoff.chunk,
+            "mode": handoff.mode, "final": handoff.final})
         try:
-            seq = await self.worker.call(self.engine.extend, rid, handoff.token_ids)
-        except PddError as exc:
-            self.log.warning("handoff_refused", request_id=rid, error=str(exc))
-            await msg.respond(encode(RequestFailed(request_id=rid, instance_id=self.instance_id,
-                                                   code=exc.code, message=str(exc))))
+            seq = await self.worker.call(self._extend, handoff)
+            if not handoff.final:
+                # A catch-up chunk: answer once its KV is computed, so the relay sends the
+                # next chunk only when this one is absorbed.
+                absorbed = asyncio.get_running_loop().create_future()
+                self._absorbing[rid] = absorbed
+                self.loop.wake()
+                await asyncio.wait_for(absorbed, self.config.handoff_timeout_s)
+        except (PddError, asyncio.TimeoutError) as exc:
+            recompute.end()
+            self._absorbing.pop(rid, None)
+            self.log.warning("handoff_refused", request_id=rid, error=str(exc) or "timeout")
+            await msg.respond(encode(RequestFailed(
+                request_id=rid, instance_id=self.instance_id,
+                code=getattr(exc, "code", "timeout"), message=str(exc) or "absorbing timed out")))
             return
-        chunk = self._handoff_chunks.get(rid, 0) + 1
-        self._handoff_chunks[rid] = chunk
         accepted = HandoffAccepted(request_id=rid, instance_id=self.instance_id,
-                                   next_index=len(seq.output_token_ids), chunk=chunk)
+                                   next_index=len(seq.output_token_ids), chunk=handoff.chunk,
+                                   mode=handoff.mode, final=handoff.final)
         await msg.respond(encode(accepted))
         await self.publish(subjects.request_events(rid), accepted)
-        HANDOFFS.labels("one-shot" if handoff.final else "catch-up").inc()
-        self.log.info("handoff_accepted", request_id=rid, tokens=len(handoff.token_ids), chunk=chunk)
+        self.log.info("handoff_accepted", request_id=rid, tokens=len(handoff.token_ids),
+                      chunk=handoff.chunk, mode=handoff.mode, final=handoff.final)
+        if not handoff.final:
+            recompute.end()
+            return
+        HANDOFFS.labels(handoff.mode).inc()
         if seq.status is SequenceStatus.FINISHED:
+            recompute.end()
             await self.worker.call(self._free_if_live, rid)
             return
-        self._recompute_spans[rid] = _tracer.start_span(
-            "main.recompute", context=parent,
-            attributes={"request_id": rid, "tokens": len(handoff.token_ids), "chunk": chunk})
+        self._recompute_spans[rid] = recompute  # ends with the first token main decode samples
         if rid not in self.spans:
             self.start_span(rid, "main.decode", self._traceparents.get(rid), pipeline="P-RLD-MD")
         self.loop.wake()
 
+    def _extend(self, handoff: HandoffTokens):
+        seq = self.engine.get(handoff.request_id)
+        if handoff.start_index != len(seq.output_token_ids):
+            raise InvalidRequestState(f"handoff starts at {handoff.start_index}, main decode "
+                                      f"holds {len(seq.output_token_ids)} output tokens")
+        return self.engine.extend(handoff.request_id, handoff.token_ids, sample=handoff.final)
+
     async def _on_outputs(self, outputs: list[StepOutput]):
         for out in outputs:
+            if out.absorbed:
+                future = self._absorbing.pop(out.request_id, None)
+                if future is not None and not future.done():
+                    future.set_result(out.token_index)
+                continue
             span = self._recompute_spans.pop(out.request_id, None)
             if span is not None:
                 span.end()
-        await super()._on_outputs(outputs)
+        await super()._on_outputs([o for o in outputs if not o.absorbed])
 
     async def on_finished(self, out: StepOutput):
         self._traceparents.pop(out.request_id, None)
-        self._handoff_chunks.pop(out.request_id, None)
 
     async def on_cancel(self, cancel):
         self._traceparents.pop(cancel.request_id, None)

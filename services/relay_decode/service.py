@@ -2,8 +2,9 @@
 
 It receives the prompt KV over the fast local path with the prefill's first token, starts
 decoding at once and streams those eager tokens to the client. When main decode announces
-``KvReady`` it hands over the token IDs it produced (never KV); once main decode accepts,
-it frees the request. If the handoff fails it simply finishes the request itself.
+``KvReady`` the request's ``HandoffMachine`` decides one-shot or catch-up; the relay hands
+over token IDs (never KV) chunk by chunk and, once main decode owns the request, frees it.
+If a handoff fails the relay simply finishes the request itself.
 """
 
 import asyncio
@@ -11,9 +12,11 @@ import asyncio
 import nats
 from opentelemetry import trace
 
+from services.relay_decode.handoff import HandoffChunk, HandoffMachine, HandoffPolicy, HandoffState
 from shared import subjects
 from shared.bulk.kv_importer import ImportState
 from shared.bulk.receiver import FlowStats
+from shared.config import RelayDecodeConfig
 from shared.decode_service import DecodeService
 from shared.engine.engine import StepOutput
 from shared.engine.sequence import Sequence, SequenceStatus
@@ -42,14 +45,25 @@ class RelayDecodeService(DecodeService):
     producer = "RLD"
     bulk_path = "local"
 
-    def __init__(self, config, loaded=None):
+    def __init__(self, config: RelayDecodeConfig, loaded=None):
         super().__init__(config, loaded)
+        self.config: RelayDecodeConfig = config
+        self.policy = HandoffPolicy(config.catch_up_threshold_tokens, config.final_gap_tokens,
+                                    config.load_watermark, config.max_catch_up_chunks)
+        self.machines: dict[str, HandoffMachine] = {}
+        self._main: dict[str, KvReady] = {}
         self._event_subs: dict[str, nats.aio.subscription.Subscription] = {}
         self._traceparents: dict[str, str | None] = {}
+        self._handoffs: dict[str, asyncio.Task] = {}
+
+    def load(self) -> float:
+        """Active sequences over capacity: what the handoff mode switch looks at."""
+        return self.engine.num_sequences / self.config.max_sequences
 
     async def _on_import_open(self, flow_open: FlowOpen):
         rid = flow_open.request_id
         self._traceparents[rid] = flow_open.traceparent
+        self.machines[rid] = HandoffMachine(rid, self.policy)
         self._event_subs[rid] = await self.nc.subscribe(
             subjects.request_events(rid), cb=self._on_request_event)
 
@@ -60,46 +74,79 @@ class RelayDecodeService(DecodeService):
 
     async def _on_request_event(self, msg):
         event = _event_decoder.decode(msg.data)
-        if isinstance(event, KvReady):
-            asyncio.create_task(self._hand_over(event))
-
-    async def _hand_over(self, ready: KvReady):
-        rid = ready.request_id
-        token_ids = await self.worker.call(self._pause_for_handoff, rid)
-        if token_ids is None:
+        machine = self.machines.get(event.request_id)
+        if not isinstance(event, KvReady) or machine is None or machine.state is not HandoffState.DECODING:
+            return
+        emitted = await self.worker.call(self._emitted, event.request_id)
+        if emitted is None:
             return  # finished here already, or dropped
-        span = _tracer.start_span("handoff", context=context_from(self._traceparents.get(rid)),
-                                  attributes={"request_id": rid, "mode": "one-shot", "chunk": 1,
-                                              "tokens": len(token_ids)})
+        self._main[event.request_id] = event
+        self._start_handoff(event.request_id, machine.kv_ready(emitted, self.load()))
+
+    def _start_handoff(self, request_id: str, chunk: HandoffChunk | None):
+        if chunk is not None and request_id not in self._handoffs:
+            task = asyncio.create_task(self._hand_over(request_id, chunk))
+            self._handoffs[request_id] = task
+            task.add_done_callback(lambda _: self._handoffs.pop(request_id, None))
+
+    async def _hand_over(self, rid: str, chunk: HandoffChunk | None):
+        machine, ready = self.machines[rid], self._main[rid]
         subject = subjects.instance_work(ready.site, "main_decode", ready.instance_id, subjects.HANDOFF)
-        handoff = HandoffTokens(request_id=rid, start_index=0, token_ids=token_ids, final=True)
+        while chunk is not None:
+            tokens = await self.worker.call(self._chunk_tokens, rid, chunk)
+            if tokens is None:
+                machine.finished_locally("relay sequence ended before the handoff")
+                return
+            answer = await self._send_chunk(rid, subject, chunk, tokens)
+            if not isinstance(answer, HandoffAccepted):
+                machine.failed("main decode did not accept the handoff")
+                await self.worker.call(self._resume_if_paused, rid)
+                self.loop.wake()
+                return
+            emitted = await self.worker.call(self._emitted, rid)
+            chunk = machine.accepted(answer.next_index, emitted or answer.next_index, self.load())
+        if machine.state is HandoffState.RELEASED:
+            await self.worker.call(self._free_if_live, rid)
+            self.end_span(rid, handoff_mode=machine.mode, handoff_chunks=machine.chunks)
+            self.log.info("handed_over", request_id=rid, mode=machine.mode, chunks=machine.chunks,
+                          tokens=machine.handed_index, main_decode=ready.instance_id)
+            await self._forget(rid)
+
+    async def _send_chunk(self, rid: str, subject: str, chunk: HandoffChunk, tokens: list[int]):
+        handoff = HandoffTokens(request_id=rid, start_index=chunk.start_index, token_ids=tokens,
+                                final=chunk.final, mode=chunk.mode, chunk=chunk.chunk)
+        span = _tracer.start_span("handoff", context=context_from(self._traceparents.get(rid)), attributes={
+            "request_id": rid, "mode": chunk.mode, "chunk": chunk.chunk, "tokens": len(tokens),
+            "final": chunk.final})
         try:
             with trace.use_span(span, end_on_exit=False):
                 reply = await self.nc.request(subject, encode(handoff), headers=trace_headers(),
                                               timeout=self.config.handoff_timeout_s)
             answer = _reply_decoder.decode(reply.data)
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            self.log.warning("handoff_failed", request_id=rid, chunk=chunk.chunk,
+                             error=str(exc) or type(exc).__name__)
             answer = None
-            self.log.warning("handoff_failed", request_id=rid, error=str(exc) or type(exc).__name__)
         span.set_attribute("accepted", isinstance(answer, HandoffAccepted))
         span.end()
-        if isinstance(answer, HandoffAccepted):
-            await self.worker.call(self._free_if_live, rid)
-            self.end_span(rid, handed_over_tokens=len(token_ids))
-            await self._forget(rid)
-            self.log.info("handed_over", request_id=rid, tokens=len(token_ids),
-                          main_decode=ready.instance_id)
-        else:
-            # Main decode could not take it: finish the request here.
-            await self.worker.call(self._resume_if_paused, rid)
-            self.loop.wake()
+        return answer
 
-    def _pause_for_handoff(self, request_id: str) -> list[int] | None:
+    def _chunk_tokens(self, rid: str, chunk: HandoffChunk) -> list[int] | None:
+        """The chunk's tokens; a final chunk pauses the sequence and takes all it emitted."""
         engine = self.engine
-        if not engine.holds(request_id) or engine.get(request_id).status is not SequenceStatus.RUNNING:
+        if not engine.holds(rid) or engine.get(rid).status is not SequenceStatus.RUNNING:
             return None
-        engine.pause(request_id)
-        return list(engine.get(request_id).output_token_ids)
+        outputs = engine.get(rid).output_token_ids
+        if chunk.final:
+            engine.pause(rid)
+            return list(outputs[chunk.start_index:])
+        return list(outputs[chunk.start_index:chunk.end_index])
+
+    def _emitted(self, rid: str) -> int | None:
+        engine = self.engine
+        if not engine.holds(rid) or engine.get(rid).status is not SequenceStatus.RUNNING:
+            return None
+        return len(engine.get(rid).output_token_ids)
 
     def _resume_if_paused(self, request_id: str):
         engine = self.engine
@@ -109,16 +156,28 @@ class RelayDecodeService(DecodeService):
     async def _on_outputs(self, outputs: list[StepOutput]):
         EAGER_TOKENS.inc(sum(1 for o in outputs if o.token_id is not None))
         await super()._on_outputs(outputs)
+        for out in outputs:
+            machine = self.machines.get(out.request_id)
+            if machine is not None and not out.finished and out.token_id is not None:
+                self._start_handoff(out.request_id, machine.tokens_emitted(out.token_index + 1, self.load()))
 
     async def on_finished(self, out: StepOutput):
+        machine = self.machines.get(out.request_id)
+        if machine is not None:
+            machine.finished_locally()
         await self._forget(out.request_id)
 
     async def on_cancel(self, cancel):
         await super().on_cancel(cancel)
+        task = self._handoffs.get(cancel.request_id)
+        if task is not None and cancel.kind != "finished":
+            task.cancel()
         await self._forget(cancel.request_id)
 
     async def _forget(self, request_id: str):
         self._traceparents.pop(request_id, None)
+        self._main.pop(request_id, None)
+        self.machines.pop(request_id, None)
         sub = self._event_subs.pop(request_id, None)
         if sub is not None:
             try:

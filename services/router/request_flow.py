@@ -218,9 +218,9 @@ class RequestFlow:
             self.outcome.kv_transfer_ms = round(event.transfer_s * 1000, 1)
             self.outcome.cached_blocks_md = event.cached_tokens // self.block_size
         elif isinstance(event, HandoffAccepted):
-            self._handed_over = True
+            self._handed_over = self._handed_over or event.final
             self.outcome.handoff_chunks = max(self.outcome.handoff_chunks, event.chunk)
-            self.outcome.handoff_mode = "one-shot" if event.chunk == 1 else "catch-up"
+            self.outcome.handoff_mode = event.mode
 
     def _check_liveness(self):
         p = self.placement

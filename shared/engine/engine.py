@@ -39,15 +39,17 @@ DEFAULT_MAX_BATCH_TOKENS = 2048
 
 @dataclass(frozen=True)
 class StepOutput:
-    """One sampled token (or a failure) of one sequence in one step.
+    """One sampled token, an absorbed handoff chunk, or a failure, of one sequence in one step.
 
     Attributes:
         request_id: The sequence it belongs to.
-        token_id: The sampled token; None when the sequence failed.
-        token_index: Index of ``token_id`` among the request's output tokens.
+        token_id: The sampled token; None when the sequence failed or only absorbed tokens.
+        token_index: Index of ``token_id`` among the request's output tokens (for an
+            absorbed chunk: how many output tokens the sequence now holds KV for).
         finished: Whether the sequence stopped with this output.
         finish_reason: ``stop``, ``length`` or ``error`` when finished.
         error: What went wrong, when ``finish_reason`` is ``error``.
+        absorbed: True when a held extend (``extend(..., sample=False)``) has been computed.
     """
 
     request_id: str
@@ -56,6 +58,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
+    absorbed: bool = False
 
 
 class Engine:
@@ -172,15 +175,20 @@ class Engine:
         self._append_outputs(seq, token_ids)
         return seq
 
-    def extend(self, request_id: str, token_ids: list[int]) -> Sequence:
+    def extend(self, request_id: str, token_ids: list[int], sample: bool = True) -> Sequence:
         """Hand a running, idle sequence tokens produced elsewhere; the next step computes
-        their KV in one pass and samples the token after them (unless they end the request)."""
+        their KV in one pass and samples the token after them (unless they end the request).
+
+        With ``sample=False`` (a catch-up chunk) the step only computes their KV and reports
+        an ``absorbed`` output; the sequence then waits for the next extend.
+        """
         seq = self._get(request_id, SequenceStatus.RUNNING)
         if seq.num_pending_tokens:
             raise InvalidRequestState(f"request {request_id!r} still has pending tokens")
         if not token_ids:
             raise ValueError("extend needs at least one token")
         self._append_outputs(seq, token_ids)
+        seq.hold_after_compute = not sample
         return seq
 
     def pause(self, request_id: str):
@@ -279,13 +287,17 @@ class Engine:
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(self._slot(seq, position) for position in range(start, end))
-            if end == len(seq.token_ids):
+            if end == len(seq.token_ids) and not seq.hold_after_compute:
                 samplers.append((seq, len(input_ids) - 1))
         logits = self._forward(input_ids, positions, slots, plans, [row for _, row in samplers])
         for seq, num_tokens in scheduled:
             seq.num_kv_tokens += num_tokens
             seq.num_computed_tokens += num_tokens
             self._cache_full_blocks(seq)
+            if seq.hold_after_compute and not seq.num_pending_tokens and seq.status is SequenceStatus.RUNNING:
+                seq.hold_after_compute = False
+                outputs.append(StepOutput(seq.request_id, None, len(seq.output_token_ids), False,
+                                          absorbed=True))
         outputs.extend(self._sample(seq, logits[i]) for i, (seq, _) in enumerate(samplers))
         return outputs
 

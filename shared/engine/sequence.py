@@ -33,6 +33,7 @@ class Sequence:
         num_computed_tokens: Tokens whose KV this instance computed in forward passes.
         block_hashes: Chained hashes of the leading full blocks that have KV.
         finish_reason: ``stop``, ``length`` or ``error`` once finished.
+        hold_after_compute: Compute the pending tokens' KV but sample nothing (catch-up chunk).
     """
 
     request_id: str
@@ -48,6 +49,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_hashes: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    hold_after_compute: bool = False
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -1,0 +1,156 @@
+"""The relay's handoff state machine, one per request.
+
+``DECODING → (ONE_SHOT | CATCH_UP(chunk k)) → RELEASED``, or ``FINISHED_LOCALLY`` when the
+relay ends the request itself (short output, odd traffic, or a handoff that failed).
+
+When main decode announces it holds the prompt KV, the relay looks at its backlog (tokens
+emitted that main decode must absorb) and its own load:
+
+- one-shot: the relay is busy (load at or above the watermark) or the backlog is small:
+  hand everything over at once and free the slot now;
+- catch-up: the backlog exceeds the threshold and the relay has room: hand over a chunk
+  while it keeps relaying; when main decode has absorbed it, hand over what accumulated
+  meanwhile; once the gap is small (or the relay gets busy), pause and hand over the rest
+  for good. Many small absorptions instead of one big stall of main decode's other streams.
+
+The machine only decides; the relay service executes its ``HandoffChunk`` actions.
+"""
+
+import enum
+from dataclasses import dataclass, field
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+class HandoffState(enum.Enum):
+    """Where a relayed request stands."""
+
+    DECODING = "decoding"
+    CATCH_UP = "catch_up"
+    ONE_SHOT = "one_shot"
+    RELEASED = "released"
+    FINISHED_LOCALLY = "finished_locally"
+
+
+@dataclass(frozen=True)
+class HandoffPolicy:
+    """Thresholds of the mode switch.
+
+    Attributes:
+        catch_up_threshold_tokens: Backlog above which catch-up is worth it.
+        final_gap_tokens: Gap at or below which catch-up hands over for good.
+        load_watermark: Relay load (active / max sequences) at or above which it frees itself.
+        max_chunks: Chunks after which catch-up hands over for good even if the gap is not
+            small (a relay faster than the handoff round trip would otherwise chase forever).
+    """
+
+    catch_up_threshold_tokens: int = 64
+    final_gap_tokens: int = 8
+    load_watermark: float = 0.5
+    max_chunks: int = 8
+
+
+@dataclass(frozen=True)
+class HandoffChunk:
+    """Hand output tokens ``[start_index, end_index)`` to main decode.
+
+    Attributes:
+        start_index: First output index in the chunk (what main decode already holds).
+        end_index: One past the last.
+        final: Main decode owns the request afterwards (the relay pauses before sending).
+        mode: ``one-shot`` or ``catch-up``.
+        chunk: 1-based chunk number.
+    """
+
+    start_index: int
+    end_index: int
+    final: bool
+    mode: str
+    chunk: int
+
+
+class IllegalTransition(Exception):
+    """An event arrived that the current state does not allow."""
+
+
+@dataclass
+class HandoffMachine:
+    """Decides one relayed request's handoff."""
+
+    request_id: str
+    policy: HandoffPolicy = field(default_factory=HandoffPolicy)
+    state: HandoffState = HandoffState.DECODING
+    handed_index: int = 0
+    chunks: int = 0
+    mode: str | None = None
+    in_flight: HandoffChunk | None = None
+    history: list[str] = field(default_factory=lambda: [HandoffState.DECODING.value])
+
+    def kv_ready(self, emitted: int, load: float) -> HandoffChunk | None:
+        """Main decode holds the prompt KV; ``emitted`` tokens are out, relay load is ``load``."""
+        self._expect(HandoffState.DECODING)
+        backlog = emitted - self.handed_index
+        if backlog > self.policy.catch_up_threshold_tokens and load < self.policy.load_watermark:
+            self.mode = "catch-up"
+            self._move(HandoffState.CATCH_UP, backlog=backlog, load=load)
+            return self._chunk(emitted, final=False)
+        self.mode = "one-shot"
+        self._move(HandoffState.ONE_SHOT, backlog=backlog, load=load)
+        return self._chunk(emitted, final=True) if emitted > 0 else None
+
+    def accepted(self, next_index: int, emitted: int, load: float) -> HandoffChunk | None:
+        """Main decode absorbed the chunk in flight and will produce ``next_index`` next."""
+        chunk = self.in_flight
+        # A final chunk may carry more than planned: the relay pauses only when it sends it.
+        if chunk is None or next_index < chunk.end_index or (not chunk.final and next_index != chunk.end_index):
+            raise IllegalTransition(f"unexpected acceptance up to {next_index}")
+        final, self.in_flight, self.handed_index = self.in_flight.final, None, next_index
+        if final:
+            self._move(HandoffState.RELEASED, chunks=self.chunks)
+            return None
+        return self.tokens_emitted(emitted, load)
+
+    def tokens_emitted(self, emitted: int, load: float) -> HandoffChunk | None:
+        """The relay produced more tokens; hand over the next chunk if one is due."""
+        if self.state is not HandoffState.CATCH_UP or self.in_flight is not None:
+            return None
+        gap = emitted - self.handed_index
+        if gap <= 0:
+            return None  # the final chunk needs at least one token: wait for the next
+        final = (gap <= self.policy.final_gap_tokens or load >= self.policy.load_watermark
+                 or self.chunks + 1 >= self.policy.max_chunks)
+        return self._chunk(emitted, final=final)
+
+    def failed(self, reason: str):
+        """The handoff could not be done: the relay finishes the request itself."""
+        self.in_flight = None
+        self._move(HandoffState.FINISHED_LOCALLY, reason=reason)
+
+    def finished_locally(self, reason: str = "relay finished first"):
+        """The relay's sequence ended before a final handoff."""
+        if self.state not in (HandoffState.RELEASED, HandoffState.FINISHED_LOCALLY):
+            self._move(HandoffState.FINISHED_LOCALLY, reason=reason)
+
+    @property
+    def done(self) -> bool:
+        """No more handoff work for this request."""
+        return self.state in (HandoffState.RELEASED, HandoffState.FINISHED_LOCALLY)
+
+    def _chunk(self, emitted: int, final: bool) -> HandoffChunk:
+        self.chunks += 1
+        self.in_flight = HandoffChunk(self.handed_index, emitted, final, self.mode, self.chunks)
+        log.info("handoff_chunk", request_id=self.request_id, mode=self.mode, chunk=self.chunks,
+                 start=self.handed_index, end=emitted, final=final)
+        return self.in_flight
+
+    def _expect(self, state: HandoffState):
+        if self.state is not state:
+            raise IllegalTransition(f"{self.request_id}: {self.state.value}, expected {state.value}")
+
+    def _move(self, state: HandoffState, **why):
+        log.info("handoff_state", request_id=self.request_id, previous=self.state.value,
+                 state=state.value, **why)
+        self.state = state
+        self.history.append(state.value)
