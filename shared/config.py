@@ -128,6 +128,9 @@ class RouterConfig(CommonConfig):
     pipeline_policy: str = setting("auto", "auto (PDD's choice), or force P-MD / P-RLD-MD (baselines, tests)",
                                    choices=("auto", "P-MD", "P-RLD-MD"))
     default_max_tokens: int = setting(256, "max_tokens when a request gives none", positive)
+    odd_traffic_filter: bool = setting(True, "cancel the WAN transfer of long-input/very-short-output requests the relay finishes")
+    odd_max_output_tokens: int = setting(8, "output bounds above this are never odd traffic", non_negative)
+    relay_step_ms: float = setting(80.0, "relay decode step estimate (is the relay done before the KV lands?)", positive)
     first_token_timeout_s: float = setting(120.0, "longest wait for a request's first token", positive)
     token_timeout_s: float = setting(60.0, "longest wait between two tokens", positive)
     instance_ttl_s: float = setting(5.0, "an instance silent this long is considered gone", positive)

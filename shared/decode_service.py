@@ -15,6 +15,7 @@ from shared.engine_service import EngineService
 from shared.messages import (
     CancelRequest,
     InstanceRef,
+    KvImportAborted,
     RequestFailed,
     TokensEmitted,
 )
@@ -64,7 +65,12 @@ class DecodeService(EngineService):
 
     async def on_cancel(self, cancel: CancelRequest):
         finished_elsewhere = cancel.kind == "finished"
-        if await self.importer.cancel(cancel.request_id, finished_elsewhere):
+        state = await self.importer.cancel(cancel.request_id, finished_elsewhere)
+        if state is not None:
+            if not finished_elsewhere:
+                await self.publish(subjects.request_events(cancel.request_id), KvImportAborted(
+                    request_id=cancel.request_id, instance_id=self.instance_id,
+                    wan_kv_bytes=state.stats.bytes_received, reason=cancel.reason))
             return
         if await self.worker.call(self._free_if_live, cancel.request_id):
             self.log.info("request_dropped", request_id=cancel.request_id, kind=cancel.kind)

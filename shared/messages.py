@@ -196,6 +196,22 @@ class KvReady(_Message, kw_only=True):
     transfer_s: float
 
 
+class KvImportAborted(_Message, kw_only=True):
+    """Main decode → request events: it dropped a request's KV import before completion.
+
+    Attributes:
+        request_id: The request.
+        instance_id: The main decode instance.
+        wan_kv_bytes: Bytes that had arrived on the WAN path (complete frames).
+        reason: Why (e.g. odd traffic finished on the relay).
+    """
+
+    request_id: str
+    instance_id: str
+    wan_kv_bytes: int
+    reason: str
+
+
 class HandoffAccepted(_Message, kw_only=True):
     """Main decode → relay (reply), and → request events.
 
@@ -372,7 +388,7 @@ class FlowCancel(_Message, kw_only=True):
 
 
 BulkControl = FlowOpen | FlowAccepted | FlowRejected | FlowEnd | FlowCancel
-RequestEvent = PrefillCompleted | KvReady | HandoffAccepted | RequestFailed
+RequestEvent = PrefillCompleted | KvReady | KvImportAborted | HandoffAccepted | RequestFailed
 KvEvent = KvBlocksStored | KvBlocksEvicted
 HandoffReply = HandoffAccepted | RequestFailed
 PrefillReply = PrefillCompleted | RequestFailed

@@ -29,7 +29,7 @@ class RecordingHandler:
         self.ended = asyncio.Event()
         self.aborted = asyncio.Event()
 
-    async def open_flow(self, flow_open):
+    async def open_flow(self, flow_open, stats):
         if flow_open.request_id == "refuse-me":
             raise InvalidRequestState("refused on purpose")
         self.events.append(("open", flow_open.request_id))

@@ -30,6 +30,7 @@ class Placement:
         md_cached_blocks: Leading prompt blocks the main decoder holds (cache-index).
         missing_kv_bytes: KV bytes predicted to cross the WAN.
         predicted_wan_s: Their predicted transfer time.
+        odd_traffic: Marked odd by the odd-traffic filter (relayed; WAN cancelled if the relay wins).
     """
 
     pipeline: Pipeline
@@ -39,6 +40,7 @@ class Placement:
     md_cached_blocks: int
     missing_kv_bytes: int
     predicted_wan_s: float
+    odd_traffic: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ def _pick(candidates: list[InstanceState], hits: dict[str, int]) -> InstanceStat
 
 def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens: int,
           block_size: int, kv_bytes_per_token: int, wan: WanEstimate,
-          ttft_target_s: float, policy: str = "auto") -> Placement:
+          ttft_target_s: float, policy: str = "auto", odd_rule=None, max_tokens: int = 0) -> Placement:
     """Choose instances and pipeline for a prompt (``policy`` forces one for baselines).
 
     Raises:
@@ -83,7 +85,8 @@ def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens
     predicted_s = wan.transfer_s(missing_bytes)
     relays = registry.live("relay_decode")
     relay = None
-    wants_relay = predicted_s > ttft_target_s if policy == "auto" else policy == "P-RLD-MD"
+    odd = policy == "auto" and odd_rule is not None and odd_rule.is_odd(max_tokens, predicted_s)
+    wants_relay = predicted_s > ttft_target_s or odd if policy == "auto" else policy == "P-RLD-MD"
     if wants_relay and relays:
         relay = min(relays, key=lambda s: s.report.active_sequences + s.assigned)
     return Placement(
@@ -91,4 +94,4 @@ def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens
         prefill=prefill.report.instance, main_decode=main.report.instance,
         relay_decode=relay.report.instance if relay else None,
         md_cached_blocks=cached_blocks, missing_kv_bytes=missing_bytes,
-        predicted_wan_s=predicted_s)
+        predicted_wan_s=predicted_s, odd_traffic=odd and relay is not None)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import nats
 
+from services.router.odd_traffic import OddTrafficTracker
 from services.router.placement import Placement
 from services.router.registry import InstanceRegistry
 from shared import subjects
@@ -22,6 +23,7 @@ from shared.errors import PddError
 from shared.messages import (
     CancelRequest,
     HandoffAccepted,
+    KvImportAborted,
     KvReady,
     PrefillCompleted,
     PrefillReply,
@@ -38,6 +40,7 @@ _tokens_decoder = decoder(TokensEmitted)
 _event_decoder = decoder(RequestEvent)
 _prefill_reply_decoder = decoder(PrefillReply)
 LIVENESS_TICK_S = 0.5
+ODD_CANCEL_REPORT_S = 2.0
 
 
 class UpstreamFailed(PddError):
@@ -115,6 +118,9 @@ class RequestFlow:
                        **({"relay_decode": placement.relay_decode.instance_id}
                           if placement.relay_decode else {})})
         self._queue: asyncio.Queue = asyncio.Queue()
+        self.odd = OddTrafficTracker(request_id, placement.odd_traffic)
+        self.outcome.odd_traffic = placement.odd_traffic
+        self._wan_bytes_final = False
         self._handed_over = False
         self._prefill_done = False
 
@@ -131,6 +137,8 @@ class RequestFlow:
         try:
             async for batch in self._ordered_tokens():
                 yield batch
+            if self.outcome.finished_on == "RLD" and self.odd.relay_finished():
+                await self._cancel_wan_transfer()
             completed = True
         finally:
             prefill.cancel()
@@ -146,6 +154,24 @@ class RequestFlow:
                     reason="request finished" if completed else "client gone or request failed")))
             except nats.errors.Error:
                 pass
+
+    async def _cancel_wan_transfer(self):
+        """Odd traffic the relay finished: stop the WAN flow, learn how much had crossed."""
+        await self.nc.publish(subjects.CANCEL, encode(CancelRequest(
+            request_id=self.request_id, kind="stop",
+            reason="odd traffic: the relay finished before main decode's KV was complete")))
+        deadline = time.monotonic() + ODD_CANCEL_REPORT_S
+        while time.monotonic() < deadline:
+            try:
+                kind, item = await asyncio.wait_for(self._queue.get(), deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                break
+            event = _event_decoder.decode(item.data) if kind == "event" else item
+            if isinstance(event, KvImportAborted):
+                self.outcome.wan_kv_bytes, self._wan_bytes_final = event.wan_kv_bytes, True
+                return
+            if isinstance(event, PrefillCompleted):
+                self._on_event(event)
 
     def _enqueue(self, kind: str):
         async def callback(msg):
@@ -213,8 +239,10 @@ class RequestFlow:
             raise UpstreamFailed(f"{event.instance_id}: {event.code}: {event.message}")
         if isinstance(event, PrefillCompleted):
             self._prefill_done = True
-            self.outcome.wan_kv_bytes = event.bytes_per_path.get("wan", 0)
+            if not self._wan_bytes_final:
+                self.outcome.wan_kv_bytes = event.bytes_per_path.get("wan", 0)
         elif isinstance(event, KvReady):
+            self.odd.kv_landed()
             self.outcome.kv_transfer_ms = round(event.transfer_s * 1000, 1)
             self.outcome.cached_blocks_md = event.cached_tokens // self.block_size
         elif isinstance(event, HandoffAccepted):

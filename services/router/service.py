@@ -16,6 +16,7 @@ from opentelemetry import trace
 
 from services.router import openai_api
 from services.router.detokenizer import Detokenizer
+from services.router.odd_traffic import OddTrafficRule
 from services.router.openai_api import ApiError, ParsedRequest
 from services.router.placement import NoInstances, WanEstimate, place
 from services.router.registry import InstanceRegistry
@@ -44,6 +45,8 @@ class RouterService(Service):
         self.config: RouterConfig = config
         self.metadata = metadata
         self.registry = InstanceRegistry(config.instance_ttl_s)
+        self.odd_rule = OddTrafficRule(config.odd_traffic_filter, config.odd_max_output_tokens,
+                                       config.relay_step_ms / 1000, config.ttft_target_ms / 1000)
         self.port = config.http_port
         self._runner: web.AppRunner | None = None
         self._in_flight: set[asyncio.Task] = set()
@@ -161,11 +164,12 @@ class RouterService(Service):
         with _tracer.start_as_current_span("router.route", attributes={
                 "request_id": request_id, "prompt_tokens": len(req.prompt_token_ids)}) as span:
             placement = await self._place(req, request_id)
-            span.set_attributes({"pipeline": placement.pipeline,
+            span.set_attributes({"pipeline": placement.pipeline, "odd_traffic": placement.odd_traffic,
                                  "md_cached_blocks": placement.md_cached_blocks,
                                  "predicted_wan_s": placement.predicted_wan_s})
             PIPELINE_CHOICES.labels(placement.pipeline).inc()
-            log.info("request_routed", pipeline=placement.pipeline, prompt_tokens=len(req.prompt_token_ids),
+            log.info("request_routed", pipeline=placement.pipeline, odd_traffic=placement.odd_traffic,
+                     prompt_tokens=len(req.prompt_token_ids),
                      md_cached_blocks=placement.md_cached_blocks,
                      predicted_wan_ms=round(placement.predicted_wan_s * 1000, 1),
                      main_decode=placement.main_decode.instance_id)
@@ -205,7 +209,8 @@ class RouterService(Service):
                          block_size=self.config.block_size, kv_bytes_per_token=kv_bytes,
                          wan=WanEstimate(self.config.wan_bandwidth_mbit * 1e6, self.config.wan_rtt_ms / 1000),
                          ttft_target_s=self.config.ttft_target_ms / 1000,
-                         policy=self.config.pipeline_policy)
+                         policy=self.config.pipeline_policy, odd_rule=self.odd_rule,
+                         max_tokens=req.sampling.max_tokens)
         except NoInstances as exc:
             raise ApiError(503, str(exc), type="server_error", code="no_instances") from None
 

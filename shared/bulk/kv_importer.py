@@ -22,11 +22,13 @@ class ImportState:
     Attributes:
         flow_open: The sender's FlowOpen.
         cached_tokens: Prompt tokens the receiver's prefix cache supplied.
+        stats: The flow's live byte and frame counts.
         discard_when_done: The request ended elsewhere: keep the KV for the cache, then free.
     """
 
     flow_open: FlowOpen
     cached_tokens: int
+    stats: FlowStats
     discard_when_done: bool = False
 
 
@@ -44,13 +46,13 @@ class KvImporter:
         self._on_open = on_open
         self.imports: dict[str, ImportState] = {}
 
-    async def open_flow(self, flow_open: FlowOpen) -> int:
+    async def open_flow(self, flow_open: FlowOpen, stats: FlowStats) -> int:
         if flow_open.request_id in self.imports:
             raise InvalidRequestState(f"a flow for {flow_open.request_id!r} is already open")
         engine = self._worker.engine
         first = await self._worker.call(engine.begin_import, flow_open.request_id,
                                         flow_open.token_ids, flow_open.sampling, flow_open.seed)
-        self.imports[flow_open.request_id] = ImportState(flow_open, cached_tokens=first)
+        self.imports[flow_open.request_id] = ImportState(flow_open, cached_tokens=first, stats=stats)
         if self._on_open:
             await self._on_open(flow_open)
         log.info("kv_import_opened", request_id=flow_open.request_id, cached_tokens=first,
@@ -81,22 +83,22 @@ class KvImporter:
         await self._worker.call(self._free_if_live, request_id)
         log.warning("kv_import_aborted", request_id=request_id, reason=reason)
 
-    async def cancel(self, request_id: str, finished_elsewhere: bool) -> bool:
-        """Cancel an import in progress; True if there was one.
+    async def cancel(self, request_id: str, finished_elsewhere: bool) -> ImportState | None:
+        """Cancel an import in progress; return its state if there was one.
 
         A request that finished elsewhere keeps importing (its blocks keep this instance's
-        cache aligned with the prefill's); any other cancel drops the KV now, and the
-        sender's next frame is refused.
+        cache aligned with the prefill's); any other cancel drops the KV now (complete
+        blocks already cached stay valid), and the sender's next frame is refused.
         """
         state = self.imports.get(request_id)
         if state is None:
-            return False
+            return None
         if finished_elsewhere:
             state.discard_when_done = True
-            return True
+            return state
         del self.imports[request_id]
         await self._worker.call(self._free_if_live, request_id)
-        return True
+        return state
 
     def _free_if_live(self, request_id: str):
         if self._worker.engine.holds(request_id):

@@ -42,8 +42,11 @@ class FlowStats:
 class FlowHandler(Protocol):
     """What a receiving service does with a flow (relay decode, main decode)."""
 
-    async def open_flow(self, flow_open: FlowOpen) -> int:
-        """Prepare the import; return the first token index to receive. Raise PddError to refuse."""
+    async def open_flow(self, flow_open: FlowOpen, stats: FlowStats) -> int:
+        """Prepare the import; return the first token index to receive. Raise PddError to refuse.
+
+        ``stats`` is the flow's live counter (bytes and frames received so far).
+        """
 
     async def import_frame(self, request_id: str, frame: KvFrame) -> None:
         """Store one validated frame."""
@@ -88,16 +91,17 @@ class BulkReceiver:
         task = asyncio.current_task()
         self._connections.add(task)
         try:
-            flow_open = await self._accept(reader, writer)
+            stats = FlowStats()
+            flow_open = await self._accept(reader, writer, stats)
             if flow_open is not None:
-                await self._receive(flow_open, reader)
+                await self._receive(flow_open, reader, stats)
         except (ConnectionError, asyncio.TimeoutError, KvFrameError) as exc:
             log.warning("bulk_connection_dropped", path=self._path, error=str(exc))
         finally:
             self._connections.discard(task)
             writer.close()
 
-    async def _accept(self, reader, writer) -> FlowOpen | None:
+    async def _accept(self, reader, writer, stats: FlowStats) -> FlowOpen | None:
         message, _ = await asyncio.wait_for(read_message(reader, None), self._frame_timeout_s)
         if not isinstance(message, FlowOpen):
             log.warning("bulk_flow_refused", path=self._path, reason="first message is not FlowOpen")
@@ -105,7 +109,7 @@ class BulkReceiver:
         problem = self._auth.verify(message)
         if problem is None:
             try:
-                first_index = await self._handler.open_flow(message)
+                first_index = await self._handler.open_flow(message, stats)
             except PddError as exc:
                 await write_control(writer, FlowRejected(request_id=message.request_id,
                                                          code=exc.code, message=str(exc)))
@@ -118,8 +122,8 @@ class BulkReceiver:
                                                  code="unauthenticated", message=problem))
         return None
 
-    async def _receive(self, flow_open: FlowOpen, reader):
-        request_id, stats, reason = flow_open.request_id, FlowStats(), "connection closed"
+    async def _receive(self, flow_open: FlowOpen, reader, stats: FlowStats):
+        request_id, reason = flow_open.request_id, "connection closed"
         try:
             while True:
                 message, size = await asyncio.wait_for(read_message(reader, self._expect),
