@@ -53,6 +53,7 @@ class Deployment:
         wan_control_url: URL of the WAN link's control API.
         processes: Name → pid of every process started.
         nats_urls: Site → client URL.
+        metrics_urls: Service process name → its Prometheus endpoint.
     """
 
     run_dir: str
@@ -60,6 +61,7 @@ class Deployment:
     wan_control_url: str
     processes: dict[str, int] = field(default_factory=dict)
     nats_urls: dict[str, str] = field(default_factory=dict)
+    metrics_urls: dict[str, str] = field(default_factory=dict)
 
 
 def default_run_dir() -> Path:
@@ -117,7 +119,10 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
 
     def spawn(kind: str, index: int, *flags: str):
         name = kind if kind == "router" else f"{kind}-{index}"
-        argv = ["serve", SERVICE_OF[kind], "--instance-id", f"{kind}-{index}", *flags]
+        metrics_port = free_port()
+        deployment.metrics_urls[name] = f"http://127.0.0.1:{metrics_port}/metrics"
+        argv = ["serve", SERVICE_OF[kind], "--instance-id", f"{kind}-{index}",
+                "--metrics-port", str(metrics_port), *flags]
         deployment.processes[name] = _spawn(run_dir, name, argv, {**env, **site_env[TOPOLOGY[kind][0]]})
 
     spawn("cache-index", 0)
@@ -183,6 +188,7 @@ def status(run_dir: Path) -> dict:
     if deployment is None:
         raise LauncherError(f"no deployment recorded in {run_dir}")
     return {"router_url": deployment.router_url, "wan_control_url": deployment.wan_control_url,
+            "metrics_urls": deployment.metrics_urls,
             "processes": {n: ("running" if _alive(p) else "exited") for n, p in deployment.processes.items()},
             "health": _get_json(deployment.router_url.removesuffix("/v1") + "/health")}
 

@@ -66,6 +66,8 @@ class CommonConfig:
     otlp_endpoint: str = setting("", "OTLP/HTTP traces endpoint (e.g. http://jaeger:4318); empty: no export")
     heartbeat_s: float = setting(1.0, "seconds between LoadReported heartbeats", positive)
     bulk_secret: str = setting("", "per-deployment secret authenticating bulk KV peers")
+    metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint")
+    metrics_port: int = setting(0, "port of the Prometheus /metrics endpoint (0: none)", non_negative)
 
 
 @dataclass(frozen=True)

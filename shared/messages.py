@@ -163,6 +163,7 @@ class PrefillCompleted(_Message, kw_only=True):
         cached_tokens: Prompt tokens the prefill's own prefix cache supplied.
         compute_s: Prefill forward time.
         bytes_per_path: KV bytes sent per path (``local``, ``wan``).
+        wan_rtt_s: Handshake time of the WAN flow (FlowOpen → FlowAccepted): one round trip.
     """
 
     request_id: str
@@ -172,6 +173,7 @@ class PrefillCompleted(_Message, kw_only=True):
     cached_tokens: int
     compute_s: float
     bytes_per_path: dict[str, int]
+    wan_rtt_s: float = 0.0
 
 
 class KvReady(_Message, kw_only=True):
@@ -185,6 +187,8 @@ class KvReady(_Message, kw_only=True):
         imported_tokens: Prompt tokens that came over the WAN.
         wan_kv_bytes: Bytes received on the WAN path for the request (frames included).
         transfer_s: From flow open to the last frame.
+        throughput_bps: WAN throughput measured between its first and last frame, in bits/s
+            (0 when the transfer was too small to tell).
     """
 
     request_id: str
@@ -194,6 +198,7 @@ class KvReady(_Message, kw_only=True):
     imported_tokens: int
     wan_kv_bytes: int
     transfer_s: float
+    throughput_bps: float = 0.0
 
 
 class KvImportAborted(_Message, kw_only=True):

@@ -9,11 +9,26 @@ KV_TRANSFER_SECONDS = Histogram(
 REQUESTS = Counter("pdd_requests_total", "Requests finished by the router",
                    ["pipeline", "finished_on", "outcome"])
 PIPELINE_CHOICES = Counter("pdd_pipeline_choices_total", "Pipeline decisions", ["pipeline"])
-HANDOFFS = Counter("pdd_handoffs_total", "Handoffs relay → main decode", ["mode"])
+HANDOFFS = Counter("pdd_handoffs_total", "Completed handoffs relay → main decode", ["mode"])
+HANDOFF_CHUNKS = Counter("pdd_handoff_chunks_total", "Handoff chunks absorbed by main decode", ["mode"])
+PREFIX_HIT_BLOCKS = Counter("pdd_prefix_cache_hit_blocks_total",
+                            "Prompt blocks found in an instance's prefix cache (DRC on main decode)", ["service"])
+PREFIX_LOOKUP_BLOCKS = Counter("pdd_prefix_cache_lookup_blocks_total",
+                               "Prompt blocks looked up in an instance's prefix cache", ["service"])
+CACHE_INDEX_EVENTS = Counter("pdd_cache_index_events_total", "KV events seen by the cache-index",
+                             ["outcome"])
 EAGER_TOKENS = Counter("pdd_eager_tokens_total", "Tokens emitted by relay decode")
 ACTIVE_SEQUENCES = Gauge("pdd_active_sequences", "Sequences held", ["service", "instance"])
 TTFT_SECONDS = Histogram("pdd_ttft_seconds", "Time to first token at the router", ["pipeline"],
                          buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
+
+
+def serve_metrics(host: str, port: int) -> int:
+    """Expose this process's metrics on ``http://host:port/metrics``; return the port."""
+    from prometheus_client import start_http_server
+
+    server, _ = start_http_server(port, addr=host)
+    return server.server_port
 
 
 def exposition() -> tuple[bytes, str]:

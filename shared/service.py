@@ -11,6 +11,7 @@ from shared import subjects
 from shared.config import CommonConfig
 from shared.logging import configure_logging
 from shared.messages import CancelRequest, InstanceRef, LoadReported, decoder, encode
+from shared.metrics import serve_metrics
 from shared.tracing import configure_tracing
 
 log = structlog.get_logger(__name__)
@@ -59,6 +60,9 @@ class Service:
             reconnect_time_wait=0.5, connect_timeout=5,
         )
         await self.nc.subscribe(subjects.CANCEL, cb=self._on_cancel_msg)
+        if self.config.metrics_port:
+            port = serve_metrics(self.config.metrics_host, self.config.metrics_port)
+            self.log.info("metrics_listening", url=f"http://{self.config.metrics_host}:{port}/metrics")
         await self.on_start()
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
         self.log.info("service_started", site=self.config.site)

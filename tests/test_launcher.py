@@ -108,3 +108,24 @@ async def test_killing_a_main_decoder_mid_request_never_hangs(deployment):
         assert isinstance(failure, APIError) and "main-decode-1" in str(failure), failure
     assert 1 <= len(failures) < 4, "the killed decoder's requests fail, the others complete"
     assert time.monotonic() - started < 100
+
+
+def test_every_service_exposes_its_metrics(deployment):
+    import urllib.request
+
+    run_dir, _ = deployment
+    urls = json.loads(pdd("status", "--run-dir", str(run_dir)).stdout)["metrics_urls"]
+    expected = {
+        "router": ["pdd_pipeline_choices_total", "pdd_ttft_seconds_bucket", "pdd_wan_estimate_bandwidth_bps"],
+        "prefill-0": ['pdd_kv_bytes_total{direction="sent",path="wan"}', "pdd_kv_transfer_seconds_bucket",
+                      'pdd_prefix_cache_lookup_blocks_total{service="prefill"}'],
+        "main-decode-0": ['pdd_kv_bytes_total{direction="received",path="wan"}', "pdd_active_sequences",
+                          'pdd_prefix_cache_hit_blocks_total{service="main_decode"}'],
+        "relay-decode-0": ["pdd_eager_tokens_total", "pdd_active_sequences"],
+        "cache-index-0": ['pdd_cache_index_events_total{outcome="applied"}'],
+    }
+    for name, metrics in expected.items():
+        with urllib.request.urlopen(urls[name], timeout=5) as response:
+            text = response.read().decode()
+        for metric in metrics:
+            assert metric in text, f"{name} lacks {metric}"

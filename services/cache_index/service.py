@@ -23,6 +23,7 @@ from shared.messages import (
     decoder,
     encode,
 )
+from shared.metrics import CACHE_INDEX_EVENTS
 from shared.service import Service
 
 _kv_decoder = decoder(KvEvent)
@@ -105,10 +106,12 @@ class CacheIndexService(Service):
             return
         if index.seq >= 0 and event.seq > index.seq + 1:
             self.gaps += 1
+            CACHE_INDEX_EVENTS.labels("gap").inc()
             self.log.warning("kv_event_gap", instance=event.publisher_id, expected=index.seq + 1, got=event.seq)
             self._request_dump(event.publisher_id, index)
             return
         if event.seq <= index.seq:
+            CACHE_INDEX_EVENTS.labels("duplicate").inc()
             return  # duplicate or older than the dump
         self._apply(index, event)
 
@@ -120,6 +123,7 @@ class CacheIndexService(Service):
         index.seq = event.seq
         index.last_seen = time.monotonic()
         self.events_applied += 1
+        CACHE_INDEX_EVENTS.labels("applied").inc()
 
     def _request_dump(self, instance_id: str, index: InstanceIndex):
         index.syncing = True

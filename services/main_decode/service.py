@@ -19,7 +19,7 @@ from shared.engine.engine import StepOutput
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.errors import InvalidRequestState, PddError
 from shared.messages import HandoffAccepted, HandoffTokens, KvReady, RequestFailed, decoder, encode
-from shared.metrics import HANDOFFS
+from shared.metrics import HANDOFF_CHUNKS, HANDOFFS
 from shared.tracing import context_from, tracer
 
 _handoff_decoder = decoder(HandoffTokens)
@@ -50,7 +50,8 @@ class MainDecodeService(DecodeService):
         await self.publish(subjects.request_events(rid), KvReady(
             request_id=rid, instance_id=self.instance_id, site=self.config.site,
             cached_tokens=state.cached_tokens, imported_tokens=seq.num_imported_tokens,
-            wan_kv_bytes=stats.bytes_received, transfer_s=stats.transfer_s))
+            wan_kv_bytes=stats.bytes_received, transfer_s=stats.transfer_s,
+            throughput_bps=(stats.streaming_bytes_per_s or 0.0) * 8))
         self._traceparents[rid] = state.flow_open.traceparent
         if seq.output_token_ids:
             self.start_span(rid, "main.decode", state.flow_open.traceparent, pipeline="P-MD")
@@ -90,6 +91,7 @@ class MainDecodeService(DecodeService):
         await self.publish(subjects.request_events(rid), accepted)
         self.log.info("handoff_accepted", request_id=rid, tokens=len(handoff.token_ids),
                       chunk=handoff.chunk, mode=handoff.mode, final=handoff.final)
+        HANDOFF_CHUNKS.labels(handoff.mode).inc()
         if not handoff.final:
             recompute.end()
             return

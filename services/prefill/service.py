@@ -32,6 +32,7 @@ from shared.messages import (
     decoder,
     encode,
 )
+from shared.metrics import KV_TRANSFER_SECONDS, PREFIX_HIT_BLOCKS, PREFIX_LOOKUP_BLOCKS
 from shared.tracing import context_from, current_traceparent, tracer
 
 _start_decoder = decoder(StartPrefill)
@@ -138,7 +139,8 @@ class PrefillService(EngineService):
             request_id=rid, instance_id=self.instance_id, first_token=first_token,
             prompt_tokens=len(cmd.token_ids), cached_tokens=cached_tokens, compute_s=compute_s,
             bytes_per_path={path: sum(_frame_size(f) for f in frames[flows[path].first_token_index])
-                            for path, _, _ in paths})
+                            for path, _, _ in paths},
+            wan_rtt_s=flows["wan"].handshake_s)
 
         async def send_all():
             try:
@@ -169,6 +171,9 @@ class PrefillService(EngineService):
         sampling = msgspec.structs.replace(cmd.sampling, max_tokens=1)
         seq = await self.worker.call(self.engine.add_request, cmd.request_id, cmd.token_ids,
                                      sampling, cmd.seed)
+        block_size = self.engine.layout.block_size
+        PREFIX_HIT_BLOCKS.labels(self.service_name).inc(seq.num_cached_tokens // block_size)
+        PREFIX_LOOKUP_BLOCKS.labels(self.service_name).inc(len(cmd.token_ids) // block_size)
         self._loop.wake()
         try:
             timeout = max(0.1, cmd.deadline_unix_s - time.time())
@@ -209,6 +214,7 @@ class PrefillService(EngineService):
                 await flow.end(end_tokens)
 
             await asyncio.wait_for(stream(), self.config.send_timeout_s)
+            KV_TRANSFER_SECONDS.labels(flow.path).observe(flow.elapsed_s)
             span.set_attribute("kv_bytes", flow.bytes_sent)
             span.set_attribute("first_token_index", flow.first_token_index)
             return flow.bytes_sent

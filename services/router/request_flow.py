@@ -17,6 +17,7 @@ import nats
 from services.router.odd_traffic import OddTrafficTracker
 from services.router.placement import Placement
 from services.router.registry import InstanceRegistry
+from services.router.wan_estimate import WanEstimator
 from shared import subjects
 from shared.engine.sampling import SamplingParams
 from shared.errors import PddError
@@ -99,11 +100,11 @@ class RequestOutcome:
 class RequestFlow:
     """Runs one request; iterate ``tokens()`` for ordered output token batches."""
 
-    def __init__(self, nc: nats.NATS, registry: InstanceRegistry, *, request_id: str,
+    def __init__(self, nc: nats.NATS, registry: InstanceRegistry, *, wan: WanEstimator, request_id: str,
                  prompt_token_ids: list[int], sampling: SamplingParams, placement: Placement,
                  first_token_timeout_s: float, token_timeout_s: float, started: float,
                  block_size: int):
-        self.nc, self.registry = nc, registry
+        self.nc, self.registry, self.wan = nc, registry, wan
         self.request_id = request_id
         self.prompt_token_ids, self.sampling, self.placement = prompt_token_ids, sampling, placement
         self.first_token_timeout_s, self.token_timeout_s = first_token_timeout_s, token_timeout_s
@@ -239,10 +240,12 @@ class RequestFlow:
             raise UpstreamFailed(f"{event.instance_id}: {event.code}: {event.message}")
         if isinstance(event, PrefillCompleted):
             self._prefill_done = True
+            self.wan.add_rtt(event.wan_rtt_s)
             if not self._wan_bytes_final:
                 self.outcome.wan_kv_bytes = event.bytes_per_path.get("wan", 0)
         elif isinstance(event, KvReady):
             self.odd.kv_landed()
+            self.wan.add_throughput(event.throughput_bps, event.wan_kv_bytes)
             self.outcome.kv_transfer_ms = round(event.transfer_s * 1000, 1)
             self.outcome.cached_blocks_md = event.cached_tokens // self.block_size
         elif isinstance(event, HandoffAccepted):

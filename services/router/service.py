@@ -18,7 +18,8 @@ from services.router import openai_api
 from services.router.detokenizer import Detokenizer
 from services.router.odd_traffic import OddTrafficRule
 from services.router.openai_api import ApiError, ParsedRequest
-from services.router.placement import NoInstances, WanEstimate, place
+from services.router.placement import NoInstances, place
+from services.router.wan_estimate import WanEstimator
 from services.router.registry import InstanceRegistry
 from services.router.request_flow import RequestFlow, UpstreamFailed, UpstreamTimeout, new_request_id
 from shared import subjects
@@ -45,6 +46,7 @@ class RouterService(Service):
         self.config: RouterConfig = config
         self.metadata = metadata
         self.registry = InstanceRegistry(config.instance_ttl_s)
+        self.wan = WanEstimator(config.wan_bandwidth_mbit * 1e6, config.wan_rtt_ms / 1000)
         self.odd_rule = OddTrafficRule(config.odd_traffic_filter, config.odd_max_output_tokens,
                                        config.relay_step_ms / 1000, config.ttft_target_ms / 1000)
         self.port = config.http_port
@@ -87,7 +89,10 @@ class RouterService(Service):
     async def _health(self, request):
         live = self.registry.summary()
         healthy = bool(live["prefill"] and live["main_decode"]) and not self._draining
-        return web.json_response({"status": "ok" if healthy else "unavailable", "instances": live},
+        wan = self.wan.current()
+        return web.json_response({"status": "ok" if healthy else "unavailable", "instances": live,
+                                  "wan_estimate": {"bandwidth_mbit": round(wan.bandwidth_bps / 1e6, 2),
+                                                   "rtt_ms": round(wan.rtt_s * 1000, 1)}},
                                  status=200 if healthy else 503)
 
     async def _metrics(self, request):
@@ -169,12 +174,14 @@ class RouterService(Service):
                                  "predicted_wan_s": placement.predicted_wan_s})
             PIPELINE_CHOICES.labels(placement.pipeline).inc()
             log.info("request_routed", pipeline=placement.pipeline, odd_traffic=placement.odd_traffic,
+                     wan_estimate_mbit=round(self.wan.bandwidth_bps / 1e6, 2),
+                     wan_estimate_rtt_ms=round(self.wan.rtt_s * 1000, 1),
                      prompt_tokens=len(req.prompt_token_ids),
                      md_cached_blocks=placement.md_cached_blocks,
                      predicted_wan_ms=round(placement.predicted_wan_s * 1000, 1),
                      main_decode=placement.main_decode.instance_id)
             flow = RequestFlow(
-                self.nc, self.registry, request_id=request_id, prompt_token_ids=req.prompt_token_ids,
+                self.nc, self.registry, wan=self.wan, request_id=request_id, prompt_token_ids=req.prompt_token_ids,
                 sampling=req.sampling, placement=placement, block_size=self.config.block_size,
                 first_token_timeout_s=self.config.first_token_timeout_s,
                 token_timeout_s=self.config.token_timeout_s, started=started)
@@ -207,7 +214,7 @@ class RouterService(Service):
         try:
             return place(self.registry, hits, num_prompt_tokens=len(req.prompt_token_ids),
                          block_size=self.config.block_size, kv_bytes_per_token=kv_bytes,
-                         wan=WanEstimate(self.config.wan_bandwidth_mbit * 1e6, self.config.wan_rtt_ms / 1000),
+                         wan=self.wan.current(),
                          ttft_target_s=self.config.ttft_target_ms / 1000,
                          policy=self.config.pipeline_policy, odd_rule=self.odd_rule,
                          max_tokens=req.sampling.max_tokens)

@@ -11,6 +11,7 @@ from shared.engine_worker import EngineWorker
 from shared.errors import InvalidRequestState
 from shared.kv_wire import KvFrame
 from shared.messages import FlowOpen
+from shared.metrics import PREFIX_HIT_BLOCKS, PREFIX_LOOKUP_BLOCKS
 
 log = structlog.get_logger(__name__)
 
@@ -53,6 +54,9 @@ class KvImporter:
         first = await self._worker.call(engine.begin_import, flow_open.request_id,
                                         flow_open.token_ids, flow_open.sampling, flow_open.seed)
         self.imports[flow_open.request_id] = ImportState(flow_open, cached_tokens=first, stats=stats)
+        service = flow_open.role
+        PREFIX_HIT_BLOCKS.labels(service).inc(first // engine.layout.block_size)
+        PREFIX_LOOKUP_BLOCKS.labels(service).inc(len(flow_open.token_ids) // engine.layout.block_size)
         if self._on_open:
             await self._on_open(flow_open)
         log.info("kv_import_opened", request_id=flow_open.request_id, cached_tokens=first,

@@ -25,18 +25,30 @@ class FlowStats:
         bytes_received: Bytes of frames and control messages after the FlowOpen.
         frames: KV frames imported.
         opened_monotonic: When the FlowOpen arrived.
+        first_frame_monotonic: When the first KV frame was complete.
+        first_frame_bytes: Size of that frame.
         finished_monotonic: When the FlowEnd arrived.
     """
 
     bytes_received: int = 0
     frames: int = 0
     opened_monotonic: float = field(default_factory=time.monotonic)
+    first_frame_monotonic: float = 0.0
+    first_frame_bytes: int = 0
     finished_monotonic: float = 0.0
 
     @property
     def transfer_s(self) -> float:
-        """Seconds from FlowOpen to FlowEnd."""
+        """Seconds from FlowOpen to FlowEnd (includes the sender's compute)."""
         return max(0.0, self.finished_monotonic - self.opened_monotonic)
+
+    @property
+    def streaming_bytes_per_s(self) -> float | None:
+        """Link throughput seen between the first and the last frame (None: too few frames)."""
+        elapsed = self.finished_monotonic - self.first_frame_monotonic
+        if self.frames < 2 or elapsed <= 0:
+            return None
+        return (self.bytes_received - self.first_frame_bytes) / elapsed
 
 
 class FlowHandler(Protocol):
@@ -136,6 +148,8 @@ class BulkReceiver:
                         break
                     await self._handler.import_frame(request_id, message)
                     stats.frames += 1
+                    if stats.frames == 1:
+                        stats.first_frame_monotonic, stats.first_frame_bytes = time.monotonic(), size
                 elif isinstance(message, FlowEnd):
                     stats.finished_monotonic = time.monotonic()
                     await self._handler.end_flow(request_id, message.output_token_ids, stats)

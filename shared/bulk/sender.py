@@ -21,8 +21,10 @@ class FlowRefused(PddError):
 class BulkFlow:
     """One request's KV flow to one receiver."""
 
-    def __init__(self, request_id: str, path: str, reader, writer, first_token_index: int):
+    def __init__(self, request_id: str, path: str, reader, writer, first_token_index: int,
+                 handshake_s: float = 0.0):
         self.request_id = request_id
+        self.handshake_s = handshake_s
         self.path = path
         self.first_token_index = first_token_index
         self.bytes_sent = 0
@@ -79,6 +81,7 @@ async def open_flow(endpoint: str, flow_open: FlowOpen, secret: str, *, path: st
 
     async def handshake():
         reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 20)
+        started = time.monotonic()
         try:
             await write_control(writer, signed)
             reply, _ = await read_message(reader, None)
@@ -86,7 +89,8 @@ async def open_flow(endpoint: str, flow_open: FlowOpen, secret: str, *, path: st
             writer.close()
             raise
         if isinstance(reply, FlowAccepted):
-            return BulkFlow(flow_open.request_id, path, reader, writer, reply.first_token_index)
+            return BulkFlow(flow_open.request_id, path, reader, writer, reply.first_token_index,
+                            handshake_s=time.monotonic() - started)
         writer.close()
         if isinstance(reply, FlowRejected):
             raise FlowRefused(f"{endpoint} refused flow: {reply.code}: {reply.message}")

@@ -1,0 +1,47 @@
+"""The router's live estimate of the WAN link, learnt from the bulk channel's own transfers.
+
+Main decode measures throughput between the first and last frame of each WAN flow
+(``KvReady.throughput_bps``); prefill measures the flow handshake, one round trip
+(``PrefillCompleted.wan_rtt_s``). Both are smoothed with an exponentially weighted moving
+average; the configured values stand until the first measurement replaces them.
+"""
+
+from prometheus_client import Gauge
+
+from services.router.placement import WanEstimate
+
+BANDWIDTH = Gauge("pdd_wan_estimate_bandwidth_bps", "Router's smoothed WAN bandwidth estimate")
+RTT = Gauge("pdd_wan_estimate_rtt_seconds", "Router's smoothed WAN round-trip estimate")
+MIN_SAMPLE_BYTES = 256 << 10
+
+
+class WanEstimator:
+    """EWMA of bandwidth and RTT samples."""
+
+    def __init__(self, bandwidth_bps: float, rtt_s: float, alpha: float = 0.3):
+        self.bandwidth_bps, self.rtt_s, self.alpha = bandwidth_bps, rtt_s, alpha
+        self.bandwidth_samples = self.rtt_samples = 0
+        BANDWIDTH.set(bandwidth_bps)
+        RTT.set(rtt_s)
+
+    def add_throughput(self, throughput_bps: float, num_bytes: int):
+        """A WAN flow's measured throughput (ignored for transfers too small to tell)."""
+        if throughput_bps <= 0 or num_bytes < MIN_SAMPLE_BYTES:
+            return
+        weight = self.alpha if self.bandwidth_samples else 1.0
+        self.bandwidth_bps += weight * (throughput_bps - self.bandwidth_bps)
+        self.bandwidth_samples += 1
+        BANDWIDTH.set(self.bandwidth_bps)
+
+    def add_rtt(self, rtt_s: float):
+        """A WAN flow's handshake time."""
+        if rtt_s <= 0:
+            return
+        weight = self.alpha if self.rtt_samples else 1.0
+        self.rtt_s += weight * (rtt_s - self.rtt_s)
+        self.rtt_samples += 1
+        RTT.set(self.rtt_s)
+
+    def current(self) -> WanEstimate:
+        """The estimate placement uses now."""
+        return WanEstimate(self.bandwidth_bps, self.rtt_s)

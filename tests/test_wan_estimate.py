@@ -1,0 +1,37 @@
+"""The router learns the WAN link from its own KV transfers and routes by what it learnt."""
+
+import aiohttp
+
+from infra.wan_link import LinkProfile
+from services.router.wan_estimate import MIN_SAMPLE_BYTES, WanEstimator
+from tests.test_pipeline_e2e import chat_body, post
+
+
+def test_first_measurement_replaces_the_prior_then_smooths():
+    wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, alpha=0.5)
+    wan.add_throughput(10e6, num_bytes=100)  # too small to tell
+    assert wan.current().bandwidth_bps == 100e6
+    wan.add_throughput(10e6, num_bytes=MIN_SAMPLE_BYTES)
+    assert wan.current().bandwidth_bps == 10e6
+    wan.add_throughput(20e6, num_bytes=MIN_SAMPLE_BYTES)
+    assert wan.current().bandwidth_bps == 15e6
+    wan.add_rtt(0.1)
+    wan.add_rtt(0.2)
+    assert abs(wan.current().rtt_s - 0.15) < 1e-9
+
+
+async def test_router_learns_a_slow_link_and_starts_relaying(make_stack):
+    # The router believes 100 Mbit/s; the link gives 5 Mbit/s. A ~700-token tiny-model prompt
+    # (~360 KB of KV) is predicted at ~30 ms (P-MD) but really takes ~0.6 s (relay-worthy).
+    stack = await make_stack(profile=LinkProfile(bandwidth_bps=5e6, rtt_ms=20, jitter_ms=0, seed=4),
+                             engine_settings={"frame_tokens": 16},
+                             router_settings={"ttft_target_ms": 200, "wan_bandwidth_mbit": 100,
+                                              "wan_rtt_ms": 20, "odd_traffic_filter": False})
+    status, first = await post(stack, "/chat/completions", chat_body("Describe a harbour. " * 140, 4))
+    assert status == 200 and first["pdd"]["pipeline"] == "P-MD"
+    async with aiohttp.ClientSession() as session:
+        async with session.get(stack.base_url.removesuffix("/v1") + "/health") as response:
+            learnt = (await response.json())["wan_estimate"]
+    assert 3.5 <= learnt["bandwidth_mbit"] <= 6.5, learnt
+    status, second = await post(stack, "/chat/completions", chat_body("Describe a lighthouse. " * 140, 4))
+    assert status == 200 and second["pdd"]["pipeline"] == "P-RLD-MD"
