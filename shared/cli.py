@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine = bench_kinds.add_parser("engine", help="engine microbenchmark, JSON on stdout")
     _add_model_args(engine)
     engine.add_argument("--quick", action="store_true", help="short contexts, one repeat")
+    handoff = bench_kinds.add_parser("handoff", help="main decode's worst inter-token gap during a "
+                                                     "100-token handoff, one-shot vs catch-up")
+    _add_model_args(handoff)
+    handoff.add_argument("--other-streams", type=int, default=3)
+    handoff.add_argument("--context", type=int, default=512)
+    handoff.add_argument("--chunk-tokens", type=int, default=32)
 
     from infra.serve import add_serve_parsers
     from infra.wan_control import add_wan_parsers
@@ -118,9 +124,17 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    """Run the engine microbenchmark and print its JSON."""
-    from loadtest.engine_bench import run_engine_bench
+    """Run a microbenchmark and print its JSON."""
     from shared.model_loader import load_model
+
+    if args.bench == "handoff":
+        from loadtest.handoff_bench import run_handoff_bench
+
+        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+        print(json.dumps(run_handoff_bench(loaded, other_streams=args.other_streams,
+                                           context=args.context, chunk_tokens=args.chunk_tokens), indent=2))
+        return 0
+    from loadtest.engine_bench import run_engine_bench
 
     model = "tiny" if args.quick and args.model == "smollm2" else args.model
     loaded = load_model(model, device=args.device, dtype=args.dtype)

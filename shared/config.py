@@ -102,7 +102,8 @@ class RelayDecodeConfig(BulkReceiverConfig):
     catch_up_threshold_tokens: int = setting(64, "backlog above which the handoff goes in catch-up chunks", positive)
     final_gap_tokens: int = setting(8, "catch-up hands over for good once the gap is this small", non_negative)
     load_watermark: float = setting(0.5, "relay load (active/max sequences) at which it hands over one-shot", positive)
-    max_catch_up_chunks: int = setting(8, "catch-up hands over for good after this many chunks", positive)
+    max_catch_up_chunks: int = setting(16, "catch-up hands over for good after this many chunks", positive)
+    max_chunk_tokens: int = setting(32, "largest catch-up chunk (bounds each stall of main decode)", positive)
 
 
 @dataclass(frozen=True)

@@ -47,3 +47,12 @@ def test_bench_engine_quick_prints_every_figure():
     assert set(report["extend_cost_in_decode_steps"]) == {"16", "64", "100"}
     assert report["kv_transfer"]["export_gb_s"] > 0 and report["kv_transfer"]["import_gb_s"] > 0
     assert report["decode_throughput_ratio_batch4_vs_batch1"] > 0
+
+
+def test_bench_handoff_reports_both_modes():
+    result = run_pdd("bench", "handoff", "--model", "tiny", "--context", "128")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    for mode in ("one_shot", "catch_up"):
+        assert report[mode]["worst_gap_ms"] > 0 and report[mode]["stall_vs_baseline"] > 0
+    assert report["handoff_tokens"] == 100 and report["catch_up_chunk_tokens"] == 32

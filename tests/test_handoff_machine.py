@@ -10,7 +10,8 @@ from services.relay_decode.handoff import (
     IllegalTransition,
 )
 
-POLICY = HandoffPolicy(catch_up_threshold_tokens=64, final_gap_tokens=8, load_watermark=0.5)
+POLICY = HandoffPolicy(catch_up_threshold_tokens=64, final_gap_tokens=8, load_watermark=0.5,
+                       max_chunks=16, max_chunk_tokens=1000)
 
 
 def machine() -> HandoffMachine:
@@ -81,9 +82,18 @@ def test_illegal_events_are_refused():
 
 
 def test_catch_up_that_cannot_close_the_gap_ends_after_max_chunks():
-    m = HandoffMachine("r", HandoffPolicy(64, 8, 0.5, max_chunks=3))
+    m = HandoffMachine("r", HandoffPolicy(64, 8, 0.5, max_chunks=3, max_chunk_tokens=1000))
     chunk = m.kv_ready(emitted=100, load=0.1)
     chunk = m.accepted(chunk.end_index, emitted=150, load=0.1)
     assert not chunk.final and chunk.chunk == 2
     chunk = m.accepted(chunk.end_index, emitted=200, load=0.1)
     assert chunk.final and chunk.chunk == 3
+
+
+def test_catch_up_chunks_are_bounded_so_each_stall_is_small():
+    m = HandoffMachine("r", HandoffPolicy(64, 8, 0.5, max_chunks=16, max_chunk_tokens=32))
+    assert m.kv_ready(emitted=100, load=0.1) == HandoffChunk(0, 32, False, "catch-up", 1)
+    assert m.accepted(32, emitted=102, load=0.1) == HandoffChunk(32, 64, False, "catch-up", 2)
+    assert m.accepted(64, emitted=104, load=0.1) == HandoffChunk(64, 96, False, "catch-up", 3)
+    final = m.accepted(96, emitted=104, load=0.1)
+    assert final == HandoffChunk(96, 104, True, "catch-up", 4)

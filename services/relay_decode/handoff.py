@@ -44,12 +44,15 @@ class HandoffPolicy:
         load_watermark: Relay load (active / max sequences) at or above which it frees itself.
         max_chunks: Chunks after which catch-up hands over for good even if the gap is not
             small (a relay faster than the handoff round trip would otherwise chase forever).
+        max_chunk_tokens: Largest catch-up chunk: bounds each absorption's stall of main
+            decode's other streams.
     """
 
     catch_up_threshold_tokens: int = 64
     final_gap_tokens: int = 8
     load_watermark: float = 0.5
-    max_chunks: int = 8
+    max_chunks: int = 16
+    max_chunk_tokens: int = 32
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ class HandoffMachine:
         if backlog > self.policy.catch_up_threshold_tokens and load < self.policy.load_watermark:
             self.mode = "catch-up"
             self._move(HandoffState.CATCH_UP, backlog=backlog, load=load)
-            return self._chunk(emitted, final=False)
+            return self._chunk(self.handed_index + min(backlog, self.policy.max_chunk_tokens), final=False)
         self.mode = "one-shot"
         self._move(HandoffState.ONE_SHOT, backlog=backlog, load=load)
         return self._chunk(emitted, final=True) if emitted > 0 else None
@@ -121,7 +124,8 @@ class HandoffMachine:
             return None  # the final chunk needs at least one token: wait for the next
         final = (gap <= self.policy.final_gap_tokens or load >= self.policy.load_watermark
                  or self.chunks + 1 >= self.policy.max_chunks)
-        return self._chunk(emitted, final=final)
+        end = emitted if final else self.handed_index + min(gap, self.policy.max_chunk_tokens)
+        return self._chunk(end, final=final)
 
     def failed(self, reason: str):
         """The handoff could not be done: the relay finishes the request itself."""

@@ -49,7 +49,8 @@ class RelayDecodeService(DecodeService):
         super().__init__(config, loaded)
         self.config: RelayDecodeConfig = config
         self.policy = HandoffPolicy(config.catch_up_threshold_tokens, config.final_gap_tokens,
-                                    config.load_watermark, config.max_catch_up_chunks)
+                                    config.load_watermark, config.max_catch_up_chunks,
+                                    config.max_chunk_tokens)
         self.machines: dict[str, HandoffMachine] = {}
         self._main: dict[str, KvReady] = {}
         self._event_subs: dict[str, nats.aio.subscription.Subscription] = {}

@@ -1,0 +1,48 @@
+"""Cache-index: decode-side cache hits, exact WAN bytes, and a rebuild after a restart."""
+
+from infra.wan_link import LinkProfile
+from services.cache_index.service import CacheIndexService
+from shared.kv_wire import PREFIX_SIZE
+from tests.helpers import until
+from tests.test_pipeline_e2e import chat_body, chat_prompt, post
+
+FAST_WAN = LinkProfile(bandwidth_bps=0, rtt_ms=2, jitter_ms=0)
+
+
+async def test_only_missed_blocks_cross_the_wan(make_stack, tiny):
+    stack = await make_stack(profile=FAST_WAN, router_settings={"pipeline_policy": "P-MD"})
+    base = "Chapter one of a long report about ports and shipping lanes. " * 20
+    status, first = await post(stack, "/chat/completions", chat_body(base, 4))
+    assert status == 200
+    prompt_blocks = len(chat_prompt(tiny, base)) // 16
+    await until(lambda: len(stack.cache_index.instances["main-decode-0"].block_hashes) >= prompt_blocks,
+                10, "first prompt indexed")
+    extended = base + "Chapter two covers the weather. " * 10
+    status, second = await post(stack, "/chat/completions", chat_body(extended, 4))
+    pdd = second["pdd"]
+    prompt_len = len(chat_prompt(tiny, extended))
+    missed_tokens = prompt_len - pdd["cached_blocks_md"] * 16
+    kv_bytes = missed_tokens * stack.prefill.engine.layout.kv_bytes_per_token
+    assert pdd["cached_blocks_md"] >= prompt_blocks - 1
+    assert kv_bytes <= pdd["wan_kv_bytes"] <= 1.05 * kv_bytes, (pdd["wan_kv_bytes"], kv_bytes)
+    assert pdd["wan_kv_bytes"] - kv_bytes < 2 * 1024 + PREFIX_SIZE
+
+
+async def test_restarted_cache_index_rebuilds_and_routing_continues(make_stack, tiny):
+    stack = await make_stack(profile=FAST_WAN, router_settings={"pipeline_policy": "P-MD"})
+    contents = [f"Report {i} on river traffic and locks. " * 20 for i in range(3)]
+    for content in contents:
+        assert (await post(stack, "/chat/completions", chat_body(content, 4)))[0] == 200
+    old = stack.cache_index
+    await until(lambda: len(old.instances["main-decode-0"].block_hashes) >= 3 * 10, 10, "indexed")
+    before = set(old.instances["main-decode-0"].block_hashes)
+    await old.stop()
+    # While the index is down the router still routes (no hits known: it falls back to P-MD cold).
+    status, during = await post(stack, "/chat/completions", chat_body("A short question?", 4))
+    assert status == 200
+    stack.cache_index = CacheIndexService(old.config)
+    await stack.cache_index.start()
+    await until(lambda: "main-decode-0" in stack.cache_index.instances
+                and before <= stack.cache_index.instances["main-decode-0"].block_hashes, 10, "rebuilt")
+    status, again = await post(stack, "/chat/completions", chat_body(contents[0], 4))
+    assert status == 200 and again["pdd"]["cached_blocks_md"] >= 10
