@@ -78,6 +78,7 @@ class LocalStack:
                           leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}")
         self.nats_processes.append(await loop.run_in_executor(None, start_nats, site_b, self.workdir))
         self.sites = {SITE_A: site_a, SITE_B: site_b}
+        # JetStream behind a leafnode answers cross-domain API calls once both servers are up.
         await loop.run_in_executor(None, wait_until, lambda: leafnode_count(site_a) >= 1, 15,
                                    "leafnode between the sites did not connect")
         await self._start_services()

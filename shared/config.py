@@ -143,6 +143,9 @@ class RouterConfig(CommonConfig):
 class CacheIndexConfig(CommonConfig):
     """Settings of the cache-index."""
 
+    kv_event_sites: str = setting("site-a,site-b", "sites (JetStream domains) whose KV event streams to follow")
+    instance_ttl_s: float = setting(10.0, "forget an instance silent this long", positive)
+
 
 def settings_of(cls) -> list[dataclasses.Field]:
     """The settings (dataclass fields) of a config class."""

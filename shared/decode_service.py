@@ -52,6 +52,8 @@ class DecodeService(EngineService):
 
     async def on_stop(self):
         # Stop accepting KV; let running sequences finish for a short grace period.
+        if self.receiver is None:
+            return  # never started
         await self.receiver.stop()
         for _ in range(100):
             if not await self.worker.call(self.engine.has_work):

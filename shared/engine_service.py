@@ -1,7 +1,10 @@
 """Base of the services that run the model: engine thread, KV events, cache dumps, load."""
 
 import asyncio
+import secrets
 import time
+
+import nats
 
 from shared import subjects
 from shared.config import EngineConfig
@@ -11,10 +14,13 @@ from shared.metrics import ACTIVE_SEQUENCES
 from shared.model_loader import load_model
 from shared.service import Service
 from shared.engine_worker import EngineWorker
+from shared.kv_event_stream import ensure_stream
 
 
 class EngineService(Service):
-    """A service with an engine; publishes its prefix cache's stored/evicted blocks."""
+    """A service with an engine; prefill and main decode publish their cached blocks."""
+
+    publishes_kv_events = True
 
     def __init__(self, config: EngineConfig, loaded=None):
         super().__init__(config)
@@ -23,6 +29,7 @@ class EngineService(Service):
         self.worker: EngineWorker | None = None
         self._kv_events: asyncio.Queue | None = None
         self._kv_seq = 0
+        self._kv_epoch = secrets.token_hex(8)
 
     @property
     def engine(self) -> Engine:
@@ -41,12 +48,15 @@ class EngineService(Service):
             loop.call_soon_threadsafe(self._kv_events.put_nowait, (kind, block_hashes))
 
         engine = Engine(loaded, kv_cache_bytes=self.config.kv_cache_mb << 20,
-                        block_size=self.config.block_size, kv_listener=on_kv_event)
+                        block_size=self.config.block_size,
+                        kv_listener=on_kv_event if self.publishes_kv_events else None)
         self.worker = EngineWorker(engine, self.instance_id, self.config.torch_threads)
         await super().start()
         await self.nc.subscribe(subjects.instance_work(
             self.config.site, self.service_name, self.instance_id, subjects.DUMP), cb=self._on_dump)
-        self._tasks.append(asyncio.create_task(self._publish_kv_events(), name="kv-events"))
+        if self.publishes_kv_events:
+            await ensure_stream(self.nc.jetstream(), self.config.site)
+            self._tasks.append(asyncio.create_task(self._publish_kv_events(), name="kv-events"))
 
     async def stop(self):
         await super().stop()
@@ -64,6 +74,7 @@ class EngineService(Service):
 
     async def _publish_kv_events(self):
         subject = subjects.kv_events(self.config.site, self.instance_id)
+        js = self.nc.jetstream()
         while True:
             kind, hashes = await self._kv_events.get()
             # Merge a burst of same-kind events into one message.
@@ -71,10 +82,16 @@ class EngineService(Service):
                 hashes = hashes + self._kv_events.get_nowait()[1]
             self._kv_seq += 1
             cls = KvBlocksStored if kind == "stored" else KvBlocksEvicted
-            await self.publish(subject, cls(publisher_id=self.instance_id, seq=self._kv_seq,
-                                            block_hashes=hashes))
+            event = cls(publisher_id=self.instance_id, epoch=self._kv_epoch, seq=self._kv_seq,
+                        block_hashes=hashes)
+            msg_id = f"{self.instance_id}:{self._kv_epoch}:{self._kv_seq}"
+            try:
+                await js.publish(subject, encode(event), headers={"Nats-Msg-Id": msg_id})
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                # The cache-index sees the gap and asks for a dump.
+                self.log.warning("kv_event_not_stored", seq=self._kv_seq, error=str(exc) or type(exc).__name__)
 
     async def _on_dump(self, msg):
         hashes = await self.worker.call(self.engine.prefix_cache.block_hashes)
-        await msg.respond(encode(KvBlocksStored(publisher_id=self.instance_id, seq=self._kv_seq,
-                                                block_hashes=hashes)))
+        await msg.respond(encode(KvBlocksStored(publisher_id=self.instance_id, epoch=self._kv_epoch,
+                                                seq=self._kv_seq, block_hashes=hashes)))

@@ -261,11 +261,13 @@ class KvBlocksStored(_Message, kw_only=True):
 
     Attributes:
         publisher_id: The instance.
-        seq: Per-publisher sequence number, from 1, no gaps.
+        epoch: The publisher's incarnation (a restart starts a new epoch, seq from 1 again).
+        seq: Per-publisher, per-epoch sequence number, from 1, no gaps.
         block_hashes: Chained hashes added (parents before children).
     """
 
     publisher_id: str
+    epoch: str = ""
     seq: int
     block_hashes: list[int]
 
@@ -275,11 +277,13 @@ class KvBlocksEvicted(_Message, kw_only=True):
 
     Attributes:
         publisher_id: The instance.
-        seq: Per-publisher sequence number.
+        epoch: The publisher's incarnation.
+        seq: Per-publisher, per-epoch sequence number.
         block_hashes: Chained hashes removed.
     """
 
     publisher_id: str
+    epoch: str = ""
     seq: int
     block_hashes: list[int]
 

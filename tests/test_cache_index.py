@@ -44,5 +44,26 @@ async def test_restarted_cache_index_rebuilds_and_routing_continues(make_stack, 
     await stack.cache_index.start()
     await until(lambda: "main-decode-0" in stack.cache_index.instances
                 and before <= stack.cache_index.instances["main-decode-0"].block_hashes, 10, "rebuilt")
+    # No request ran since the restart: applied events can only come from replaying the streams.
+    assert stack.cache_index.events_applied > 0
     status, again = await post(stack, "/chat/completions", chat_body(contents[0], 4))
     assert status == 200 and again["pdd"]["cached_blocks_md"] >= 10
+
+
+async def test_kv_events_are_kept_in_each_sites_jetstream_domain(make_stack):
+    import nats
+
+    from shared.kv_event_stream import STREAM_NAME
+
+    stack = await make_stack(profile=FAST_WAN, router_settings={"pipeline_policy": "P-MD"})
+    assert (await post(stack, "/chat/completions", chat_body("Tides and moons. " * 30, 4)))[0] == 200
+    nc = await nats.connect(stack.sites["site-a"].url)
+    try:
+        counts = {}
+        for site in ("site-a", "site-b"):
+            info = await nc.jetstream(domain=site).stream_info(STREAM_NAME)
+            counts[site] = info.state.messages
+            assert info.config.subjects == [f"pdd.evt.{site}.kv.*"]
+    finally:
+        await nc.close()
+    assert counts["site-a"] >= 1 and counts["site-b"] >= 1  # prefill's and main decode's blocks

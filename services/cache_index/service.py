@@ -1,9 +1,11 @@
 """Cache-index (site A): which leading prompt blocks each prefill and main-decode instance holds.
 
-It follows every instance's stored/evicted block events (sequenced per instance). An
-instance it has not seen, or whose events show a gap, is asked for a full dump of its
-prefix cache; events older than the dump are ignored. Overlap queries are answered by
-request/reply: for each instance, how many leading blocks of the prompt it holds.
+It replays every site's KV event stream (JetStream, one per site and domain; the remote one
+through the leafnode) from the start and follows it live. Events are sequenced per
+publisher and epoch (a restarted publisher starts a new epoch): an instance whose history
+the stream does not fully cover, or whose events show a gap, is asked for a full dump of its
+prefix cache, and only events newer than the dump are applied on top. Overlap queries are
+answered by request/reply: for each instance, how many leading blocks of the prompt it holds.
 """
 
 import asyncio
@@ -14,6 +16,7 @@ import nats
 
 from shared import subjects
 from shared.config import CacheIndexConfig
+from shared.kv_event_stream import replay
 from shared.messages import (
     KvBlocksStored,
     KvEvent,
@@ -39,21 +42,27 @@ class InstanceIndex:
 
     Attributes:
         site: The instance's site.
-        service: Its service.
+        service: Its service (known from its heartbeat; needed to ask for a dump).
+        epoch: The publisher incarnation the state belongs to.
         block_hashes: Cached block hashes.
-        seq: Sequence number of the last event applied (-1: never synced).
+        seq: Sequence number of the last event applied (-1: not in sync).
         last_seen: Monotonic time of its last heartbeat or event.
         syncing: A dump request is in flight.
-        pending: Events that arrived while syncing, applied after the dump if newer.
+        pending: Events held until a dump tells where they fit.
     """
 
     site: str
-    service: str
+    service: str = ""
+    epoch: str = ""
     block_hashes: set[int] = field(default_factory=set)
     seq: int = -1
     last_seen: float = field(default_factory=time.monotonic)
     syncing: bool = False
     pending: list = field(default_factory=list)
+
+    def reset(self, epoch: str):
+        """A new incarnation of the publisher: forget the old one's state."""
+        self.epoch, self.block_hashes, self.seq, self.pending = epoch, set(), -1, []
 
     def leading_hits(self, block_hashes: list[int]) -> int:
         """How many leading blocks of ``block_hashes`` are held."""
@@ -70,49 +79,57 @@ class CacheIndexService(Service):
 
     service_name = "cache_index"
 
-    def __init__(self, config: CacheIndexConfig, instance_ttl_s: float = 10.0):
+    def __init__(self, config: CacheIndexConfig):
         super().__init__(config)
+        self.config: CacheIndexConfig = config
         self.instances: dict[str, InstanceIndex] = {}
         self.events_applied = 0
         self.gaps = 0
-        self._instance_ttl_s = instance_ttl_s
 
     async def on_start(self):
         await self.nc.subscribe(subjects.LOAD_ALL, cb=self._on_load)
-        await self.nc.subscribe(subjects.KV_EVENTS_ALL, cb=self._on_kv_event)
+        for site in filter(None, (s.strip() for s in self.config.kv_event_sites.split(","))):
+            await replay(self.nc, site, self._on_kv_event)
         await self.nc.subscribe(subjects.shared_work(self.config.site, self.service_name, subjects.OVERLAP),
                                 queue=f"{self.service_name}-{self.config.site}", cb=self._on_query)
+
+    def _index(self, instance_id: str, site: str) -> InstanceIndex:
+        index = self.instances.get(instance_id)
+        if index is None:
+            index = self.instances[instance_id] = InstanceIndex(site)
+        return index
 
     async def _on_load(self, msg):
         report = _load_decoder.decode(msg.data)
         if report.service not in ENGINE_SERVICES:
             return
-        index = self.instances.get(report.instance.instance_id)
-        if index is None:
-            index = self.instances[report.instance.instance_id] = InstanceIndex(
-                report.instance.site, report.service)
-        index.last_seen = time.monotonic()
+        index = self._index(report.instance.instance_id, report.instance.site)
+        index.service, index.last_seen = report.service, time.monotonic()
         if index.seq < 0 and not index.syncing:
             self._request_dump(report.instance.instance_id, index)
         self._expire()
 
     async def _on_kv_event(self, msg):
         event = _kv_decoder.decode(msg.data)
-        index = self.instances.get(event.publisher_id)
-        if index is None:
-            return  # unknown until its first heartbeat; the dump then covers this event
-        if index.syncing:
+        index = self._index(event.publisher_id, msg.subject.split(".")[2])
+        if event.epoch != index.epoch:
+            index.reset(event.epoch)
+        if index.syncing or (index.seq < 0 and event.seq != 1):
+            # Where this event fits is unknown until a dump says how far the state goes.
             index.pending.append(event)
+            if not index.syncing and index.service:
+                self._request_dump(event.publisher_id, index)
+            return
+        if event.seq <= index.seq:
+            CACHE_INDEX_EVENTS.labels("duplicate").inc()
             return
         if index.seq >= 0 and event.seq > index.seq + 1:
             self.gaps += 1
             CACHE_INDEX_EVENTS.labels("gap").inc()
             self.log.warning("kv_event_gap", instance=event.publisher_id, expected=index.seq + 1, got=event.seq)
+            index.pending.append(event)
             self._request_dump(event.publisher_id, index)
             return
-        if event.seq <= index.seq:
-            CACHE_INDEX_EVENTS.labels("duplicate").inc()
-            return  # duplicate or older than the dump
         self._apply(index, event)
 
     def _apply(self, index: InstanceIndex, event):
@@ -134,10 +151,9 @@ class CacheIndexService(Service):
         try:
             reply = await self.nc.request(subject, b"", timeout=5.0)
             dump = _dump_decoder.decode(reply.data)
-            index.block_hashes = set(dump.block_hashes)
-            index.seq = dump.seq
+            index.epoch, index.block_hashes, index.seq = dump.epoch, set(dump.block_hashes), dump.seq
             for event in sorted(index.pending, key=lambda e: e.seq):
-                if event.seq > index.seq:
+                if event.epoch == index.epoch and event.seq == index.seq + 1:
                     self._apply(index, event)
             self.log.info("instance_synced", instance=instance_id, blocks=len(index.block_hashes), seq=dump.seq)
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
@@ -147,7 +163,7 @@ class CacheIndexService(Service):
             index.syncing = False
 
     def _expire(self):
-        cutoff = time.monotonic() - self._instance_ttl_s
+        cutoff = time.monotonic() - self.config.instance_ttl_s
         for instance_id in [i for i, idx in self.instances.items() if idx.last_seen < cutoff]:
             del self.instances[instance_id]
             self.log.info("instance_expired", instance=instance_id)

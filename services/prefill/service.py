@@ -63,7 +63,8 @@ class PrefillService(EngineService):
     async def on_stop(self):
         # Finish what was accepted; refuse nothing silently (subscriptions drain with NATS).
         await asyncio.gather(*self._active.values(), return_exceptions=True)
-        await self._loop.stop()
+        if self._loop is not None:
+            await self._loop.stop()
 
     async def on_cancel(self, cancel: CancelRequest):
         task = self._active.get(cancel.request_id)

@@ -44,6 +44,7 @@ class RelayDecodeService(DecodeService):
     service_name = "relay_decode"
     producer = "RLD"
     bulk_path = "local"
+    publishes_kv_events = False  # a relay's cache is not a routing target
 
     def __init__(self, config: RelayDecodeConfig, loaded=None):
         super().__init__(config, loaded)
