@@ -51,3 +51,39 @@ async def test_agent_turns_through_both_pipelines_are_exact(make_stack, smollm2)
     assert second["pdd"]["pipeline"] == "P-MD"
     assert second["pdd"]["cached_blocks_md"] >= prompt_len // 16
     assert second["pdd"]["wan_kv_bytes"] < 0.2 * first["pdd"]["wan_kv_bytes"]
+
+
+@pytest.fixture
+async def smol_stack(make_stack, smollm2):
+    return await make_stack(loaded=smollm2, metadata=load_metadata("smollm2"), profile=DEFAULT_WAN,
+                            engine_settings={"kv_cache_mb": 256},
+                            router_settings={"served_model_name": "smollm2"})
+
+
+async def test_long_prompt_short_output_is_odd_traffic(smol_stack, smollm2):
+    messages = [{"role": "user", "content": "Tool output:\n" + long_tool_output(30) + "\nOne word: ok?"}]
+    status, body = await post(smol_stack, "/chat/completions", {
+        "model": "smollm2", "messages": messages, "max_tokens": 4, "temperature": 0})
+    assert status == 200, body
+    expected, prompt_len = reference_answer(smollm2, messages, 4)
+    assert body["choices"][0]["message"]["content"] == expected
+    pdd = body["pdd"]
+    assert pdd["odd_traffic"] is True and pdd["finished_on"] == "RLD"
+    prompt_kv = prompt_len * smol_stack.prefill.engine.layout.kv_bytes_per_token
+    assert pdd["wan_kv_bytes"] < 0.5 * prompt_kv
+
+
+async def test_long_cold_prompt_with_long_output_catches_up(smol_stack, smollm2):
+    messages = [{"role": "user", "content": "Tool output:\n" + long_tool_output(54) +
+                 "\nExplain every line of this output in detail."}]
+    status, body = await post(smol_stack, "/chat/completions", {
+        "model": "smollm2", "messages": messages, "max_tokens": 160, "temperature": 0,
+        "ignore_eos": True})
+    assert status == 200, body
+    prompt = list(smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                        tokenize=True, return_dict=False))
+    expected = smollm2.tokenizer.decode(reference_greedy(smollm2, prompt, 160), skip_special_tokens=True)
+    assert body["choices"][0]["message"]["content"] == expected
+    pdd = body["pdd"]
+    assert pdd["pipeline"] == "P-RLD-MD" and pdd["finished_on"] == "MD"
+    assert pdd["handoff_mode"] == "catch-up" and pdd["handoff_chunks"] >= 2, pdd
