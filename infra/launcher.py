@@ -54,6 +54,7 @@ class Deployment:
         processes: Name → pid of every process started.
         nats_urls: Site → client URL.
         metrics_urls: Service process name → its Prometheus endpoint.
+        commands: Service process name → ``pdd`` arguments and environment (for ``pdd restart``).
     """
 
     run_dir: str
@@ -62,6 +63,7 @@ class Deployment:
     processes: dict[str, int] = field(default_factory=dict)
     nats_urls: dict[str, str] = field(default_factory=dict)
     metrics_urls: dict[str, str] = field(default_factory=dict)
+    commands: dict[str, dict] = field(default_factory=dict)
 
 
 def default_run_dir() -> Path:
@@ -123,7 +125,9 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
         deployment.metrics_urls[name] = f"http://127.0.0.1:{metrics_port}/metrics"
         argv = ["serve", SERVICE_OF[kind], "--instance-id", f"{kind}-{index}",
                 "--metrics-port", str(metrics_port), *flags]
-        deployment.processes[name] = _spawn(run_dir, name, argv, {**env, **site_env[TOPOLOGY[kind][0]]})
+        process_env = {**env, **site_env[TOPOLOGY[kind][0]]}
+        deployment.commands[name] = {"argv": argv, "env": process_env}
+        deployment.processes[name] = _spawn(run_dir, name, argv, process_env)
 
     spawn("cache-index", 0)
     for i in range(args.prefill):
@@ -182,6 +186,25 @@ def down(run_dir: Path, quiet: bool = False) -> list[str]:
     return order
 
 
+def restart(run_dir: Path, name: str) -> int:
+    """Stop one service process (SIGTERM, then SIGKILL) and start it again; return its new pid."""
+    deployment = load_state(run_dir)
+    if deployment is None or name not in deployment.commands:
+        known = sorted(deployment.commands) if deployment else []
+        raise LauncherError(f"no service process {name!r} to restart (known: {', '.join(known)})")
+    pid = deployment.processes[name]
+    _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(pid):
+        _signal(pid, signal.SIGKILL)
+    command = deployment.commands[name]
+    deployment.processes[name] = _spawn(run_dir, name, command["argv"], command["env"])
+    _save(run_dir, deployment)
+    return deployment.processes[name]
+
+
 def status(run_dir: Path) -> dict:
     """Each process alive or not, and the router's view of the instances."""
     deployment = load_state(run_dir)
@@ -194,7 +217,9 @@ def status(run_dir: Path) -> dict:
 
 
 def _save(run_dir: Path, deployment: Deployment):
-    (run_dir / "state.json").write_text(json.dumps(asdict(deployment), indent=2))
+    path = run_dir / "state.json"
+    path.touch(mode=0o600)  # it holds the deployment's bulk secret
+    path.write_text(json.dumps(asdict(deployment), indent=2))
 
 
 def _alive(pid: int) -> bool:

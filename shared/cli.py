@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_up_args(commands.add_parser(name, help=helptext))
     for name, helptext in (("down", "stop the deployment"), ("status", "show the deployment")):
         commands.add_parser(name, help=helptext).add_argument("--run-dir", default=None)
+    restart = commands.add_parser("restart", help="restart one service process (e.g. cache-index-0)")
+    restart.add_argument("name")
+    restart.add_argument("--run-dir", default=None)
     return parser
 
 
@@ -188,6 +191,15 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_restart(args) -> int:
+    """Restart one service process of the running deployment."""
+    from infra import launcher
+
+    pid = launcher.restart(_run_dir(args), args.name)
+    print(f"restarted {args.name} (pid {pid})")
+    return 0
+
+
 def cmd_wan(args) -> int:
     """Show or change the WAN link."""
     from infra import launcher, wan_control
@@ -241,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "serve":
         configure_logging(args.log_level if args.command not in ("up", "demo") else "warning")
     handlers = {"generate": cmd_generate, "bench": cmd_bench, "up": cmd_up, "down": cmd_down,
-                "status": cmd_status, "wan": cmd_wan, "serve": cmd_serve, "demo": cmd_demo}
+                "status": cmd_status, "wan": cmd_wan, "serve": cmd_serve, "demo": cmd_demo,
+                "restart": cmd_restart}
     try:
         return handlers[args.command](args)
     except (PddError, ValueError) as exc:

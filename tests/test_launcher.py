@@ -82,6 +82,30 @@ def test_status_and_wan_control(deployment):
     assert bad.returncode == 2 and "bandwidth 'fast'" in bad.stderr
 
 
+async def test_restarting_the_cache_index_while_requests_run(deployment):
+    run_dir, ports = deployment
+    api = client(ports)
+    content = "A report on canal locks and barges. " * 30
+
+    async def ask():
+        reply = await api.chat.completions.create(
+            model="smollm2-135m-instruct", messages=[{"role": "user", "content": content}],
+            max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
+        return reply.model_extra["pdd"]
+
+    first = await ask()
+    running = [asyncio.create_task(ask()) for _ in range(3)]
+    restarted = await asyncio.to_thread(pdd, "restart", "cache-index-0", "--run-dir", str(run_dir))
+    assert restarted.returncode == 0, restarted.stderr
+    assert all(p["finished_on"] == "MD" for p in await asyncio.gather(*running))
+    deadline = time.monotonic() + 60
+    while True:  # the new index replays the KV event streams, then hits show again
+        again = await ask()
+        if again["cached_blocks_md"] >= first["prompt_tokens"] // 16 - 1 or time.monotonic() > deadline:
+            break
+    assert again["cached_blocks_md"] >= first["prompt_tokens"] // 16 - 1, again
+
+
 async def test_killing_a_main_decoder_mid_request_never_hangs(deployment):
     run_dir, ports = deployment
     api = client(ports)
