@@ -171,7 +171,10 @@ class RouterService(Service):
             placement = await self._place(req, request_id)
             span.set_attributes({"pipeline": placement.pipeline, "odd_traffic": placement.odd_traffic,
                                  "md_cached_blocks": placement.md_cached_blocks,
-                                 "predicted_wan_s": placement.predicted_wan_s})
+                                 "missing_kv_bytes": placement.missing_kv_bytes,
+                                 "predicted_wan_s": placement.predicted_wan_s,
+                                 "wan_estimate_bps": self.wan.bandwidth_bps,
+                                 "wan_estimate_rtt_s": self.wan.rtt_s})
             PIPELINE_CHOICES.labels(placement.pipeline).inc()
             log.info("request_routed", pipeline=placement.pipeline, odd_traffic=placement.odd_traffic,
                      wan_estimate_mbit=round(self.wan.bandwidth_bps / 1e6, 2),
