@@ -11,7 +11,7 @@ adjustable at runtime through a small HTTP control API (``pdd wan``).
 import asyncio
 import random
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import structlog
 from aiohttp import web

@@ -10,9 +10,7 @@ import json
 import time
 
 import nats
-import structlog
 from aiohttp import web
-from opentelemetry import trace
 
 from services.router import openai_api
 from services.router.detokenizer import Detokenizer
