@@ -48,6 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     handoff.add_argument("--other-streams", type=int, default=3)
     handoff.add_argument("--context", type=int, default=512)
     handoff.add_argument("--chunk-tokens", type=int, default=32)
+    micro = bench_kinds.add_parser("handoff-micro", help="100-token handoff by token IDs vs by KV, "
+                                                         "over the same emulated WAN link")
+    _add_model_args(micro)
+    micro.add_argument("--trials", type=int, default=20)
+    micro.add_argument("--context", type=int, default=512)
+    micro.add_argument("--bandwidth", default="100mbit")
+    micro.add_argument("--rtt", default="40ms")
+    micro.add_argument("--jitter", default="5ms")
 
     from infra.serve import add_serve_parsers
     from infra.wan_control import add_wan_parsers
@@ -130,6 +138,16 @@ def cmd_bench(args) -> int:
     """Run a microbenchmark and print its JSON."""
     from shared.model_loader import load_model
 
+    if args.bench == "handoff-micro":
+        from infra.wan_link import LinkProfile, parse_ms, parse_rate
+        from loadtest.handoff_microbench import run_handoff_microbench
+
+        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+        profile = LinkProfile(bandwidth_bps=parse_rate(args.bandwidth), rtt_ms=parse_ms(args.rtt),
+                              jitter_ms=parse_ms(args.jitter))
+        print(json.dumps(run_handoff_microbench(loaded, profile=profile, context=args.context,
+                                                trials=args.trials), indent=2))
+        return 0
     if args.bench == "handoff":
         from loadtest.handoff_bench import run_handoff_bench
 

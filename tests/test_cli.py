@@ -56,3 +56,14 @@ def test_bench_handoff_reports_both_modes():
     for mode in ("one_shot", "catch_up"):
         assert report[mode]["worst_gap_ms"] > 0 and report[mode]["stall_vs_baseline"] > 0
     assert report["handoff_tokens"] == 100 and report["catch_up_chunk_tokens"] == 32
+
+
+def test_bench_handoff_micro_compares_ids_with_kv():
+    result = run_pdd("bench", "handoff-micro", "--model", "tiny", "--trials", "3", "--context", "128",
+                     "--rtt", "4ms", "--jitter", "1ms")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    ids, kv = report["token_ids"], report["incremental_kv"]
+    assert ids["payload_bytes"] < 1536 < kv["payload_bytes"]
+    assert report["payload_ratio"] == round(kv["payload_bytes"] / ids["payload_bytes"], 1)
+    assert ids["latency_ms"]["max"] >= ids["latency_ms"]["mean"] > 0
