@@ -101,9 +101,11 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
     site_a = NatsSite(SITE_A, args.nats_a_port, free_port(), run_dir / "jetstream-a", leaf_listen_port=free_port())
     deployment.processes["nats-a"] = start_nats(site_a, run_dir, run_dir / "logs" / "nats-a.log").pid
     leaf_port, bulk_ports = free_port(), [(free_port(), free_port()) for _ in range(args.md)]
+    md_site = getattr(args, "md_site", SITE_B)
     routes = [f"leafnode=127.0.0.1:{leaf_port}>127.0.0.1:{site_a.leaf_listen_port}@{SITE_B}"]
-    routes += [f"bulk-main-decode-{i}=127.0.0.1:{wan}>127.0.0.1:{local}@{SITE_A}"
-               for i, (local, wan) in enumerate(bulk_ports)]
+    if md_site == SITE_B:  # main decode at site A (same-site baseline) needs no WAN path
+        routes += [f"bulk-main-decode-{i}=127.0.0.1:{wan}>127.0.0.1:{local}@{SITE_A}"
+                   for i, (local, wan) in enumerate(bulk_ports)]
     deployment.processes["wan-link"] = _spawn(run_dir, "wan-link", [
         "serve", "wan_link", "--control-port", str(args.wan_control_port), "--bandwidth", args.bandwidth,
         "--rtt", args.rtt, "--jitter", args.jitter, "--seed", str(args.seed),
@@ -119,13 +121,13 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
     site_env = {SITE_A: {"PDD_SITE": SITE_A, "PDD_NATS_URL": site_a.url},
                 SITE_B: {"PDD_SITE": SITE_B, "PDD_NATS_URL": site_b.url}}
 
-    def spawn(kind: str, index: int, *flags: str):
+    def spawn(kind: str, index: int, *flags: str, site: str | None = None):
         name = kind if kind == "router" else f"{kind}-{index}"
         metrics_port = free_port()
         deployment.metrics_urls[name] = f"http://127.0.0.1:{metrics_port}/metrics"
         argv = ["serve", SERVICE_OF[kind], "--instance-id", f"{kind}-{index}",
                 "--metrics-port", str(metrics_port), *flags]
-        process_env = {**env, **site_env[TOPOLOGY[kind][0]]}
+        process_env = {**env, **site_env[site or TOPOLOGY[kind][0]]}
         deployment.commands[name] = {"argv": argv, "env": process_env}
         deployment.processes[name] = _spawn(run_dir, name, argv, process_env)
 
@@ -135,12 +137,16 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
     for i in range(args.rld):
         spawn("relay-decode", i)
     for i, (local, wan) in enumerate(bulk_ports):
-        spawn("main-decode", i, "--bulk-port", str(local), "--bulk-advertise", f"127.0.0.1:{wan}")
+        advertise = f"127.0.0.1:{wan if md_site == SITE_B else local}"
+        cache = [] if getattr(args, "md_prefix_cache", True) else ["--prefix-cache", "false"]
+        spawn("main-decode", i, "--bulk-port", str(local), "--bulk-advertise", advertise, *cache,
+              site=md_site)
     from infra.wan_link import parse_ms, parse_rate
 
     spawn("router", 0, "--http-port", str(args.http_port),
           "--wan-bandwidth-mbit", str(parse_rate(args.bandwidth) / 1e6 or 100000),
-          "--wan-rtt-ms", str(parse_ms(args.rtt)))
+          "--wan-rtt-ms", str(parse_ms(args.rtt)),
+          "--pipeline-policy", getattr(args, "pipeline_policy", "auto"))
 
 
 def _spawn(run_dir: Path, name: str, argv: list[str], env: dict[str, str]) -> int:

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     handoff.add_argument("--other-streams", type=int, default=3)
     handoff.add_argument("--context", type=int, default=512)
     handoff.add_argument("--chunk-tokens", type=int, default=32)
+    from loadtest.bench import add_bench_run_parser
+
+    add_bench_run_parser(bench_kinds)
     micro = bench_kinds.add_parser("handoff-micro", help="100-token handoff by token IDs vs by KV, "
                                                          "over the same emulated WAN link")
     _add_model_args(micro)
@@ -89,6 +92,11 @@ def _add_up_args(parser: argparse.ArgumentParser):
     parser.add_argument("--seed", type=int, default=0, help="jitter seed")
     parser.add_argument("--service-log-level", dest="log_level", default="info")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for health")
+    parser.add_argument("--md-site", default="site-b", choices=["site-a", "site-b"],
+                        help="where main decode runs (site-a: the same-site baseline, no WAN)")
+    parser.add_argument("--pipeline-policy", default="auto", choices=["auto", "P-MD", "P-RLD-MD"])
+    parser.add_argument("--no-md-prefix-cache", dest="md_prefix_cache", action="store_false",
+                        help="main decode without its decode-side cache (baseline)")
     parser.add_argument("--run-dir", default=None)
 
 
@@ -138,6 +146,14 @@ def cmd_bench(args) -> int:
     """Run a microbenchmark and print its JSON."""
     from shared.model_loader import load_model
 
+    if args.bench == "run":
+        from loadtest.bench import resolve_size, run_bench
+
+        results = run_bench(resolve_size(args))
+        print(json.dumps({m: {"ttft_ms": v["ttft_ms"], "errors": v["errors"]}
+                          for m, v in results["modes"].items()}, indent=2))
+        print(f"results in {args.out}/results.json and {args.out}/report.md")
+        return 0
     if args.bench == "handoff-micro":
         from infra.wan_link import LinkProfile, parse_ms, parse_rate
         from loadtest.handoff_microbench import run_handoff_microbench

@@ -81,6 +81,7 @@ class EngineConfig(CommonConfig):
     kv_cache_mb: int = setting(512, "KV pool size in MiB", positive)
     max_sequences: int = setting(16, "requests held at once", positive)
     torch_threads: int = setting(0, "torch CPU threads (0: torch's default)", non_negative)
+    prefix_cache: bool = setting(True, "reuse cached prefix blocks (off: the no-decode-side-cache baseline)")
 
 
 @dataclass(frozen=True)

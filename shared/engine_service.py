@@ -49,7 +49,8 @@ class EngineService(Service):
 
         engine = Engine(loaded, kv_cache_bytes=self.config.kv_cache_mb << 20,
                         block_size=self.config.block_size,
-                        kv_listener=on_kv_event if self.publishes_kv_events else None)
+                        kv_listener=on_kv_event if self.publishes_kv_events else None,
+                        enable_prefix_cache=self.config.prefix_cache)
         self.worker = EngineWorker(engine, self.instance_id, self.config.torch_threads)
         await super().start()
         await self.nc.subscribe(subjects.instance_work(

@@ -203,3 +203,13 @@ def test_catch_up_handoff_in_chunks_is_exact(tiny):
         handed = chunk_end
     assert main.get("r").num_computed_tokens == 100
     assert run_to_end(main, "r") == reference_greedy(tiny, prompt, sampling.max_tokens)
+
+
+def test_disabled_prefix_cache_recomputes_everything(tiny):
+    engine = Engine(tiny, num_blocks=64, enable_prefix_cache=False)
+    prompt = prompt_of_length(tiny, 100)
+    first = engine.generate("a", prompt, GREEDY)
+    seq = engine.add_request("b", prompt, GREEDY)
+    assert seq.num_cached_tokens == 0 and len(engine.prefix_cache) == 0
+    assert run_to_end(engine, "b") == first
+    assert engine.begin_import("c", prompt, GREEDY) == 0

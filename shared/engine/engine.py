@@ -73,6 +73,7 @@ class Engine(KvTransfer):
         block_size: int = DEFAULT_BLOCK_SIZE,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         kv_listener: KvEventListener | None = None,
+        enable_prefix_cache: bool = True,
     ):
         self.loaded = loaded
         self.model = loaded.model
@@ -82,6 +83,7 @@ class Engine(KvTransfer):
             num_blocks = max(1, kv_cache_bytes // self.layout.kv_bytes_per_block)
         self.pool = KvPool(self.layout, num_blocks, loaded.device)
         self.prefix_cache = PrefixCache(kv_listener)
+        self.enable_prefix_cache = enable_prefix_cache
         self.blocks = BlockManager(num_blocks, self.prefix_cache)
         self.max_batch_tokens = max_batch_tokens
         self.max_context_len = self.model.config.max_position_embeddings
@@ -101,7 +103,7 @@ class Engine(KvTransfer):
         """
         seq = self._new_sequence(request_id, prompt_token_ids, sampling, seed)
         hashes = hash_blocks(prompt_token_ids[:-1], self.layout.block_size)
-        hit = self.prefix_cache.match(hashes)
+        hit = self._lookup(hashes)
         self.blocks.acquire(hit)
         self._adopt_cached(seq, hit, hashes)
         self._sequences[request_id] = seq
@@ -306,11 +308,16 @@ class Engine(KvTransfer):
         block_size = self.layout.block_size
         return seq.block_ids[position // block_size] * block_size + position % block_size
 
+    def _lookup(self, hashes: list[int]) -> list[int]:
+        """Cached block ids of the longest hit (none when the prefix cache is disabled)."""
+        return self.prefix_cache.match(hashes) if self.enable_prefix_cache else []
+
     def _cache_full_blocks(self, seq: Sequence):
         """Publish every newly completed block of ``seq`` to the prefix cache."""
         block_size = self.layout.block_size
         for index in range(len(seq.block_hashes), seq.num_kv_tokens // block_size):
             parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_PARENT_HASH
             block_hash = hash_block(parent, seq.token_ids[index * block_size:(index + 1) * block_size])
-            self.blocks.cache_block(parent, block_hash, seq.block_ids[index])
+            if self.enable_prefix_cache:
+                self.blocks.cache_block(parent, block_hash, seq.block_ids[index])
             seq.block_hashes.append(block_hash)

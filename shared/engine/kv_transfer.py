@@ -30,7 +30,7 @@ class KvTransfer:
         seq = self._new_sequence(request_id, prompt_token_ids, sampling, seed)
         seq.status = SequenceStatus.IMPORTING
         hashes = hash_blocks(prompt_token_ids, self.layout.block_size)
-        hit = self.prefix_cache.match(hashes)
+        hit = self._lookup(hashes)
         self.blocks.acquire(hit)
         needed = math.ceil(len(prompt_token_ids) / self.layout.block_size) - len(hit)
         try:

@@ -1,0 +1,155 @@
+"""``pdd bench``: the paper's comparison on our system, four modes on one trace and one link.
+
+Modes (each on a fresh deployment, same trace, same WAN profile):
+- ``same-site``: main decode at site A, no WAN — the floor;
+- ``cross-site-pd``: P→MD only, the whole prompt's KV over the WAN (no decode-side cache);
+- ``cross-site-pd-drc``: P→MD only, with the decode-side cache;
+- ``pdd``: everything (selective relaying, catch-up, odd-traffic filter).
+
+Writes ``results.json``, ``report.md`` and PNG plots into the output folder.
+"""
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from infra import launcher
+from infra.nats_server import free_port
+from loadtest.client import RequestRecord
+from loadtest.runner import run_trace
+from loadtest.trace import generate_trace, load_trace, save_trace
+
+MODES = {
+    "same-site": {"md_site": "site-a", "pipeline_policy": "P-MD", "md_prefix_cache": True},
+    "cross-site-pd": {"md_site": "site-b", "pipeline_policy": "P-MD", "md_prefix_cache": False},
+    "cross-site-pd-drc": {"md_site": "site-b", "pipeline_policy": "P-MD", "md_prefix_cache": True},
+    "pdd": {"md_site": "site-b", "pipeline_policy": "auto", "md_prefix_cache": True},
+}
+
+
+def percentiles(values: list[float]) -> dict:
+    """p50/p90/p99/mean (None when empty)."""
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    array = np.asarray(values, dtype=float)
+    return {"p50": round(float(np.percentile(array, 50)), 1), "p90": round(float(np.percentile(array, 90)), 1),
+            "p99": round(float(np.percentile(array, 99)), 1), "mean": round(float(array.mean()), 1)}
+
+
+def summarise(records: list[RequestRecord], wall_s: float, ttft_slo_ms: float, itl_slo_ms: float) -> dict:
+    """One mode's figures."""
+    ok = [r for r in records if r.error is None]
+    good = [r for r in ok if r.ttft_ms is not None and r.ttft_ms <= ttft_slo_ms
+            and max(r.itl_ms, default=0) <= itl_slo_ms]
+    output = sum(r.output_tokens for r in ok)
+    eager = sum(r.pdd.get("eager_tokens", 0) for r in ok)
+    count = lambda key: {v: sum(1 for r in ok if r.pdd.get(key) == v)  # noqa: E731
+                         for v in sorted({str(r.pdd.get(key)) for r in ok}) if v != "None"}
+    return {
+        "requests": len(records), "errors": len(records) - len(ok),
+        "ttft_ms": percentiles([r.ttft_ms for r in ok if r.ttft_ms is not None]),
+        "itl_ms": percentiles([g for r in ok for g in r.itl_ms]),
+        "e2e_ms": percentiles([r.e2e_ms for r in ok if r.e2e_ms is not None]),
+        "goodput_rps": round(len(good) / wall_s, 3) if wall_s else 0.0,
+        "wan_kv_bytes": sum(r.pdd.get("wan_kv_bytes", 0) for r in ok),
+        "rld_token_share": round(eager / output, 4) if output else 0.0,
+        "pipelines": count("pipeline"), "handoff_modes": count("handoff_mode"),
+        "odd_traffic": sum(1 for r in ok if r.pdd.get("odd_traffic")),
+        "finished_on": count("finished_on"),
+        "mean_output_tokens": round(output / len(ok), 1) if ok else 0.0,
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def run_mode(mode: str, trace, args) -> tuple[list[RequestRecord], float]:
+    """Start a fresh deployment for ``mode``, replay the trace, stop it."""
+    run_dir = Path(tempfile.mkdtemp(prefix=f"pdd-bench-{mode}-"))
+    up_args = argparse.Namespace(
+        run_dir=str(run_dir), prefill=1, rld=1, md=1, model=args.model, kv_cache_mb=args.kv_cache_mb,
+        http_port=free_port(), nats_a_port=free_port(), nats_b_port=free_port(),
+        wan_control_port=free_port(), bandwidth=args.bandwidth, rtt=args.rtt, jitter=args.jitter,
+        seed=args.seed, log_level="warning", timeout=300.0, **MODES[mode])
+    deployment = launcher.up(up_args)
+    try:
+        return asyncio.run(run_trace(deployment.router_url, trace, concurrency=args.concurrency,
+                                     open_loop=args.rate > 0))
+    finally:
+        launcher.down(run_dir, quiet=True)
+
+
+def run_bench(args) -> dict:
+    """All modes, the handoff microbenchmark, and the output files."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = load_trace(Path(args.trace)) if args.trace else generate_trace(
+        args.seed, sessions=args.sessions, turns=args.turns, cold_lines=args.cold_lines,
+        max_tokens=args.max_tokens, session_rate_per_s=args.rate)
+    save_trace(trace, out / "trace.jsonl")
+    started = time.perf_counter()
+    results = {"modes": {}, "config": {k: v for k, v in vars(args).items() if k not in ("func",)}}
+    records = {}
+    for mode in args.modes:
+        print(f"mode {mode}: {len(trace)} requests", flush=True)
+        records[mode], wall_s = run_mode(mode, trace, args)
+        results["modes"][mode] = summarise(records[mode], wall_s, args.ttft_slo_ms, args.itl_slo_ms)
+        print(f"  {json.dumps(results['modes'][mode]['ttft_ms'])} errors={results['modes'][mode]['errors']}",
+              flush=True)
+    from loadtest.handoff_microbench import run_handoff_microbench
+    from shared.model_loader import load_model
+    from infra.wan_link import LinkProfile, parse_ms, parse_rate
+
+    profile = LinkProfile(bandwidth_bps=parse_rate(args.bandwidth), rtt_ms=parse_ms(args.rtt),
+                          jitter_ms=parse_ms(args.jitter), seed=args.seed)
+    results["handoff_microbench"] = run_handoff_microbench(load_model(args.model), profile=profile,
+                                                           trials=args.handoff_trials)
+    results["config"]["duration_s"] = round(time.perf_counter() - started, 1)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "records.json").write_text(json.dumps(
+        {m: [r.__dict__ for r in rs] for m, rs in records.items()}, indent=1))
+    from loadtest.report import write_report
+
+    write_report(results, records, out)
+    return results
+
+
+def add_bench_run_parser(bench_kinds):
+    """``pdd bench run``."""
+    run = bench_kinds.add_parser("run", help="the four-mode comparison (results.json, report.md, plots)")
+    run.add_argument("--out", required=True)
+    run.add_argument("--quick", action="store_true", help="small trace: 20+ requests per mode")
+    run.add_argument("--model", default="smollm2")
+    run.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    run.add_argument("--trace", default=None, help="replay a JSONL trace instead of generating one")
+    run.add_argument("--sessions", type=int, default=None)
+    run.add_argument("--turns", type=int, default=None)
+    run.add_argument("--cold-lines", type=int, default=40)
+    run.add_argument("--max-tokens", type=int, default=24)
+    run.add_argument("--concurrency", type=int, default=2, help="closed-loop sessions at once")
+    run.add_argument("--rate", type=float, default=0.0, help="open-loop session starts per second")
+    run.add_argument("--bandwidth", default="100mbit")
+    run.add_argument("--rtt", default="40ms")
+    run.add_argument("--jitter", default="5ms")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--kv-cache-mb", type=int, default=512)
+    run.add_argument("--ttft-slo-ms", type=float, default=3000.0)
+    run.add_argument("--itl-slo-ms", type=float, default=1000.0)
+    run.add_argument("--handoff-trials", type=int, default=20)
+    return run
+
+
+def resolve_size(args):
+    """Quick: 5 sessions × 4 turns (+ odd); full: 12 × 6."""
+    args.sessions = args.sessions or (5 if args.quick else 12)
+    args.turns = args.turns or (4 if args.quick else 6)
+    return args
+
+
+def median(values):
+    """Median or None."""
+    return statistics.median(values) if values else None

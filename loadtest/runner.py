@@ -1,0 +1,49 @@
+"""Replays a trace against a running deployment: sessions in parallel, turns in order."""
+
+import asyncio
+import time
+from collections import defaultdict
+
+import aiohttp
+from tqdm import tqdm
+
+from loadtest.client import RequestRecord, stream_chat
+from loadtest.trace import TraceTurn
+
+SYSTEM = "You are a careful coding agent. Answer briefly."
+
+
+async def run_trace(base_url: str, trace: list[TraceTurn], *, concurrency: int = 0,
+                    open_loop: bool = False, progress: bool = True) -> tuple[list[RequestRecord], float]:
+    """Replay ``trace``; return the records and the wall time in seconds.
+
+    Closed loop: at most ``concurrency`` sessions at once. Open loop: each session starts at
+    its ``start_s``. Within a session every turn waits for the previous answer, which joins
+    the history (so follow-ups re-send the growing context).
+    """
+    sessions = defaultdict(list)
+    for turn in trace:
+        sessions[turn.session].append(turn)
+    limit = asyncio.Semaphore(concurrency if concurrency > 0 else len(sessions))
+    bar = tqdm(total=len(trace), desc="requests", disable=not progress, leave=False)
+    records: list[RequestRecord] = []
+    async with aiohttp.ClientSession() as http:
+        model = (await (await http.get(base_url + "/models")).json())["data"][0]["id"]
+        started = time.perf_counter()
+
+        async def run_session(turns: list[TraceTurn]):
+            if open_loop:
+                await asyncio.sleep(max(0.0, turns[0].start_s - (time.perf_counter() - started)))
+            async with limit:
+                history = [{"role": "system", "content": SYSTEM}]
+                for turn in sorted(turns, key=lambda t: t.turn):
+                    history.append({"role": "user", "content": turn.content})
+                    record = await stream_chat(http, base_url, model, history, turn.max_tokens,
+                                               RequestRecord(turn.session, turn.turn, turn.kind))
+                    records.append(record)
+                    bar.update()
+                    history.append({"role": "assistant", "content": record.text})
+
+        await asyncio.gather(*(run_session(t) for t in sessions.values()))
+    bar.close()
+    return records, time.perf_counter() - started
