@@ -112,7 +112,9 @@ class PrefillConfig(EngineConfig):
     """Settings of the prefill service."""
 
     frame_tokens: int = setting(256, "tokens of KV per bulk frame", positive)
-    connect_timeout_s: float = setting(10.0, "bulk connect + accept timeout", positive)
+    connect_timeout_s: float = setting(10.0, "bulk connect timeout", positive)
+    accept_timeout_s: float = setting(120.0, "wait for a receiver to accept a flow (it may wait for "
+                                      "blocks another flow is bringing)", positive)
     send_timeout_s: float = setting(300.0, "longest time to ship one request's KV", positive)
 
 

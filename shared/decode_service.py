@@ -40,7 +40,8 @@ class DecodeService(EngineService):
         await super().start()
 
     async def on_start(self):
-        self.importer = KvImporter(self.worker, self._on_import_complete, self._on_import_open)
+        self.importer = KvImporter(self.worker, self._on_import_complete, self._on_import_open,
+                                   in_flight_wait_s=self.config.kv_timeout_s)
         self.receiver = BulkReceiver(
             self.importer, self.engine.frame_expectation, self.config.bulk_secret,
             path=self.bulk_path, frame_timeout_s=self.config.kv_timeout_s,

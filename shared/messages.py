@@ -351,10 +351,13 @@ class FlowAccepted(_Message, kw_only=True):
     Attributes:
         request_id: The request.
         first_token_index: Prompt tokens the receiver already holds (block aligned).
+        queued_s: Time the receiver spent before answering (e.g. waiting for blocks another
+            import is bringing), so the sender can tell the network round trip apart.
     """
 
     request_id: str
     first_token_index: int
+    queued_s: float = 0.0
 
 
 class FlowRejected(_Message, kw_only=True):

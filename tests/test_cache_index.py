@@ -67,3 +67,27 @@ async def test_kv_events_are_kept_in_each_sites_jetstream_domain(make_stack):
     finally:
         await nc.close()
     assert counts["site-a"] >= 1 and counts["site-b"] >= 1  # prefill's and main decode's blocks
+
+
+async def test_follow_up_waits_for_blocks_already_in_flight(make_stack, tiny):
+    """A follow-up sent while the previous turn's KV is still crossing does not send it twice."""
+    import asyncio
+
+    from infra.wan_link import LinkProfile
+    from tests.helpers import reference_greedy
+
+    stack = await make_stack(profile=LinkProfile(bandwidth_bps=1e6, rtt_ms=4, jitter_ms=0),
+                             router_settings={"pipeline_policy": "P-MD"})
+    first_ids = tiny.tokenizer.encode("The harbour master logged every ship. " * 70, add_special_tokens=False)
+    second_ids = first_ids + tiny.tokenizer.encode(" Then the storm came.", add_special_tokens=False)
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    first = asyncio.create_task(post(stack, "/completions", {**body, "prompt": first_ids}))
+    main = stack.mains[0]
+    await until(lambda: main.importer.imports, 10, "the first import to be under way")
+    second = await post(stack, "/completions", {**body, "prompt": second_ids})
+    (status_a, a), (status_b, b) = await first, second
+    assert status_a == status_b == 200
+    assert b["pdd"]["wan_kv_bytes"] < 0.2 * a["pdd"]["wan_kv_bytes"], (a["pdd"], b["pdd"])
+    for ids, answer in ((first_ids, a), (second_ids, b)):
+        expected = tiny.tokenizer.decode(reference_greedy(tiny, ids, 6), skip_special_tokens=True)
+        assert answer["choices"][0]["text"] == expected

@@ -110,7 +110,11 @@ class PrefillService(EngineService):
                              message=message, retryable=code != "cancelled")
 
     async def _prefill(self, cmd: StartPrefill, parent):
-        """Compute, export and free; return the completion and the coroutine still sending."""
+        """Compute, export and free; return the completion and the coroutine still sending.
+
+        Each path ships as soon as its own flow is accepted and its frames are exported: a
+        main decoder that waits for blocks already in flight never delays the relay's copy.
+        """
         rid = cmd.request_id
         paths = [("wan", cmd.main_decode, "main_decode")]
         if cmd.pipeline == "P-RLD-MD" and cmd.relay_decode is not None:
@@ -121,6 +125,7 @@ class PrefillService(EngineService):
         opens = {path: asyncio.create_task(self._open(cmd, spans[path], path, target, role))
                  for path, target, role in paths}
         flows: dict[str, BulkFlow] = {}
+        ships: dict[str, asyncio.Task] = {}
         try:
             with _tracer.start_as_current_span("prefill.compute", context=parent,
                                                attributes={"request_id": rid}) as span:
@@ -128,10 +133,17 @@ class PrefillService(EngineService):
                 first_token, cached_tokens = await self._compute_first_token(cmd)
                 compute_s = time.perf_counter() - started
                 span.set_attribute("cached_tokens", cached_tokens)
-            for path, task in opens.items():
-                flows[path] = await task
-            frames = await self._export(rid, len(cmd.token_ids), flows)
+            loop = asyncio.get_running_loop()
+            exports: dict[int, asyncio.Future] = {}
+            exported = {path: loop.create_future() for path, _, _ in paths}
+            ships = {path: asyncio.create_task(self._ship(
+                cmd, path, spans[path], self._end_tokens(cmd, role, first_token), opens[path],
+                flows, exports, exported[path])) for path, _, role in paths}
+            frames = {path: await future for path, future in exported.items()}
+            await self.worker.call(self.engine.free, rid)
         except BaseException:
+            for task in ships.values():
+                task.cancel()
             await self._abandon(rid, opens, flows)
             for span in spans.values():
                 span.end()
@@ -139,17 +151,15 @@ class PrefillService(EngineService):
         completed = PrefillCompleted(
             request_id=rid, instance_id=self.instance_id, first_token=first_token,
             prompt_tokens=len(cmd.token_ids), cached_tokens=cached_tokens, compute_s=compute_s,
-            bytes_per_path={path: sum(_frame_size(f) for f in frames[flows[path].first_token_index])
-                            for path, _, _ in paths},
+            bytes_per_path={path: sum(_frame_size(f) for f in frames[path]) for path in frames},
             wan_rtt_s=flows["wan"].handshake_s)
 
         async def send_all():
             try:
-                await asyncio.gather(*(
-                    self._send(flows[path], spans[path], frames[flows[path].first_token_index],
-                               self._end_tokens(cmd, role, first_token))
-                    for path, _, role in paths))
+                await asyncio.gather(*ships.values())
             except BaseException:
+                for task in ships.values():
+                    task.cancel()
                 await self._abandon(rid, opens, flows)
                 raise
             finally:
@@ -157,6 +167,30 @@ class PrefillService(EngineService):
                     span.end()
 
         return completed, send_all()
+
+    async def _ship(self, cmd: StartPrefill, path: str, span, end_tokens: list[int], opening,
+                    flows: dict, exports: dict, exported: asyncio.Future):
+        """One path: wait for its flow, export from where its receiver stands, send."""
+        try:
+            flow = flows[path] = await opening
+            start = flow.first_token_index
+            if start not in exports:  # both receivers may start at the same block: export once
+                exports[start] = asyncio.ensure_future(self._export_from(cmd.request_id, start,
+                                                                         len(cmd.token_ids)))
+            frames = await exports[start]
+        except BaseException as exc:
+            if not exported.done():
+                exported.set_exception(exc)
+            raise
+        exported.set_result(frames)
+        await self._send(flow, span, frames, end_tokens)
+
+    async def _export_from(self, request_id: str, start: int, num_prompt_tokens: int) -> list:
+        if start >= num_prompt_tokens:
+            return []
+        return await self.worker.call(
+            self.engine.export_frames, request_id, start, num_prompt_tokens,
+            max_tokens_per_frame=self.config.frame_tokens, traceparent=current_traceparent())
 
     async def _abandon(self, rid, opens, flows):
         for task in opens.values():
@@ -192,20 +226,8 @@ class PrefillService(EngineService):
                 relay_instance_id=cmd.relay_decode.instance_id if cmd.relay_decode else None,
                 sender_id=self.instance_id, unix_s=0.0, nonce="")
             return await open_flow(target.bulk_endpoint, flow_open, self.config.bulk_secret,
-                                   path=path, timeout_s=self.config.connect_timeout_s)
-
-    async def _export(self, request_id: str, num_prompt_tokens: int,
-                      flows: dict[str, BulkFlow]) -> dict[int, list]:
-        """Frames per distinct start index (a receiver's cached prefix), then free the sequence."""
-        frames = {}
-        for flow in flows.values():
-            start = flow.first_token_index
-            if start not in frames:
-                frames[start] = [] if start >= num_prompt_tokens else await self.worker.call(
-                    self.engine.export_frames, request_id, start, num_prompt_tokens,
-                    max_tokens_per_frame=self.config.frame_tokens, traceparent=current_traceparent())
-        await self.worker.call(self.engine.free, request_id)
-        return frames
+                                   path=path, timeout_s=self.config.connect_timeout_s,
+                                   accept_timeout_s=self.config.accept_timeout_s)
 
     async def _send(self, flow: BulkFlow, span, frames: list, end_tokens: list[int]) -> int:
         with trace.use_span(span, end_on_exit=False):

@@ -1,10 +1,12 @@
 """The receiving side of KV flows for an engine service (relay decode, main decode)."""
 
+import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
+from shared.block_hash import hash_blocks
 from shared.bulk.receiver import FlowStats
 from shared.engine.sequence import Sequence
 from shared.engine_worker import EngineWorker
@@ -24,12 +26,16 @@ class ImportState:
         flow_open: The sender's FlowOpen.
         cached_tokens: Prompt tokens the receiver's prefix cache supplied.
         stats: The flow's live byte and frame counts.
+        block_hashes: Chained hashes of the prompt's full blocks.
+        done: Set when the import ends, whichever way.
         discard_when_done: The request ended elsewhere: keep the KV for the cache, then free.
     """
 
     flow_open: FlowOpen
     cached_tokens: int
     stats: FlowStats
+    block_hashes: list[int] = field(default_factory=list)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
     discard_when_done: bool = False
 
 
@@ -41,8 +47,9 @@ class KvImporter:
     """FlowHandler that imports frames into an engine and reports completed imports."""
 
     def __init__(self, worker: EngineWorker, on_complete: ImportCompleted,
-                 on_open: ImportOpened | None = None):
+                 on_open: ImportOpened | None = None, in_flight_wait_s: float = 120.0):
         self._worker = worker
+        self._in_flight_wait_s = in_flight_wait_s
         self._on_complete = on_complete
         self._on_open = on_open
         self.imports: dict[str, ImportState] = {}
@@ -51,9 +58,12 @@ class KvImporter:
         if flow_open.request_id in self.imports:
             raise InvalidRequestState(f"a flow for {flow_open.request_id!r} is already open")
         engine = self._worker.engine
+        hashes = hash_blocks(flow_open.token_ids, engine.layout.block_size)
+        await self._wait_for_blocks_in_flight(flow_open.request_id, hashes)
         first = await self._worker.call(engine.begin_import, flow_open.request_id,
                                         flow_open.token_ids, flow_open.sampling, flow_open.seed)
-        self.imports[flow_open.request_id] = ImportState(flow_open, cached_tokens=first, stats=stats)
+        self.imports[flow_open.request_id] = ImportState(flow_open, cached_tokens=first, stats=stats,
+                                                         block_hashes=hashes)
         service = flow_open.role
         PREFIX_HIT_BLOCKS.labels(service).inc(first // engine.layout.block_size)
         PREFIX_LOOKUP_BLOCKS.labels(service).inc(len(flow_open.token_ids) // engine.layout.block_size)
@@ -63,6 +73,28 @@ class KvImporter:
                  prompt_tokens=len(flow_open.token_ids), role=flow_open.role)
         return first
 
+    async def _wait_for_blocks_in_flight(self, request_id: str, hashes: list[int]):
+        """Let an earlier import that is bringing this prompt's blocks finish first.
+
+        A follow-up turn often arrives while the previous turn's KV is still crossing the
+        WAN: asking for those blocks again would send them twice over the same link. Once
+        the earlier import is done they are in the prefix cache and only the rest is asked for.
+        """
+        engine = self._worker.engine
+        deadline = asyncio.get_running_loop().time() + self._in_flight_wait_s
+        while True:
+            cached = await self._worker.call(engine.prefix_cache.peek, hashes)
+            earlier = [s for s in self.imports.values() if _common_prefix(s.block_hashes, hashes) > cached]
+            remaining = deadline - asyncio.get_running_loop().time()
+            if not earlier or remaining <= 0:
+                return
+            log.info("kv_import_waits_for_blocks_in_flight", request_id=request_id,
+                     behind=earlier[0].flow_open.request_id, cached_blocks=cached)
+            try:
+                await asyncio.wait_for(earlier[0].done.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+
     async def import_frame(self, request_id: str, frame: KvFrame) -> None:
         await self._worker.call(self._worker.engine.import_frame, frame)
 
@@ -70,6 +102,7 @@ class KvImporter:
         state = self.imports.pop(request_id, None)
         if state is None:
             return
+        state.done.set()
         engine = self._worker.engine
         if state.discard_when_done:
             await self._worker.call(engine.free, request_id)
@@ -84,6 +117,7 @@ class KvImporter:
         state = self.imports.pop(request_id, None)
         if state is None:
             return
+        state.done.set()
         await self._worker.call(self._free_if_live, request_id)
         log.warning("kv_import_aborted", request_id=request_id, reason=reason)
 
@@ -101,9 +135,19 @@ class KvImporter:
             state.discard_when_done = True
             return state
         del self.imports[request_id]
+        state.done.set()
         await self._worker.call(self._free_if_live, request_id)
         return state
 
     def _free_if_live(self, request_id: str):
         if self._worker.engine.holds(request_id):
             self._worker.engine.free(request_id)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count

@@ -120,6 +120,7 @@ class BulkReceiver:
             return None
         problem = self._auth.verify(message)
         if problem is None:
+            received = time.monotonic()
             try:
                 first_index = await self._handler.open_flow(message, stats)
             except PddError as exc:
@@ -127,7 +128,8 @@ class BulkReceiver:
                                                          code=exc.code, message=str(exc)))
                 return None
             await write_control(writer, FlowAccepted(request_id=message.request_id,
-                                                     first_token_index=first_index))
+                                                     first_token_index=first_index,
+                                                     queued_s=time.monotonic() - received))
             return message
         log.warning("bulk_flow_refused", path=self._path, request_id=message.request_id, reason=problem)
         await write_control(writer, FlowRejected(request_id=message.request_id,

@@ -69,8 +69,12 @@ class BulkFlow:
 
 
 async def open_flow(endpoint: str, flow_open: FlowOpen, secret: str, *, path: str,
-                    timeout_s: float) -> BulkFlow:
+                    timeout_s: float, accept_timeout_s: float | None = None) -> BulkFlow:
     """Connect to ``endpoint`` (``host:port``), authenticate and wait for FlowAccepted.
+
+    ``timeout_s`` bounds the connection; ``accept_timeout_s`` (default the same) bounds the
+    wait for the answer, which a receiver may delay while blocks this prompt needs are still
+    arriving on another flow. ``BulkFlow.handshake_s`` excludes that delay: one round trip.
 
     Raises:
         FlowRefused: the receiver said no.
@@ -78,25 +82,23 @@ async def open_flow(endpoint: str, flow_open: FlowOpen, secret: str, *, path: st
     """
     host, _, port = endpoint.rpartition(":")
     signed = sign(_stamp_fresh(flow_open), secret)
-
-    async def handshake():
-        reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 20)
-        started = time.monotonic()
-        try:
-            await write_control(writer, signed)
-            reply, _ = await read_message(reader, None)
-        except BaseException:
-            writer.close()
-            raise
-        if isinstance(reply, FlowAccepted):
-            return BulkFlow(flow_open.request_id, path, reader, writer, reply.first_token_index,
-                            handshake_s=time.monotonic() - started)
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection(host, int(port), limit=1 << 20), timeout_s)
+    started = time.monotonic()
+    try:
+        await write_control(writer, signed)
+        reply, _ = await asyncio.wait_for(read_message(reader, None), accept_timeout_s or timeout_s)
+    except BaseException:
         writer.close()
-        if isinstance(reply, FlowRejected):
-            raise FlowRefused(f"{endpoint} refused flow: {reply.code}: {reply.message}")
-        raise FlowRefused(f"{endpoint} closed the flow without answering")
-
-    return await asyncio.wait_for(handshake(), timeout_s)
+        raise
+    if isinstance(reply, FlowAccepted):
+        handshake_s = max(0.0, time.monotonic() - started - reply.queued_s)
+        return BulkFlow(flow_open.request_id, path, reader, writer, reply.first_token_index,
+                        handshake_s=handshake_s)
+    writer.close()
+    if isinstance(reply, FlowRejected):
+        raise FlowRefused(f"{endpoint} refused flow: {reply.code}: {reply.message}")
+    raise FlowRefused(f"{endpoint} closed the flow without answering")
 
 
 def _stamp_fresh(flow_open: FlowOpen) -> FlowOpen:

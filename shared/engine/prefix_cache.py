@@ -76,6 +76,16 @@ class PrefixCache:
             stack.extend(node.children.values())
         return ordered
 
+    def peek(self, block_hashes: Sequence[int]) -> int:
+        """How many leading blocks are cached, without touching LRU order or stats."""
+        count, node = 0, self._root
+        for block_hash in block_hashes:
+            node = node.children.get(block_hash)
+            if node is None:
+                break
+            count += 1
+        return count
+
     def match(self, block_hashes: Sequence[int]) -> list[int]:
         """Block ids of the longest cached prefix of ``block_hashes``; marks them recently used."""
         self._clock += 1
