@@ -12,7 +12,6 @@ Writes ``results.json``, ``report.md`` and PNG plots into the output folder.
 import argparse
 import asyncio
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -148,8 +147,3 @@ def resolve_size(args):
     args.sessions = args.sessions or (5 if args.quick else 12)
     args.turns = args.turns or (4 if args.quick else 6)
     return args
-
-
-def median(values):
-    """Median or None."""
-    return statistics.median(values) if values else None

@@ -36,9 +36,6 @@ class DecodeService(EngineService):
         self.bulk_endpoint = ""
         self.spans: dict[str, trace.Span] = {}
 
-    async def start(self):
-        await super().start()
-
     async def on_start(self):
         self.importer = KvImporter(self.worker, self._on_import_complete, self._on_import_open,
                                    in_flight_wait_s=self.config.kv_timeout_s)
@@ -75,7 +72,7 @@ class DecodeService(EngineService):
                     request_id=cancel.request_id, instance_id=self.instance_id,
                     wan_kv_bytes=state.stats.bytes_received, reason=cancel.reason))
             return
-        if await self.worker.call(self._free_if_live, cancel.request_id):
+        if await self.worker.call(self.engine.free_if_held, cancel.request_id):
             self.log.info("request_dropped", request_id=cancel.request_id, kind=cancel.kind)
             self.end_span(cancel.request_id)
 
@@ -135,9 +132,3 @@ class DecodeService(EngineService):
         if span is not None:
             span.set_attributes(attributes)
             span.end()
-
-    def _free_if_live(self, request_id: str) -> bool:
-        if self.engine.holds(request_id):
-            self.engine.free(request_id)
-            return True
-        return False

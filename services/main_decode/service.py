@@ -98,7 +98,7 @@ class MainDecodeService(DecodeService):
         HANDOFFS.labels(handoff.mode).inc()
         if seq.status is SequenceStatus.FINISHED:
             recompute.end()
-            await self.worker.call(self._free_if_live, rid)
+            await self.worker.call(self.engine.free_if_held, rid)
             return
         self._recompute_spans[rid] = recompute  # ends with the first token main decode samples
         if rid not in self.spans:

@@ -197,7 +197,7 @@ class PrefillService(EngineService):
             task.cancel()
         await asyncio.gather(*(f.cancel("prefill failed or cancelled") for f in flows.values()),
                              return_exceptions=True)
-        await self.worker.call(self._free_if_live, rid)
+        await self.worker.call(self.engine.free_if_held, rid)
 
     async def _compute_first_token(self, cmd: StartPrefill) -> tuple[int, int]:
         future = asyncio.get_running_loop().create_future()
@@ -258,11 +258,6 @@ class PrefillService(EngineService):
                 future.set_exception(PddError(out.error))
             else:
                 future.set_result(out.token_id)
-
-    def _free_if_live(self, request_id: str):
-        """Drop the request's sequence if the engine still holds it."""
-        if self.engine.holds(request_id):
-            self.engine.free(request_id)
 
 
 def _frame_size(parts: list) -> int:

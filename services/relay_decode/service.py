@@ -108,7 +108,7 @@ class RelayDecodeService(DecodeService):
             emitted = await self.worker.call(self._emitted, rid)
             chunk = machine.accepted(answer.next_index, emitted or answer.next_index, self.load())
         if machine.state is HandoffState.RELEASED:
-            await self.worker.call(self._free_if_live, rid)
+            await self.worker.call(self.engine.free_if_held, rid)
             self.end_span(rid, handoff_mode=machine.mode, handoff_chunks=machine.chunks)
             self.log.info("handed_over", request_id=rid, mode=machine.mode, chunks=machine.chunks,
                           tokens=machine.handed_index, main_decode=ready.instance_id)

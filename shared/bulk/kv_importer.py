@@ -118,7 +118,7 @@ class KvImporter:
         if state is None:
             return
         state.done.set()
-        await self._worker.call(self._free_if_live, request_id)
+        await self._worker.call(self._worker.engine.free_if_held, request_id)
         log.warning("kv_import_aborted", request_id=request_id, reason=reason)
 
     async def cancel(self, request_id: str, finished_elsewhere: bool) -> ImportState | None:
@@ -136,12 +136,8 @@ class KvImporter:
             return state
         del self.imports[request_id]
         state.done.set()
-        await self._worker.call(self._free_if_live, request_id)
+        await self._worker.call(self._worker.engine.free_if_held, request_id)
         return state
-
-    def _free_if_live(self, request_id: str):
-        if self._worker.engine.holds(request_id):
-            self._worker.engine.free(request_id)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -149,6 +149,13 @@ class Engine(KvTransfer):
             raise UnknownRequest(f"unknown request {request_id!r}")
         return seq
 
+    def free_if_held(self, request_id: str) -> bool:
+        """Free ``request_id`` if it is still live (a cancel may race its finish); True if it was."""
+        if request_id not in self._sequences:
+            return False
+        self.free(request_id)
+        return True
+
     def holds(self, request_id: str) -> bool:
         """Whether ``request_id`` is a live sequence here."""
         return request_id in self._sequences
