@@ -77,22 +77,36 @@ class EngineService(Service):
         subject = subjects.kv_events(self.config.site, self.instance_id)
         js = self.nc.jetstream()
         while True:
-            kind, hashes = await self._kv_events.get()
-            # Merge a burst of same-kind events into one message.
-            while not self._kv_events.empty() and self._kv_events._queue[0][0] == kind:
-                hashes = hashes + self._kv_events.get_nowait()[1]
-            self._kv_seq += 1
-            cls = KvBlocksStored if kind == "stored" else KvBlocksEvicted
-            event = cls(publisher_id=self.instance_id, epoch=self._kv_epoch, seq=self._kv_seq,
-                        block_hashes=hashes)
-            msg_id = f"{self.instance_id}:{self._kv_epoch}:{self._kv_seq}"
-            try:
-                await js.publish(subject, encode(event), headers={"Nats-Msg-Id": msg_id})
-            except (nats.errors.Error, asyncio.TimeoutError) as exc:
-                # The cache-index sees the gap and asks for a dump.
-                self.log.warning("kv_event_not_stored", seq=self._kv_seq, error=str(exc) or type(exc).__name__)
+            burst = [await self._kv_events.get()]
+            while not self._kv_events.empty():
+                burst.append(self._kv_events.get_nowait())
+            for kind, hashes in _merge_runs(burst):
+                await self._publish_kv_event(js, subject, kind, hashes)
+
+    async def _publish_kv_event(self, js, subject: str, kind: str, hashes: list[int]):
+        self._kv_seq += 1
+        cls = KvBlocksStored if kind == "stored" else KvBlocksEvicted
+        event = cls(publisher_id=self.instance_id, epoch=self._kv_epoch, seq=self._kv_seq,
+                    block_hashes=hashes)
+        msg_id = f"{self.instance_id}:{self._kv_epoch}:{self._kv_seq}"
+        try:
+            await js.publish(subject, encode(event), headers={"Nats-Msg-Id": msg_id})
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            # The cache-index sees the gap and asks for a dump.
+            self.log.warning("kv_event_not_stored", seq=self._kv_seq, error=str(exc) or type(exc).__name__)
 
     async def _on_dump(self, msg):
         hashes = await self.worker.call(self.engine.prefix_cache.block_hashes)
         await msg.respond(encode(KvBlocksStored(publisher_id=self.instance_id, epoch=self._kv_epoch,
                                                 seq=self._kv_seq, block_hashes=hashes)))
+
+
+def _merge_runs(events: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
+    """Consecutive events of the same kind as one (order between kinds is kept)."""
+    merged: list[tuple[str, list[int]]] = []
+    for kind, hashes in events:
+        if merged and merged[-1][0] == kind:
+            merged[-1] = (kind, merged[-1][1] + hashes)
+        else:
+            merged.append((kind, list(hashes)))
+    return merged

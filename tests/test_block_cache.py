@@ -114,3 +114,10 @@ def test_shared_block_is_freed_only_by_its_last_holder():
     assert manager.num_free_blocks == 2
     with pytest.raises(AssertionError):
         manager.release([block])
+
+
+def test_kv_event_bursts_merge_only_consecutive_events_of_one_kind():
+    from shared.engine_service import _merge_runs
+
+    burst = [("stored", [1]), ("stored", [2]), ("evicted", [1]), ("stored", [3])]
+    assert _merge_runs(burst) == [("stored", [1, 2]), ("evicted", [1]), ("stored", [3])]
