@@ -12,7 +12,7 @@ from pathlib import Path
 
 import nats
 
-from infra.nats_server import NatsSite, free_port, leafnode_count, start_nats, wait_until
+from infra.nats_server import NatsSite, free_port, leafnode_count, start_nats_on_free_ports, wait_until
 from infra.wan_link import LinkProfile, Route, WanLink
 from services.cache_index.service import CacheIndexService
 from services.main_decode.service import MainDecodeService
@@ -70,13 +70,15 @@ class LocalStack:
     async def start(self) -> "LocalStack":
         """Start NATS, the link and every service; return once the router sees them all."""
         loop = asyncio.get_running_loop()
-        site_a = NatsSite(SITE_A, free_port(), free_port(), self.workdir / "js-a", leaf_listen_port=free_port())
-        self.nats_processes.append(await loop.run_in_executor(None, start_nats, site_a, self.workdir))
+        site_a, process = await loop.run_in_executor(None, start_nats_on_free_ports, lambda: NatsSite(
+            SITE_A, free_port(), free_port(), self.workdir / "js-a", leaf_listen_port=free_port()), self.workdir)
+        self.nats_processes.append(process)
         leaf_port = await self.link.add_route(Route("leafnode", "127.0.0.1", 0, "127.0.0.1",
                                                     site_a.leaf_listen_port, from_site=SITE_B))
-        site_b = NatsSite(SITE_B, free_port(), free_port(), self.workdir / "js-b",
-                          leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}")
-        self.nats_processes.append(await loop.run_in_executor(None, start_nats, site_b, self.workdir))
+        site_b, process = await loop.run_in_executor(None, start_nats_on_free_ports, lambda: NatsSite(
+            SITE_B, free_port(), free_port(), self.workdir / "js-b",
+            leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}"), self.workdir)
+        self.nats_processes.append(process)
         self.sites = {SITE_A: site_a, SITE_B: site_b}
         # JetStream behind a leafnode answers cross-domain API calls once both servers are up.
         await loop.run_in_executor(None, wait_until, lambda: leafnode_count(site_a) >= 1, 15,

@@ -84,12 +84,34 @@ def start_nats(site: NatsSite, workdir: Path, log_path: Path | None = None) -> s
     site.store_dir.mkdir(parents=True, exist_ok=True)
     config = workdir / f"nats-{site.site}.conf"
     config.write_text(site.config_text())
-    log_file = open(log_path or workdir / f"nats-{site.site}.log", "ab")
-    process = subprocess.Popen([nats_server_binary(), "-c", str(config)], stdout=log_file,
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    wait_until(lambda: _get_json(site.monitor_port, "/healthz") is not None, 15,
-               f"nats-server {site.site} did not become healthy", process)
+    log_path = log_path or workdir / f"nats-{site.site}.log"
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen([nats_server_binary(), "-c", str(config)], stdout=log_file,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: _get_json(site.monitor_port, "/healthz") is not None, 15,
+                   f"nats-server {site.site} did not become healthy", process)
+    except NatsStartError as exc:
+        process.kill()
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+        raise NatsStartError(f"{exc}; its log ends: {' | '.join(tail)}") from None
     return process
+
+
+def start_nats_on_free_ports(make_site, workdir: Path, attempts: int = 3) -> tuple[NatsSite, subprocess.Popen]:
+    """Start a server on ports from ``make_site()``, drawing new ports if they were taken.
+
+    ``free_port`` only finds ports free at that moment; another process may bind one before
+    the server does, so a failed start is retried with fresh ports.
+    """
+    for attempt in range(attempts):
+        site = make_site()
+        try:
+            return site, start_nats(site, workdir)
+        except NatsStartError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def leafnode_count(site: NatsSite) -> int:
