@@ -32,6 +32,28 @@ from shared.model_loader import LoadedModel, ModelMetadata
 SITE_A, SITE_B = "site-a", "site-b"
 
 
+async def start_site_pair(link: WanLink, workdir: Path, processes: list) -> dict[str, NatsSite]:
+    """Start site A's and site B's nats-servers, the leafnode crossing ``link``.
+
+    Started processes are appended to ``processes`` (also when a later step fails), for the
+    caller to stop. Returns once the leafnode is connected.
+    """
+    loop = asyncio.get_running_loop()
+    site_a, process = await loop.run_in_executor(None, start_nats_on_free_ports, lambda: NatsSite(
+        SITE_A, free_port(), free_port(), workdir / "js-a", leaf_listen_port=free_port()), workdir)
+    processes.append(process)
+    leaf_port = await link.add_route(Route("leafnode", "127.0.0.1", 0, "127.0.0.1",
+                                           site_a.leaf_listen_port, from_site=SITE_B))
+    site_b, process = await loop.run_in_executor(None, start_nats_on_free_ports, lambda: NatsSite(
+        SITE_B, free_port(), free_port(), workdir / "js-b",
+        leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}"), workdir)
+    processes.append(process)
+    # JetStream behind a leafnode answers cross-domain API calls once both servers are up.
+    await loop.run_in_executor(None, wait_until, lambda: leafnode_count(site_a) >= 1, 15,
+                               "leafnode between the sites did not connect")
+    return {SITE_A: site_a, SITE_B: site_b}
+
+
 class LocalStack:
     """Start with ``await stack.start()``; the router is at ``stack.base_url``."""
 
@@ -69,20 +91,7 @@ class LocalStack:
 
     async def start(self) -> "LocalStack":
         """Start NATS, the link and every service; return once the router sees them all."""
-        loop = asyncio.get_running_loop()
-        site_a, process = await loop.run_in_executor(None, start_nats_on_free_ports, lambda: NatsSite(
-            SITE_A, free_port(), free_port(), self.workdir / "js-a", leaf_listen_port=free_port()), self.workdir)
-        self.nats_processes.append(process)
-        leaf_port = await self.link.add_route(Route("leafnode", "127.0.0.1", 0, "127.0.0.1",
-                                                    site_a.leaf_listen_port, from_site=SITE_B))
-        site_b, process = await loop.run_in_executor(None, start_nats_on_free_ports, lambda: NatsSite(
-            SITE_B, free_port(), free_port(), self.workdir / "js-b",
-            leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}"), self.workdir)
-        self.nats_processes.append(process)
-        self.sites = {SITE_A: site_a, SITE_B: site_b}
-        # JetStream behind a leafnode answers cross-domain API calls once both servers are up.
-        await loop.run_in_executor(None, wait_until, lambda: leafnode_count(site_a) >= 1, 15,
-                                   "leafnode between the sites did not connect")
+        self.sites = await start_site_pair(self.link, self.workdir, self.nats_processes)
         await self._start_services()
         await self.wait_ready()
         return self

@@ -1,8 +1,9 @@
 """Every NATS subject the system uses, in one place.
 
 Shapes (DESIGN §4b): ``pdd.<site>.<service>.<verb>`` for work shared by a queue group,
-``pdd.<site>.<service>.<instance>.<verb>`` for a chosen instance, ``pdd.tokens.<request>``
-for a request's token stream, ``pdd.req.<request>`` for its lifecycle events,
+``pdd.<site>.<service>.<instance>.<verb>`` for a chosen instance,
+``pdd.tokens.<origin>.<request>`` for a request's token stream and ``pdd.req.<origin>.<request>``
+for its lifecycle events (``<origin>`` is the router that minted the request id),
 ``pdd.evt.<site>.kv.<instance>`` and ``pdd.evt.<site>.load.<instance>`` for KV and load
 events. Request and instance ids must be single subject tokens.
 """
@@ -35,14 +36,47 @@ def instance_work(site: str, service: str, instance_id: str, verb: str) -> str:
     return f"{PREFIX}.{site}.{service}.{instance_id}.{verb}"
 
 
+def new_request_id(origin: str, nonce: str) -> str:
+    """A request id minted by the router instance ``origin`` (``<origin>-<nonce>``).
+
+    The id names its router so that tokens and events can travel on subjects the router
+    subscribed to once at start-up: a subscription made per request would race the other
+    site's first publish, because interest crosses the leafnode asynchronously and NATS
+    drops messages nobody is known to want.
+    """
+    check_token(origin, "origin")
+    if not nonce.isalnum():
+        raise ValueError(f"nonce {nonce!r} must be alphanumeric")
+    return check_token(f"{origin}-{nonce}", "request id")
+
+
+def origin_of(request_id: str) -> str:
+    """The router instance that minted ``request_id`` (the part before its last ``-``)."""
+    return request_id.rsplit("-", 1)[0]
+
+
 def tokens(request_id: str) -> str:
     """The request's token stream (``TokensEmitted``)."""
-    return f"{PREFIX}.tokens.{request_id}"
+    return f"{PREFIX}.tokens.{origin_of(request_id)}.{request_id}"
 
 
 def request_events(request_id: str) -> str:
     """The request's lifecycle events (``KvReady``, ``PrefillCompleted``, ``RequestFailed``…)."""
-    return f"{PREFIX}.req.{request_id}"
+    return f"{PREFIX}.req.{origin_of(request_id)}.{request_id}"
+
+
+def tokens_of_origin(origin: str) -> str:
+    """Every token stream of the requests ``origin`` minted (a router's one subscription)."""
+    return f"{PREFIX}.tokens.{origin}.*"
+
+
+def request_events_of_origin(origin: str) -> str:
+    """Every lifecycle event of the requests ``origin`` minted."""
+    return f"{PREFIX}.req.{origin}.*"
+
+
+REQUEST_EVENTS_ALL = f"{PREFIX}.req.*.*"
+"""Every request's lifecycle events (the relay follows the main decoder's ``KvReady``)."""
 
 
 def kv_events(site: str, instance_id: str) -> str:

@@ -54,9 +54,14 @@ class RelayDecodeService(DecodeService):
                                     config.max_chunk_tokens)
         self.machines: dict[str, HandoffMachine] = {}
         self._main: dict[str, KvReady] = {}
-        self._event_subs: dict[str, nats.aio.subscription.Subscription] = {}
         self._traceparents: dict[str, str | None] = {}
         self._handoffs: dict[str, asyncio.Task] = {}
+
+    async def on_start(self):
+        await super().on_start()
+        # One standing subscription: a per-request one, made when the flow opens, could miss
+        # a KvReady that the main decoder publishes before the interest reaches its site.
+        await self.nc.subscribe(subjects.REQUEST_EVENTS_ALL, cb=self._on_request_event)
 
     def load(self) -> float:
         """Active sequences over capacity: what the handoff mode switch looks at."""
@@ -66,23 +71,28 @@ class RelayDecodeService(DecodeService):
         rid = flow_open.request_id
         self._traceparents[rid] = flow_open.traceparent
         self.machines[rid] = HandoffMachine(rid, self.policy)
-        self._event_subs[rid] = await self.nc.subscribe(
-            subjects.request_events(rid), cb=self._on_request_event)
 
     async def _on_import_complete(self, state: ImportState, seq: Sequence, stats: FlowStats):
         self.start_span(seq.request_id, "relay.decode", state.flow_open.traceparent)
         EAGER_TOKENS.inc(len(seq.output_token_ids))
         await super()._on_import_complete(state, seq, stats)
+        early = self._main.get(seq.request_id)
+        if early is not None:  # main decode was ready before the local copy landed
+            await self._main_decode_ready(early)
 
     async def _on_request_event(self, msg):
         event = _event_decoder.decode(msg.data)
+        if isinstance(event, KvReady) and event.request_id in self.machines:
+            self._main[event.request_id] = event
+            await self._main_decode_ready(event)
+
+    async def _main_decode_ready(self, event: KvReady):
         machine = self.machines.get(event.request_id)
-        if not isinstance(event, KvReady) or machine is None or machine.state is not HandoffState.DECODING:
+        if machine is None or machine.state is not HandoffState.DECODING:
             return
         emitted = await self.worker.call(self._emitted, event.request_id)
         if emitted is None:
-            return  # finished here already, or dropped
-        self._main[event.request_id] = event
+            return  # still importing (retried when the import completes), finished, or dropped
         self._start_handoff(event.request_id, machine.kv_ready(emitted, self.load()))
 
     def _start_handoff(self, request_id: str, chunk: HandoffChunk | None):
@@ -180,9 +190,3 @@ class RelayDecodeService(DecodeService):
         self._traceparents.pop(request_id, None)
         self._main.pop(request_id, None)
         self.machines.pop(request_id, None)
-        sub = self._event_subs.pop(request_id, None)
-        if sub is not None:
-            try:
-                await sub.unsubscribe()
-            except nats.errors.Error:
-                pass

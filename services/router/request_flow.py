@@ -1,7 +1,7 @@
 """One request's journey as the router sees it: dispatch, ordered token stream, outcome.
 
-The router subscribes to the request's token stream and events before dispatching, so
-nothing is missed. Tokens from the relay and the main decoder are merged by index: every
+The router's mailbox (subscribed once at start-up) collects the request's token stream and
+events from before the dispatch, so nothing is missed. Tokens from the relay and the main decoder are merged by index: every
 index reaches the client exactly once, in order. Every wait has a timeout, and a request
 whose producing instance stops heart-beating fails fast with a clear error.
 """
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import nats
 
+from services.router.mailbox import RequestMailbox
 from services.router.odd_traffic import OddTrafficTracker
 from services.router.placement import Placement
 from services.router.registry import InstanceRegistry
@@ -56,9 +57,9 @@ class UpstreamTimeout(PddError):
     code = "timeout"
 
 
-def new_request_id() -> str:
-    """A fresh request id (a valid subject token)."""
-    return "req-" + secrets.token_hex(12)
+def new_request_id(origin: str) -> str:
+    """A fresh request id minted by the router instance ``origin``."""
+    return subjects.new_request_id(origin, secrets.token_hex(12))
 
 
 @dataclass
@@ -100,11 +101,12 @@ class RequestOutcome:
 class RequestFlow:
     """Runs one request; iterate ``tokens()`` for ordered output token batches."""
 
-    def __init__(self, nc: nats.NATS, registry: InstanceRegistry, *, wan: WanEstimator, request_id: str,
+    def __init__(self, nc: nats.NATS, mailbox: RequestMailbox, registry: InstanceRegistry, *,
+                 wan: WanEstimator, request_id: str,
                  prompt_token_ids: list[int], sampling: SamplingParams, placement: Placement,
                  first_token_timeout_s: float, token_timeout_s: float, started: float,
                  block_size: int):
-        self.nc, self.registry, self.wan = nc, registry, wan
+        self.nc, self.mailbox, self.registry, self.wan = nc, mailbox, registry, wan
         self.request_id = request_id
         self.prompt_token_ids, self.sampling, self.placement = prompt_token_ids, sampling, placement
         self.first_token_timeout_s, self.token_timeout_s = first_token_timeout_s, token_timeout_s
@@ -118,7 +120,7 @@ class RequestFlow:
                        "main_decode": placement.main_decode.instance_id,
                        **({"relay_decode": placement.relay_decode.instance_id}
                           if placement.relay_decode else {})})
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: asyncio.Queue | None = None
         self.odd = OddTrafficTracker(request_id, placement.odd_traffic)
         self.outcome.odd_traffic = placement.odd_traffic
         self._wan_bytes_final = False
@@ -131,8 +133,7 @@ class RequestFlow:
         Raises:
             UpstreamFailed, UpstreamTimeout: the request cannot complete.
         """
-        subs = [await self.nc.subscribe(subjects.tokens(self.request_id), cb=self._enqueue("tokens")),
-                await self.nc.subscribe(subjects.request_events(self.request_id), cb=self._enqueue("event"))]
+        self._queue = self.mailbox.open(self.request_id)
         prefill = asyncio.create_task(self._dispatch())
         completed = False
         try:
@@ -143,11 +144,7 @@ class RequestFlow:
             completed = True
         finally:
             prefill.cancel()
-            for sub in subs:
-                try:
-                    await sub.unsubscribe()
-                except nats.errors.Error:
-                    pass
+            self.mailbox.close(self.request_id)
             kind = "finished" if completed else "stop"
             try:
                 await self.nc.publish(subjects.CANCEL, encode(CancelRequest(
@@ -173,11 +170,6 @@ class RequestFlow:
                 return
             if isinstance(event, PrefillCompleted):
                 self._on_event(event)
-
-    def _enqueue(self, kind: str):
-        async def callback(msg):
-            self._queue.put_nowait((kind, msg))
-        return callback
 
     async def _dispatch(self):
         p = self.placement

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from services.router import openai_api
 from services.router.detokenizer import Detokenizer
+from services.router.mailbox import RequestMailbox
 from services.router.odd_traffic import OddTrafficRule
 from services.router.openai_api import ApiError, ParsedRequest
 from services.router.placement import NoInstances, place
@@ -51,12 +52,15 @@ class RouterService(Service):
         self._runner: web.AppRunner | None = None
         self._in_flight: set[asyncio.Task] = set()
         self._draining = False
+        self.mailbox: RequestMailbox | None = None
 
     async def on_start(self):
         if self.metadata is None:
             self.metadata = await asyncio.get_running_loop().run_in_executor(
                 None, load_metadata, self.config.model)
         await self.nc.subscribe(subjects.LOAD_ALL, cb=self.registry.on_message)
+        self.mailbox = RequestMailbox(self.nc, self.instance_id)
+        await self.mailbox.start()
         app = web.Application(client_max_size=64 << 20)
         app.add_routes([
             web.get("/v1/models", self._models), web.get("/health", self._health),
@@ -162,7 +166,7 @@ class RouterService(Service):
 
     async def _run(self, request: web.Request, req: ParsedRequest):
         started = time.perf_counter()
-        request_id = new_request_id()
+        request_id = new_request_id(self.instance_id)
         log = self.log.bind(request_id=request_id)
         with _tracer.start_as_current_span("router.route", attributes={
                 "request_id": request_id, "prompt_tokens": len(req.prompt_token_ids)}) as span:
@@ -182,7 +186,7 @@ class RouterService(Service):
                      predicted_wan_ms=round(placement.predicted_wan_s * 1000, 1),
                      main_decode=placement.main_decode.instance_id)
             flow = RequestFlow(
-                self.nc, self.registry, wan=self.wan, request_id=request_id, prompt_token_ids=req.prompt_token_ids,
+                self.nc, self.mailbox, self.registry, wan=self.wan, request_id=request_id, prompt_token_ids=req.prompt_token_ids,
                 sampling=req.sampling, placement=placement, block_size=self.config.block_size,
                 first_token_timeout_s=self.config.first_token_timeout_s,
                 token_timeout_s=self.config.token_timeout_s, started=started)

@@ -1,0 +1,89 @@
+"""Tokens published at the other site right after a request starts reach the router.
+
+Two real nats-servers joined by a leafnode through the WAN link with a long RTT, so that
+interest made at request time could not cross in time: the main decoder publishing the
+first token the moment it holds the KV must still be heard.
+"""
+
+import asyncio
+
+import nats
+import pytest_asyncio
+
+from infra.local_stack import SITE_A, SITE_B, start_site_pair
+from infra.wan_link import LinkProfile, WanLink
+from services.router.mailbox import RequestMailbox
+from shared import subjects
+from shared.messages import KvReady, TokensEmitted, decoder, encode
+
+RTT_MS = 400
+
+
+@pytest_asyncio.fixture
+async def two_sites(tmp_path):
+    link, processes = WanLink(LinkProfile(bandwidth_bps=0, rtt_ms=RTT_MS, jitter_ms=0)), []
+    try:
+        sites = await start_site_pair(link, tmp_path, processes)
+        router_nc = await nats.connect(sites[SITE_A].url)
+        main_nc = await nats.connect(sites[SITE_B].url)
+        yield router_nc, main_nc
+        await router_nc.close()
+        await main_nc.close()
+    finally:
+        await link.close()
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=5)
+
+
+async def started_mailbox(router_nc, main_nc) -> RequestMailbox:
+    """A router's mailbox whose standing interest has reached site B (as at router start-up)."""
+    mailbox = RequestMailbox(router_nc, "router-0")
+    await mailbox.start()
+    probe_id = subjects.new_request_id("router-0", "probe")
+    probe = mailbox.open(probe_id)
+    while probe.empty():
+        await main_nc.publish(subjects.request_events(probe_id), encode(KvReady(
+            request_id=probe_id, instance_id="main-decode-0", site=SITE_B, cached_tokens=0,
+            imported_tokens=0, wan_kv_bytes=0, transfer_s=0.0, throughput_bps=0.0)))
+        try:
+            await asyncio.wait_for(probe.get(), 0.2)
+            break
+        except asyncio.TimeoutError:
+            pass
+    mailbox.close(probe_id)
+    return mailbox
+
+
+async def test_first_token_published_at_once_by_the_other_site_arrives(two_sites):
+    router_nc, main_nc = two_sites
+    mailbox = await started_mailbox(router_nc, main_nc)
+    request_id = subjects.new_request_id("router-0", "abc123")
+    queue = mailbox.open(request_id)
+    await main_nc.publish(subjects.tokens(request_id), encode(TokensEmitted(
+        request_id=request_id, start_index=0, token_ids=[7], producer="MD",
+        instance_id="main-decode-0")))
+    kind, msg = await asyncio.wait_for(queue.get(), 5 * RTT_MS / 1000)
+    assert kind == "tokens"
+    assert decoder(TokensEmitted).decode(msg.data).token_ids == [7]
+
+
+async def test_messages_go_only_to_their_own_request(two_sites):
+    router_nc, main_nc = two_sites
+    mailbox = await started_mailbox(router_nc, main_nc)
+    first, second = (subjects.new_request_id("router-0", n) for n in ("aaa", "bbb"))
+    queues = {rid: mailbox.open(rid) for rid in (first, second)}
+    mailbox.close(second)
+    for rid, index in ((second, 5), (first, 0)):
+        await main_nc.publish(subjects.tokens(rid), encode(TokensEmitted(
+            request_id=rid, start_index=index, token_ids=[index], producer="MD",
+            instance_id="main-decode-0")))
+    _, msg = await asyncio.wait_for(queues[first].get(), 5 * RTT_MS / 1000)
+    assert decoder(TokensEmitted).decode(msg.data).request_id == first
+    assert queues[first].empty() and queues[second].empty()
+
+
+def test_request_ids_name_their_router():
+    request_id = subjects.new_request_id("router-1", "00ff")
+    assert subjects.origin_of(request_id) == "router-1"
+    assert subjects.tokens(request_id) == f"pdd.tokens.router-1.{request_id}"
