@@ -66,8 +66,38 @@ def summarise(records: list[RequestRecord], wall_s: float, ttft_slo_ms: float, i
     }
 
 
-def run_mode(mode: str, trace, args) -> tuple[list[RequestRecord], float]:
-    """Start a fresh deployment for ``mode``, replay the trace, stop it."""
+def link_kv_bytes(wan_control_url: str) -> int:
+    """KV bytes that crossed the WAN link's bulk routes (site A → site B), as counted on the link."""
+    import urllib.request
+
+    with urllib.request.urlopen(wan_control_url + "/link", timeout=5) as response:
+        routes = json.loads(response.read())["routes"]
+    return sum(r["bytes_forward"] for name, r in routes.items() if name.startswith("bulk-"))
+
+
+def settled_link_kv_bytes(wan_control_url: str, quiet_s: float = 1.0, timeout_s: float = 120.0) -> int:
+    """The link's KV byte count once transfers still running after the last answer are done.
+
+    A request the relay finished keeps shipping its KV to main decode (so main decode's cache
+    stays aligned); those bytes crossed the WAN too, so the count waits for them: until it has
+    not moved for ``quiet_s`` (at most ``timeout_s``).
+    """
+    deadline = time.monotonic() + timeout_s
+    last = link_kv_bytes(wan_control_url)
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = link_kv_bytes(wan_control_url)
+        if now == last:
+            break
+        last = now
+    return last
+
+
+def run_mode(mode: str, trace, args) -> tuple[list[RequestRecord], float, int]:
+    """Start a fresh deployment for ``mode``, replay the trace, stop it.
+
+    Returns the records, the wall time and the KV bytes counted on the WAN link.
+    """
     run_dir = Path(tempfile.mkdtemp(prefix=f"pdd-bench-{mode}-"))
     up_args = argparse.Namespace(
         run_dir=str(run_dir), prefill=1, rld=1, md=1, model=args.model, kv_cache_mb=args.kv_cache_mb,
@@ -76,8 +106,9 @@ def run_mode(mode: str, trace, args) -> tuple[list[RequestRecord], float]:
         seed=args.seed, log_level="warning", timeout=300.0, **MODES[mode])
     deployment = launcher.up(up_args)
     try:
-        return asyncio.run(run_trace(deployment.router_url, trace, concurrency=args.concurrency,
-                                     open_loop=args.rate > 0))
+        records, wall_s = asyncio.run(run_trace(deployment.router_url, trace, concurrency=args.concurrency,
+                                                open_loop=args.rate > 0))
+        return records, wall_s, settled_link_kv_bytes(deployment.wan_control_url)
     finally:
         launcher.down(run_dir, quiet=True)
 
@@ -95,8 +126,9 @@ def run_bench(args) -> dict:
     records = {}
     for mode in args.modes:
         print(f"mode {mode}: {len(trace)} requests", flush=True)
-        records[mode], wall_s = run_mode(mode, trace, args)
+        records[mode], wall_s, link_bytes = run_mode(mode, trace, args)
         results["modes"][mode] = summarise(records[mode], wall_s, args.ttft_slo_ms, args.itl_slo_ms)
+        results["modes"][mode]["wan_link_kv_bytes"] = link_bytes
         print(f"  {json.dumps(results['modes'][mode]['ttft_ms'])} errors={results['modes'][mode]['errors']}",
               flush=True)
     from loadtest.handoff_microbench import run_handoff_microbench
