@@ -91,3 +91,34 @@ async def test_follow_up_waits_for_blocks_already_in_flight(make_stack, tiny):
     for ids, answer in ((first_ids, a), (second_ids, b)):
         expected = tiny.tokenizer.decode(reference_greedy(tiny, ids, 6), skip_special_tokens=True)
         assert answer["choices"][0]["text"] == expected
+
+
+async def test_turns_queued_behind_a_shared_prefix_still_wait_for_each_other(make_stack, tiny):
+    """Turn 1 arrives while turn 0 itself waits behind another session sharing the system
+    prompt: turn 1 waits for turn 0's blocks instead of asking for them a second time."""
+    import asyncio
+
+    from infra.wan_link import LinkProfile
+    from tests.helpers import reference_greedy
+
+    stack = await make_stack(profile=LinkProfile(bandwidth_bps=1e6, rtt_ms=4, jitter_ms=0),
+                             router_settings={"pipeline_policy": "P-MD"})
+    encode = lambda text: tiny.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    shared = encode("You are a careful agent who logs ships. " * 8)
+    other_ids = shared + encode("Session one reads the tide tables. " * 40)
+    turn0_ids = shared + encode("Session two counts the cranes. " * 40)
+    turn1_ids = turn0_ids + encode(" And the barges?")
+    body = {"model": "tiny", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    main = stack.mains[0]
+    other = asyncio.create_task(post(stack, "/completions", {**body, "prompt": other_ids}))
+    await until(lambda: main.importer.imports, 10, "the other session's import to be under way")
+    turn0 = asyncio.create_task(post(stack, "/completions", {**body, "prompt": turn0_ids}))
+    await until(lambda: main.importer.waiting, 10, "turn 0 to wait behind the shared prefix")
+    turn1 = await post(stack, "/completions", {**body, "prompt": turn1_ids})
+    answers = {"other": await other, "turn0": await turn0, "turn1": turn1}
+    assert all(status == 200 for status, _ in answers.values())
+    wan = {name: answer["pdd"]["wan_kv_bytes"] for name, (_, answer) in answers.items()}
+    assert wan["turn1"] < 0.2 * wan["turn0"], wan
+    for ids, (_, answer) in zip((other_ids, turn0_ids, turn1_ids), answers.values()):
+        expected = tiny.tokenizer.decode(reference_greedy(tiny, ids, 4), skip_special_tokens=True)
+        assert answer["choices"][0]["text"] == expected

@@ -1,6 +1,7 @@
 """The receiving side of KV flows for an engine service (relay decode, main decode)."""
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -39,6 +40,15 @@ class ImportState:
     discard_when_done: bool = False
 
 
+@dataclass
+class _Claim:
+    """A flow's place in line: the blocks it brings, and when it is done bringing them."""
+
+    ticket: int
+    block_hashes: list[int]
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 ImportCompleted = Callable[[ImportState, Sequence, FlowStats], Awaitable[None]]
 ImportOpened = Callable[[FlowOpen], Awaitable[None]]
 
@@ -53,47 +63,71 @@ class KvImporter:
         self._on_complete = on_complete
         self._on_open = on_open
         self.imports: dict[str, ImportState] = {}
+        self._claims: dict[str, _Claim] = {}  # flows waiting or importing, in arrival order
+        self._tickets = itertools.count()
 
     async def open_flow(self, flow_open: FlowOpen, stats: FlowStats) -> int:
-        if flow_open.request_id in self.imports:
-            raise InvalidRequestState(f"a flow for {flow_open.request_id!r} is already open")
+        rid = flow_open.request_id
+        if rid in self.imports or rid in self._claims:
+            raise InvalidRequestState(f"a flow for {rid!r} is already open")
         engine = self._worker.engine
-        hashes = hash_blocks(flow_open.token_ids, engine.layout.block_size)
-        await self._wait_for_blocks_in_flight(flow_open.request_id, hashes)
-        first = await self._worker.call(engine.begin_import, flow_open.request_id,
-                                        flow_open.token_ids, flow_open.sampling, flow_open.seed)
-        self.imports[flow_open.request_id] = ImportState(flow_open, cached_tokens=first, stats=stats,
-                                                         block_hashes=hashes)
+        claim = self._claims[rid] = _Claim(next(self._tickets), hash_blocks(
+            flow_open.token_ids, engine.layout.block_size))
+        try:
+            await self._wait_for_blocks_in_flight(rid, claim)
+            first = await self._worker.call(engine.begin_import, rid, flow_open.token_ids,
+                                            flow_open.sampling, flow_open.seed)
+        except BaseException:
+            self._release(rid)
+            raise
+        self.imports[rid] = ImportState(flow_open, cached_tokens=first, stats=stats,
+                                        block_hashes=claim.block_hashes, done=claim.done)
         service = flow_open.role
         PREFIX_HIT_BLOCKS.labels(service).inc(first // engine.layout.block_size)
         PREFIX_LOOKUP_BLOCKS.labels(service).inc(len(flow_open.token_ids) // engine.layout.block_size)
         if self._on_open:
             await self._on_open(flow_open)
-        log.info("kv_import_opened", request_id=flow_open.request_id, cached_tokens=first,
+        log.info("kv_import_opened", request_id=rid, cached_tokens=first,
                  prompt_tokens=len(flow_open.token_ids), role=flow_open.role)
         return first
 
-    async def _wait_for_blocks_in_flight(self, request_id: str, hashes: list[int]):
-        """Let an earlier import that is bringing this prompt's blocks finish first.
+    async def _wait_for_blocks_in_flight(self, request_id: str, claim: "_Claim"):
+        """Let earlier flows that bring this prompt's blocks finish first.
 
         A follow-up turn often arrives while the previous turn's KV is still crossing the
         WAN: asking for those blocks again would send them twice over the same link. Once
-        the earlier import is done they are in the prefix cache and only the rest is asked for.
+        the earlier import is done they are in the prefix cache and only the rest is asked
+        for. Earlier flows still waiting themselves count too (by arrival order, so no two
+        flows wait on each other): otherwise two turns queued behind a shared system prompt
+        would both ask for the first turn's blocks.
         """
         engine = self._worker.engine
         deadline = asyncio.get_running_loop().time() + self._in_flight_wait_s
         while True:
-            cached = await self._worker.call(engine.prefix_cache.peek, hashes)
-            earlier = [s for s in self.imports.values() if _common_prefix(s.block_hashes, hashes) > cached]
+            cached = await self._worker.call(engine.prefix_cache.peek, claim.block_hashes)
+            earlier = [(rid, c) for rid, c in self._claims.items() if c.ticket < claim.ticket
+                       and _common_prefix(c.block_hashes, claim.block_hashes) > cached]
             remaining = deadline - asyncio.get_running_loop().time()
             if not earlier or remaining <= 0:
                 return
+            behind, blocker = max(earlier, key=lambda item: _common_prefix(item[1].block_hashes,
+                                                                           claim.block_hashes))
             log.info("kv_import_waits_for_blocks_in_flight", request_id=request_id,
-                     behind=earlier[0].flow_open.request_id, cached_blocks=cached)
+                     behind=behind, cached_blocks=cached)
             try:
-                await asyncio.wait_for(earlier[0].done.wait(), remaining)
+                await asyncio.wait_for(blocker.done.wait(), remaining)
             except asyncio.TimeoutError:
                 return
+
+    def _release(self, request_id: str):
+        claim = self._claims.pop(request_id, None)
+        if claim is not None:
+            claim.done.set()
+
+    @property
+    def waiting(self) -> list[str]:
+        """Request ids of flows still waiting for earlier flows' blocks."""
+        return [rid for rid in self._claims if rid not in self.imports]
 
     async def import_frame(self, request_id: str, frame: KvFrame) -> None:
         await self._worker.call(self._worker.engine.import_frame, frame)
@@ -102,7 +136,7 @@ class KvImporter:
         state = self.imports.pop(request_id, None)
         if state is None:
             return
-        state.done.set()
+        self._release(request_id)
         engine = self._worker.engine
         if state.discard_when_done:
             await self._worker.call(engine.free, request_id)
@@ -117,7 +151,7 @@ class KvImporter:
         state = self.imports.pop(request_id, None)
         if state is None:
             return
-        state.done.set()
+        self._release(request_id)
         await self._worker.call(self._worker.engine.free_if_held, request_id)
         log.warning("kv_import_aborted", request_id=request_id, reason=reason)
 
@@ -135,7 +169,7 @@ class KvImporter:
             state.discard_when_done = True
             return state
         del self.imports[request_id]
-        state.done.set()
+        self._release(request_id)
         await self._worker.call(self._worker.engine.free_if_held, request_id)
         return state
 
