@@ -67,3 +67,7 @@ def test_bench_handoff_micro_compares_ids_with_kv():
     assert ids["payload_bytes"] < 1536 < kv["payload_bytes"]
     assert report["payload_ratio"] == round(kv["payload_bytes"] / ids["payload_bytes"], 1)
     assert ids["latency_ms"]["max"] >= ids["latency_ms"]["mean"] > 0
+    for row in (ids, kv):  # each latency splits into the receiver's compute and the link
+        parts = row["receiver_compute_ms"]["mean"] + row["link_ms"]["mean"]
+        assert abs(parts - row["latency_ms"]["mean"]) <= 0.2
+        assert row["link_ms"]["mean"] >= 4  # at least the link's round trip
