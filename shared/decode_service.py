@@ -79,7 +79,11 @@ class DecodeService(EngineService):
     # --- hooks for subclasses ------------------------------------------------------------
 
     async def _on_import_open(self, flow_open):
-        """Called when a flow is accepted, before any frame."""
+        """Called when a flow arrives, before it waits for earlier blocks or is accepted.
+
+        Early on purpose: the relay must know the request before main decode's KvReady
+        can arrive, even when its own import queues behind another.
+        """
 
     async def _on_import_complete(self, state: ImportState, seq: Sequence, stats: FlowStats):
         """Called when a flow's KV is all in; the base emits already-known output tokens."""

@@ -74,6 +74,8 @@ class KvImporter:
         claim = self._claims[rid] = _Claim(next(self._tickets), hash_blocks(
             flow_open.token_ids, engine.layout.block_size))
         try:
+            if self._on_open:
+                await self._on_open(flow_open)
             await self._wait_for_blocks_in_flight(rid, claim)
             first = await self._worker.call(engine.begin_import, rid, flow_open.token_ids,
                                             flow_open.sampling, flow_open.seed)
@@ -85,8 +87,6 @@ class KvImporter:
         service = flow_open.role
         PREFIX_HIT_BLOCKS.labels(service).inc(first // engine.layout.block_size)
         PREFIX_LOOKUP_BLOCKS.labels(service).inc(len(flow_open.token_ids) // engine.layout.block_size)
-        if self._on_open:
-            await self._on_open(flow_open)
         log.info("kv_import_opened", request_id=rid, cached_tokens=first,
                  prompt_tokens=len(flow_open.token_ids), role=flow_open.role)
         return first
