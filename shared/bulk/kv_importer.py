@@ -27,16 +27,12 @@ class ImportState:
         flow_open: The sender's FlowOpen.
         cached_tokens: Prompt tokens the receiver's prefix cache supplied.
         stats: The flow's live byte and frame counts.
-        block_hashes: Chained hashes of the prompt's full blocks.
-        done: Set when the import ends, whichever way.
         discard_when_done: The request ended elsewhere: keep the KV for the cache, then free.
     """
 
     flow_open: FlowOpen
     cached_tokens: int
     stats: FlowStats
-    block_hashes: list[int] = field(default_factory=list)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
     discard_when_done: bool = False
 
 
@@ -82,8 +78,7 @@ class KvImporter:
         except BaseException:
             self._release(rid)
             raise
-        self.imports[rid] = ImportState(flow_open, cached_tokens=first, stats=stats,
-                                        block_hashes=claim.block_hashes, done=claim.done)
+        self.imports[rid] = ImportState(flow_open, cached_tokens=first, stats=stats)
         service = flow_open.role
         PREFIX_HIT_BLOCKS.labels(service).inc(first // engine.layout.block_size)
         PREFIX_LOOKUP_BLOCKS.labels(service).inc(len(flow_open.token_ids) // engine.layout.block_size)
@@ -105,13 +100,13 @@ class KvImporter:
         deadline = asyncio.get_running_loop().time() + self._in_flight_wait_s
         while True:
             cached = await self._worker.call(engine.prefix_cache.peek, claim.block_hashes)
-            earlier = [(rid, c) for rid, c in self._claims.items() if c.ticket < claim.ticket
-                       and _common_prefix(c.block_hashes, claim.block_hashes) > cached]
+            shared, behind, blocker = max(
+                ((_common_prefix(c.block_hashes, claim.block_hashes), rid, c)
+                 for rid, c in self._claims.items() if c.ticket < claim.ticket),
+                key=lambda overlap: overlap[0], default=(0, None, None))
             remaining = deadline - asyncio.get_running_loop().time()
-            if not earlier or remaining <= 0:
+            if shared <= cached or remaining <= 0:
                 return
-            behind, blocker = max(earlier, key=lambda item: _common_prefix(item[1].block_hashes,
-                                                                           claim.block_hashes))
             log.info("kv_import_waits_for_blocks_in_flight", request_id=request_id,
                      behind=behind, cached_blocks=cached)
             try:
