@@ -27,14 +27,7 @@ def plot_ttft_cdf(records, path: Path):
         values = np.sort([r.ttft_ms for r in recs if r.ttft_ms is not None])
         if len(values):
             ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", label=mode)
-    ax.set_xlabel("TTFT (ms)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("Time to first token")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(fig, ax, path, xlabel="TTFT (ms)", ylabel="fraction of requests", title="Time to first token")
 
 
 def plot_wan_bytes(records, path: Path, link_bytes: dict[str, int] | None = None):
@@ -51,14 +44,8 @@ def plot_wan_bytes(records, path: Path, link_bytes: dict[str, int] | None = None
         ordered = sorted(recs, key=lambda r: (r.session, r.turn))
         label = mode + (f" (link total {link_bytes[mode] / 1e6:.0f} MB)" if mode in link_bytes else "")
         ax.plot([r.pdd.get("wan_kv_bytes", 0) / 1e6 for r in ordered], marker=".", label=label)
-    ax.set_xlabel("request (by session, turn)")
-    ax.set_ylabel("WAN KV reported by the response (MB)")
-    ax.set_title("KV bytes over the WAN per request")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(fig, ax, path, xlabel="request (by session, turn)",
+            ylabel="WAN KV reported by the response (MB)", title="KV bytes over the WAN per request")
 
 
 def plot_relay_timeline(records, path: Path):
@@ -76,13 +63,21 @@ def plot_relay_timeline(records, path: Path):
         if chunks < len(times):
             ax.axvline(times[chunks], color="grey", ls="--",
                        label=f"MD takeover ({r.pdd.get('handoff_mode')}, {r.pdd.get('handoff_chunks')} chunks)")
-        ax.set_title(f"One P→RLD→MD request ({r.pdd.get('prompt_tokens')} prompt tokens)")
-        ax.legend()
+        title = f"One P→RLD→MD request ({r.pdd.get('prompt_tokens')} prompt tokens)"
     else:
-        ax.set_title("no P→RLD→MD request in this run")
-    ax.set_xlabel("time since request (ms)")
-    ax.set_ylabel("stream chunk")
+        title = "no P→RLD→MD request in this run"
+    _finish(fig, ax, path, xlabel="time since request (ms)", ylabel="stream chunk", title=title,
+            legend=bool(relayed))
+
+
+def _finish(fig, ax, path: Path, *, xlabel: str, ylabel: str, title: str, legend: bool = True):
+    """Label, grid and save a plot, then free it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
+    if legend:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
