@@ -34,6 +34,17 @@ def ship(sender: Engine, receiver: Engine, request_id: str, first_token_index: i
     return len(frames)
 
 
+def relay_with_main(loaded, prompt: list[int], sampling: SamplingParams) -> tuple[Engine, Engine]:
+    """A relay that has prefilled ``prompt`` (first token out) and a main decoder holding its KV."""
+    relay, main = Engine(loaded, num_blocks=64), Engine(loaded, num_blocks=64)
+    relay.add_request("r", prompt, sampling)
+    main.begin_import("r", prompt, sampling)
+    relay.step()
+    ship(relay, main, "r", 0)
+    main.finish_import("r", [])
+    return relay, main
+
+
 @pytest.mark.parametrize("prompt_len", [5, 16, 33, 200])
 def test_engine_generate_matches_transformers(tiny, prompt_len):
     prompt = prompt_of_length(tiny, prompt_len, seed=prompt_len)
@@ -182,12 +193,7 @@ def test_catch_up_handoff_in_chunks_is_exact(tiny):
     """Main decode absorbs the relay's tokens in several held chunks, then takes over."""
     prompt = prompt_of_length(tiny, 90)
     sampling = SamplingParams(max_tokens=130, ignore_eos=True)
-    relay, main = Engine(tiny, num_blocks=64), Engine(tiny, num_blocks=64)
-    relay.add_request("r", prompt, sampling)
-    main.begin_import("r", prompt, sampling)
-    relay.step()
-    ship(relay, main, "r", 0)
-    main.finish_import("r", [])
+    relay, main = relay_with_main(tiny, prompt, sampling)
     handed = 0
     for chunk_end in (70, 95, 100):  # two held chunks while the relay keeps going, then final
         while len(relay.get("r").output_token_ids) < chunk_end:

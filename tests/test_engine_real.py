@@ -7,7 +7,7 @@ from shared.engine.engine import Engine
 from shared.engine.sampling import SamplingParams
 from shared.model_loader import load_model
 from tests.helpers import prompt_of_length, reference_greedy
-from tests.test_engine_exactness import run_to_end, ship
+from tests.test_engine_exactness import relay_with_main, run_to_end, ship
 
 pytestmark = pytest.mark.real_model
 
@@ -42,12 +42,7 @@ def test_long_prompt_shipped_to_separately_loaded_engine(smollm2, prompt, refere
 @pytest.mark.parametrize("num_relay_tokens", [16, 64])
 def test_relay_handoff_by_token_ids(smollm2, prompt, reference, num_relay_tokens):
     sampling = SamplingParams(max_tokens=num_relay_tokens + 24, ignore_eos=True)
-    relay, main = Engine(smollm2, num_blocks=64), Engine(smollm2, num_blocks=64)
-    relay.add_request("r", prompt, sampling)
-    main.begin_import("r", prompt, sampling)
-    relay.step()
-    ship(relay, main, "r", 0)
-    main.finish_import("r", [])
+    relay, main = relay_with_main(smollm2, prompt, sampling)
     while len(relay.get("r").output_token_ids) < num_relay_tokens:
         relay.step()
     relay_seq = relay.get("r")
