@@ -21,14 +21,11 @@ class RequestMailbox:
         self._nc = nc
         self.origin = origin
         self._queues: dict[str, asyncio.Queue] = {}
-        self._subs = []
 
     async def start(self):
         """Subscribe and make sure the local server has registered the interest."""
-        self._subs = [
-            await self._nc.subscribe(subjects.tokens_of_origin(self.origin), cb=self._deliver("tokens")),
-            await self._nc.subscribe(subjects.request_events_of_origin(self.origin), cb=self._deliver("event")),
-        ]
+        await self._nc.subscribe(subjects.tokens_of_origin(self.origin), cb=self._deliver("tokens"))
+        await self._nc.subscribe(subjects.request_events_of_origin(self.origin), cb=self._deliver("event"))
         await self._nc.flush()
 
     def open(self, request_id: str) -> asyncio.Queue:

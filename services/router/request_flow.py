@@ -1,9 +1,10 @@
 """One request's journey as the router sees it: dispatch, ordered token stream, outcome.
 
 The router's mailbox (subscribed once at start-up) collects the request's token stream and
-events from before the dispatch, so nothing is missed. Tokens from the relay and the main decoder are merged by index: every
-index reaches the client exactly once, in order. Every wait has a timeout, and a request
-whose producing instance stops heart-beating fails fast with a clear error.
+events from before the dispatch, so nothing is missed. Tokens from the relay and the main
+decoder are merged by index: every index reaches the client exactly once, in order. Every
+wait has a timeout, and a request whose producing instance stops heart-beating fails fast
+with a clear error.
 """
 
 import asyncio

@@ -186,8 +186,8 @@ class RouterService(Service):
                      predicted_wan_ms=round(placement.predicted_wan_s * 1000, 1),
                      main_decode=placement.main_decode.instance_id)
             flow = RequestFlow(
-                self.nc, self.mailbox, self.registry, wan=self.wan, request_id=request_id, prompt_token_ids=req.prompt_token_ids,
-                sampling=req.sampling, placement=placement, block_size=self.config.block_size,
+                self.nc, self.mailbox, self.registry, wan=self.wan, request_id=request_id,
+                prompt_token_ids=req.prompt_token_ids, sampling=req.sampling, placement=placement, block_size=self.config.block_size,
                 first_token_timeout_s=self.config.first_token_timeout_s,
                 token_timeout_s=self.config.token_timeout_s, started=started)
             self._assign(placement, +1)
