@@ -70,7 +70,8 @@ class EngineService(Service):
         return LoadReported(
             instance=self.instance_ref(), service=self.service_name,
             active_sequences=engine.num_sequences, max_sequences=self.config.max_sequences,
-            free_blocks=engine.blocks.num_free_blocks, total_blocks=engine.blocks.num_blocks,
+            free_blocks=engine.blocks.num_free_blocks, used_blocks=engine.blocks.num_used_blocks,
+            total_blocks=engine.blocks.num_blocks,
             unix_s=time.time())
 
     async def _publish_kv_events(self):

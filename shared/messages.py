@@ -296,7 +296,8 @@ class LoadReported(_Message, kw_only=True):
         service: ``prefill``, ``relay_decode``, ``main_decode`` or ``cache_index``.
         active_sequences: Requests it holds now.
         max_sequences: Requests it accepts at most.
-        free_blocks: KV blocks it could allocate now.
+        free_blocks: KV blocks on its free list now.
+        used_blocks: KV blocks held by the requests it runs now (shared prefix blocks once).
         total_blocks: Size of its KV pool.
         unix_s: Sender's clock when sent.
     """
@@ -306,6 +307,7 @@ class LoadReported(_Message, kw_only=True):
     active_sequences: int = 0
     max_sequences: int = 0
     free_blocks: int = 0
+    used_blocks: int = 0
     total_blocks: int = 0
     unix_s: float
 

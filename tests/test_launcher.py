@@ -52,14 +52,16 @@ async def test_openai_client_gets_exact_answers_from_both_decoders(deployment, t
     api = client(ports)
     models = await api.models.list()
     assert [m.id for m in models.data] == ["smollm2-135m-instruct"]
-    questions = [f"What is {i} plus {i}?" for i in range(6)]
+    # Own system prompts: no two requests share a cached block, so however the six arrive
+    # (together, or one after another on a starved machine) the idle decoders take turns.
+    conversations = [[{"role": "system", "content": f"Case {i}."},
+                      {"role": "user", "content": f"What is {i} plus {i}?"}] for i in range(6)]
     answers = await asyncio.gather(*(api.chat.completions.create(
-        model="smollm2-135m-instruct", messages=[{"role": "user", "content": q}], max_tokens=20,
-        temperature=0, extra_body={"ignore_eos": True}) for q in questions))
-    for question, answer in zip(questions, answers):
+        model="smollm2-135m-instruct", messages=messages, max_tokens=20,
+        temperature=0, extra_body={"ignore_eos": True}) for messages in conversations))
+    for messages, answer in zip(conversations, answers):
         prompt = list(tiny.tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
-            return_dict=False))
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False))
         expected = tiny.tokenizer.decode(reference_greedy(tiny, prompt, 20), skip_special_tokens=True)
         assert answer.choices[0].message.content == expected
     used = {a.model_extra["pdd"]["instances"]["main_decode"] for a in answers}

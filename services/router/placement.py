@@ -2,7 +2,15 @@
 
 P→RLD→MD when the WAN transfer of the blocks the chosen main decoder lacks is predicted to
 exceed the TTFT target (bytes / bandwidth + RTT); P→MD otherwise. P→RLD alone is never a
-choice. Among instances, the larger prefix hit wins, then the lighter load.
+choice.
+
+Among prefill or main decode instances the cheapest wins, cost counted in KV blocks: the
+prompt blocks the instance lacks (to compute, or to receive over the WAN) plus the blocks
+its running requests hold. A cached prefix therefore draws requests to its instance only
+while that instance is not busier by more than the prefix saves: a system prompt shared by
+all traffic cannot pin every request on one decoder. Equal costs go to the instance that
+was placed on least recently. Relays, whose work is decode steps, go to the fewest
+sequences.
 """
 
 from dataclasses import dataclass
@@ -28,6 +36,7 @@ class Placement:
         main_decode: Chosen main decode instance.
         relay_decode: Chosen relay, for ``P-RLD-MD``.
         md_cached_blocks: Leading prompt blocks the main decoder holds (cache-index).
+        md_load_blocks: KV blocks the main decoder's running requests held when chosen.
         missing_kv_bytes: KV bytes predicted to cross the WAN.
         predicted_wan_s: Their predicted transfer time.
         odd_traffic: Marked odd by the odd-traffic filter (relayed; WAN cancelled if the relay wins).
@@ -38,9 +47,16 @@ class Placement:
     main_decode: InstanceRef
     relay_decode: InstanceRef | None
     md_cached_blocks: int
+    md_load_blocks: int
     missing_kv_bytes: int
     predicted_wan_s: float
     odd_traffic: bool = False
+
+    @property
+    def instance_ids(self) -> list[str]:
+        """Every instance the request runs on."""
+        refs = (self.prefill, self.main_decode, self.relay_decode)
+        return [ref.instance_id for ref in refs if ref is not None]
 
 
 @dataclass(frozen=True)
@@ -60,11 +76,15 @@ class WanEstimate:
         return num_bytes * 8 / self.bandwidth_bps + self.rtt_s
 
 
-def _pick(candidates: list[InstanceState], hits: dict[str, int]) -> InstanceState:
-    return max(candidates, key=lambda s: (
-        hits.get(s.report.instance.instance_id, 0),
-        -(s.report.active_sequences + s.assigned),
-        -candidates.index(s)))
+def placement_cost_blocks(state: InstanceState, hits: dict[str, int], num_prompt_blocks: int) -> int:
+    """Blocks the instance lacks for this prompt plus blocks its running requests hold."""
+    missing = max(0, num_prompt_blocks - hits.get(state.report.instance.instance_id, 0))
+    return missing + state.load_blocks
+
+
+def _pick(candidates: list[InstanceState], hits: dict[str, int], num_prompt_blocks: int) -> InstanceState:
+    return min(candidates, key=lambda s: (
+        placement_cost_blocks(s, hits, num_prompt_blocks), s.last_placed))
 
 
 def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens: int,
@@ -78,7 +98,9 @@ def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens
     prefills, mains = registry.live("prefill"), registry.live("main_decode")
     if not prefills or not mains:
         raise NoInstances("no live " + ("prefill" if not prefills else "main_decode") + " instance")
-    prefill, main = _pick(prefills, hits), _pick(mains, hits)
+    num_prompt_blocks = -(-num_prompt_tokens // block_size)
+    prefill = _pick(prefills, hits, num_prompt_blocks)
+    main = _pick(mains, hits, num_prompt_blocks)
     cached_blocks = hits.get(main.report.instance.instance_id, 0)
     missing_tokens = max(0, num_prompt_tokens - cached_blocks * block_size)
     missing_bytes = missing_tokens * kv_bytes_per_token
@@ -88,10 +110,10 @@ def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens
     odd = policy == "auto" and odd_rule is not None and odd_rule.is_odd(max_tokens, predicted_s)
     wants_relay = predicted_s > ttft_target_s or odd if policy == "auto" else policy == "P-RLD-MD"
     if wants_relay and relays:
-        relay = min(relays, key=lambda s: s.report.active_sequences + s.assigned)
+        relay = min(relays, key=lambda s: (s.load_sequences, s.last_placed))
     return Placement(
         pipeline="P-RLD-MD" if relay else "P-MD",
         prefill=prefill.report.instance, main_decode=main.report.instance,
         relay_decode=relay.report.instance if relay else None,
-        md_cached_blocks=cached_blocks, missing_kv_bytes=missing_bytes,
+        md_cached_blocks=cached_blocks, md_load_blocks=main.load_blocks, missing_kv_bytes=missing_bytes,
         predicted_wan_s=predicted_s, odd_traffic=odd and relay is not None)

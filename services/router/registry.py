@@ -1,5 +1,11 @@
-"""Live instances, learnt from their heartbeats (``LoadReported`` on ``pdd.evt.*.load.*``)."""
+"""Live instances, learnt from their heartbeats (``LoadReported`` on ``pdd.evt.*.load.*``).
 
+Load has two sources: the instance's own heartbeat (every router's requests, up to a
+heartbeat old) and this router's placements (exact, immediate). An instance's load is the
+larger of the two, so a burst of requests spreads out before the next heartbeat comes.
+"""
+
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -15,12 +21,26 @@ class InstanceState:
     Attributes:
         report: The heartbeat.
         seen_monotonic: Router clock when it arrived.
-        assigned: Requests the router placed there and has not seen finish.
+        assigned: Requests this router placed there and has not seen finish.
+        assigned_blocks: Prompt blocks of those requests.
+        last_placed: Serial number of this router's latest placement there (0: never).
     """
 
     report: LoadReported
     seen_monotonic: float
     assigned: int = 0
+    assigned_blocks: int = 0
+    last_placed: int = 0
+
+    @property
+    def load_sequences(self) -> int:
+        """Requests it runs: its heartbeat's count or this router's, whichever is larger."""
+        return max(self.report.active_sequences, self.assigned)
+
+    @property
+    def load_blocks(self) -> int:
+        """KV blocks its requests hold: heartbeat or this router's count, whichever is larger."""
+        return max(self.report.used_blocks, self.assigned_blocks)
 
 
 class InstanceRegistry:
@@ -29,10 +49,14 @@ class InstanceRegistry:
     def __init__(self, ttl_s: float):
         self._ttl_s = ttl_s
         self._instances: dict[str, InstanceState] = {}
+        self._placements = itertools.count(1)
 
     async def on_message(self, msg):
         """NATS callback for heartbeats."""
-        report = _load_decoder.decode(msg.data)
+        self.observe(_load_decoder.decode(msg.data))
+
+    def observe(self, report: LoadReported):
+        """Record a heartbeat."""
         state = self._instances.get(report.instance.instance_id)
         if state is None:
             self._instances[report.instance.instance_id] = InstanceState(report, time.monotonic())
@@ -51,9 +75,19 @@ class InstanceRegistry:
         state = self._instances.get(instance_id)
         return state is not None and state.seen_monotonic >= time.monotonic() - self._ttl_s
 
-    def get(self, instance_id: str) -> InstanceState | None:
-        """The instance's state, alive or not."""
-        return self._instances.get(instance_id)
+    def assign(self, instance_ids: list[str], num_blocks: int):
+        """Count a request of ``num_blocks`` prompt blocks placed on these instances."""
+        serial = next(self._placements)
+        for state in filter(None, map(self._instances.get, instance_ids)):
+            state.assigned += 1
+            state.assigned_blocks += num_blocks
+            state.last_placed = serial
+
+    def release(self, instance_ids: list[str], num_blocks: int):
+        """Stop counting a request :meth:`assign` counted (it finished or failed)."""
+        for state in filter(None, map(self._instances.get, instance_ids)):
+            state.assigned -= 1
+            state.assigned_blocks -= num_blocks
 
     def summary(self) -> dict[str, list[str]]:
         """Live instance ids per service (for /health)."""

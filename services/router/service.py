@@ -183,6 +183,7 @@ class RouterService(Service):
                      wan_estimate_rtt_ms=round(self.wan.rtt_s * 1000, 1),
                      prompt_tokens=len(req.prompt_token_ids),
                      md_cached_blocks=placement.md_cached_blocks,
+                     md_load_blocks=placement.md_load_blocks,
                      predicted_wan_ms=round(placement.predicted_wan_s * 1000, 1),
                      main_decode=placement.main_decode.instance_id)
             flow = RequestFlow(
@@ -190,25 +191,20 @@ class RouterService(Service):
                 prompt_token_ids=req.prompt_token_ids, sampling=req.sampling, placement=placement, block_size=self.config.block_size,
                 first_token_timeout_s=self.config.first_token_timeout_s,
                 token_timeout_s=self.config.token_timeout_s, started=started)
-            self._assign(placement, +1)
+            num_blocks = -(-len(req.prompt_token_ids) // self.config.block_size)
+            self.registry.assign(placement.instance_ids, num_blocks)
             try:
                 if req.stream:
                     return await self._stream(request, req, flow)
                 return await self._collect(req, flow)
             finally:
-                self._assign(placement, -1)
+                self.registry.release(placement.instance_ids, num_blocks)
                 outcome = flow.outcome
                 span.set_attributes({"finished_on": outcome.finished_on or "",
                                      "eager_tokens": outcome.eager_tokens})
                 log.info("request_done", pipeline=outcome.pipeline, finished_on=outcome.finished_on,
                          output_tokens=outcome.output_tokens, ttft_ms=outcome.ttft_ms,
                          eager_tokens=outcome.eager_tokens, wan_kv_bytes=outcome.wan_kv_bytes)
-
-    def _assign(self, placement, delta: int):
-        for ref in (placement.prefill, placement.main_decode, placement.relay_decode):
-            state = self.registry.get(ref.instance_id) if ref else None
-            if state:
-                state.assigned += delta
 
     async def _place(self, req: ParsedRequest, request_id: str):
         hashes = hash_blocks(req.prompt_token_ids, self.config.block_size)

@@ -1,0 +1,59 @@
+"""Which instances the router picks: prefix hits against load, both counted in KV blocks."""
+
+import time
+
+from services.router.placement import WanEstimate, place
+from services.router.registry import InstanceRegistry
+from shared.messages import InstanceRef, LoadReported
+
+BLOCK_SIZE = 16
+FAST_WAN = WanEstimate(bandwidth_bps=1e9, rtt_s=0.001)
+
+
+def registry_with(*, main_decodes: int, used_blocks: dict[str, int] | None = None) -> InstanceRegistry:
+    registry = InstanceRegistry(ttl_s=60)
+    instances = [("prefill-0", "prefill")] + [(f"main-decode-{i}", "main_decode")
+                                              for i in range(main_decodes)]
+    for instance_id, service in instances:
+        registry.observe(LoadReported(
+            instance=InstanceRef(instance_id=instance_id, site="site-b"), service=service,
+            used_blocks=(used_blocks or {}).get(instance_id, 0), total_blocks=1000,
+            unix_s=time.time()))
+    return registry
+
+
+def route(registry: InstanceRegistry, hits: dict[str, int], num_prompt_tokens: int) -> str:
+    """Place one request the way the router does, and count it as running."""
+    placement = place(registry, hits, num_prompt_tokens=num_prompt_tokens, block_size=BLOCK_SIZE,
+                      kv_bytes_per_token=100, wan=FAST_WAN, ttft_target_s=1.0)
+    registry.assign(placement.instance_ids, -(-num_prompt_tokens // BLOCK_SIZE))
+    return placement.main_decode.instance_id
+
+
+def test_a_shared_system_prompt_does_not_pin_a_busy_decoder():
+    registry = registry_with(main_decodes=2)
+    assert route(registry, {}, 40) == "main-decode-0"
+    # Every later prompt starts with the same system-prompt block, now cached on main-decode-0;
+    # the 3 blocks it is busy with outweigh the 1 block the hit saves.
+    assert route(registry, {"main-decode-0": 1}, 40) == "main-decode-1"
+    assert route(registry, {"main-decode-0": 1, "main-decode-1": 1}, 40) == "main-decode-0"
+
+
+def test_a_long_cached_prefix_keeps_its_conversation_on_a_somewhat_busier_decoder():
+    registry = registry_with(main_decodes=2, used_blocks={"main-decode-0": 20})
+    assert route(registry, {"main-decode-0": 30}, 33 * BLOCK_SIZE) == "main-decode-0"
+
+
+def test_load_reported_by_a_heartbeat_counts_before_this_router_placed_anything():
+    registry = registry_with(main_decodes=2, used_blocks={"main-decode-0": 50})
+    assert route(registry, {"main-decode-0": 2}, 40) == "main-decode-1"
+
+
+def test_idle_decoders_take_turns_and_finished_requests_stop_counting():
+    registry = registry_with(main_decodes=3)
+    chosen = []
+    for _ in range(6):
+        chosen.append(route(registry, {}, 40))
+        registry.release(["prefill-0", chosen[-1]], 3)
+    assert chosen == ["main-decode-0", "main-decode-1", "main-decode-2"] * 2
+    assert all(s.assigned == 0 and s.assigned_blocks == 0 for s in registry.live("main_decode"))
