@@ -57,3 +57,14 @@ def test_idle_decoders_take_turns_and_finished_requests_stop_counting():
         registry.release(["prefill-0", chosen[-1]], 3)
     assert chosen == ["main-decode-0", "main-decode-1", "main-decode-2"] * 2
     assert all(s.assigned == 0 and s.assigned_blocks == 0 for s in registry.live("main_decode"))
+
+
+def test_a_heartbeat_from_before_a_request_finished_does_not_keep_its_load():
+    registry = registry_with(main_decodes=2)
+    assert route(registry, {}, 40) == "main-decode-0"
+    # Main-decode-0's heartbeat still shows the request (its output grew it to 40 blocks)...
+    registry.observe(LoadReported(instance=InstanceRef(instance_id="main-decode-0", site="site-b"),
+                                  service="main_decode", used_blocks=40, unix_s=time.time()))
+    registry.release(["prefill-0", "main-decode-0"], 3)
+    # ...but the router saw it finish, and main-decode-0 holds the prompt's first block.
+    assert route(registry, {"main-decode-0": 1}, 40) == "main-decode-0"

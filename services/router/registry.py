@@ -2,7 +2,10 @@
 
 Load has two sources: the instance's own heartbeat (every router's requests, up to a
 heartbeat old) and this router's placements (exact, immediate). An instance's load is the
-larger of the two, so a burst of requests spreads out before the next heartbeat comes.
+larger of the two, so a burst of requests spreads out before the next heartbeat comes; once
+this router has seen one of its requests there finish, the heartbeat before it is known to
+overstate the load (by the request's whole KV, output included), so until the next one only
+this router's count is used.
 """
 
 import itertools
@@ -24,6 +27,7 @@ class InstanceState:
         assigned: Requests this router placed there and has not seen finish.
         assigned_blocks: Prompt blocks of those requests.
         last_placed: Serial number of this router's latest placement there (0: never).
+        released_since_report: A request of this router's finished there after the heartbeat.
     """
 
     report: LoadReported
@@ -31,15 +35,20 @@ class InstanceState:
     assigned: int = 0
     assigned_blocks: int = 0
     last_placed: int = 0
+    released_since_report: bool = False
 
     @property
     def load_sequences(self) -> int:
         """Requests it runs: its heartbeat's count or this router's, whichever is larger."""
+        if self.released_since_report:
+            return self.assigned
         return max(self.report.active_sequences, self.assigned)
 
     @property
     def load_blocks(self) -> int:
         """KV blocks its requests hold: heartbeat or this router's count, whichever is larger."""
+        if self.released_since_report:
+            return self.assigned_blocks
         return max(self.report.used_blocks, self.assigned_blocks)
 
 
@@ -62,6 +71,7 @@ class InstanceRegistry:
             self._instances[report.instance.instance_id] = InstanceState(report, time.monotonic())
         else:
             state.report, state.seen_monotonic = report, time.monotonic()
+            state.released_since_report = False
 
     def live(self, service: str) -> list[InstanceState]:
         """Live instances of ``service``, sorted by id (stable placement ties)."""
@@ -88,6 +98,7 @@ class InstanceRegistry:
         for state in filter(None, map(self._instances.get, instance_ids)):
             state.assigned -= 1
             state.assigned_blocks -= num_blocks
+            state.released_since_report = True
 
     def summary(self) -> dict[str, list[str]]:
         """Live instance ids per service (for /health)."""
