@@ -239,6 +239,12 @@ def parse_ms(text: str) -> float:
     return float(match.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1000.0}[unit]
 
 
+def parse_profile(bandwidth: str, rtt: str, jitter: str, seed: int = 0) -> LinkProfile:
+    """A profile from the command-line spellings (``100mbit``, ``40ms``, ``5ms``)."""
+    return LinkProfile(bandwidth_bps=parse_rate(bandwidth), rtt_ms=parse_ms(rtt),
+                       jitter_ms=parse_ms(jitter), seed=seed)
+
+
 def control_app(link: WanLink) -> web.Application:
     """``GET /link`` shows the profile and counters; ``PUT /link`` changes the profile."""
 

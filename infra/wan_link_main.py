@@ -2,7 +2,7 @@
 
 from aiohttp import web
 
-from infra.wan_link import LinkProfile, WanLink, control_app, parse_ms, parse_rate
+from infra.wan_link import WanLink, control_app, parse_profile
 from shared.logging import configure_logging
 from shared.service import wait_for_termination
 
@@ -12,8 +12,7 @@ async def run_wan_link(args):
     from infra.serve import parse_route
 
     configure_logging(args.log_level)
-    link = WanLink(LinkProfile(bandwidth_bps=parse_rate(args.bandwidth), rtt_ms=parse_ms(args.rtt),
-                               jitter_ms=parse_ms(args.jitter), seed=args.seed))
+    link = WanLink(parse_profile(args.bandwidth, args.rtt, args.jitter, args.seed))
     for text in args.route:
         await link.add_route(parse_route(text))
     runner = web.AppRunner(control_app(link), access_log=None)

@@ -133,10 +133,9 @@ def run_bench(args) -> dict:
               flush=True)
     from loadtest.handoff_microbench import run_handoff_microbench
     from shared.model_loader import load_model
-    from infra.wan_link import LinkProfile, parse_ms, parse_rate
+    from infra.wan_link import parse_profile
 
-    profile = LinkProfile(bandwidth_bps=parse_rate(args.bandwidth), rtt_ms=parse_ms(args.rtt),
-                          jitter_ms=parse_ms(args.jitter), seed=args.seed)
+    profile = parse_profile(args.bandwidth, args.rtt, args.jitter, args.seed)
     results["handoff_microbench"] = run_handoff_microbench(load_model(args.model), profile=profile,
                                                            trials=args.handoff_trials)
     results["config"]["duration_s"] = round(time.perf_counter() - started, 1)

@@ -155,12 +155,11 @@ def cmd_bench(args) -> int:
         print(f"results in {args.out}/results.json and {args.out}/report.md")
         return 0
     if args.bench == "handoff-micro":
-        from infra.wan_link import LinkProfile, parse_ms, parse_rate
+        from infra.wan_link import parse_profile
         from loadtest.handoff_microbench import run_handoff_microbench
 
         loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-        profile = LinkProfile(bandwidth_bps=parse_rate(args.bandwidth), rtt_ms=parse_ms(args.rtt),
-                              jitter_ms=parse_ms(args.jitter))
+        profile = parse_profile(args.bandwidth, args.rtt, args.jitter)
         print(json.dumps(run_handoff_microbench(loaded, profile=profile, context=args.context,
                                                 trials=args.trials), indent=2))
         return 0

@@ -26,7 +26,7 @@ def route(registry: InstanceRegistry, hits: dict[str, int], num_prompt_tokens: i
     """Place one request the way the router does, and count it as running."""
     placement = place(registry, hits, num_prompt_tokens=num_prompt_tokens, block_size=BLOCK_SIZE,
                       kv_bytes_per_token=100, wan=FAST_WAN, ttft_target_s=1.0)
-    registry.assign(placement.instance_ids, -(-num_prompt_tokens // BLOCK_SIZE))
+    registry.assign(placement.instance_ids, placement.num_prompt_blocks)
     return placement.main_decode.instance_id
 
 

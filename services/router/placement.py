@@ -37,6 +37,7 @@ class Placement:
         relay_decode: Chosen relay, for ``P-RLD-MD``.
         md_cached_blocks: Leading prompt blocks the main decoder holds (cache-index).
         md_load_blocks: KV blocks the main decoder's running requests held when chosen.
+        num_prompt_blocks: KV blocks the prompt fills (the load it adds where it runs).
         missing_kv_bytes: KV bytes predicted to cross the WAN.
         predicted_wan_s: Their predicted transfer time.
         odd_traffic: Marked odd by the odd-traffic filter (relayed; WAN cancelled if the relay wins).
@@ -48,6 +49,7 @@ class Placement:
     relay_decode: InstanceRef | None
     md_cached_blocks: int
     md_load_blocks: int
+    num_prompt_blocks: int
     missing_kv_bytes: int
     predicted_wan_s: float
     odd_traffic: bool = False
@@ -115,5 +117,6 @@ def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens
         pipeline="P-RLD-MD" if relay else "P-MD",
         prefill=prefill.report.instance, main_decode=main.report.instance,
         relay_decode=relay.report.instance if relay else None,
-        md_cached_blocks=cached_blocks, md_load_blocks=main.load_blocks, missing_kv_bytes=missing_bytes,
+        md_cached_blocks=cached_blocks, md_load_blocks=main.load_blocks,
+        num_prompt_blocks=num_prompt_blocks, missing_kv_bytes=missing_bytes,
         predicted_wan_s=predicted_s, odd_traffic=odd and relay is not None)

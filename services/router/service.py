@@ -188,17 +188,16 @@ class RouterService(Service):
                      main_decode=placement.main_decode.instance_id)
             flow = RequestFlow(
                 self.nc, self.mailbox, self.registry, wan=self.wan, request_id=request_id,
-                prompt_token_ids=req.prompt_token_ids, sampling=req.sampling, placement=placement, block_size=self.config.block_size,
-                first_token_timeout_s=self.config.first_token_timeout_s,
+                prompt_token_ids=req.prompt_token_ids, sampling=req.sampling, placement=placement,
+                block_size=self.config.block_size, first_token_timeout_s=self.config.first_token_timeout_s,
                 token_timeout_s=self.config.token_timeout_s, started=started)
-            num_blocks = -(-len(req.prompt_token_ids) // self.config.block_size)
-            self.registry.assign(placement.instance_ids, num_blocks)
+            self.registry.assign(placement.instance_ids, placement.num_prompt_blocks)
             try:
                 if req.stream:
                     return await self._stream(request, req, flow)
                 return await self._collect(req, flow)
             finally:
-                self.registry.release(placement.instance_ids, num_blocks)
+                self.registry.release(placement.instance_ids, placement.num_prompt_blocks)
                 outcome = flow.outcome
                 span.set_attributes({"finished_on": outcome.finished_on or "",
                                      "eager_tokens": outcome.eager_tokens})
