@@ -1,12 +1,16 @@
 """Cache-index: decode-side cache hits, exact WAN bytes, and a rebuild after a restart."""
 
+import asyncio
+
 from infra.wan_link import LinkProfile
 from services.cache_index.service import CacheIndexService
 from shared.kv_wire import PREFIX_SIZE
 from tests.helpers import until
-from tests.test_pipeline_e2e import chat_body, chat_prompt, post
+from tests.test_pipeline_e2e import chat_body, chat_prompt, expected_text, post
 
 FAST_WAN = LinkProfile(bandwidth_bps=0, rtt_ms=2, jitter_ms=0)
+# 1 Mbit/s: a follow-up arrives while the previous turn's KV is still crossing.
+SLOW_WAN = LinkProfile(bandwidth_bps=1e6, rtt_ms=4, jitter_ms=0)
 
 
 async def test_only_missed_blocks_cross_the_wan(make_stack, tiny):
@@ -71,13 +75,7 @@ async def test_kv_events_are_kept_in_each_sites_jetstream_domain(make_stack):
 
 async def test_follow_up_waits_for_blocks_already_in_flight(make_stack, tiny):
     """A follow-up sent while the previous turn's KV is still crossing does not send it twice."""
-    import asyncio
-
-    from infra.wan_link import LinkProfile
-    from tests.helpers import reference_greedy
-
-    stack = await make_stack(profile=LinkProfile(bandwidth_bps=1e6, rtt_ms=4, jitter_ms=0),
-                             router_settings={"pipeline_policy": "P-MD"})
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD"})
     first_ids = tiny.tokenizer.encode("The harbour master logged every ship. " * 70, add_special_tokens=False)
     second_ids = first_ids + tiny.tokenizer.encode(" Then the storm came.", add_special_tokens=False)
     body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -89,20 +87,13 @@ async def test_follow_up_waits_for_blocks_already_in_flight(make_stack, tiny):
     assert status_a == status_b == 200
     assert b["pdd"]["wan_kv_bytes"] < 0.2 * a["pdd"]["wan_kv_bytes"], (a["pdd"], b["pdd"])
     for ids, answer in ((first_ids, a), (second_ids, b)):
-        expected = tiny.tokenizer.decode(reference_greedy(tiny, ids, 6), skip_special_tokens=True)
-        assert answer["choices"][0]["text"] == expected
+        assert answer["choices"][0]["text"] == expected_text(tiny, ids, 6)
 
 
 async def test_turns_queued_behind_a_shared_prefix_still_wait_for_each_other(make_stack, tiny):
     """Turn 1 arrives while turn 0 itself waits behind another session sharing the system
     prompt: turn 1 waits for turn 0's blocks instead of asking for them a second time."""
-    import asyncio
-
-    from infra.wan_link import LinkProfile
-    from tests.helpers import reference_greedy
-
-    stack = await make_stack(profile=LinkProfile(bandwidth_bps=1e6, rtt_ms=4, jitter_ms=0),
-                             router_settings={"pipeline_policy": "P-MD"})
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD"})
     encode = lambda text: tiny.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     shared = encode("You are a careful agent who logs ships. " * 8)
     other_ids = shared + encode("Session one reads the tide tables. " * 40)
@@ -120,5 +111,4 @@ async def test_turns_queued_behind_a_shared_prefix_still_wait_for_each_other(mak
     wan = {name: answer["pdd"]["wan_kv_bytes"] for name, (_, answer) in answers.items()}
     assert wan["turn1"] < 0.2 * wan["turn0"], wan
     for ids, (_, answer) in zip((other_ids, turn0_ids, turn1_ids), answers.values()):
-        expected = tiny.tokenizer.decode(reference_greedy(tiny, ids, 4), skip_special_tokens=True)
-        assert answer["choices"][0]["text"] == expected
+        assert answer["choices"][0]["text"] == expected_text(tiny, ids, 4)
