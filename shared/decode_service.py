@@ -38,7 +38,8 @@ class DecodeService(EngineService):
 
     async def on_start(self):
         self.importer = KvImporter(self.worker, self._on_import_complete, self._on_import_open,
-                                   in_flight_wait_s=self.config.kv_timeout_s)
+                                   in_flight_wait_s=self.config.kv_timeout_s,
+                                   on_abort=self._on_import_aborted)
         self.receiver = BulkReceiver(
             self.importer, self.engine.frame_expectation, self.config.bulk_secret,
             path=self.bulk_path, frame_timeout_s=self.config.kv_timeout_s,
@@ -75,6 +76,12 @@ class DecodeService(EngineService):
         if await self.worker.call(self.engine.free_if_held, cancel.request_id):
             self.log.info("request_dropped", request_id=cancel.request_id, kind=cancel.kind)
             self.end_span(cancel.request_id)
+
+    async def _on_import_aborted(self, request_id: str, reason: str):
+        """A flow broke before its KV was complete: tell the router, which may resume elsewhere."""
+        await self.publish(subjects.request_events(request_id), RequestFailed(
+            request_id=request_id, instance_id=self.instance_id, code="kv_flow_broken",
+            message=f"KV flow broke before the prompt was complete: {reason}", retryable=True))
 
     # --- hooks for subclasses ------------------------------------------------------------
 

@@ -47,6 +47,12 @@ class InvalidRequestState(PddError):
     code = "invalid_request_state"
 
 
+class RequestCancelled(PddError):
+    """The request was cancelled; the operation it waited for will not happen."""
+
+    code = "cancelled"
+
+
 class KvFrameError(PddError):
     """A KV wire frame failed validation; nothing from it reached the pool."""
 

@@ -112,3 +112,23 @@ async def test_turns_queued_behind_a_shared_prefix_still_wait_for_each_other(mak
     assert wan["turn1"] < 0.2 * wan["turn0"], wan
     for ids, (_, answer) in zip((other_ids, turn0_ids, turn1_ids), answers.values()):
         assert answer["choices"][0]["text"] == expected_text(tiny, ids, 4)
+
+
+async def test_a_request_finished_while_its_import_waits_in_line_is_not_parked(make_stack, tiny):
+    """The relay finishes a request whose WAN flow still waits behind another import: main
+    decode imports it for its cache and frees it, instead of parking it for a handoff."""
+    from tests.faults_helpers import engines_idle
+
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-RLD-MD"})
+    encode = lambda text: tiny.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    shared = encode("You are a careful agent who logs ships. " * 8)
+    first_ids = shared + encode("Session one reads the tide tables. " * 40)
+    second_ids = shared + encode("Session two counts the cranes. " * 4)
+    body = {"model": "tiny", "temperature": 0, "ignore_eos": True}
+    main = stack.mains[0]
+    first = asyncio.create_task(post(stack, "/completions", {**body, "prompt": first_ids, "max_tokens": 200}))
+    await until(lambda: main.importer.imports, 10, "the first import to be under way")
+    status, second = await post(stack, "/completions", {**body, "prompt": second_ids, "max_tokens": 2})
+    assert status == 200 and second["pdd"]["finished_on"] == "RLD"
+    assert (await first)[0] == 200
+    await until(lambda: engines_idle(stack), 20, "main decode to free both requests")

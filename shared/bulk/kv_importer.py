@@ -11,7 +11,7 @@ from shared.block_hash import hash_blocks
 from shared.bulk.receiver import FlowStats
 from shared.engine.sequence import Sequence
 from shared.engine_worker import EngineWorker
-from shared.errors import InvalidRequestState
+from shared.errors import InvalidRequestState, RequestCancelled
 from shared.kv_wire import KvFrame
 from shared.messages import FlowOpen
 from shared.metrics import PREFIX_HIT_BLOCKS, PREFIX_LOOKUP_BLOCKS
@@ -38,26 +38,39 @@ class ImportState:
 
 @dataclass
 class _Claim:
-    """A flow's place in line: the blocks it brings, and when it is done bringing them."""
+    """A flow's place in line: the blocks it brings, and when it is done bringing them.
+
+    Attributes:
+        ticket: Arrival order.
+        block_hashes: The prompt's block hashes.
+        done: Set when the flow's import ended (its blocks are cached or dropped).
+        cancelled: Set when the request was cancelled while the flow still waited in line.
+        finished_elsewhere: The cancel said the request ended elsewhere (import, then free).
+    """
 
     ticket: int
     block_hashes: list[int]
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    finished_elsewhere: bool = False
 
 
 ImportCompleted = Callable[[ImportState, Sequence, FlowStats], Awaitable[None]]
 ImportOpened = Callable[[FlowOpen], Awaitable[None]]
+ImportAborted = Callable[[str, str], Awaitable[None]]
 
 
 class KvImporter:
     """FlowHandler that imports frames into an engine and reports completed imports."""
 
     def __init__(self, worker: EngineWorker, on_complete: ImportCompleted,
-                 on_open: ImportOpened | None = None, in_flight_wait_s: float = 120.0):
+                 on_open: ImportOpened | None = None, in_flight_wait_s: float = 120.0,
+                 on_abort: ImportAborted | None = None):
         self._worker = worker
         self._in_flight_wait_s = in_flight_wait_s
         self._on_complete = on_complete
         self._on_open = on_open
+        self._on_abort = on_abort
         self.imports: dict[str, ImportState] = {}
         self._claims: dict[str, _Claim] = {}  # flows waiting or importing, in arrival order
         self._tickets = itertools.count()
@@ -73,12 +86,15 @@ class KvImporter:
             if self._on_open:
                 await self._on_open(flow_open)
             await self._wait_for_blocks_in_flight(rid, claim)
+            if claim.cancelled.is_set() and not claim.finished_elsewhere:
+                raise RequestCancelled(f"request {rid!r} was cancelled while its flow waited")
             first = await self._worker.call(engine.begin_import, rid, flow_open.token_ids,
                                             flow_open.sampling, flow_open.seed)
         except BaseException:
             self._release(rid)
             raise
-        self.imports[rid] = ImportState(flow_open, cached_tokens=first, stats=stats)
+        self.imports[rid] = ImportState(flow_open, cached_tokens=first, stats=stats,
+                                        discard_when_done=claim.finished_elsewhere)
         service = flow_open.role
         PREFIX_HIT_BLOCKS.labels(service).inc(first // engine.layout.block_size)
         PREFIX_LOOKUP_BLOCKS.labels(service).inc(len(flow_open.token_ids) // engine.layout.block_size)
@@ -109,9 +125,17 @@ class KvImporter:
                 return
             log.info("kv_import_waits_for_blocks_in_flight", request_id=request_id,
                      behind=behind, cached_blocks=cached)
+            # A request that ended elsewhere still imports (for the cache), so it keeps its
+            # place; any other cancel ends the wait at once.
+            waits = [asyncio.ensure_future(blocker.done.wait())]
+            if not claim.cancelled.is_set():
+                waits.append(asyncio.ensure_future(claim.cancelled.wait()))
             try:
-                await asyncio.wait_for(blocker.done.wait(), remaining)
-            except asyncio.TimeoutError:
+                await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiting in waits:
+                    waiting.cancel()
+            if (claim.cancelled.is_set() and not claim.finished_elsewhere) or not blocker.done.is_set():
                 return
 
     def _release(self, request_id: str):
@@ -149,6 +173,8 @@ class KvImporter:
         self._release(request_id)
         await self._worker.call(self._worker.engine.free_if_held, request_id)
         log.warning("kv_import_aborted", request_id=request_id, reason=reason)
+        if self._on_abort and not state.discard_when_done:
+            await self._on_abort(request_id, reason)
 
     async def cancel(self, request_id: str, finished_elsewhere: bool) -> ImportState | None:
         """Cancel an import in progress; return its state if there was one.
@@ -159,6 +185,10 @@ class KvImporter:
         """
         state = self.imports.get(request_id)
         if state is None:
+            claim = self._claims.get(request_id)
+            if claim is not None:  # still waiting in line: it must not import later and park
+                claim.finished_elsewhere = finished_elsewhere
+                claim.cancelled.set()
             return None
         if finished_elsewhere:
             state.discard_when_done = True
