@@ -12,7 +12,8 @@ import msgspec
 
 from shared.engine.sampling import SamplingParams
 
-Pipeline = Literal["P-MD", "P-RLD-MD"]
+Pipeline = Literal["P-MD", "P-RLD-MD", "P-RLD"]
+"""``P-RLD`` (the relay finishes the request at site A) only while no main decoder is reachable."""
 Producer = Literal["P", "RLD", "MD"]
 FlowRole = Literal["main_decode", "relay_decode"]
 
@@ -44,14 +45,18 @@ class StartPrefill(_Message, kw_only=True):
 
     Attributes:
         request_id: The request.
-        attempt: Retry counter; a prefill ignores attempts older than one it has seen.
+        attempt: 0 for the first dispatch, n for the n-th recovery (``request_id`` is then
+            the attempt's own id, see ``subjects.attempt_request_id``).
         token_ids: The whole prompt.
         sampling: Sampling and stopping parameters.
-        seed: Effective sampling seed, identical on every instance.
-        pipeline: ``P-MD`` or ``P-RLD-MD``.
-        main_decode: Main decoder (always: both pipelines end there).
-        relay_decode: Relay decoder for ``P-RLD-MD``; None for ``P-MD``.
+        seed: Effective sampling seed, identical on every instance and every attempt.
+        pipeline: ``P-MD``, ``P-RLD-MD``, or ``P-RLD`` while no main decoder is reachable.
+        main_decode: Main decoder (None only for ``P-RLD``).
+        relay_decode: Relay decoder for ``P-RLD-MD`` and ``P-RLD``; None for ``P-MD``.
         deadline_unix_s: Wall-clock time after which the request is abandoned.
+        resume_token_ids: Output tokens the client already has (a recovery): the decoder that
+            continues the stream receives them instead of the prefill's first token, computes
+            their KV in one extend pass and samples from index ``len(resume_token_ids)`` on.
     """
 
     request_id: str
@@ -60,9 +65,10 @@ class StartPrefill(_Message, kw_only=True):
     sampling: SamplingParams
     seed: int
     pipeline: Pipeline
-    main_decode: InstanceRef
+    main_decode: InstanceRef | None = None
     relay_decode: InstanceRef | None = None
     deadline_unix_s: float
+    resume_token_ids: list[int] = []
 
 
 class HandoffTokens(_Message, kw_only=True):

@@ -50,6 +50,16 @@ def new_request_id(origin: str, nonce: str) -> str:
     return check_token(f"{origin}-{nonce}", "request id")
 
 
+def attempt_request_id(request_id: str, attempt: int) -> str:
+    """The id attempt ``attempt`` of a request runs under on every instance (attempt 0: the id itself).
+
+    A recovered request runs again under a fresh id, so that nothing its failed attempt left
+    behind (a late token, a parked sequence, a cancel) can mix with the new one; the id keeps
+    its router's name, so it still reaches that router's mailbox.
+    """
+    return request_id if attempt == 0 else check_token(f"{request_id}r{attempt}", "request id")
+
+
 def origin_of(request_id: str) -> str:
     """The router instance that minted ``request_id`` (the part before its last ``-``)."""
     return request_id.rsplit("-", 1)[0]

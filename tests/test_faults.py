@@ -10,13 +10,9 @@ import time
 import aiohttp
 
 from infra.wan_link import LinkProfile
+from tests.faults_helpers import crash, engines_idle
 from tests.helpers import until
-from tests.test_pipeline_e2e import SLOW_WAN, chat_body, post
-
-
-def engines_idle(stack) -> bool:
-    engines = [s.engine for s in [stack.prefill, *stack.relays, *stack.mains]]
-    return all(e.num_sequences == 0 and e.blocks.num_used_blocks == 0 for e in engines)
+from tests.test_pipeline_e2e import SLOW_WAN, chat_body, chat_prompt, expected_text, post
 
 
 async def read_some_then_disconnect(stack, body: dict, num_chunks: int):
@@ -52,9 +48,10 @@ async def test_non_streaming_disconnect_cancels_too(make_stack):
     await until(lambda: engines_idle(stack), 15, "every engine to drop the request")
 
 
-async def test_partitioned_wan_gives_a_clear_error_then_recovers(make_stack):
+async def test_partitioned_wan_gives_a_clear_error_without_recoveries(make_stack):
     stack = await make_stack(profile=LinkProfile(bandwidth_bps=0, rtt_ms=10, jitter_ms=0),
-                             router_settings={"pipeline_policy": "P-MD", "first_token_timeout_s": 4})
+                             router_settings={"pipeline_policy": "P-MD", "first_token_timeout_s": 4,
+                                              "max_recoveries": 0})
     stack.link.set_profile(partitioned=True)
     started = time.monotonic()
     status, body = await post(stack, "/chat/completions", chat_body("Anyone there?", 8))
@@ -67,18 +64,34 @@ async def test_partitioned_wan_gives_a_clear_error_then_recovers(make_stack):
     await until(lambda: engines_idle(stack), 15, "no leftover sequences")
 
 
-async def test_main_decode_crash_mid_request_fails_fast(make_stack):
-    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD"})
+async def test_a_partition_is_served_at_site_a_then_main_decode_returns(make_stack, tiny):
+    stack = await make_stack(profile=LinkProfile(bandwidth_bps=0, rtt_ms=10, jitter_ms=0))
+    stack.link.set_profile(partitioned=True)
+    content = "Anyone there? " * 6
+    status, body = await post(stack, "/chat/completions", chat_body(content, 24))
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == expected_text(tiny, chat_prompt(tiny, content), 24)
+    pdd = body["pdd"]
+    assert pdd["pipeline"] == "P-RLD" and pdd["finished_on"] == "RLD"
+    assert [r["from"] for r in pdd["recoveries"]] == ["main-decode-0"]
+    # Sent while site B is known to be unreachable: straight to the relay, nothing to recover.
+    status, body = await post(stack, "/chat/completions", chat_body("Still cut off?", 8))
+    assert status == 200 and body["pdd"]["pipeline"] == "P-RLD" and body["pdd"]["recoveries"] == []
+    stack.link.set_profile(partitioned=False)
+    await stack.wait_ready()
+    status, body = await post(stack, "/chat/completions", chat_body("Back again?", 8))
+    assert status == 200 and body["pdd"]["pipeline"] == "P-MD"
+    await until(lambda: engines_idle(stack), 15, "no leftover sequences")
+
+
+async def test_main_decode_crash_mid_request_fails_fast_without_recoveries(make_stack):
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD",
+                                                                "max_recoveries": 0})
     main = stack.mains[0]
     request = asyncio.create_task(post(stack, "/chat/completions",
                                        chat_body("A long answer please. " * 10, 3000)))
     await until(lambda: main.engine.num_sequences == 1, 15, "main decode to start")
-    # Crash: no goodbye on NATS, the bulk port closes, decoding stops mid-stream.
-    await main.loop.stop()
-    for task in main._tasks:
-        task.cancel()
-    await main.receiver.stop()
-    await main.nc.close()
+    await crash(main)  # no goodbye on NATS, the bulk port closes, decoding stops mid-stream
     started = time.monotonic()
     status, body = await asyncio.wait_for(request, 20)
     assert status == 502 and "main-decode-0" in body["error"]["message"]

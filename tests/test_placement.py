@@ -68,3 +68,32 @@ def test_a_heartbeat_from_before_a_request_finished_does_not_keep_its_load():
     registry.release(["prefill-0", "main-decode-0"], 3)
     # ...but the router saw it finish, and main-decode-0 holds the prompt's first block.
     assert route(registry, {"main-decode-0": 1}, 40) == "main-decode-0"
+
+
+def relay_registry(main_decodes: int) -> InstanceRegistry:
+    registry = registry_with(main_decodes=main_decodes)
+    registry.observe(LoadReported(instance=InstanceRef(instance_id="relay-decode-0", site="site-a"),
+                                  service="relay_decode", unix_s=time.time()))
+    return registry
+
+
+def test_a_recovery_avoids_the_failed_decoder_unless_it_is_the_only_one():
+    two = registry_with(main_decodes=2)
+    for hits in ({}, {"main-decode-0": 5}):
+        placement = place(two, hits, num_prompt_tokens=80, block_size=BLOCK_SIZE, kv_bytes_per_token=100,
+                          wan=FAST_WAN, ttft_target_s=1.0, avoid=frozenset({"main-decode-0"}))
+        assert placement.main_decode.instance_id == "main-decode-1"
+    one = registry_with(main_decodes=1)
+    placement = place(one, {}, num_prompt_tokens=80, block_size=BLOCK_SIZE, kv_bytes_per_token=100,
+                      wan=FAST_WAN, ttft_target_s=1.0, avoid=frozenset({"main-decode-0"}))
+    assert placement.main_decode.instance_id == "main-decode-0"
+
+
+def test_without_a_live_main_decoder_the_relay_serves_alone():
+    placement = place(relay_registry(main_decodes=0), {}, num_prompt_tokens=80, block_size=BLOCK_SIZE,
+                      kv_bytes_per_token=100, wan=FAST_WAN, ttft_target_s=1.0, policy="P-MD")
+    assert placement.pipeline == "P-RLD" and placement.main_decode is None
+    assert placement.relay_decode.instance_id == "relay-decode-0"
+    with_main = place(relay_registry(main_decodes=1), {}, num_prompt_tokens=80, block_size=BLOCK_SIZE,
+                      kv_bytes_per_token=100, wan=FAST_WAN, ttft_target_s=1.0)
+    assert with_main.pipeline == "P-MD"

@@ -21,7 +21,7 @@ from shared.config import PrefillConfig
 from shared.engine.engine import StepOutput
 from shared.engine_loop import EngineLoop
 from shared.engine_service import EngineService
-from shared.errors import PddError
+from shared.errors import InvalidRequestState, PddError
 from shared.messages import (
     CancelRequest,
     FlowOpen,
@@ -116,9 +116,7 @@ class PrefillService(EngineService):
         main decoder that waits for blocks already in flight never delays the relay's copy.
         """
         rid = cmd.request_id
-        paths = [("wan", cmd.main_decode, "main_decode")]
-        if cmd.pipeline == "P-RLD-MD" and cmd.relay_decode is not None:
-            paths.append(("local", cmd.relay_decode, "relay_decode"))
+        paths = _paths(cmd)
         spans = {path: _tracer.start_span(f"kv.transfer.{path}", context=parent,
                                           attributes={"request_id": rid, "path": path})
                  for path, _, _ in paths}
@@ -152,7 +150,7 @@ class PrefillService(EngineService):
             request_id=rid, instance_id=self.instance_id, first_token=first_token,
             prompt_tokens=len(cmd.token_ids), cached_tokens=cached_tokens, compute_s=compute_s,
             bytes_per_path={path: sum(_frame_size(f) for f in frames[path]) for path in frames},
-            wan_rtt_s=flows["wan"].handshake_s)
+            wan_rtt_s=flows["wan"].handshake_s if "wan" in flows else 0.0)
 
         async def send_all():
             try:
@@ -247,7 +245,8 @@ class PrefillService(EngineService):
         # A main decoder behind a relay waits for the relay's handoff instead.
         if role == "main_decode" and cmd.pipeline == "P-RLD-MD":
             return []
-        return [first_token]
+        # A recovered request goes on from what the client has (its first token is among them).
+        return list(cmd.resume_token_ids) or [first_token]
 
     async def _on_outputs(self, outputs: list[StepOutput]):
         for out in outputs:
@@ -258,6 +257,20 @@ class PrefillService(EngineService):
                 future.set_exception(PddError(out.error))
             else:
                 future.set_result(out.token_id)
+
+
+def _paths(cmd: StartPrefill) -> list[tuple[str, InstanceRef, str]]:
+    """(path, receiver, role) of every flow the request's pipeline needs."""
+    paths = []
+    if cmd.pipeline != "P-RLD":
+        if cmd.main_decode is None:
+            raise InvalidRequestState(f"pipeline {cmd.pipeline} needs a main decoder")
+        paths.append(("wan", cmd.main_decode, "main_decode"))
+    if cmd.pipeline != "P-MD":
+        if cmd.relay_decode is None:
+            raise InvalidRequestState(f"pipeline {cmd.pipeline} needs a relay decoder")
+        paths.append(("local", cmd.relay_decode, "relay_decode"))
+    return paths
 
 
 def _frame_size(parts: list) -> int:

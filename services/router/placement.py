@@ -1,8 +1,8 @@
 """Where a request runs: prefill and main-decode instances, and the pipeline.
 
 P→RLD→MD when the WAN transfer of the blocks the chosen main decoder lacks is predicted to
-exceed the TTFT target (bytes / bandwidth + RTT); P→MD otherwise. P→RLD alone is never a
-choice.
+exceed the TTFT target (bytes / bandwidth + RTT); P→MD otherwise. P→RLD alone is chosen
+only while no main decoder is live (site B unreachable): serving at site A beats failing.
 
 Among prefill or main decode instances the cheapest wins, cost counted in KV blocks: the
 prompt blocks the instance lacks (to compute, or to receive over the WAN) plus the blocks
@@ -33,8 +33,8 @@ class Placement:
     Attributes:
         pipeline: ``P-MD`` or ``P-RLD-MD``.
         prefill: Chosen prefill instance.
-        main_decode: Chosen main decode instance.
-        relay_decode: Chosen relay, for ``P-RLD-MD``.
+        main_decode: Chosen main decode instance (None only for ``P-RLD``).
+        relay_decode: Chosen relay, for ``P-RLD-MD`` and ``P-RLD``.
         md_cached_blocks: Leading prompt blocks the main decoder holds (cache-index).
         md_load_blocks: KV blocks the main decoder's running requests held when chosen.
         num_prompt_blocks: KV blocks the prompt fills (the load it adds where it runs).
@@ -45,7 +45,7 @@ class Placement:
 
     pipeline: Pipeline
     prefill: InstanceRef
-    main_decode: InstanceRef
+    main_decode: InstanceRef | None
     relay_decode: InstanceRef | None
     md_cached_blocks: int
     md_load_blocks: int
@@ -89,30 +89,43 @@ def _pick(candidates: list[InstanceState], hits: dict[str, int], num_prompt_bloc
         placement_cost_blocks(s, hits, num_prompt_blocks), s.last_placed))
 
 
+def _live(registry: InstanceRegistry, service: str, avoid: frozenset[str]) -> list[InstanceState]:
+    """Live instances of ``service``, without those to avoid unless nothing else is live."""
+    live = registry.live(service)
+    return [s for s in live if s.report.instance.instance_id not in avoid] or live
+
+
 def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens: int,
           block_size: int, kv_bytes_per_token: int, wan: WanEstimate,
-          ttft_target_s: float, policy: str = "auto", odd_rule=None, max_tokens: int = 0) -> Placement:
+          ttft_target_s: float, policy: str = "auto", odd_rule=None, max_tokens: int = 0,
+          avoid: frozenset[str] = frozenset()) -> Placement:
     """Choose instances and pipeline for a prompt (``policy`` forces one for baselines).
 
+    ``avoid`` names instances that already failed this request (a recovery): they are
+    chosen only when no other instance of their service is live.
+
     Raises:
-        NoInstances: no live prefill or main decode instance.
+        NoInstances: no live prefill instance, or neither a main decoder nor a relay.
     """
-    prefills, mains = registry.live("prefill"), registry.live("main_decode")
-    if not prefills or not mains:
-        raise NoInstances("no live " + ("prefill" if not prefills else "main_decode") + " instance")
+    prefills, mains = _live(registry, "prefill", avoid), _live(registry, "main_decode", avoid)
+    relays = _live(registry, "relay_decode", avoid)
+    if not prefills or not (mains or relays):
+        raise NoInstances("no live " + ("prefill" if not prefills else "main_decode or relay_decode")
+                          + " instance")
     num_prompt_blocks = -(-num_prompt_tokens // block_size)
     prefill = _pick(prefills, hits, num_prompt_blocks)
+    if not mains:
+        return _relay_only(prefill, relays, num_prompt_blocks)
     main = _pick(mains, hits, num_prompt_blocks)
     cached_blocks = hits.get(main.report.instance.instance_id, 0)
     missing_tokens = max(0, num_prompt_tokens - cached_blocks * block_size)
     missing_bytes = missing_tokens * kv_bytes_per_token
     predicted_s = wan.transfer_s(missing_bytes)
-    relays = registry.live("relay_decode")
     relay = None
     odd = policy == "auto" and odd_rule is not None and odd_rule.is_odd(max_tokens, predicted_s)
     wants_relay = predicted_s > ttft_target_s or odd if policy == "auto" else policy == "P-RLD-MD"
     if wants_relay and relays:
-        relay = min(relays, key=lambda s: (s.load_sequences, s.last_placed))
+        relay = _least_busy(relays)
     return Placement(
         pipeline="P-RLD-MD" if relay else "P-MD",
         prefill=prefill.report.instance, main_decode=main.report.instance,
@@ -120,3 +133,15 @@ def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens
         md_cached_blocks=cached_blocks, md_load_blocks=main.load_blocks,
         num_prompt_blocks=num_prompt_blocks, missing_kv_bytes=missing_bytes,
         predicted_wan_s=predicted_s, odd_traffic=odd and relay is not None)
+
+
+def _least_busy(relays: list[InstanceState]) -> InstanceState:
+    return min(relays, key=lambda s: (s.load_sequences, s.last_placed))
+
+
+def _relay_only(prefill: InstanceState, relays: list[InstanceState], num_prompt_blocks: int) -> Placement:
+    """Degraded mode: no main decoder is live, the relay finishes the request at site A."""
+    relay = _least_busy(relays)
+    return Placement(pipeline="P-RLD", prefill=prefill.report.instance, main_decode=None,
+                     relay_decode=relay.report.instance, md_cached_blocks=0, md_load_blocks=0,
+                     num_prompt_blocks=num_prompt_blocks, missing_kv_bytes=0, predicted_wan_s=0.0)

@@ -1,24 +1,35 @@
-"""One request's journey as the router sees it: dispatch, ordered token stream, outcome.
+"""One request's journey as the router sees it: dispatch, ordered token stream, recovery, outcome.
 
 The router's mailbox (subscribed once at start-up) collects the request's token stream and
 events from before the dispatch, so nothing is missed. Tokens from the relay and the main
-decoder are merged by index: every index reaches the client exactly once, in order. Every
-wait has a timeout, and a request whose producing instance stops heart-beating fails fast
-with a clear error.
+decoder are merged by index in the request's ``TokenLog``: every index reaches the client
+exactly once, in order. Every wait has a timeout.
+
+When an instance the stream needs dies, goes silent, or reports a retryable failure, the
+request is resumed elsewhere by token replay: a new attempt (its own request id) is placed
+avoiding the failed instance and dispatched with the tokens the client already has; the
+decoder that continues computes their KV in one extend pass and samples on from the next
+index, with the same seed, so the text is the one an undisturbed run gives. Failures of an
+instance the stream no longer needs (main decode while the relay streams, prefill once its
+KV has landed) cost nothing: the request goes on.
 """
 
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import nats
+import structlog
+from opentelemetry import trace
+from prometheus_client import Counter
 
 from services.router.mailbox import RequestMailbox
 from services.router.odd_traffic import OddTrafficTracker
-from services.router.placement import Placement
+from services.router.outcome import Recovery, RequestOutcome
+from services.router.placement import NoInstances, Placement
 from services.router.registry import InstanceRegistry
+from services.router.token_log import TokenLog
 from services.router.wan_estimate import WanEstimator
 from shared import subjects
 from shared.engine.sampling import SamplingParams
@@ -37,13 +48,19 @@ from shared.messages import (
     decoder,
     encode,
 )
-from shared.tracing import trace_headers
+from shared.tracing import trace_headers, tracer
 
+log = structlog.get_logger(__name__)
 _tokens_decoder = decoder(TokensEmitted)
 _event_decoder = decoder(RequestEvent)
 _prefill_reply_decoder = decoder(PrefillReply)
+_tracer = tracer("pdd.router")
 LIVENESS_TICK_S = 0.5
 ODD_CANCEL_REPORT_S = 2.0
+RECOVERIES = Counter("pdd_recoveries_total", "Requests resumed elsewhere by token replay", ["reason"])
+
+Replacer = Callable[[frozenset[str]], Awaitable[Placement]]
+"""Places the request again, avoiding the given instance ids; raises ``NoInstances``."""
 
 
 class UpstreamFailed(PddError):
@@ -58,45 +75,28 @@ class UpstreamTimeout(PddError):
     code = "timeout"
 
 
+class InstanceFailed(PddError):
+    """An instance the stream needs failed the request; it may be resumed elsewhere.
+
+    Attributes:
+        instance_id: The failed instance.
+        reason: Stable cause (``instance_unresponsive``, ``timeout``, a service error code).
+    """
+
+    code = "upstream_failed"
+
+    def __init__(self, message: str, instance_id: str, reason: str):
+        super().__init__(message)
+        self.instance_id, self.reason = instance_id, reason
+
+    def final(self) -> PddError:
+        """The error the client gets when the request cannot be resumed."""
+        return (UpstreamTimeout if self.reason == "timeout" else UpstreamFailed)(str(self))
+
+
 def new_request_id(origin: str) -> str:
     """A fresh request id minted by the router instance ``origin``."""
     return subjects.new_request_id(origin, secrets.token_hex(12))
-
-
-@dataclass
-class RequestOutcome:
-    """What the ``pdd`` response object reports about a request.
-
-    Attributes mirror the response fields; ``finish_reason`` is OpenAI's.
-    """
-
-    pipeline: str
-    prompt_tokens: int
-    cached_blocks_md: int
-    finished_on: str | None = None
-    handoff_mode: str | None = None
-    handoff_chunks: int = 0
-    eager_tokens: int = 0
-    wan_kv_bytes: int = 0
-    odd_traffic: bool = False
-    ttft_ms: float | None = None
-    finish_reason: str | None = None
-    output_tokens: int = 0
-    instances: dict[str, str] = field(default_factory=dict)
-    predicted_wan_ms: float = 0.0
-    kv_transfer_ms: float | None = None
-
-    def as_pdd(self) -> dict:
-        """The ``pdd`` extension object."""
-        return {
-            "pipeline": self.pipeline, "finished_on": self.finished_on,
-            "handoff_mode": self.handoff_mode, "handoff_chunks": self.handoff_chunks,
-            "eager_tokens": self.eager_tokens, "prompt_tokens": self.prompt_tokens,
-            "cached_blocks_md": self.cached_blocks_md, "wan_kv_bytes": self.wan_kv_bytes,
-            "odd_traffic": self.odd_traffic, "ttft_ms": self.ttft_ms,
-            "predicted_wan_ms": round(self.predicted_wan_ms, 1),
-            "kv_transfer_ms": self.kv_transfer_ms, "instances": self.instances,
-        }
 
 
 class RequestFlow:
@@ -106,59 +106,113 @@ class RequestFlow:
                  wan: WanEstimator, request_id: str,
                  prompt_token_ids: list[int], sampling: SamplingParams, placement: Placement,
                  first_token_timeout_s: float, token_timeout_s: float, started: float,
-                 block_size: int):
+                 block_size: int, replace: Replacer | None = None, max_recoveries: int = 0):
         self.nc, self.mailbox, self.registry, self.wan = nc, mailbox, registry, wan
         self.request_id = request_id
         self.prompt_token_ids, self.sampling, self.placement = prompt_token_ids, sampling, placement
         self.first_token_timeout_s, self.token_timeout_s = first_token_timeout_s, token_timeout_s
         self.started = started
         self.block_size = block_size
-        self.outcome = RequestOutcome(
-            pipeline=placement.pipeline, prompt_tokens=len(prompt_token_ids),
-            cached_blocks_md=placement.md_cached_blocks,
-            predicted_wan_ms=placement.predicted_wan_s * 1000,
-            instances={"prefill": placement.prefill.instance_id,
-                       "main_decode": placement.main_decode.instance_id,
-                       **({"relay_decode": placement.relay_decode.instance_id}
-                          if placement.relay_decode else {})})
+        self._replace, self.max_recoveries = replace, max_recoveries
+        # One seed for every attempt: token i is drawn from (seed, i) wherever it is sampled.
+        self.seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+        self.log = TokenLog()
+        self.attempt, self.attempt_id = 0, request_id
+        self._avoid: set[str] = set()
+        self._wan_bytes_before = 0
+        self.outcome = RequestOutcome(pipeline=placement.pipeline, prompt_tokens=len(prompt_token_ids),
+                                      cached_blocks_md=placement.md_cached_blocks)
+        self.outcome.place(placement)
         self._queue: asyncio.Queue | None = None
-        self.odd = OddTrafficTracker(request_id, placement.odd_traffic)
-        self.outcome.odd_traffic = placement.odd_traffic
+        self._start_attempt_state()
+
+    def _start_attempt_state(self):
+        self.odd = OddTrafficTracker(self.attempt_id, self.placement.odd_traffic)
         self._wan_bytes_final = False
         self._handed_over = False
-        self._prefill_done = False
+        self._kv_ready = False
+        self._progressed = False
 
     async def tokens(self) -> AsyncIterator[list[int]]:
         """Ordered batches of new output token IDs until the request finishes.
 
         Raises:
-            UpstreamFailed, UpstreamTimeout: the request cannot complete.
+            UpstreamFailed, UpstreamTimeout: the request cannot complete (after at most
+                ``max_recoveries`` resumptions).
         """
-        self._queue = self.mailbox.open(self.request_id)
-        prefill = asyncio.create_task(self._dispatch())
+        self.registry.assign(self.placement.instance_ids, self.placement.num_prompt_blocks)
         completed = False
         try:
-            async for batch in self._ordered_tokens():
-                yield batch
+            while True:
+                try:
+                    async for batch in self._attempt_tokens():
+                        yield batch
+                    break
+                except InstanceFailed as failure:
+                    await self._recover(failure)
             if self.outcome.finished_on == "RLD" and self.odd.relay_finished():
                 await self._cancel_wan_transfer()
             completed = True
         finally:
-            prefill.cancel()
-            self.mailbox.close(self.request_id)
-            kind = "finished" if completed else "stop"
-            try:
-                await self.nc.publish(subjects.CANCEL, encode(CancelRequest(
-                    request_id=self.request_id, kind=kind,
-                    reason="request finished" if completed else "client gone or request failed")))
-            except nats.errors.Error:
-                pass
+            self.registry.release(self.placement.instance_ids, self.placement.num_prompt_blocks)
+            self.mailbox.close(self.attempt_id)
+            await self._cancel(self.attempt_id, "finished" if completed else "stop",
+                               "request finished" if completed else "client gone or request failed")
+
+    async def _attempt_tokens(self) -> AsyncIterator[list[int]]:
+        self._queue = self.mailbox.open(self.attempt_id)
+        dispatch = asyncio.create_task(self._dispatch(self._queue))
+        try:
+            async for batch in self._ordered_tokens():
+                yield batch
+        finally:
+            dispatch.cancel()
+
+    async def _cancel(self, attempt_id: str, kind: str, reason: str):
+        try:
+            await self.nc.publish(subjects.CANCEL, encode(CancelRequest(
+                request_id=attempt_id, kind=kind, reason=reason)))
+        except nats.errors.Error:
+            log.warning("cancel_not_sent", request_id=self.request_id, attempt_id=attempt_id)
+
+    async def _recover(self, failure: InstanceFailed):
+        """Resume the request on a new attempt, or raise the error the client gets."""
+        if len(self.outcome.recoveries) >= self.max_recoveries or self._replace is None:
+            raise failure.final() from None
+        self._avoid.add(failure.instance_id)
+        try:
+            placement = await self._replace(frozenset(self._avoid))
+        except NoInstances as exc:
+            raise UpstreamFailed(f"{failure}; nowhere to resume the request: {exc}") from None
+        failed_id = self.attempt_id
+        self.mailbox.close(failed_id)
+        await self._cancel(failed_id, "kill", f"recovering from {failure.instance_id}: {failure.reason}")
+        self.registry.release(self.placement.instance_ids, self.placement.num_prompt_blocks)
+        self.registry.assign(placement.instance_ids, placement.num_prompt_blocks)
+        self._wan_bytes_before = self.outcome.wan_kv_bytes
+        self.log.forget_pending()
+        self.attempt += 1
+        self.attempt_id = subjects.attempt_request_id(self.request_id, self.attempt)
+        self.placement = placement
+        self.outcome.place(placement)
+        continuing = placement.relay_decode or placement.main_decode
+        recovery = Recovery(failure.instance_id, continuing.instance_id, failure.reason,
+                            self.log.next_index)
+        self.outcome.recoveries.append(recovery)
+        RECOVERIES.labels(failure.reason).inc()
+        log.warning("request_recovering", request_id=self.request_id, attempt=self.attempt,
+                    attempt_id=self.attempt_id, pipeline=placement.pipeline, error=str(failure),
+                    **recovery.as_pdd())
+        attributes = {"request_id": self.request_id, "attempt": self.attempt,
+                      "pipeline": placement.pipeline, **recovery.as_pdd()}
+        trace.get_current_span().add_event("recovery", attributes)
+        _tracer.start_span("router.recovery", attributes=attributes).end()
+        self._start_attempt_state()
 
     async def _cancel_wan_transfer(self):
         """Odd traffic the relay finished: stop the WAN flow, learn how much had crossed."""
-        await self.nc.publish(subjects.CANCEL, encode(CancelRequest(
-            request_id=self.request_id, kind="stop",
-            reason="odd traffic: the relay finished before main decode's KV was complete")))
+        await self._cancel(self.attempt_id, "stop",
+                           "odd traffic: the relay finished before main decode's KV was complete")
         deadline = time.monotonic() + ODD_CANCEL_REPORT_S
         while time.monotonic() < deadline:
             try:
@@ -167,76 +221,67 @@ class RequestFlow:
                 break
             event = _event_decoder.decode(item.data) if kind == "event" else item
             if isinstance(event, KvImportAborted):
-                self.outcome.wan_kv_bytes, self._wan_bytes_final = event.wan_kv_bytes, True
+                self.outcome.wan_kv_bytes = self._wan_bytes_before + event.wan_kv_bytes
+                self._wan_bytes_final = True
                 return
             if isinstance(event, PrefillCompleted):
                 self._on_event(event)
 
-    async def _dispatch(self):
+    async def _dispatch(self, queue: asyncio.Queue):
         p = self.placement
         command = StartPrefill(
-            request_id=self.request_id, token_ids=self.prompt_token_ids, sampling=self.sampling,
-            seed=self.sampling.seed if self.sampling.seed is not None else secrets.randbits(63),
-            pipeline=p.pipeline, main_decode=p.main_decode, relay_decode=p.relay_decode,
-            deadline_unix_s=time.time() + self.first_token_timeout_s)
+            request_id=self.attempt_id, attempt=self.attempt, token_ids=self.prompt_token_ids,
+            sampling=self.sampling, seed=self.seed, pipeline=p.pipeline, main_decode=p.main_decode,
+            relay_decode=p.relay_decode, deadline_unix_s=time.time() + self.first_token_timeout_s,
+            resume_token_ids=list(self.log.token_ids))
         subject = subjects.instance_work(p.prefill.site, "prefill", p.prefill.instance_id,
                                          subjects.START_PREFILL)
         try:
             reply = await self.nc.request(subject, encode(command), headers=trace_headers(),
                                           timeout=self.first_token_timeout_s)
-            self._queue.put_nowait(("prefill", _prefill_reply_decoder.decode(reply.data)))
+            queue.put_nowait(("prefill", _prefill_reply_decoder.decode(reply.data)))
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            self._queue.put_nowait(("prefill", exc))
+            queue.put_nowait(("prefill", exc))
 
     async def _ordered_tokens(self) -> AsyncIterator[list[int]]:
-        next_index, pending, final_index = 0, {}, None
         last_progress = time.monotonic()
-        while final_index is None or next_index <= final_index:
-            timeout = self.first_token_timeout_s if next_index == 0 else self.token_timeout_s
+        while not self.log.complete:
+            # A new attempt waits for its first token as long as a new request does.
+            timeout = self.token_timeout_s if self._progressed else self.first_token_timeout_s
             if time.monotonic() - last_progress > timeout:
-                raise UpstreamTimeout(f"no token for {timeout:.0f} s (request {self.request_id})")
+                raise InstanceFailed(f"no token for {timeout:.0f} s (request {self.request_id})",
+                                     self._producer_id(), "timeout")
             try:
                 kind, item = await asyncio.wait_for(self._queue.get(), LIVENESS_TICK_S)
             except asyncio.TimeoutError:
                 self._check_liveness()
                 continue
-            if kind == "tokens":
-                message = _tokens_decoder.decode(item.data)
-                for offset, token in enumerate(message.token_ids):
-                    index = message.start_index + offset
-                    if index >= next_index:
-                        pending.setdefault(index, (token, message.producer))
-                if message.finish_reason is not None:
-                    final_index = message.start_index + len(message.token_ids) - 1
-                    self.outcome.finish_reason = message.finish_reason
-                    self.outcome.finished_on = message.producer
-                batch = []
-                while next_index in pending:
-                    token, producer = pending.pop(next_index)
-                    batch.append(token)
-                    self.outcome.eager_tokens += producer == "RLD"
-                    next_index += 1
-                if batch:
-                    last_progress = time.monotonic()
-                    if self.outcome.ttft_ms is None:
-                        self.outcome.ttft_ms = round((time.perf_counter() - self.started) * 1000, 1)
-                    self.outcome.output_tokens = next_index
-                    yield batch
-            else:
+            if kind != "tokens":
                 self._on_event(item if kind == "prefill" else _event_decoder.decode(item.data))
+                continue
+            batch = self.log.add(_tokens_decoder.decode(item.data))
+            self.outcome.finish_reason, self.outcome.finished_on = self.log.finish_reason, self.log.finished_on
+            if batch:
+                last_progress, self._progressed = time.monotonic(), True
+                if self.outcome.ttft_ms is None:
+                    self.outcome.ttft_ms = round((time.perf_counter() - self.started) * 1000, 1)
+                self.outcome.output_tokens = self.log.next_index
+                self.outcome.eager_tokens = self.log.eager_tokens
+                yield batch
 
     def _on_event(self, event):
+        prefill = self.placement.prefill.instance_id
         if isinstance(event, BaseException):
-            raise UpstreamFailed(f"prefill {self.placement.prefill.instance_id} did not answer: "
-                                 f"{type(event).__name__} {event}")
+            raise InstanceFailed(f"prefill {prefill} did not answer: {type(event).__name__} {event}",
+                                 prefill, "prefill_unreachable")
         if isinstance(event, RequestFailed):
-            raise UpstreamFailed(f"{event.instance_id}: {event.code}: {event.message}")
-        if isinstance(event, PrefillCompleted):
-            self._prefill_done = True
+            self._on_failure(event)
+        elif isinstance(event, PrefillCompleted):
             self.wan.add_rtt(event.wan_rtt_s)
             if not self._wan_bytes_final:
-                self.outcome.wan_kv_bytes = event.bytes_per_path.get("wan", 0)
+                self.outcome.wan_kv_bytes = self._wan_bytes_before + event.bytes_per_path.get("wan", 0)
         elif isinstance(event, KvReady):
+            self._kv_ready = True
             self.odd.kv_landed()
             self.wan.add_throughput(event.throughput_bps, event.wan_kv_bytes)
             self.outcome.kv_transfer_ms = round(event.transfer_s * 1000, 1)
@@ -246,12 +291,33 @@ class RequestFlow:
             self.outcome.handoff_chunks = max(self.outcome.handoff_chunks, event.chunk)
             self.outcome.handoff_mode = event.mode
 
-    def _check_liveness(self):
+    def _on_failure(self, event: RequestFailed):
+        message = f"{event.instance_id}: {event.code}: {event.message}"
+        if event.instance_id not in self._needed():
+            # E.g. main decode's import broke while the relay streams: the relay finishes.
+            log.warning("failure_not_on_stream_path", request_id=self.request_id,
+                        instance=event.instance_id, code=event.code)
+            return
+        if event.retryable:
+            raise InstanceFailed(message, event.instance_id, event.code)
+        raise UpstreamFailed(message)
+
+    def _needed(self) -> list[str]:
+        """Instances whose failure stops the stream now."""
+        p, needed = self.placement, []
+        # Prefill until the producer of the stream holds its KV.
+        if not (self._kv_ready if p.pipeline == "P-MD" else self._progressed):
+            needed.append(p.prefill.instance_id)
+        needed.append(self._producer_id())
+        return needed
+
+    def _producer_id(self) -> str:
         p = self.placement
-        if not self._prefill_done and not self.registry.is_alive(p.prefill.instance_id):
-            raise UpstreamFailed(f"prefill instance {p.prefill.instance_id} stopped responding")
         relaying = p.relay_decode is not None and not self._handed_over
-        if relaying and not self.registry.is_alive(p.relay_decode.instance_id):
-            raise UpstreamFailed(f"relay decode instance {p.relay_decode.instance_id} stopped responding")
-        if not relaying and not self.registry.is_alive(p.main_decode.instance_id):
-            raise UpstreamFailed(f"main decode instance {p.main_decode.instance_id} stopped responding")
+        return (p.relay_decode if relaying else p.main_decode).instance_id
+
+    def _check_liveness(self):
+        for instance_id in self._needed():
+            if not self.registry.is_alive(instance_id):
+                raise InstanceFailed(f"instance {instance_id} stopped responding "
+                                     f"(request {self.request_id})", instance_id, "instance_unresponsive")

@@ -90,9 +90,13 @@ class RouterService(Service):
 
     async def _health(self, request):
         live = self.registry.summary()
-        healthy = bool(live["prefill"] and live["main_decode"]) and not self._draining
+        # Without main decoders the relays serve at site A: degraded, but serving.
+        serving = bool(live["prefill"] and (live["main_decode"] or live["relay_decode"])) \
+            and not self._draining
+        healthy = serving
+        state = "ok" if serving and live["main_decode"] else "degraded" if serving else "unavailable"
         wan = self.wan.current()
-        return web.json_response({"status": "ok" if healthy else "unavailable", "instances": live,
+        return web.json_response({"status": state, "instances": live,
                                   "wan_estimate": {"bandwidth_mbit": round(wan.bandwidth_bps / 1e6, 2),
                                                    "rtt_ms": round(wan.rtt_s * 1000, 1)}},
                                  status=200 if healthy else 503)
@@ -185,41 +189,46 @@ class RouterService(Service):
                      md_cached_blocks=placement.md_cached_blocks,
                      md_load_blocks=placement.md_load_blocks,
                      predicted_wan_ms=round(placement.predicted_wan_s * 1000, 1),
-                     main_decode=placement.main_decode.instance_id)
+                     main_decode=placement.main_decode.instance_id if placement.main_decode else None)
             flow = RequestFlow(
                 self.nc, self.mailbox, self.registry, wan=self.wan, request_id=request_id,
                 prompt_token_ids=req.prompt_token_ids, sampling=req.sampling, placement=placement,
                 block_size=self.config.block_size, first_token_timeout_s=self.config.first_token_timeout_s,
-                token_timeout_s=self.config.token_timeout_s, started=started)
-            self.registry.assign(placement.instance_ids, placement.num_prompt_blocks)
+                token_timeout_s=self.config.token_timeout_s, started=started,
+                replace=lambda avoid: self._placement(req, request_id, avoid),
+                max_recoveries=self.config.max_recoveries)
             try:
                 if req.stream:
                     return await self._stream(request, req, flow)
                 return await self._collect(req, flow)
             finally:
-                self.registry.release(placement.instance_ids, placement.num_prompt_blocks)
                 outcome = flow.outcome
                 span.set_attributes({"finished_on": outcome.finished_on or "",
-                                     "eager_tokens": outcome.eager_tokens})
+                                     "eager_tokens": outcome.eager_tokens,
+                                     "recoveries": len(outcome.recoveries)})
                 log.info("request_done", pipeline=outcome.pipeline, finished_on=outcome.finished_on,
                          output_tokens=outcome.output_tokens, ttft_ms=outcome.ttft_ms,
-                         eager_tokens=outcome.eager_tokens, wan_kv_bytes=outcome.wan_kv_bytes)
+                         eager_tokens=outcome.eager_tokens, wan_kv_bytes=outcome.wan_kv_bytes,
+                         recoveries=len(outcome.recoveries))
 
     async def _place(self, req: ParsedRequest, request_id: str):
+        try:
+            return await self._placement(req, request_id)
+        except NoInstances as exc:
+            raise ApiError(503, str(exc), type="server_error", code="no_instances") from None
+
+    async def _placement(self, req: ParsedRequest, request_id: str, avoid: frozenset[str] = frozenset()):
+        """Where the request runs (again, avoiding ``avoid``, for a recovery); raises NoInstances."""
         hashes = hash_blocks(req.prompt_token_ids, self.config.block_size)
         with _tracer.start_as_current_span("router.cache_index.query", attributes={
                 "request_id": request_id, "blocks": len(hashes)}):
             hits = await self._overlap(hashes)
         kv_bytes = self.config.kv_bytes_per_token or self.metadata.kv_bytes_per_token
-        try:
-            return place(self.registry, hits, num_prompt_tokens=len(req.prompt_token_ids),
-                         block_size=self.config.block_size, kv_bytes_per_token=kv_bytes,
-                         wan=self.wan.current(),
-                         ttft_target_s=self.config.ttft_target_ms / 1000,
-                         policy=self.config.pipeline_policy, odd_rule=self.odd_rule,
-                         max_tokens=req.sampling.max_tokens)
-        except NoInstances as exc:
-            raise ApiError(503, str(exc), type="server_error", code="no_instances") from None
+        return place(self.registry, hits, num_prompt_tokens=len(req.prompt_token_ids),
+                     block_size=self.config.block_size, kv_bytes_per_token=kv_bytes,
+                     wan=self.wan.current(), ttft_target_s=self.config.ttft_target_ms / 1000,
+                     policy=self.config.pipeline_policy, odd_rule=self.odd_rule,
+                     max_tokens=req.sampling.max_tokens, avoid=avoid)
 
     async def _overlap(self, hashes: list[int]) -> dict[str, int]:
         if not hashes:

@@ -1,0 +1,64 @@
+"""A request's token log: every output token the client has been sent, merged by index.
+
+Tokens may come from the relay and the main decoder at once, twice (a producer that resends,
+or a recovered attempt that re-emits what the client already has), or out of order. The log
+accepts each index once and releases tokens strictly in order, so the client sees every
+index exactly once whoever produced it. It outlives the instances that fill it: a recovery
+resumes the request elsewhere from ``token_ids``.
+"""
+
+from dataclasses import dataclass, field
+
+from shared.messages import TokensEmitted
+
+
+@dataclass
+class TokenLog:
+    """The ordered output of one request.
+
+    Attributes:
+        token_ids: Tokens released to the client, in index order.
+        finish_reason: ``stop`` or ``length`` once a producer ended the request.
+        finished_on: Producer (``RLD`` or ``MD``) that ended it.
+        eager_tokens: Released tokens the relay produced first.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    finished_on: str | None = None
+    eager_tokens: int = 0
+    _pending: dict[int, tuple[int, str]] = field(default_factory=dict)
+    _final_index: int | None = None
+
+    @property
+    def next_index(self) -> int:
+        """Index of the next token the client is owed."""
+        return len(self.token_ids)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every token up to the final one has been released."""
+        return self._final_index is not None and self.next_index > self._final_index
+
+    def add(self, message: TokensEmitted) -> list[int]:
+        """Take a producer's message; return the tokens it lets the client have now, in order."""
+        for offset, token in enumerate(message.token_ids):
+            index = message.start_index + offset
+            if index >= self.next_index:
+                self._pending.setdefault(index, (token, message.producer))
+        if message.finish_reason is not None and self._final_index is None:
+            self._final_index = message.start_index + len(message.token_ids) - 1
+            self.finish_reason, self.finished_on = message.finish_reason, message.producer
+        released = []
+        while self.next_index in self._pending:
+            token, producer = self._pending.pop(self.next_index)
+            self.token_ids.append(token)
+            released.append(token)
+            self.eager_tokens += producer == "RLD"
+        return released
+
+    def forget_pending(self):
+        """Drop tokens not yet released (a failed attempt's; the next attempt recomputes them)."""
+        self._pending.clear()
+        if self._final_index is not None and not self.complete:
+            self._final_index = self.finish_reason = self.finished_on = None
