@@ -20,6 +20,17 @@ def test_first_measurement_replaces_the_prior_then_smooths():
     assert abs(wan.current().rtt_s - 0.15) < 1e-9
 
 
+def test_a_drop_is_believed_within_one_transfer_and_rises_are_smoothed():
+    wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, alpha=0.5)
+    wan.add_throughput(100e6, num_bytes=MIN_SAMPLE_BYTES)
+    wan.add_throughput(2e6, num_bytes=MIN_SAMPLE_BYTES)  # the link fell to 2 Mbit/s
+    assert wan.current().bandwidth_bps == 2e6
+    wan.add_throughput(1.5e6, num_bytes=MIN_SAMPLE_BYTES)  # noise: smoothed
+    assert wan.current().bandwidth_bps == 1.75e6
+    wan.add_throughput(101.75e6, num_bytes=MIN_SAMPLE_BYTES)  # recovery: smoothed too
+    assert wan.current().bandwidth_bps == 51.75e6
+
+
 async def test_router_learns_a_slow_link_and_starts_relaying(make_stack):
     # The router believes 100 Mbit/s; the link gives 5 Mbit/s. A ~700-token tiny-model prompt
     # (~360 KB of KV) is predicted at ~30 ms (P-MD) but really takes ~0.6 s (relay-worthy).
@@ -35,3 +46,22 @@ async def test_router_learns_a_slow_link_and_starts_relaying(make_stack):
     assert 3.5 <= learnt["bandwidth_mbit"] <= 6.5, learnt
     status, second = await post(stack, "/chat/completions", chat_body("Describe a lighthouse. " * 140, 4))
     assert status == 200 and second["pdd"]["pipeline"] == "P-RLD-MD"
+
+
+async def test_after_the_link_drops_the_second_large_request_is_relayed(make_stack):
+    # ~700-token tiny-model prompts (~360 KB of KV): ~30 ms at 100 Mbit/s, ~1.5 s at 2 Mbit/s.
+    stack = await make_stack(profile=LinkProfile(bandwidth_bps=100e6, rtt_ms=20, jitter_ms=0, seed=4),
+                             engine_settings={"frame_tokens": 16},
+                             router_settings={"ttft_target_ms": 500, "wan_bandwidth_mbit": 100,
+                                              "wan_rtt_ms": 20, "odd_traffic_filter": False})
+    topics = iter(["a harbour", "a lighthouse", "a canal", "a bridge"])
+
+    async def large_request() -> str:
+        status, body = await post(stack, "/chat/completions", chat_body(f"Describe {next(topics)}. " * 140, 4))
+        assert status == 200, body
+        return body["pdd"]["pipeline"]
+
+    assert await large_request() == "P-MD"
+    stack.link.set_profile(bandwidth_bps=2e6)
+    assert await large_request() == "P-MD"  # still believed fast: this transfer teaches the drop
+    assert await large_request() == "P-RLD-MD"

@@ -4,6 +4,11 @@ Main decode measures throughput between the first and last frame of each WAN flo
 (``KvReady.throughput_bps``); prefill measures the flow handshake, one round trip
 (``PrefillCompleted.wan_rtt_s``). Both are smoothed with an exponentially weighted moving
 average; the configured values stand until the first measurement replaces them.
+
+Smoothing applies to rises and noise only. A transfer much slower than believed (below
+``DROP_FACTOR`` of the estimate) replaces the bandwidth estimate at once: a link that fell
+from 100 to 2 Mbit/s must not send several more requests P→MD while the average catches up,
+and over-predicting for one transfer after a brief dip only costs a relayed request.
 """
 
 from prometheus_client import Gauge
@@ -13,6 +18,7 @@ from services.router.placement import WanEstimate
 BANDWIDTH = Gauge("pdd_wan_estimate_bandwidth_bps", "Router's smoothed WAN bandwidth estimate")
 RTT = Gauge("pdd_wan_estimate_rtt_seconds", "Router's smoothed WAN round-trip estimate")
 MIN_SAMPLE_BYTES = 256 << 10
+DROP_FACTOR = 0.5
 
 
 class WanEstimator:
@@ -28,7 +34,8 @@ class WanEstimator:
         """A WAN flow's measured throughput (ignored for transfers too small to tell)."""
         if throughput_bps <= 0 or num_bytes < MIN_SAMPLE_BYTES:
             return
-        weight = self.alpha if self.bandwidth_samples else 1.0
+        dropped = throughput_bps < DROP_FACTOR * self.bandwidth_bps
+        weight = self.alpha if self.bandwidth_samples and not dropped else 1.0
         self.bandwidth_bps += weight * (throughput_bps - self.bandwidth_bps)
         self.bandwidth_samples += 1
         BANDWIDTH.set(self.bandwidth_bps)
