@@ -72,7 +72,7 @@ class EngineService(Service):
             active_sequences=engine.num_sequences, max_sequences=self.config.max_sequences,
             free_blocks=engine.blocks.num_free_blocks, used_blocks=engine.blocks.num_used_blocks,
             total_blocks=engine.blocks.num_blocks,
-            unix_s=time.time())
+            kv_epoch=self._kv_epoch if self.publishes_kv_events else "", unix_s=time.time())
 
     async def _publish_kv_events(self):
         subject = subjects.kv_events(self.config.site, self.instance_id)

@@ -305,6 +305,8 @@ class LoadReported(_Message, kw_only=True):
         free_blocks: KV blocks on its free list now.
         used_blocks: KV blocks held by the requests it runs now (shared prefix blocks once).
         total_blocks: Size of its KV pool.
+        kv_epoch: Incarnation of its KV events (``KvBlocksStored.epoch``); empty for an
+            instance that publishes none. Only this incarnation's blocks count for routing.
         unix_s: Sender's clock when sent.
     """
 
@@ -315,6 +317,7 @@ class LoadReported(_Message, kw_only=True):
     free_blocks: int = 0
     used_blocks: int = 0
     total_blocks: int = 0
+    kv_epoch: str = ""
     unix_s: float
 
 

@@ -132,3 +132,36 @@ async def test_a_request_finished_while_its_import_waits_in_line_is_not_parked(m
     assert status == 200 and second["pdd"]["finished_on"] == "RLD"
     assert (await first)[0] == 200
     await until(lambda: engines_idle(stack), 20, "main decode to free both requests")
+
+
+async def test_a_restarted_decoder_is_credited_only_with_blocks_it_announces(make_stack, tiny):
+    """``pdd down`` then ``pdd up`` on the same run folder: the streams still hold the old
+    main decoder's events, but the new one (same name, new epoch) holds none of those blocks."""
+    from services.main_decode.service import MainDecodeService
+
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"wan_bandwidth_mbit": 1,
+                                                                "odd_traffic_filter": False})
+    content = "A cold report about tug boats and their crews. " * 12
+    first = (await post(stack, "/chat/completions", chat_body(content, 4)))[1]
+    assert first["pdd"]["pipeline"] == "P-RLD-MD"  # ~1.3 s of KV at 1 Mbit/s: relayed
+    prompt_blocks = len(chat_prompt(tiny, content)) // 16
+    await until(lambda: len(stack.cache_index.instances["main-decode-0"].block_hashes) >= prompt_blocks,
+                15, "the first turn's KV to land and be indexed")
+    warm = (await post(stack, "/chat/completions", chat_body(content, 4)))[1]
+    assert warm["pdd"]["pipeline"] == "P-MD"        # now cached on main decode
+    old_main, old_index = stack.mains[0], stack.cache_index
+    await old_main.stop()
+    await old_index.stop()
+    # As `pdd up` does it: the cache-index first (it replays the old decoder's events), then
+    # main decode, which takes longer to start.
+    stack.cache_index = CacheIndexService(old_index.config)
+    await stack.cache_index.start()
+    replayed = lambda: "main-decode-0" in stack.cache_index.instances and len(  # noqa: E731
+        stack.cache_index.instances["main-decode-0"].block_hashes) >= prompt_blocks
+    await until(replayed, 10, "the replay of the old decoder's events")
+    stack.mains[0] = MainDecodeService(old_main.config, stack.loaded)
+    await stack.mains[0].start()
+    await stack.wait_ready()
+    again = (await post(stack, "/chat/completions", chat_body(content, 4)))[1]
+    assert again["pdd"]["pipeline"] == "P-RLD-MD", again["pdd"]  # cold again: relayed, as when fresh
+    assert again["choices"][0]["message"]["content"] == expected_text(tiny, chat_prompt(tiny, content), 4)

@@ -6,6 +6,11 @@ publisher and epoch (a restarted publisher starts a new epoch): an instance whos
 the stream does not fully cover, or whose events show a gap, is asked for a full dump of its
 prefix cache, and only events newer than the dump are applied on top. Overlap queries are
 answered by request/reply: for each instance, how many leading blocks of the prompt it holds.
+
+Only the incarnation an instance's own heartbeat names (``LoadReported.kv_epoch``) counts:
+the streams outlive processes (and deployments, when a run folder is reused), so a replay
+may bring the events of an earlier instance of the same name. Its blocks are gone; they are
+ignored, and the instance is credited only with what it announces itself.
 """
 
 import asyncio
@@ -44,6 +49,7 @@ class InstanceIndex:
         site: The instance's site.
         service: Its service (known from its heartbeat; needed to ask for a dump).
         epoch: The publisher incarnation the state belongs to.
+        live_epoch: The incarnation its latest heartbeat names ("" until one arrives).
         block_hashes: Cached block hashes.
         seq: Sequence number of the last event applied (-1: not in sync).
         last_seen: Monotonic time of its last heartbeat or event.
@@ -54,6 +60,7 @@ class InstanceIndex:
     site: str
     service: str = ""
     epoch: str = ""
+    live_epoch: str = ""
     block_hashes: set[int] = field(default_factory=set)
     seq: int = -1
     last_seen: float = field(default_factory=time.monotonic)
@@ -63,6 +70,11 @@ class InstanceIndex:
     def reset(self, epoch: str):
         """A new incarnation of the publisher: forget the old one's state."""
         self.epoch, self.block_hashes, self.seq, self.pending = epoch, set(), -1, []
+
+    @property
+    def routable(self) -> bool:
+        """Whether the state is the running incarnation's (a heartbeat confirmed it)."""
+        return bool(self.live_epoch) and self.epoch == self.live_epoch
 
     def leading_hits(self, block_hashes: list[int]) -> int:
         """How many leading blocks of ``block_hashes`` are held."""
@@ -105,6 +117,12 @@ class CacheIndexService(Service):
             return
         index = self._index(report.instance.instance_id, report.instance.site)
         index.service, index.last_seen = report.service, time.monotonic()
+        index.live_epoch = report.kv_epoch
+        if index.epoch != report.kv_epoch and not index.syncing:
+            if index.epoch:
+                self.log.info("instance_restarted", instance=report.instance.instance_id,
+                              old_epoch=index.epoch, epoch=report.kv_epoch)
+            index.reset(report.kv_epoch)
         if index.seq < 0 and not index.syncing:
             self._request_dump(report.instance.instance_id, index)
         self._expire()
@@ -112,6 +130,9 @@ class CacheIndexService(Service):
     async def _on_kv_event(self, msg):
         event = _kv_decoder.decode(msg.data)
         index = self._index(event.publisher_id, msg.subject.split(".")[2])
+        if index.live_epoch and event.epoch != index.live_epoch:
+            CACHE_INDEX_EVENTS.labels("other_incarnation").inc()
+            return
         if event.epoch != index.epoch:
             index.reset(event.epoch)
         if index.syncing or (index.seq < 0 and event.seq != 1):
@@ -172,5 +193,5 @@ class CacheIndexService(Service):
         query = _query_decoder.decode(msg.data)
         wanted = query.instance_ids or list(self.instances)
         hits = {i: self.instances[i].leading_hits(query.block_hashes)
-                for i in wanted if i in self.instances}
+                for i in wanted if i in self.instances and self.instances[i].routable}
         await msg.respond(encode(OverlapReply(hit_blocks=hits)))
