@@ -58,8 +58,7 @@ def run_serve(args) -> int:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(run_service(service))
-    return 0
+    return asyncio.run(run_service(service))
 
 
 def _make_service(name: str, config):

@@ -47,7 +47,7 @@ class DecodeService(EngineService):
         host, port = await self.receiver.start()
         self.bulk_endpoint = self.config.bulk_advertise or f"{host}:{port}"
         self.loop = EngineLoop(self.worker, self._on_outputs)
-        self.loop.start()
+        self.watch(self.loop.start())
 
     async def on_stop(self):
         # Stop accepting KV; let running sequences finish for a short grace period.

@@ -28,9 +28,10 @@ class EngineLoop:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
 
-    def start(self):
-        """Start stepping in the background."""
+    def start(self) -> asyncio.Task:
+        """Start stepping in the background; return the task (it ends only by an exception or stop)."""
         self._task = asyncio.create_task(self._run(), name="engine-loop")
+        return self._task
 
     def wake(self):
         """Tell the loop there may be new work."""

@@ -58,6 +58,7 @@ class EngineService(Service):
         if self.publishes_kv_events:
             await ensure_stream(self.nc.jetstream(), self.config.site)
             self._tasks.append(asyncio.create_task(self._publish_kv_events(), name="kv-events"))
+            self.watch(self._tasks[-1])
 
     async def stop(self):
         await super().stop()

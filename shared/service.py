@@ -1,4 +1,12 @@
-"""What every service process shares: NATS connection, heartbeats, cancels, graceful stop."""
+"""What every service process shares: NATS connection, heartbeats, cancels, graceful stop.
+
+No zombies: a task a service cannot live without (its engine loop, heartbeat, KV event
+publisher) that ends with an exception fails the service — it stops heart-beating (the
+router then counts it dead and resumes its requests elsewhere) and its process exits
+non-zero, for a supervisor to restart. A publish that fails (NATS reconnecting, outbound
+buffer full, connection closed) is counted and logged, never fatal: the router repairs
+what went missing.
+"""
 
 import asyncio
 import signal
@@ -11,7 +19,7 @@ from shared import subjects
 from shared.config import CommonConfig
 from shared.logging import configure_logging
 from shared.messages import CancelRequest, InstanceRef, LoadReported, decoder, encode
-from shared.metrics import serve_metrics
+from shared.metrics import PUBLISH_FAILURES, serve_metrics
 from shared.tracing import configure_tracing
 
 log = structlog.get_logger(__name__)
@@ -29,6 +37,8 @@ class Service:
         self.nc: nats.NATS | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = asyncio.Event()
+        self.failed = asyncio.Event()
+        self.failure: str | None = None
         self.log = log.bind(service=self.service_name, instance=self.instance_id)
 
     # --- to override -------------------------------------------------------------------
@@ -65,7 +75,28 @@ class Service:
             self.log.info("metrics_listening", url=f"http://{self.config.metrics_host}:{port}/metrics")
         await self.on_start()
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
+        for task in self._tasks:
+            self.watch(task)
         self.log.info("service_started", site=self.config.site)
+
+    def watch(self, task: asyncio.Task):
+        """Fail the service if ``task`` ends with an exception (cancelling it is fine)."""
+        def done(finished: asyncio.Task):
+            if not finished.cancelled() and finished.exception() is not None:
+                exc = finished.exception()
+                self.fail(f"task {finished.get_name()} died: {type(exc).__name__}: {exc}")
+        task.add_done_callback(done)
+
+    def fail(self, reason: str):
+        """Stop serving for good: no more heartbeats, and ``run_service`` exits non-zero."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        self.log.error("service_failed", reason=reason)
+        for task in self._tasks:
+            if task.get_name() == "heartbeat":
+                task.cancel()
+        self.failed.set()
 
     async def stop(self):
         """Graceful stop: stop taking work, finish in-flight work, drain NATS."""
@@ -81,17 +112,21 @@ class Service:
                 await self.nc.close()
         self.log.info("service_stopped")
 
-    async def publish(self, subject: str, message, headers: dict | None = None):
-        """Publish a schema message."""
-        await self.nc.publish(subject, encode(message), headers=headers)
+    async def publish(self, subject: str, message, headers: dict | None = None) -> bool:
+        """Publish a schema message; return False if it could not be (counted, logged, not raised)."""
+        try:
+            await self.nc.publish(subject, encode(message), headers=headers)
+            return True
+        except nats.errors.Error as exc:
+            PUBLISH_FAILURES.labels(self.service_name, subject.split(".")[1]).inc()
+            self.log.warning("publish_failed", subject=subject, message=type(message).__name__,
+                             error=str(exc) or type(exc).__name__)
+            return False
 
     async def _heartbeat(self):
         subject = subjects.load(self.config.site, self.instance_id)
         while True:
-            try:
-                await self.publish(subject, self.load_report())
-            except nats.errors.Error as exc:
-                self.log.warning("heartbeat_failed", error=str(exc))
+            await self.publish(subject, self.load_report())
             await asyncio.sleep(self.config.heartbeat_s)
 
     async def _on_cancel_msg(self, msg):
@@ -99,19 +134,25 @@ class Service:
         await self.on_cancel(cancel)
 
 
-async def wait_for_termination():
-    """Return at the first SIGTERM or SIGINT."""
+async def wait_for_termination(failed: asyncio.Event | None = None):
+    """Return at the first SIGTERM or SIGINT, or as soon as ``failed`` is set."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    waits = [asyncio.ensure_future(event.wait()) for event in (stop, failed) if event is not None]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiting in waits:
+            waiting.cancel()
 
 
-async def run_service(service: Service):
-    """Run until SIGTERM/SIGINT, then stop gracefully."""
+async def run_service(service: Service) -> int:
+    """Run until SIGTERM/SIGINT or a failure, then stop; return the process exit code."""
     configure_logging(service.config.log_level)
     configure_tracing(f"pdd-{service.service_name}", service.config.otlp_endpoint)
     await service.start()
-    await wait_for_termination()
+    await wait_for_termination(service.failed)
     await service.stop()
+    return 1 if service.failure is not None else 0

@@ -91,3 +91,37 @@ async def test_recoveries_are_bounded(make_stack):
     assert error["code"] == "upstream_failed" and "relay-decode-0" in error["message"], error
     stack.mains.clear()
     stack.relays.clear()
+
+
+async def test_a_dead_engine_loop_fails_its_service_and_the_request_recovers(make_stack, tiny):
+    stack = await make_stack(profile=SLOW_WAN, num_main=2, router_settings={"pipeline_policy": "P-MD"})
+    content = "Tell me about the lock keeper's day. " * 8
+    broken = []
+
+    async def break_the_busy_engine():
+        await until(lambda: any(m.engine.num_sequences for m in stack.mains), 15, "decoding to start")
+        busy = next(m for m in stack.mains if m.engine.num_sequences)
+
+        def step():
+            raise RuntimeError("injected: device lost")
+        busy.engine.step = step
+        broken.append(busy)
+
+    chunks = await stream_while(stack, chat_body(content, 300), break_the_busy_engine)
+    assert streamed_text(chunks) == expected_text(tiny, chat_prompt(tiny, content), 300)
+    dead = broken[0]
+    assert [r["from"] for r in chunks[-1]["pdd"]["recoveries"]] == [dead.instance_id]
+    assert "engine-loop died" in dead.failure and dead.failed.is_set()
+    assert not stack.router.registry.is_alive(dead.instance_id)  # it stopped heart-beating
+
+
+async def test_a_failed_service_process_exits_non_zero(make_stack):
+    from services.cache_index.service import CacheIndexService
+    from shared.service import run_service
+
+    stack = await make_stack()
+    service = CacheIndexService(stack.cache_index.config)
+    running = asyncio.create_task(run_service(service))
+    await until(lambda: service.failure is None and service._tasks, 10, "the service to start")
+    service.fail("injected failure")
+    assert await asyncio.wait_for(running, 10) == 1

@@ -53,7 +53,7 @@ class PrefillService(EngineService):
 
     async def on_start(self):
         self._loop = EngineLoop(self.worker, self._on_outputs)
-        self._loop.start()
+        self.watch(self._loop.start())
         site = self.config.site
         await self.nc.subscribe(subjects.instance_work(site, self.service_name, self.instance_id,
                                                        subjects.START_PREFILL), cb=self._on_start_msg)
