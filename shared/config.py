@@ -68,6 +68,8 @@ class CommonConfig:
     bulk_secret: str = setting("", "per-deployment secret authenticating bulk KV peers")
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint")
     metrics_port: int = setting(0, "port of the Prometheus /metrics endpoint (0: none)", non_negative)
+    request_lease_s: float = setting(8.0, "engines free a request whose router has been silent this long",
+                                     positive)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,10 @@ class DecodeService(EngineService):
             await asyncio.sleep(0.1)
         await self.loop.stop()
 
+    async def held_request_ids(self) -> list[str]:
+        held = await super().held_request_ids()
+        return list(set(held) | self.importer.request_ids)
+
     def instance_ref(self) -> InstanceRef:
         return InstanceRef(instance_id=self.instance_id, site=self.config.site,
                            bulk_endpoint=self.bulk_endpoint)

@@ -21,6 +21,7 @@ class EngineService(Service):
     """A service with an engine; prefill and main decode publish their cached blocks."""
 
     publishes_kv_events = True
+    holds_requests = True
 
     def __init__(self, config: EngineConfig, loaded=None):
         super().__init__(config)
@@ -64,6 +65,9 @@ class EngineService(Service):
         await super().stop()
         if self.worker:
             self.worker.shutdown()
+
+    async def held_request_ids(self) -> list[str]:
+        return await self.worker.call(self.engine.request_ids)
 
     def load_report(self) -> LoadReported:
         engine = self.worker.engine

@@ -307,6 +307,8 @@ class LoadReported(_Message, kw_only=True):
         total_blocks: Size of its KV pool.
         kv_epoch: Incarnation of its KV events (``KvBlocksStored.epoch``); empty for an
             instance that publishes none. Only this incarnation's blocks count for routing.
+        live_request_ids: For a router: the (attempt) ids of every request it still runs.
+            Its heartbeat renews their leases; engines free what a router no longer lists.
         unix_s: Sender's clock when sent.
     """
 
@@ -318,6 +320,7 @@ class LoadReported(_Message, kw_only=True):
     used_blocks: int = 0
     total_blocks: int = 0
     kv_epoch: str = ""
+    live_request_ids: list[str] = []
     unix_s: float
 
 

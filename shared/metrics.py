@@ -21,6 +21,8 @@ EAGER_TOKENS = Counter("pdd_eager_tokens_total", "Tokens emitted by relay decode
 ACTIVE_SEQUENCES = Gauge("pdd_active_sequences", "Sequences held", ["service", "instance"])
 PUBLISH_FAILURES = Counter("pdd_publish_failures_total", "NATS publishes that failed (dropped, counted)",
                            ["service", "kind"])
+LEASES_EXPIRED = Counter("pdd_request_leases_expired_total",
+                         "Requests freed because their router died or no longer ran them", ["service", "kind"])
 TTFT_SECONDS = Histogram("pdd_ttft_seconds", "Time to first token at the router", ["pipeline"],
                          buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
 

@@ -17,19 +17,23 @@ import structlog
 
 from shared import subjects
 from shared.config import CommonConfig
+from shared.lease import RequestLeases
 from shared.logging import configure_logging
 from shared.messages import CancelRequest, InstanceRef, LoadReported, decoder, encode
-from shared.metrics import PUBLISH_FAILURES, serve_metrics
+from shared.metrics import LEASES_EXPIRED, PUBLISH_FAILURES, serve_metrics
 from shared.tracing import configure_tracing
 
 log = structlog.get_logger(__name__)
 _cancel_decoder = decoder(CancelRequest)
+_load_decoder = decoder(LoadReported)
 
 
 class Service:
     """Base of the five services: one actor, one asyncio loop, one NATS connection."""
 
     service_name = "service"
+    holds_requests = False
+    """Engine services: they hold request state, kept only while its router's lease lives."""
 
     def __init__(self, config: CommonConfig):
         self.config = config
@@ -61,6 +65,10 @@ class Service:
         """How other instances reach this one."""
         return InstanceRef(instance_id=self.instance_id, site=self.config.site)
 
+    async def held_request_ids(self) -> list[str]:
+        """Requests (attempt ids) this instance holds any state for."""
+        return []
+
     # --- lifecycle ---------------------------------------------------------------------
 
     async def start(self):
@@ -75,6 +83,10 @@ class Service:
             self.log.info("metrics_listening", url=f"http://{self.config.metrics_host}:{port}/metrics")
         await self.on_start()
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
+        if self.holds_requests:
+            self.leases = RequestLeases(self.config.request_lease_s, grace_s=2 * self.config.heartbeat_s + 0.5)
+            await self.nc.subscribe(subjects.LOAD_ALL, cb=self._on_heartbeat_msg)
+            self._tasks.append(asyncio.create_task(self._free_expired(), name="lease-reaper"))
         for task in self._tasks:
             self.watch(task)
         self.log.info("service_started", site=self.config.site)
@@ -128,6 +140,19 @@ class Service:
         while True:
             await self.publish(subject, self.load_report())
             await asyncio.sleep(self.config.heartbeat_s)
+
+    async def _on_heartbeat_msg(self, msg):
+        self.leases.observe(_load_decoder.decode(msg.data), time.monotonic())
+
+    async def _free_expired(self):
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            for expired in self.leases.expired(await self.held_request_ids(), time.monotonic()):
+                LEASES_EXPIRED.labels(self.service_name, expired.kind).inc()
+                self.log.warning("request_lease_expired", request_id=expired.request_id,
+                                 kind=expired.kind, reason=expired.reason)
+                await self.on_cancel(CancelRequest(request_id=expired.request_id, kind=expired.kind,
+                                                   reason=f"lease expired: {expired.reason}"))
 
     async def _on_cancel_msg(self, msg):
         cancel = _cancel_decoder.decode(msg.data)

@@ -97,3 +97,21 @@ async def test_main_decode_crash_mid_request_fails_fast_without_recoveries(make_
     assert status == 502 and "main-decode-0" in body["error"]["message"]
     assert time.monotonic() - started < 10
     stack.mains.clear()  # already stopped
+
+
+async def test_a_dead_routers_requests_are_freed_everywhere_within_the_lease(make_stack, tiny):
+    # A 2 s lease here (8 s by default): the request, far from done, must be freed by it.
+    lease = {"request_lease_s": 2.0}
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-RLD-MD"},
+                             engine_settings=lease, decode_settings=lease)
+    max_tokens = tiny.model.config.max_position_embeddings - 100
+    request = asyncio.create_task(post(stack, "/chat/completions",
+                                       chat_body("Go on forever. " * 4, max_tokens)))
+    main = stack.mains[0]
+    await until(lambda: main.engine.num_sequences, 15, "main decode to hold the request")
+    await crash(stack.router)  # no cancel will ever come
+    started = time.monotonic()
+    await until(lambda: engines_idle(stack), 10, "every engine to free the dead router's request")
+    elapsed = time.monotonic() - started
+    assert elapsed < 5, f"freed after {elapsed:.1f} s: by the request ending, not by its lease"
+    request.cancel()

@@ -82,7 +82,8 @@ async def test_recoveries_are_bounded(make_stack):
         await until(lambda: main.engine.num_sequences == 1, 15, "main decode to start")
         await crash(main)
         # No main decoder left: the one recovery goes to the relay, which then dies too.
-        await until(lambda: relay.engine.num_sequences == 1, 15, "the relay to take over")
+        await until(lambda: relay.engine.num_sequences == 1 and not relay.importer.request_ids,
+                    15, "the relay to take over and decode")
         await crash(relay)
 
     chunks = await stream_while(stack, chat_body("A long answer please. " * 10, 3000),

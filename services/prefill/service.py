@@ -66,6 +66,9 @@ class PrefillService(EngineService):
         if self._loop is not None:
             await self._loop.stop()
 
+    async def held_request_ids(self) -> list[str]:
+        return list(set(await super().held_request_ids()) | set(self._active))
+
     async def on_cancel(self, cancel: CancelRequest):
         task = self._active.get(cancel.request_id)
         if task and cancel.kind != "finished":

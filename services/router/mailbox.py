@@ -35,6 +35,11 @@ class RequestMailbox:
         queue = self._queues[request_id] = asyncio.Queue()
         return queue
 
+    @property
+    def open_request_ids(self) -> list[str]:
+        """Requests being collected now (the router's heartbeat lists them: their leases)."""
+        return list(self._queues)
+
     def close(self, request_id: str):
         """Stop collecting; later messages for the request are dropped."""
         self._queues.pop(request_id, None)

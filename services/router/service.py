@@ -24,7 +24,7 @@ from services.router.request_flow import RequestFlow, UpstreamFailed, UpstreamTi
 from shared import subjects
 from shared.block_hash import HASH_SCHEME_VERSION, hash_blocks
 from shared.config import RouterConfig
-from shared.messages import OverlapQuery, OverlapReply, decoder, encode
+from shared.messages import LoadReported, OverlapQuery, OverlapReply, decoder, encode
 from shared.metrics import PIPELINE_CHOICES, REQUESTS, TTFT_SECONDS, exposition
 from shared.model_loader import ModelMetadata, load_metadata
 from shared.service import Service
@@ -81,6 +81,11 @@ class RouterService(Service):
             await asyncio.wait(self._in_flight, timeout=30)
         if self._runner:
             await self._runner.cleanup()
+
+    def load_report(self) -> LoadReported:
+        return LoadReported(instance=self.instance_ref(), service=self.service_name,
+                            active_sequences=len(self._in_flight), unix_s=time.time(),
+                            live_request_ids=self.mailbox.open_request_ids if self.mailbox else [])
 
     # --- plain endpoints ----------------------------------------------------------------
 

@@ -144,6 +144,11 @@ class KvImporter:
             claim.done.set()
 
     @property
+    def request_ids(self) -> set[str]:
+        """Requests with a flow importing or waiting in line."""
+        return set(self.imports) | set(self._claims)
+
+    @property
     def waiting(self) -> list[str]:
         """Request ids of flows still waiting for earlier flows' blocks."""
         return [rid for rid in self._claims if rid not in self.imports]

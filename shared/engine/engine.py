@@ -156,6 +156,10 @@ class Engine(KvTransfer):
         self.free(request_id)
         return True
 
+    def request_ids(self) -> list[str]:
+        """Ids of the live sequences."""
+        return list(self._sequences)
+
     def holds(self, request_id: str) -> bool:
         """Whether ``request_id`` is a live sequence here."""
         return request_id in self._sequences

@@ -1,0 +1,76 @@
+"""Leases on engine-side state: whatever a request holds lives only while its router wants it.
+
+Every request id names the router that minted it. A router's heartbeat renews the lease of
+all its requests at once and lists the (attempt) ids it still runs. An engine service frees
+a request it holds when
+
+- its router has been silent for longer than the lease (the router died, or its site has
+  been cut off that long): nobody will read the request's tokens, so everything is
+  dropped now (``kill``);
+- or a heartbeat that its router sent well after the request arrived here no longer lists
+  it: the request ended and its cancel was lost. It is freed as ``finished``: sequences go,
+  a KV import still completes for the cache, exactly as a delivered cancel would do it.
+"""
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from shared import subjects
+from shared.messages import LoadReported
+
+
+@dataclass(frozen=True)
+class Expired:
+    """A held request whose lease ran out.
+
+    Attributes:
+        request_id: The request (attempt) id held here.
+        kind: ``kill`` (router gone) or ``finished`` (router no longer runs it).
+        reason: Why, for the log.
+    """
+
+    request_id: str
+    kind: str
+    reason: str
+
+
+@dataclass
+class _RouterSeen:
+    at: float
+    request_ids: frozenset[str] = field(default_factory=frozenset)
+
+
+class RequestLeases:
+    """Which held requests still belong to a live router (pure; the caller passes the clock)."""
+
+    def __init__(self, lease_s: float, grace_s: float, now: float | None = None):
+        self.lease_s, self.grace_s = lease_s, grace_s
+        self._started = time.monotonic() if now is None else now
+        self._routers: dict[str, _RouterSeen] = {}
+        self._first_seen: dict[str, float] = {}
+        self._reported: dict[str, str] = {}
+
+    def observe(self, report: LoadReported, now: float):
+        """Record a heartbeat (only routers' matter)."""
+        if report.service == "router":
+            self._routers[report.instance.instance_id] = _RouterSeen(now, frozenset(report.live_request_ids))
+
+    def expired(self, held: Iterable[str], now: float) -> list[Expired]:
+        """The held requests to free now (each reported once per kind)."""
+        held = set(held)
+        self._first_seen = {rid: self._first_seen.get(rid, now) for rid in held}
+        self._reported = {rid: kind for rid, kind in self._reported.items() if rid in held}
+        out = []
+        for request_id, first_seen in self._first_seen.items():
+            origin = subjects.origin_of(request_id)
+            seen = self._routers.get(origin)
+            # A router never heard from counts from when this instance started listening.
+            silent_s = now - (seen.at if seen else self._started)
+            if silent_s > self.lease_s:
+                out.append(Expired(request_id, "kill", f"router {origin} silent for {silent_s:.1f} s"))
+            elif seen and seen.at > first_seen + self.grace_s and request_id not in seen.request_ids:
+                out.append(Expired(request_id, "finished", f"router {origin} no longer runs it"))
+        out = [e for e in out if self._reported.get(e.request_id) != e.kind]
+        self._reported.update((e.request_id, e.kind) for e in out)
+        return out
