@@ -16,7 +16,9 @@ import nats
 import structlog
 
 from shared import subjects
+from shared import dead_letters
 from shared.config import CommonConfig
+from shared.dead_letters import BadMessageSink
 from shared.lease import RequestLeases
 from shared.logging import configure_logging
 from shared.messages import CancelRequest, InstanceRef, LoadReported, decoder, encode
@@ -39,6 +41,7 @@ class Service:
         self.config = config
         self.instance_id = config.instance_id
         self.nc: nats.NATS | None = None
+        self.bad_messages: BadMessageSink | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = asyncio.Event()
         self.failed = asyncio.Event()
@@ -77,7 +80,9 @@ class Service:
             self.config.nats_url, name=self.instance_id, max_reconnect_attempts=-1,
             reconnect_time_wait=0.5, connect_timeout=5,
         )
-        await self.nc.subscribe(subjects.CANCEL, cb=self._on_cancel_msg)
+        self.bad_messages = BadMessageSink(self.nc, self.config.site, self.service_name)
+        await dead_letters.ensure_stream(self.nc, self.config.site)
+        await self.subscribe(subjects.CANCEL, _cancel_decoder, self._on_cancel_msg)
         if self.config.metrics_port:
             port = serve_metrics(self.config.metrics_host, self.config.metrics_port)
             self.log.info("metrics_listening", url=f"http://{self.config.metrics_host}:{port}/metrics")
@@ -85,11 +90,22 @@ class Service:
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
         if self.holds_requests:
             self.leases = RequestLeases(self.config.request_lease_s, grace_s=2 * self.config.heartbeat_s + 0.5)
-            await self.nc.subscribe(subjects.LOAD_ALL, cb=self._on_heartbeat_msg)
+            await self.subscribe(subjects.LOAD_ALL, _load_decoder, self._on_heartbeat_msg)
             self._tasks.append(asyncio.create_task(self._free_expired(), name="lease-reaper"))
         for task in self._tasks:
             self.watch(task)
         self.log.info("service_started", site=self.config.site)
+
+    async def subscribe(self, subject: str, message_decoder, handler, queue: str = ""):
+        """Call ``handler(message, msg)`` for each message on ``subject`` that decodes.
+
+        A message that does not decode is counted, logged and dead-lettered, never passed on.
+        """
+        async def callback(msg):
+            message = self.bad_messages.decode(message_decoder, msg, subject)
+            if message is not None:
+                await handler(message, msg)
+        return await self.nc.subscribe(subject, queue=queue, cb=callback)
 
     def watch(self, task: asyncio.Task):
         """Fail the service if ``task`` ends with an exception (cancelling it is fine)."""
@@ -141,8 +157,8 @@ class Service:
             await self.publish(subject, self.load_report())
             await asyncio.sleep(self.config.heartbeat_s)
 
-    async def _on_heartbeat_msg(self, msg):
-        self.leases.observe(_load_decoder.decode(msg.data), time.monotonic())
+    async def _on_heartbeat_msg(self, report: LoadReported, msg):
+        self.leases.observe(report, time.monotonic())
 
     async def _free_expired(self):
         while True:
@@ -154,8 +170,7 @@ class Service:
                 await self.on_cancel(CancelRequest(request_id=expired.request_id, kind=expired.kind,
                                                    reason=f"lease expired: {expired.reason}"))
 
-    async def _on_cancel_msg(self, msg):
-        cancel = _cancel_decoder.decode(msg.data)
+    async def _on_cancel_msg(self, cancel: CancelRequest, msg):
         await self.on_cancel(cancel)
 
 

@@ -94,6 +94,16 @@ def kv_events(site: str, instance_id: str) -> str:
     return f"{PREFIX}.evt.{site}.kv.{instance_id}"
 
 
+def dead_letters(site: str, service: str) -> str:
+    """Where ``service`` at ``site`` copies messages it could not decode (JetStream, bounded)."""
+    return f"{PREFIX}.dlq.{site}.{service}"
+
+
+def dead_letters_of_site(site: str) -> str:
+    """Every dead letter of a site (its dead-letter stream's subjects)."""
+    return f"{PREFIX}.dlq.{site}.*"
+
+
 def load(site: str, instance_id: str) -> str:
     """Heartbeat and load of one instance (``LoadReported``)."""
     return f"{PREFIX}.evt.{site}.load.{instance_id}"

@@ -13,6 +13,7 @@ import pytest_asyncio
 from infra.local_stack import SITE_A, SITE_B, start_site_pair
 from infra.wan_link import LinkProfile, WanLink
 from services.router.mailbox import RequestMailbox
+from shared.dead_letters import BadMessageSink
 from shared import subjects
 from shared.messages import KvReady, TokensEmitted, decoder, encode
 
@@ -38,7 +39,7 @@ async def two_sites(tmp_path):
 
 async def started_mailbox(router_nc, main_nc) -> RequestMailbox:
     """A router's mailbox whose standing interest has reached site B (as at router start-up)."""
-    mailbox = RequestMailbox(router_nc, "router-0")
+    mailbox = RequestMailbox(router_nc, "router-0", BadMessageSink(router_nc, SITE_A, "router"))
     await mailbox.start()
     probe_id = subjects.new_request_id("router-0", "probe")
     probe = mailbox.open(probe_id)
@@ -63,9 +64,8 @@ async def test_first_token_published_at_once_by_the_other_site_arrives(two_sites
     await main_nc.publish(subjects.tokens(request_id), encode(TokensEmitted(
         request_id=request_id, start_index=0, token_ids=[7], producer="MD",
         instance_id="main-decode-0")))
-    kind, msg = await asyncio.wait_for(queue.get(), 5 * RTT_MS / 1000)
-    assert kind == "tokens"
-    assert decoder(TokensEmitted).decode(msg.data).token_ids == [7]
+    kind, message = await asyncio.wait_for(queue.get(), 5 * RTT_MS / 1000)
+    assert kind == "tokens" and message.token_ids == [7]
 
 
 async def test_messages_go_only_to_their_own_request(two_sites):
@@ -78,9 +78,26 @@ async def test_messages_go_only_to_their_own_request(two_sites):
         await main_nc.publish(subjects.tokens(rid), encode(TokensEmitted(
             request_id=rid, start_index=index, token_ids=[index], producer="MD",
             instance_id="main-decode-0")))
-    _, msg = await asyncio.wait_for(queues[first].get(), 5 * RTT_MS / 1000)
-    assert decoder(TokensEmitted).decode(msg.data).request_id == first
+    _, message = await asyncio.wait_for(queues[first].get(), 5 * RTT_MS / 1000)
+    assert message.request_id == first
     assert queues[first].empty() and queues[second].empty()
+
+
+async def test_a_message_that_does_not_decode_is_counted_and_never_queued(two_sites):
+    from shared.dead_letters import BAD_MESSAGES
+
+    router_nc, main_nc = two_sites
+    mailbox = await started_mailbox(router_nc, main_nc)
+    request_id = subjects.new_request_id("router-0", "ccc")
+    queue = mailbox.open(request_id)
+    label = BAD_MESSAGES.labels("router", subjects.tokens_of_origin("router-0"))
+    before = label._value.get()
+    await main_nc.publish(subjects.tokens(request_id), b"\xc1 not msgpack")
+    await main_nc.publish(subjects.tokens(request_id), encode(TokensEmitted(
+        request_id=request_id, start_index=0, token_ids=[3], producer="MD", instance_id="main-decode-0")))
+    _, message = await asyncio.wait_for(queue.get(), 5 * RTT_MS / 1000)
+    assert message.token_ids == [3] and queue.empty()
+    assert label._value.get() == before + 1
 
 
 def test_request_ids_name_their_router():

@@ -99,11 +99,11 @@ class CacheIndexService(Service):
         self.gaps = 0
 
     async def on_start(self):
-        await self.nc.subscribe(subjects.LOAD_ALL, cb=self._on_load)
+        await self.subscribe(subjects.LOAD_ALL, _load_decoder, self._on_load)
         for site in filter(None, (s.strip() for s in self.config.kv_event_sites.split(","))):
-            await replay(self.nc, site, self._on_kv_event)
-        await self.nc.subscribe(subjects.shared_work(self.config.site, self.service_name, subjects.OVERLAP),
-                                queue=f"{self.service_name}-{self.config.site}", cb=self._on_query)
+            await replay(self.nc, site, self._on_kv_msg)
+        await self.subscribe(subjects.shared_work(self.config.site, self.service_name, subjects.OVERLAP),
+                             _query_decoder, self._on_query, queue=f"{self.service_name}-{self.config.site}")
 
     def _index(self, instance_id: str, site: str) -> InstanceIndex:
         index = self.instances.get(instance_id)
@@ -111,8 +111,7 @@ class CacheIndexService(Service):
             index = self.instances[instance_id] = InstanceIndex(site)
         return index
 
-    async def _on_load(self, msg):
-        report = _load_decoder.decode(msg.data)
+    async def _on_load(self, report: LoadReported, msg):
         if report.service not in ENGINE_SERVICES:
             return
         index = self._index(report.instance.instance_id, report.instance.site)
@@ -127,9 +126,13 @@ class CacheIndexService(Service):
             self._request_dump(report.instance.instance_id, index)
         self._expire()
 
-    async def _on_kv_event(self, msg):
-        event = _kv_decoder.decode(msg.data)
-        index = self._index(event.publisher_id, msg.subject.split(".")[2])
+    async def _on_kv_msg(self, msg):
+        event = self.bad_messages.decode(_kv_decoder, msg, subjects.KV_EVENTS_ALL)
+        if event is not None:
+            self._on_kv_event(event, msg.subject)
+
+    def _on_kv_event(self, event, subject: str):
+        index = self._index(event.publisher_id, subject.split(".")[2])
         if index.live_epoch and event.epoch != index.live_epoch:
             CACHE_INDEX_EVENTS.labels("other_incarnation").inc()
             return
@@ -171,7 +174,9 @@ class CacheIndexService(Service):
         subject = subjects.instance_work(index.site, index.service, instance_id, subjects.DUMP)
         try:
             reply = await self.nc.request(subject, b"", timeout=5.0)
-            dump = _dump_decoder.decode(reply.data)
+            dump = self.bad_messages.decode(_dump_decoder, reply, "reply:dump")
+            if dump is None:
+                raise nats.errors.Error("the dump reply did not decode")
             index.epoch, index.block_hashes, index.seq = dump.epoch, set(dump.block_hashes), dump.seq
             for event in sorted(index.pending, key=lambda e: e.seq):
                 if event.epoch == index.epoch and event.seq == index.seq + 1:
@@ -189,8 +194,7 @@ class CacheIndexService(Service):
             del self.instances[instance_id]
             self.log.info("instance_expired", instance=instance_id)
 
-    async def _on_query(self, msg):
-        query = _query_decoder.decode(msg.data)
+    async def _on_query(self, query: OverlapQuery, msg):
         wanted = query.instance_ids or list(self.instances)
         hits = {i: self.instances[i].leading_hits(query.block_hashes)
                 for i in wanted if i in self.instances and self.instances[i].routable}

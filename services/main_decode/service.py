@@ -41,9 +41,9 @@ class MainDecodeService(DecodeService):
 
     async def on_start(self):
         await super().on_start()
-        await self.nc.subscribe(subjects.instance_work(
+        await self.subscribe(subjects.instance_work(
             self.config.site, self.service_name, self.instance_id, subjects.HANDOFF),
-            cb=self._on_handoff_msg)
+            _handoff_decoder, self._on_handoff_msg)
 
     async def _on_import_complete(self, state: ImportState, seq: Sequence, stats: FlowStats):
         rid = seq.request_id
@@ -57,11 +57,10 @@ class MainDecodeService(DecodeService):
             self.start_span(rid, "main.decode", state.flow_open.traceparent, pipeline="P-MD")
         await super()._on_import_complete(state, seq, stats)
 
-    async def _on_handoff_msg(self, msg):
-        asyncio.create_task(self._accept_handoff(msg))
+    async def _on_handoff_msg(self, handoff: HandoffTokens, msg):
+        asyncio.create_task(self._accept_handoff(handoff, msg))
 
-    async def _accept_handoff(self, msg):
-        handoff = _handoff_decoder.decode(msg.data)
+    async def _accept_handoff(self, handoff: HandoffTokens, msg):
         rid = handoff.request_id
         parent = context_from(headers=msg.headers)
         recompute = _tracer.start_span("main.recompute", context=parent, attributes={

@@ -55,10 +55,10 @@ class PrefillService(EngineService):
         self._loop = EngineLoop(self.worker, self._on_outputs)
         self.watch(self._loop.start())
         site = self.config.site
-        await self.nc.subscribe(subjects.instance_work(site, self.service_name, self.instance_id,
-                                                       subjects.START_PREFILL), cb=self._on_start_msg)
-        await self.nc.subscribe(subjects.shared_work(site, self.service_name, subjects.START_PREFILL),
-                                queue=f"{self.service_name}-{site}", cb=self._on_start_msg)
+        await self.subscribe(subjects.instance_work(site, self.service_name, self.instance_id,
+                                                    subjects.START_PREFILL), _start_decoder, self._on_start_msg)
+        await self.subscribe(subjects.shared_work(site, self.service_name, subjects.START_PREFILL),
+                             _start_decoder, self._on_start_msg, queue=f"{self.service_name}-{site}")
 
     async def on_stop(self):
         # Finish what was accepted; refuse nothing silently (subscriptions drain with NATS).
@@ -75,9 +75,8 @@ class PrefillService(EngineService):
             self.log.info("prefill_cancelled", request_id=cancel.request_id, reason=cancel.reason)
             task.cancel()
 
-    async def _on_start_msg(self, msg):
+    async def _on_start_msg(self, cmd: StartPrefill, msg):
         # NATS runs one callback at a time per subscription: hand the request to a task.
-        cmd = _start_decoder.decode(msg.data)
         task = asyncio.create_task(self._serve(cmd, msg))
         self._active[cmd.request_id] = task
         task.add_done_callback(lambda _: self._active.pop(cmd.request_id, None))

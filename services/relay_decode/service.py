@@ -61,7 +61,7 @@ class RelayDecodeService(DecodeService):
         await super().on_start()
         # One standing subscription: a per-request one, made when the flow opens, could miss
         # a KvReady that the main decoder publishes before the interest reaches its site.
-        await self.nc.subscribe(subjects.REQUEST_EVENTS_ALL, cb=self._on_request_event)
+        await self.subscribe(subjects.REQUEST_EVENTS_ALL, _event_decoder, self._on_request_event)
 
     def load(self) -> float:
         """Active sequences over capacity: what the handoff mode switch looks at."""
@@ -80,8 +80,7 @@ class RelayDecodeService(DecodeService):
         if early is not None:  # main decode was ready before the local copy landed
             await self._main_decode_ready(early)
 
-    async def _on_request_event(self, msg):
-        event = _event_decoder.decode(msg.data)
+    async def _on_request_event(self, event, msg):
         if isinstance(event, KvReady) and event.request_id in self.machines:
             self._main[event.request_id] = event
             await self._main_decode_ready(event)
@@ -134,7 +133,7 @@ class RelayDecodeService(DecodeService):
             with trace.use_span(span, end_on_exit=False):
                 reply = await self.nc.request(subject, encode(handoff), headers=trace_headers(),
                                               timeout=self.config.handoff_timeout_s)
-            answer = _reply_decoder.decode(reply.data)
+            answer = self.bad_messages.decode(_reply_decoder, reply, "reply:handoff")
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
             self.log.warning("handoff_failed", request_id=rid, chunk=chunk.chunk,
                              error=str(exc) or type(exc).__name__)

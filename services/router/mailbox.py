@@ -4,7 +4,8 @@ Subscribing per request raced the main decoder: interest in a new subject reache
 site over the leafnode asynchronously, and a main decoder holding the prompt's blocks could
 publish the first token before that, so NATS dropped it and the request hung until its
 timeout. The router instead subscribes once, at start-up, to the subjects of every request
-id it mints, and sorts what arrives into per-request queues.
+id it mints, decodes what arrives (a message that does not decode is reported as bad and
+dropped; it never reaches, let alone ends, a request) and sorts it into per-request queues.
 """
 
 import asyncio
@@ -12,20 +13,28 @@ import asyncio
 import nats
 
 from shared import subjects
+from shared.dead_letters import BadMessageSink
+from shared.messages import RequestEvent, TokensEmitted, decoder
+
+_tokens_decoder = decoder(TokensEmitted)
+_event_decoder = decoder(RequestEvent)
 
 
 class RequestMailbox:
-    """Per-request queues of ``("tokens" | "event", msg)`` fed by two standing subscriptions."""
+    """Per-request queues of ``("tokens", TokensEmitted)`` and ``("event", RequestEvent)``."""
 
-    def __init__(self, nc: nats.NATS, origin: str):
+    def __init__(self, nc: nats.NATS, origin: str, bad_messages: BadMessageSink):
         self._nc = nc
         self.origin = origin
+        self._bad_messages = bad_messages
         self._queues: dict[str, asyncio.Queue] = {}
 
     async def start(self):
         """Subscribe and make sure the local server has registered the interest."""
-        await self._nc.subscribe(subjects.tokens_of_origin(self.origin), cb=self._deliver("tokens"))
-        await self._nc.subscribe(subjects.request_events_of_origin(self.origin), cb=self._deliver("event"))
+        for kind, subject, message_decoder in (
+                ("tokens", subjects.tokens_of_origin(self.origin), _tokens_decoder),
+                ("event", subjects.request_events_of_origin(self.origin), _event_decoder)):
+            await self._nc.subscribe(subject, cb=self._deliver(kind, subject, message_decoder))
         await self._nc.flush()
 
     def open(self, request_id: str) -> asyncio.Queue:
@@ -44,10 +53,12 @@ class RequestMailbox:
         """Stop collecting; later messages for the request are dropped."""
         self._queues.pop(request_id, None)
 
-    def _deliver(self, kind: str):
+    def _deliver(self, kind: str, subscribed: str, message_decoder):
         async def callback(msg):
-            request_id = msg.subject.rsplit(".", 1)[-1]
-            queue = self._queues.get(request_id)
-            if queue is not None:
-                queue.put_nowait((kind, msg))
+            queue = self._queues.get(msg.subject.rsplit(".", 1)[-1])
+            if queue is None:
+                return
+            message = self._bad_messages.decode(message_decoder, msg, subscribed)
+            if message is not None:
+                queue.put_nowait((kind, message))
         return callback

@@ -12,9 +12,8 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from shared.messages import LoadReported, decoder
+from shared.messages import LoadReported
 
-_load_decoder = decoder(LoadReported)
 
 
 @dataclass
@@ -59,10 +58,6 @@ class InstanceRegistry:
         self._ttl_s = ttl_s
         self._instances: dict[str, InstanceState] = {}
         self._placements = itertools.count(1)
-
-    async def on_message(self, msg):
-        """NATS callback for heartbeats."""
-        self.observe(_load_decoder.decode(msg.data))
 
     def observe(self, report: LoadReported):
         """Record a heartbeat."""

@@ -19,6 +19,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import msgspec
 import nats
 import structlog
 from opentelemetry import trace
@@ -41,18 +42,14 @@ from shared.messages import (
     KvReady,
     PrefillCompleted,
     PrefillReply,
-    RequestEvent,
     RequestFailed,
     StartPrefill,
-    TokensEmitted,
     decoder,
     encode,
 )
 from shared.tracing import trace_headers, tracer
 
 log = structlog.get_logger(__name__)
-_tokens_decoder = decoder(TokensEmitted)
-_event_decoder = decoder(RequestEvent)
 _prefill_reply_decoder = decoder(PrefillReply)
 _tracer = tracer("pdd.router")
 LIVENESS_TICK_S = 0.5
@@ -219,7 +216,7 @@ class RequestFlow:
                 kind, item = await asyncio.wait_for(self._queue.get(), deadline - time.monotonic())
             except asyncio.TimeoutError:
                 break
-            event = _event_decoder.decode(item.data) if kind == "event" else item
+            event = item
             if isinstance(event, KvImportAborted):
                 self.outcome.wan_kv_bytes = self._wan_bytes_before + event.wan_kv_bytes
                 self._wan_bytes_final = True
@@ -240,7 +237,7 @@ class RequestFlow:
             reply = await self.nc.request(subject, encode(command), headers=trace_headers(),
                                           timeout=self.first_token_timeout_s)
             queue.put_nowait(("prefill", _prefill_reply_decoder.decode(reply.data)))
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        except (nats.errors.Error, asyncio.TimeoutError, msgspec.DecodeError) as exc:
             queue.put_nowait(("prefill", exc))
 
     async def _ordered_tokens(self) -> AsyncIterator[list[int]]:
@@ -257,9 +254,9 @@ class RequestFlow:
                 self._check_liveness()
                 continue
             if kind != "tokens":
-                self._on_event(item if kind == "prefill" else _event_decoder.decode(item.data))
+                self._on_event(item)
                 continue
-            batch = self.log.add(_tokens_decoder.decode(item.data))
+            batch = self.log.add(item)
             self.outcome.finish_reason, self.outcome.finished_on = self.log.finish_reason, self.log.finished_on
             if batch:
                 last_progress, self._progressed = time.monotonic(), True

@@ -31,6 +31,7 @@ from shared.service import Service
 from shared.tracing import tracer
 
 _overlap_decoder = decoder(OverlapReply)
+_load_decoder = decoder(LoadReported)
 _tracer = tracer("pdd.router")
 OVERLAP_TIMEOUT_S = 0.25
 
@@ -58,8 +59,8 @@ class RouterService(Service):
         if self.metadata is None:
             self.metadata = await asyncio.get_running_loop().run_in_executor(
                 None, load_metadata, self.config.model)
-        await self.nc.subscribe(subjects.LOAD_ALL, cb=self.registry.on_message)
-        self.mailbox = RequestMailbox(self.nc, self.instance_id)
+        await self.subscribe(subjects.LOAD_ALL, _load_decoder, self._on_heartbeat)
+        self.mailbox = RequestMailbox(self.nc, self.instance_id, self.bad_messages)
         await self.mailbox.start()
         app = web.Application(client_max_size=64 << 20)
         app.add_routes([
@@ -81,6 +82,9 @@ class RouterService(Service):
             await asyncio.wait(self._in_flight, timeout=30)
         if self._runner:
             await self._runner.cleanup()
+
+    async def _on_heartbeat(self, report: LoadReported, msg):
+        self.registry.observe(report)
 
     def load_report(self) -> LoadReported:
         return LoadReported(instance=self.instance_ref(), service=self.service_name,
@@ -242,7 +246,8 @@ class RouterService(Service):
         try:
             reply = await self.nc.request(subject, encode(OverlapQuery(
                 block_hashes=hashes, hash_scheme=HASH_SCHEME_VERSION)), timeout=OVERLAP_TIMEOUT_S)
-            return _overlap_decoder.decode(reply.data).hit_blocks
+            overlap = self.bad_messages.decode(_overlap_decoder, reply, "reply:overlap")
+            return overlap.hit_blocks if overlap is not None else {}
         except (nats.errors.Error, asyncio.TimeoutError):
             self.log.warning("cache_index_unavailable")
             return {}

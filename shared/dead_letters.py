@@ -1,0 +1,76 @@
+"""Bad messages are harmless: counted, logged, dead-lettered, never fatal.
+
+A message on any subject that does not decode as that subject's type (garbage, a message of
+another version, a forged field of the wrong type) is counted in
+``pdd_bad_messages_total{service,subject}`` (the subject as subscribed, so the label stays
+bounded), logged with its real subject, and copied to the site's dead-letter stream
+(JetStream ``PDD_DEAD_LETTERS``, bounded by count and bytes, oldest dropped) for someone to
+look at. The actor drops it and goes on; a request it seemed to belong to is not touched.
+"""
+
+import asyncio
+
+import msgspec
+import nats
+import structlog
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
+from prometheus_client import Counter
+
+from shared import subjects
+
+log = structlog.get_logger(__name__)
+STREAM_NAME = "PDD_DEAD_LETTERS"
+MAX_MESSAGES = 10_000
+MAX_BYTES = 64 << 20
+BAD_MESSAGES = Counter("pdd_bad_messages_total", "Messages that did not decode (dropped, dead-lettered)",
+                       ["service", "subject"])
+
+
+def stream_config(site: str) -> StreamConfig:
+    """The site's dead-letter stream."""
+    return StreamConfig(name=STREAM_NAME, subjects=[subjects.dead_letters_of_site(site)],
+                        storage=StorageType.FILE, max_msgs=MAX_MESSAGES, max_bytes=MAX_BYTES,
+                        discard=DiscardPolicy.OLD)
+
+
+async def ensure_stream(nc: nats.NATS, site: str, timeout_s: float = 5.0) -> bool:
+    """Create the site's dead-letter stream if needed; False (logged) if JetStream did not answer."""
+    js = nc.jetstream()
+    try:
+        try:
+            await asyncio.wait_for(js.add_stream(stream_config(site)), timeout_s)
+        except nats.js.errors.BadRequestError:
+            await asyncio.wait_for(js.update_stream(stream_config(site)), timeout_s)
+        return True
+    except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        log.warning("dead_letter_stream_unavailable", site=site, error=str(exc) or type(exc).__name__)
+        return False
+
+
+class BadMessageSink:
+    """Where one service reports the messages it could not decode."""
+
+    def __init__(self, nc: nats.NATS, site: str, service: str):
+        self._nc, self._subject, self._service = nc, subjects.dead_letters(site, service), service
+
+    def decode(self, decoder: msgspec.msgpack.Decoder, msg, subscribed: str):
+        """``msg`` decoded, or None when it is bad (then reported)."""
+        try:
+            return decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            self.report(msg, subscribed, exc)
+            return None
+
+    def report(self, msg, subscribed: str, error: Exception):
+        """Count, log and dead-letter one bad message."""
+        BAD_MESSAGES.labels(self._service, subscribed).inc()
+        log.warning("bad_message", service=self._service, subject=msg.subject, bytes=len(msg.data),
+                    error=str(error))
+        asyncio.ensure_future(self._dead_letter(msg, str(error)))
+
+    async def _dead_letter(self, msg, error: str):
+        headers = {"Pdd-Subject": msg.subject, "Pdd-Error": error[:200], "Pdd-Service": self._service}
+        try:
+            await self._nc.publish(self._subject, msg.data, headers=headers)
+        except nats.errors.Error:
+            pass  # counted and logged already; the copy is best effort
