@@ -142,6 +142,9 @@ class RouterConfig(CommonConfig):
     first_token_timeout_s: float = setting(120.0, "longest wait for a request's first token", positive)
     token_timeout_s: float = setting(60.0, "longest wait between two tokens", positive)
     instance_ttl_s: float = setting(5.0, "an instance silent this long is considered gone", positive)
+    partition_tolerance_s: float = setting(15.0, "how long in-flight requests wait for a remote site that "
+                                           "went silent as a whole (a stall or partition) before they "
+                                           "are resumed elsewhere", positive)
     max_recoveries: int = setting(2, "times a request is resumed elsewhere by token replay after an "
                                   "instance fails it (0: fail the request at once)", non_negative)
 

@@ -13,6 +13,7 @@ from infra.wan_link import LinkProfile
 from tests.faults_helpers import crash, engines_idle
 from tests.helpers import until
 from tests.test_pipeline_e2e import SLOW_WAN, chat_body, chat_prompt, expected_text, post
+from tests.test_pipeline_e2e import stream as stream_chunks
 
 
 async def read_some_then_disconnect(stack, body: dict, num_chunks: int):
@@ -65,7 +66,8 @@ async def test_partitioned_wan_gives_a_clear_error_without_recoveries(make_stack
 
 
 async def test_a_partition_is_served_at_site_a_then_main_decode_returns(make_stack, tiny):
-    stack = await make_stack(profile=LinkProfile(bandwidth_bps=0, rtt_ms=10, jitter_ms=0))
+    stack = await make_stack(profile=LinkProfile(bandwidth_bps=0, rtt_ms=10, jitter_ms=0),
+                             router_settings={"partition_tolerance_s": 4})
     stack.link.set_profile(partitioned=True)
     content = "Anyone there? " * 6
     status, body = await post(stack, "/chat/completions", chat_body(content, 24))
@@ -77,6 +79,7 @@ async def test_a_partition_is_served_at_site_a_then_main_decode_returns(make_sta
     # Sent while site B is known to be unreachable: straight to the relay, nothing to recover.
     status, body = await post(stack, "/chat/completions", chat_body("Still cut off?", 8))
     assert status == 200 and body["pdd"]["pipeline"] == "P-RLD" and body["pdd"]["recoveries"] == []
+    assert body["pdd"]["degraded"] == "site-b unreachable"
     stack.link.set_profile(partitioned=False)
     await stack.wait_ready()
     status, body = await post(stack, "/chat/completions", chat_body("Back again?", 8))
@@ -115,3 +118,29 @@ async def test_a_dead_routers_requests_are_freed_everywhere_within_the_lease(mak
     elapsed = time.monotonic() - started
     assert elapsed < 5, f"freed after {elapsed:.1f} s: by the request ending, not by its lease"
     request.cancel()
+
+
+async def health(stack) -> dict:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(stack.base_url.removesuffix("/v1") + "/health") as response:
+            return await response.json()
+
+
+async def test_a_stall_shorter_than_the_partition_tolerance_costs_nothing(make_stack, tiny):
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD",
+                                                                "partition_tolerance_s": 8})
+    content = "Describe the canal in winter. " * 8
+    request = asyncio.create_task(stream_chunks(stack, "/chat/completions", chat_body(content, 400)))
+    main = stack.mains[0]
+    await until(lambda: main.engine.num_sequences, 15, "main decode to decode")
+    stack.link.set_profile(partitioned=True)  # frozen, not dropped: a stall
+    await until(lambda: "site-b" in stack.router.site_health.unreachable(), 10, "site B to go silent")
+    assert (await health(stack))["sites"] == {"site-b": "unreachable"}
+    status, during = await post(stack, "/chat/completions", chat_body("Meanwhile?", 8))
+    assert status == 200 and during["pdd"]["pipeline"] == "P-RLD"
+    stack.link.set_profile(partitioned=False)
+    chunks = await asyncio.wait_for(request, 60)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == expected_text(tiny, chat_prompt(tiny, content), 400)
+    assert chunks[-1]["pdd"]["recoveries"] == [] and chunks[-1]["pdd"]["finished_on"] == "MD"
+    await until(lambda: stack.router.site_health.states["site-b"].value == "healthy", 10, "site B healthy again")

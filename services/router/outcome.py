@@ -51,6 +51,7 @@ class RequestOutcome:
     predicted_wan_ms: float = 0.0
     kv_transfer_ms: float | None = None
     recoveries: list[Recovery] = field(default_factory=list)
+    degraded_reason: str = ""
 
     def place(self, placement: Placement):
         """Describe the attempt running on ``placement``."""
@@ -58,6 +59,7 @@ class RequestOutcome:
         self.cached_blocks_md = placement.md_cached_blocks
         self.predicted_wan_ms = placement.predicted_wan_s * 1000
         self.odd_traffic = placement.odd_traffic
+        self.degraded_reason = placement.degraded_reason
         self.instances = {role: ref.instance_id for role, ref in (
             ("prefill", placement.prefill), ("main_decode", placement.main_decode),
             ("relay_decode", placement.relay_decode)) if ref is not None}
@@ -73,4 +75,5 @@ class RequestOutcome:
             "predicted_wan_ms": round(self.predicted_wan_ms, 1),
             "kv_transfer_ms": self.kv_transfer_ms, "instances": self.instances,
             "recoveries": [r.as_pdd() for r in self.recoveries],
+            "degraded": self.degraded_reason or None,
         }

@@ -41,6 +41,7 @@ class Placement:
         missing_kv_bytes: KV bytes predicted to cross the WAN.
         predicted_wan_s: Their predicted transfer time.
         odd_traffic: Marked odd by the odd-traffic filter (relayed; WAN cancelled if the relay wins).
+        degraded_reason: Why a ``P-RLD`` request is served at site A alone.
     """
 
     pipeline: Pipeline
@@ -53,6 +54,7 @@ class Placement:
     missing_kv_bytes: int
     predicted_wan_s: float
     odd_traffic: bool = False
+    degraded_reason: str = ""
 
     @property
     def instance_ids(self) -> list[str]:
@@ -140,8 +142,16 @@ def _least_busy(relays: list[InstanceState]) -> InstanceState:
 
 
 def _relay_only(prefill: InstanceState, relays: list[InstanceState], num_prompt_blocks: int) -> Placement:
-    """Degraded mode: no main decoder is live, the relay finishes the request at site A."""
-    relay = _least_busy(relays)
+    """Degraded mode: no main decoder is live, the relay finishes the request at site A.
+
+    Admission is bounded by the relays' own capacity: the small relay pool must not take
+    every request a cut-off site would have served.
+    """
+    room = [s for s in relays if not s.report.max_sequences or s.load_sequences < s.report.max_sequences]
+    if not room:
+        raise NoInstances("no main decoder is reachable and the relay pool is full")
+    relay = _least_busy(room)
     return Placement(pipeline="P-RLD", prefill=prefill.report.instance, main_decode=None,
                      relay_decode=relay.report.instance, md_cached_blocks=0, md_load_blocks=0,
-                     num_prompt_blocks=num_prompt_blocks, missing_kv_bytes=0, predicted_wan_s=0.0)
+                     num_prompt_blocks=num_prompt_blocks, missing_kv_bytes=0, predicted_wan_s=0.0,
+                     degraded_reason="no main decoder is reachable")

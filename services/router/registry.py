@@ -6,6 +6,13 @@ larger of the two, so a burst of requests spreads out before the next heartbeat 
 this router has seen one of its requests there finish, the heartbeat before it is known to
 overstate the load (by the request's whole KV, output included), so until the next one only
 this router's count is used.
+
+Death is told apart from a slow or cut link by the instance's own site: an instance silent
+for the TTL while its site still speaks (other instances' heartbeats, or the site's NATS
+server answering the router's probe) has died. When its whole site is silent the
+link is to blame (heartbeats of a remote site cross the WAN), and the instance counts as
+dead only after ``partition_tolerance_s``: a stall shorter than that is neither a death nor
+an error. Placement still uses only instances heard within the TTL.
 """
 
 import itertools
@@ -54,13 +61,16 @@ class InstanceState:
 class InstanceRegistry:
     """Which instances are alive, per service; an instance silent for ``ttl_s`` is gone."""
 
-    def __init__(self, ttl_s: float):
+    def __init__(self, ttl_s: float, partition_tolerance_s: float | None = None):
         self._ttl_s = ttl_s
+        self._partition_tolerance_s = max(ttl_s, partition_tolerance_s or ttl_s)
         self._instances: dict[str, InstanceState] = {}
+        self._site_seen: dict[str, float] = {}
         self._placements = itertools.count(1)
 
     def observe(self, report: LoadReported):
         """Record a heartbeat."""
+        self._site_seen[report.instance.site] = time.monotonic()
         state = self._instances.get(report.instance.instance_id)
         if state is None:
             self._instances[report.instance.instance_id] = InstanceState(report, time.monotonic())
@@ -79,6 +89,31 @@ class InstanceRegistry:
         """Whether ``instance_id`` has sent a heartbeat within the TTL."""
         state = self._instances.get(instance_id)
         return state is not None and state.seen_monotonic >= time.monotonic() - self._ttl_s
+
+    def site_heard(self, site: str):
+        """Something at ``site`` answered (e.g. its NATS server, probed through the link)."""
+        self._site_seen[site] = time.monotonic()
+
+    def is_dead(self, instance_id: str) -> bool:
+        """Whether ``instance_id`` is gone: silent while its site speaks, or past the partition tolerance."""
+        state = self._instances.get(instance_id)
+        if state is None:
+            return True
+        now = time.monotonic()
+        silent_s = now - state.seen_monotonic
+        if silent_s <= self._ttl_s:
+            return False
+        site_silent_s = now - self._site_seen.get(state.report.instance.site, 0.0)
+        return site_silent_s <= self._ttl_s or silent_s > self._partition_tolerance_s
+
+    def site_silent_s(self, site: str) -> float:
+        """Seconds since any instance at ``site`` was heard (inf: never)."""
+        seen = self._site_seen.get(site)
+        return float("inf") if seen is None else time.monotonic() - seen
+
+    def sites(self) -> list[str]:
+        """Sites heard from."""
+        return sorted(self._site_seen)
 
     def assign(self, instance_ids: list[str], num_blocks: int):
         """Count a request of ``num_blocks`` prompt blocks placed on these instances."""

@@ -315,6 +315,6 @@ class RequestFlow:
 
     def _check_liveness(self):
         for instance_id in self._needed():
-            if not self.registry.is_alive(instance_id):
+            if self.registry.is_dead(instance_id):
                 raise InstanceFailed(f"instance {instance_id} stopped responding "
                                      f"(request {self.request_id})", instance_id, "instance_unresponsive")

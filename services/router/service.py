@@ -6,6 +6,7 @@ streams the ordered tokens back as SSE or one JSON body with a ``pdd`` extension
 """
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -20,6 +21,7 @@ from services.router.openai_api import ApiError, ParsedRequest
 from services.router.placement import NoInstances, place
 from services.router.wan_estimate import WanEstimator
 from services.router.registry import InstanceRegistry
+from services.router.site_health import SiteHealth
 from services.router.request_flow import RequestFlow, UpstreamFailed, UpstreamTimeout, new_request_id
 from shared import subjects
 from shared.block_hash import HASH_SCHEME_VERSION, hash_blocks
@@ -34,6 +36,8 @@ _overlap_decoder = decoder(OverlapReply)
 _load_decoder = decoder(LoadReported)
 _tracer = tracer("pdd.router")
 OVERLAP_TIMEOUT_S = 0.25
+SITE_TICK_S = 0.5
+SITE_PROBE_TIMEOUT_S = 1.0
 
 
 class RouterService(Service):
@@ -45,7 +49,8 @@ class RouterService(Service):
         super().__init__(config)
         self.config: RouterConfig = config
         self.metadata = metadata
-        self.registry = InstanceRegistry(config.instance_ttl_s)
+        self.registry = InstanceRegistry(config.instance_ttl_s, config.partition_tolerance_s)
+        self.site_health = SiteHealth(self.registry, config.site, config.instance_ttl_s)
         self.wan = WanEstimator(config.wan_bandwidth_mbit * 1e6, config.wan_rtt_ms / 1000)
         self.odd_rule = OddTrafficRule(config.odd_traffic_filter, config.odd_max_output_tokens,
                                        config.relay_step_ms / 1000, config.ttft_target_ms / 1000)
@@ -62,6 +67,7 @@ class RouterService(Service):
         await self.subscribe(subjects.LOAD_ALL, _load_decoder, self._on_heartbeat)
         self.mailbox = RequestMailbox(self.nc, self.instance_id, self.bad_messages)
         await self.mailbox.start()
+        self._tasks.append(asyncio.create_task(self._watch_sites(), name="site-health"))
         app = web.Application(client_max_size=64 << 20)
         app.add_routes([
             web.get("/v1/models", self._models), web.get("/health", self._health),
@@ -86,6 +92,23 @@ class RouterService(Service):
     async def _on_heartbeat(self, report: LoadReported, msg):
         self.registry.observe(report)
 
+    async def _watch_sites(self):
+        probes: dict[str, asyncio.Task] = {}
+        while True:
+            for site in self.registry.sites():
+                if site != self.config.site and (site not in probes or probes[site].done()):
+                    probes[site] = asyncio.create_task(self._probe_site(site))
+            self.site_health.update()
+            await asyncio.sleep(SITE_TICK_S)
+
+    async def _probe_site(self, site: str):
+        """Ask the site's own NATS server (its JetStream domain) whether the link carries."""
+        try:
+            await self.nc.jetstream(domain=site, timeout=SITE_PROBE_TIMEOUT_S).account_info()
+            self.registry.site_heard(site)
+        except (nats.errors.Error, asyncio.TimeoutError):
+            pass  # the link or the site's server is down: instances' silence is not death yet
+
     def load_report(self) -> LoadReported:
         return LoadReported(instance=self.instance_ref(), service=self.service_name,
                             active_sequences=len(self._in_flight), unix_s=time.time(),
@@ -105,7 +128,8 @@ class RouterService(Service):
         healthy = serving
         state = "ok" if serving and live["main_decode"] else "degraded" if serving else "unavailable"
         wan = self.wan.current()
-        return web.json_response({"status": state, "instances": live,
+        sites = {site: state.value for site, state in self.site_health.update().items()}
+        return web.json_response({"status": state, "instances": live, "sites": sites,
                                   "wan_estimate": {"bandwidth_mbit": round(wan.bandwidth_bps / 1e6, 2),
                                                    "rtt_ms": round(wan.rtt_s * 1000, 1)}},
                                  status=200 if healthy else 503)
@@ -233,11 +257,15 @@ class RouterService(Service):
                 "request_id": request_id, "blocks": len(hashes)}):
             hits = await self._overlap(hashes)
         kv_bytes = self.config.kv_bytes_per_token or self.metadata.kv_bytes_per_token
-        return place(self.registry, hits, num_prompt_tokens=len(req.prompt_token_ids),
+        placement = place(self.registry, hits, num_prompt_tokens=len(req.prompt_token_ids),
                      block_size=self.config.block_size, kv_bytes_per_token=kv_bytes,
                      wan=self.wan.current(), ttft_target_s=self.config.ttft_target_ms / 1000,
                      policy=self.config.pipeline_policy, odd_rule=self.odd_rule,
                      max_tokens=req.sampling.max_tokens, avoid=avoid)
+        cut_off = self.site_health.unreachable()
+        if placement.pipeline == "P-RLD" and cut_off:
+            placement = dataclasses.replace(placement, degraded_reason=f"{', '.join(cut_off)} unreachable")
+        return placement
 
     async def _overlap(self, hashes: list[int]) -> dict[str, int]:
         if not hashes:
