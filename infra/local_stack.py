@@ -12,7 +12,14 @@ from pathlib import Path
 
 import nats
 
-from infra.nats_server import NatsSite, free_port, leafnode_count, start_nats_on_free_ports, wait_until
+from infra.nats_server import (
+    NatsSite,
+    free_port,
+    leafnode_count,
+    start_nats,
+    start_nats_on_free_ports,
+    wait_until,
+)
 from infra.wan_link import LinkProfile, Route, WanLink
 from services.cache_index.service import CacheIndexService
 from services.main_decode.service import MainDecodeService
@@ -139,6 +146,22 @@ class LocalStack:
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"stack not ready: {self.router.registry.summary()}")
             await asyncio.sleep(0.05)
+
+    async def stop_nats(self, site: str):
+        """Stop the site's nats-server (a fault: core NATS loses what is published meanwhile)."""
+        process = self.nats_processes[list(self.sites).index(site)]
+        process.terminate()
+        await asyncio.get_running_loop().run_in_executor(None, process.wait, 10)
+
+    async def start_nats(self, site: str):
+        """Start the site's nats-server again on the same ports and JetStream store."""
+        self.nats_processes[list(self.sites).index(site)] = await asyncio.get_running_loop().run_in_executor(
+            None, start_nats, self.sites[site], self.workdir)
+
+    async def restart_nats(self, site: str):
+        """Stop and start the site's nats-server."""
+        await self.stop_nats(site)
+        await self.start_nats(site)
 
     async def stop(self):
         """Stop services, the link and NATS; remove the work folder."""

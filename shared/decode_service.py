@@ -1,6 +1,11 @@
-"""Base of the two decoding services: receive KV flows, decode, stream tokens, free on cancel."""
+"""Base of the two decoding services: receive KV flows, decode, stream tokens, free on cancel.
+
+Tokens are delivered at least once: a producer answers ``ResendTokens`` from the live
+sequence or, once the request ended here, from a short record of its output.
+"""
 
 import asyncio
+from collections import OrderedDict
 
 from opentelemetry import trace
 
@@ -17,8 +22,14 @@ from shared.messages import (
     InstanceRef,
     KvImportAborted,
     RequestFailed,
+    ResendTokens,
     TokensEmitted,
+    decoder,
 )
+
+_resend_decoder = decoder(ResendTokens)
+RECENT_OUTPUTS = 512
+"""Finished requests whose output a producer keeps for resends."""
 
 
 class DecodeService(EngineService):
@@ -35,6 +46,7 @@ class DecodeService(EngineService):
         self.loop: EngineLoop | None = None
         self.bulk_endpoint = ""
         self.spans: dict[str, trace.Span] = {}
+        self._finished_outputs: OrderedDict[str, tuple[list[int], str]] = OrderedDict()
 
     async def on_start(self):
         self.importer = KvImporter(self.worker, self._on_import_complete, self._on_import_open,
@@ -48,6 +60,8 @@ class DecodeService(EngineService):
         self.bulk_endpoint = self.config.bulk_advertise or f"{host}:{port}"
         self.loop = EngineLoop(self.worker, self._on_outputs)
         self.watch(self.loop.start())
+        await self.subscribe(subjects.instance_work(self.config.site, self.service_name, self.instance_id,
+                                                    subjects.RESEND), _resend_decoder, self._on_resend)
 
     async def on_stop(self):
         # Stop accepting KV; let running sequences finish for a short grace period.
@@ -102,11 +116,32 @@ class DecodeService(EngineService):
             await self.emit(seq.request_id, 0, seq.output_token_ids,
                             seq.finish_reason if seq.status is SequenceStatus.FINISHED else None)
             if seq.status is SequenceStatus.FINISHED:
-                await self.worker.call(self.engine.free, seq.request_id)
+                self._remember_finished(await self.worker.call(self.engine.free, seq.request_id))
                 return
         self.loop.wake()
 
     # --- token stream --------------------------------------------------------------------
+
+    async def _on_resend(self, resend: ResendTokens, msg):
+        rid = resend.request_id
+        known = self._finished_outputs.get(rid) or await self.worker.call(self._live_outputs, rid)
+        if known is None or resend.from_index >= len(known[0]):
+            return
+        tokens, finish_reason = known
+        await self.emit(rid, resend.from_index, tokens[resend.from_index:], finish_reason)
+        self.log.info("tokens_resent", request_id=rid, from_index=resend.from_index,
+                      tokens=len(tokens) - resend.from_index)
+
+    def _live_outputs(self, request_id: str) -> tuple[list[int], None] | None:
+        if not self.engine.holds(request_id):
+            return None
+        return list(self.engine.get(request_id).output_token_ids), None
+
+    def _remember_finished(self, seq: Sequence):
+        if seq.finish_reason in ("stop", "length"):
+            self._finished_outputs[seq.request_id] = (list(seq.output_token_ids), seq.finish_reason)
+            while len(self._finished_outputs) > RECENT_OUTPUTS:
+                self._finished_outputs.popitem(last=False)
 
     async def emit(self, request_id: str, start_index: int, token_ids: list[int],
                    finish_reason: str | None):
@@ -126,7 +161,7 @@ class DecodeService(EngineService):
                 await self.emit(out.request_id, out.token_index, [out.token_id],
                                 out.finish_reason if out.finished else None)
             if out.finished:
-                await self.worker.call(self.engine.free, out.request_id)
+                self._remember_finished(await self.worker.call(self.engine.free, out.request_id))
                 self.end_span(out.request_id)
                 await self.on_finished(out)
 

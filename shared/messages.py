@@ -109,6 +109,22 @@ class CancelRequest(_Message, kw_only=True):
     reason: str = ""
 
 
+class ResendTokens(_Message, kw_only=True):
+    """Router → the producer of a request's stream: publish its output again from an index.
+
+    Core NATS loses what is published while a server restarts; the router, which sees the
+    gap (or a stream gone quiet), asks for the tokens again. Producers answer from the live
+    sequence, or from a short record of requests they finished recently.
+
+    Attributes:
+        request_id: The request (attempt) id.
+        from_index: First output index the router lacks.
+    """
+
+    request_id: str
+    from_index: int
+
+
 class OverlapQuery(_Message, kw_only=True):
     """Router → cache-index: how many leading blocks does each instance hold?
 

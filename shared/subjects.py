@@ -112,5 +112,6 @@ def load(site: str, instance_id: str) -> str:
 # Verbs.
 START_PREFILL = "start_prefill"
 HANDOFF = "handoff"
+RESEND = "resend"
 OVERLAP = "overlap"
 DUMP = "dump"

@@ -144,3 +144,45 @@ async def test_a_stall_shorter_than_the_partition_tolerance_costs_nothing(make_s
     assert text == expected_text(tiny, chat_prompt(tiny, content), 400)
     assert chunks[-1]["pdd"]["recoveries"] == [] and chunks[-1]["pdd"]["finished_on"] == "MD"
     await until(lambda: stack.router.site_health.states["site-b"].value == "healthy", 10, "site B healthy again")
+
+
+async def test_a_nats_restart_at_site_a_costs_a_stall_not_the_stream(make_stack, tiny):
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD"})
+    content = "Tell the story of the night ferry. " * 8
+    request = asyncio.create_task(stream_chunks(stack, "/chat/completions", chat_body(content, 400)))
+    main = stack.mains[0]
+    prompt_blocks = []
+    await until(lambda: main.engine.num_sequences, 15, "main decode to decode")
+    prompt_blocks.append(main.engine.blocks.num_used_blocks)
+    await until(lambda: main.engine.blocks.num_used_blocks >= prompt_blocks[0] + 1, 15, "tokens to flow")
+    await stack.restart_nats("site-a")  # tokens published meanwhile are lost on core NATS
+    chunks = await asyncio.wait_for(request, 45)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == expected_text(tiny, chat_prompt(tiny, content), 400)
+    assert chunks[-1]["pdd"]["finished_on"] == "MD"
+    await until(lambda: engines_idle(stack), 15, "no leftover sequences")
+
+
+async def test_site_b_nats_down_past_the_tolerance_finishes_at_site_a_and_leaks_nothing(make_stack, tiny):
+    lease = {"request_lease_s": 3.0}
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD",
+                                                                "partition_tolerance_s": 3},
+                             engine_settings=lease, decode_settings=lease)
+    content = "Describe the lock gates at dusk. " * 8
+    request = asyncio.create_task(stream_chunks(stack, "/chat/completions", chat_body(content, 400)))
+    main = stack.mains[0]
+    await until(lambda: main.engine.num_sequences, 15, "main decode to decode")
+    await stack.stop_nats("site-b")
+    chunks = await asyncio.wait_for(request, 45)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == expected_text(tiny, chat_prompt(tiny, content), 400)
+    pdd = chunks[-1]["pdd"]
+    assert pdd["pipeline"] == "P-RLD" and [r["from"] for r in pdd["recoveries"]] == ["main-decode-0"]
+    # Cut off from every router, main decode frees the request by its lease: no zombie.
+    await until(lambda: main.engine.num_sequences == 0, 15, "main decode to free the orphan")
+    assert main.failure is None
+    await stack.start_nats("site-b")
+    await stack.wait_ready(30)
+    status, body = await post(stack, "/chat/completions", chat_body("Back?", 8))
+    assert status == 200 and body["pdd"]["pipeline"] == "P-MD"
+    await until(lambda: engines_idle(stack), 15, "no leftover sequences")

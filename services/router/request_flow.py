@@ -43,6 +43,7 @@ from shared.messages import (
     PrefillCompleted,
     PrefillReply,
     RequestFailed,
+    ResendTokens,
     StartPrefill,
     decoder,
     encode,
@@ -53,6 +54,7 @@ log = structlog.get_logger(__name__)
 _prefill_reply_decoder = decoder(PrefillReply)
 _tracer = tracer("pdd.router")
 LIVENESS_TICK_S = 0.5
+RESEND_AFTER_S = 1.0
 ODD_CANCEL_REPORT_S = 2.0
 RECOVERIES = Counter("pdd_recoveries_total", "Requests resumed elsewhere by token replay", ["reason"])
 
@@ -129,6 +131,7 @@ class RequestFlow:
         self._handed_over = False
         self._kv_ready = False
         self._progressed = False
+        self._last_progress = self._last_resend = time.monotonic()
 
     async def tokens(self) -> AsyncIterator[list[int]]:
         """Ordered batches of new output token IDs until the request finishes.
@@ -241,13 +244,13 @@ class RequestFlow:
             queue.put_nowait(("prefill", exc))
 
     async def _ordered_tokens(self) -> AsyncIterator[list[int]]:
-        last_progress = time.monotonic()
         while not self.log.complete:
             # A new attempt waits for its first token as long as a new request does.
             timeout = self.token_timeout_s if self._progressed else self.first_token_timeout_s
-            if time.monotonic() - last_progress > timeout:
+            if time.monotonic() - self._last_progress > timeout:
                 raise InstanceFailed(f"no token for {timeout:.0f} s (request {self.request_id})",
                                      self._producer_id(), "timeout")
+            await self._repair_gap()
             try:
                 kind, item = await asyncio.wait_for(self._queue.get(), LIVENESS_TICK_S)
             except asyncio.TimeoutError:
@@ -259,12 +262,33 @@ class RequestFlow:
             batch = self.log.add(item)
             self.outcome.finish_reason, self.outcome.finished_on = self.log.finish_reason, self.log.finished_on
             if batch:
-                last_progress, self._progressed = time.monotonic(), True
+                self._last_progress, self._progressed = time.monotonic(), True
                 if self.outcome.ttft_ms is None:
                     self.outcome.ttft_ms = round((time.perf_counter() - self.started) * 1000, 1)
                 self.outcome.output_tokens = self.log.next_index
                 self.outcome.eager_tokens = self.log.eager_tokens
                 yield batch
+
+    async def _repair_gap(self):
+        """Ask the decoders to resend from the first missing index when the stream has a hole
+        or went quiet (core NATS drops what is published while a server restarts, even the
+        first tokens). Harmless when nothing was lost: a producer sends only what it has."""
+        now = time.monotonic()
+        if now - max(self._last_progress, self._last_resend) < RESEND_AFTER_S:
+            return
+        self._last_resend = now
+        (log.info if self.log.has_gap else log.debug)(
+            "tokens_resend_requested", request_id=self.request_id, attempt_id=self.attempt_id,
+            from_index=self.log.next_index, gap=self.log.has_gap)
+        resend = encode(ResendTokens(request_id=self.attempt_id, from_index=self.log.next_index))
+        for ref, service in ((self.placement.relay_decode, "relay_decode"),
+                             (self.placement.main_decode, "main_decode")):
+            if ref is not None:
+                try:
+                    await self.nc.publish(subjects.instance_work(ref.site, service, ref.instance_id,
+                                                                 subjects.RESEND), resend)
+                except nats.errors.Error:
+                    return  # NATS itself is down: ask again on the next tick
 
     def _on_event(self, event):
         prefill = self.placement.prefill.instance_id

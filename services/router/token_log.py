@@ -40,6 +40,11 @@ class TokenLog:
         """Whether every token up to the final one has been released."""
         return self._final_index is not None and self.next_index > self._final_index
 
+    @property
+    def has_gap(self) -> bool:
+        """Whether later tokens arrived while an earlier one is still missing."""
+        return bool(self._pending)
+
     def add(self, message: TokensEmitted) -> list[int]:
         """Take a producer's message; return the tokens it lets the client have now, in order."""
         for offset, token in enumerate(message.token_ids):
