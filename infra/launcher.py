@@ -4,13 +4,18 @@ Topology (the same as docker-compose.yml): site A runs nats-a, the router, prefi
 relay decode and the cache-index; site B runs nats-b and main decode; the WAN link process
 carries the leafnode (B → A) and every P → MD bulk path. Each service instance is its own
 process with its own log under the run folder; ``state.json`` there lets ``pdd down`` and
-``pdd status`` find them.
+``pdd status`` find them. A supervisor process (``infra/supervisor.py``) restarts any of them
+that exits, with back-off; ``pdd restart NAME`` restarts one by hand (the NATS servers and the
+WAN link included).
 """
 
+import contextlib
+import fcntl
 import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +23,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from infra.nats_server import NatsSite, free_port, leafnode_count, start_nats, wait_until
+from infra.nats_server import NatsSite, free_port, leafnode_count, nats_server_binary, start_nats, wait_until
 from shared.errors import PddError
 from shared.model_loader import model_cache_dir
 
@@ -54,7 +59,11 @@ class Deployment:
         processes: Name → pid of every process started.
         nats_urls: Site → client URL.
         metrics_urls: Service process name → its Prometheus endpoint.
-        commands: Service process name → ``pdd`` arguments and environment (for ``pdd restart``).
+        commands: Process name → how to start it again: ``argv``, ``env`` and ``program``
+            (``pdd``: arguments of the pdd CLI; ``exec``: a binary and its arguments).
+        restarts: Process name → times it was started again (supervisor or ``pdd restart``).
+        paused: Processes being restarted by hand (the supervisor leaves them alone).
+        supervisor_pid: The supervisor process (0: none).
     """
 
     run_dir: str
@@ -64,6 +73,9 @@ class Deployment:
     nats_urls: dict[str, str] = field(default_factory=dict)
     metrics_urls: dict[str, str] = field(default_factory=dict)
     commands: dict[str, dict] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
+    paused: list[str] = field(default_factory=list)
+    supervisor_pid: int = 0
 
 
 def default_run_dir() -> Path:
@@ -81,7 +93,7 @@ def up(args) -> Deployment:
     """Start everything; return once the router reports every instance healthy."""
     run_dir = Path(args.run_dir)
     existing = load_state(run_dir)
-    if existing and any(_alive(pid) for pid in existing.processes.values()):
+    if existing and any(process_alive(pid) for pid in existing.processes.values()):
         raise LauncherError(f"a deployment is already running from {run_dir} (pdd down first)")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     deployment = Deployment(str(run_dir), f"http://127.0.0.1:{args.http_port}/v1",
@@ -90,6 +102,9 @@ def up(args) -> Deployment:
         _start_all(args, run_dir, deployment)
         _save(run_dir, deployment)
         _wait_healthy(deployment, args)
+        with locked_state(run_dir) as saved:
+            saved.supervisor_pid = deployment.supervisor_pid = _spawn(
+                run_dir, "supervisor", {"argv": ["supervise", "--run-dir", str(run_dir)], "env": {}})
     except BaseException:
         _save(run_dir, deployment)
         down(run_dir, quiet=True)
@@ -100,20 +115,23 @@ def up(args) -> Deployment:
 def _start_all(args, run_dir: Path, deployment: Deployment):
     site_a = NatsSite(SITE_A, args.nats_a_port, free_port(), run_dir / "jetstream-a", leaf_listen_port=free_port())
     deployment.processes["nats-a"] = start_nats(site_a, run_dir, run_dir / "logs" / "nats-a.log").pid
+    deployment.commands["nats-a"] = _nats_command(run_dir, SITE_A)
     leaf_port, bulk_ports = free_port(), [(free_port(), free_port()) for _ in range(args.md)]
     md_site = getattr(args, "md_site", SITE_B)
     routes = [f"leafnode=127.0.0.1:{leaf_port}>127.0.0.1:{site_a.leaf_listen_port}@{SITE_B}"]
     if md_site == SITE_B:  # main decode at site A (same-site baseline) needs no WAN path
         routes += [f"bulk-main-decode-{i}=127.0.0.1:{wan}>127.0.0.1:{local}@{SITE_A}"
                    for i, (local, wan) in enumerate(bulk_ports)]
-    deployment.processes["wan-link"] = _spawn(run_dir, "wan-link", [
+    deployment.commands["wan-link"] = {"argv": [
         "serve", "wan_link", "--control-port", str(args.wan_control_port), "--bandwidth", args.bandwidth,
         "--rtt", args.rtt, "--jitter", args.jitter, "--seed", str(args.seed),
-        *[arg for route in routes for arg in ("--route", route)]], {})
+        *[arg for route in routes for arg in ("--route", route)]], "env": {}}
+    deployment.processes["wan-link"] = _spawn(run_dir, "wan-link", deployment.commands["wan-link"])
     wait_until(lambda: _http_ok(deployment.wan_control_url + "/link"), 30, "WAN link did not start")
     site_b = NatsSite(SITE_B, args.nats_b_port, free_port(), run_dir / "jetstream-b",
                       leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}")
     deployment.processes["nats-b"] = start_nats(site_b, run_dir, run_dir / "logs" / "nats-b.log").pid
+    deployment.commands["nats-b"] = _nats_command(run_dir, SITE_B)
     wait_until(lambda: leafnode_count(site_a) >= 1, 30, "leafnode between the sites did not connect")
     deployment.nats_urls = {SITE_A: site_a.url, SITE_B: site_b.url}
     env = {"PDD_BULK_SECRET": secrets.token_hex(16), "PDD_MODEL": args.model,
@@ -129,7 +147,7 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
                 "--metrics-port", str(metrics_port), *flags]
         process_env = {**env, **site_env[site or TOPOLOGY[kind][0]]}
         deployment.commands[name] = {"argv": argv, "env": process_env}
-        deployment.processes[name] = _spawn(run_dir, name, argv, process_env)
+        deployment.processes[name] = _spawn(run_dir, name, deployment.commands[name])
 
     spawn("cache-index", 0)
     for i in range(args.prefill):
@@ -149,19 +167,44 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
           "--pipeline-policy", getattr(args, "pipeline_policy", "auto"))
 
 
-def _spawn(run_dir: Path, name: str, argv: list[str], env: dict[str, str]) -> int:
+def _nats_command(run_dir: Path, site: str) -> dict:
+    # start_nats wrote the server's configuration there; a restart reuses it (same ports, store).
+    return {"argv": [nats_server_binary(), "-c", str(run_dir / f"nats-{site}.conf")], "env": {},
+            "program": "exec"}
+
+
+def _spawn(run_dir: Path, name: str, command: dict) -> int:
+    """Start a recorded command with its log in the run folder; return its pid."""
+    argv = command["argv"]
+    if command.get("program", "pdd") == "pdd":
+        argv = [sys.executable, "-m", "shared.cli", *argv]
     log = open(run_dir / "logs" / f"{name}.log", "ab")
-    process = subprocess.Popen([sys.executable, "-m", "shared.cli", *argv], stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True,
-                               env={**os.environ, **env})
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                               env={**os.environ, **command["env"]})
     return process.pid
+
+
+@contextlib.contextmanager
+def locked_state(run_dir: Path):
+    """The recorded deployment (None if there is none), saved back on exit, under a file lock:
+    the supervisor and ``pdd restart``/``down`` change it from different processes."""
+    with open(run_dir / "state.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            deployment = load_state(run_dir)
+            before = asdict(deployment) if deployment is not None else None
+            yield deployment
+            if deployment is not None and asdict(deployment) != before and (run_dir / "state.json").exists():
+                _save(run_dir, deployment)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _wait_healthy(deployment: Deployment, args):
     want = {"prefill": args.prefill, "relay_decode": args.rld, "main_decode": args.md, "cache_index": 1}
 
     def healthy():
-        dead = [name for name, pid in deployment.processes.items() if not _alive(pid)]
+        dead = [name for name, pid in deployment.processes.items() if not process_alive(pid)]
         if dead:
             raise LauncherError(f"{', '.join(dead)} exited; see {deployment.run_dir}/logs/")
         health = _get_json(deployment.router_url.removesuffix("/v1") + "/health")
@@ -172,63 +215,115 @@ def _wait_healthy(deployment: Deployment, args):
 
 
 def down(run_dir: Path, quiet: bool = False) -> list[str]:
-    """Stop every recorded process (services first, then the link and NATS)."""
+    """Stop the supervisor, then every recorded process (services first, then the link and NATS)."""
     deployment = load_state(run_dir)
     if deployment is None:
         if not quiet:
             raise LauncherError(f"no deployment recorded in {run_dir}")
         return []
+    if deployment.supervisor_pid:
+        _stop(deployment.supervisor_pid, timeout_s=5)
     order = sorted(deployment.processes, key=lambda n: (n.startswith(("nats", "wan")), n))
     for name in order:
         _signal(deployment.processes[name], signal.SIGTERM)
     deadline = time.monotonic() + 20
     for name in order:
         pid = deployment.processes[name]
-        while _alive(pid) and time.monotonic() < deadline:
+        while process_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if _alive(pid):
+        if process_alive(pid):
             _signal(pid, signal.SIGKILL)
-    (run_dir / "state.json").unlink(missing_ok=True)
+    with locked_state(run_dir):
+        (run_dir / "state.json").unlink(missing_ok=True)
     return order
 
 
 def restart(run_dir: Path, name: str) -> int:
-    """Stop one service process (SIGTERM, then SIGKILL) and start it again; return its new pid."""
-    deployment = load_state(run_dir)
-    if deployment is None or name not in deployment.commands:
-        known = sorted(deployment.commands) if deployment else []
-        raise LauncherError(f"no service process {name!r} to restart (known: {', '.join(known)})")
-    pid = deployment.processes[name]
+    """Stop one process (SIGTERM, then SIGKILL) and start it again; return its new pid.
+
+    Works for every recorded process: services, the NATS servers (same ports and JetStream
+    store) and the WAN link (back to the link profile ``pdd up`` was given).
+    """
+    with locked_state(run_dir) as deployment:
+        if deployment is None or name not in deployment.commands:
+            known = sorted(deployment.commands) if deployment else []
+            raise LauncherError(f"no process {name!r} to restart (known: {', '.join(known)})")
+        deployment.paused.append(name)
+        pid, command = deployment.processes[name], deployment.commands[name]
+    try:
+        _stop(pid, timeout_s=20)
+        new_pid = _spawn(run_dir, name, command)
+    finally:
+        with locked_state(run_dir) as deployment:
+            if deployment is not None:
+                deployment.paused.remove(name)
+    with locked_state(run_dir) as deployment:
+        deployment.processes[name] = new_pid
+        deployment.restarts[name] = deployment.restarts.get(name, 0) + 1
+    _wait_ready(deployment, name)
+    return new_pid
+
+
+def _wait_ready(deployment: Deployment, name: str, timeout_s: float = 30.0):
+    """Until a restarted link or NATS server serves again (services report by heartbeat)."""
+    if name == "wan-link":
+        wait_until(lambda: _http_ok(deployment.wan_control_url + "/link"), timeout_s,
+                   "WAN link did not come back")
+    elif name.startswith("nats-"):
+        host, port = deployment.nats_urls[TOPOLOGY[name][0]].removeprefix("nats://").rsplit(":", 1)
+        wait_until(lambda: _accepts(host, int(port)), timeout_s, f"{name} did not come back")
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _stop(pid: int, timeout_s: float):
     _signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 20
-    while _alive(pid) and time.monotonic() < deadline:
+    deadline = time.monotonic() + timeout_s
+    while process_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if _alive(pid):
+    if process_alive(pid):
         _signal(pid, signal.SIGKILL)
-    command = deployment.commands[name]
-    deployment.processes[name] = _spawn(run_dir, name, command["argv"], command["env"])
-    _save(run_dir, deployment)
-    return deployment.processes[name]
 
 
-def status(run_dir: Path) -> dict:
-    """Each process alive or not, and the router's view of the instances."""
+def status(run_dir: Path, detailed: bool = False) -> dict:
+    """Each process alive or not, and the router's view of the instances.
+
+    With ``detailed`` each process is an object: pid, state, metrics URL, restarts.
+    """
     deployment = load_state(run_dir)
     if deployment is None:
         raise LauncherError(f"no deployment recorded in {run_dir}")
+    states = {n: ("running" if process_alive(p) else "exited") for n, p in deployment.processes.items()}
+    if detailed:
+        processes = {n: {"pid": p, "state": states[n], "metrics_url": deployment.metrics_urls.get(n),
+                         "restarts": deployment.restarts.get(n, 0)} for n, p in deployment.processes.items()}
+    else:
+        processes = states
     return {"router_url": deployment.router_url, "wan_control_url": deployment.wan_control_url,
-            "metrics_urls": deployment.metrics_urls,
-            "processes": {n: ("running" if _alive(p) else "exited") for n, p in deployment.processes.items()},
+            "metrics_urls": deployment.metrics_urls, "processes": processes,
+            "supervisor": "running" if process_alive(deployment.supervisor_pid) else "exited",
             "health": _get_json(deployment.router_url.removesuffix("/v1") + "/health")}
 
 
 def _save(run_dir: Path, deployment: Deployment):
-    path = run_dir / "state.json"
-    path.touch(mode=0o600)  # it holds the deployment's bulk secret
-    path.write_text(json.dumps(asdict(deployment), indent=2))
+    # Atomic (readers such as `pdd status` take no lock); 0600: it holds the bulk secret.
+    path, partial = run_dir / "state.json", run_dir / "state.json.partial"
+    partial.unlink(missing_ok=True)
+    with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(json.dumps(asdict(deployment), indent=2))
+    partial.replace(path)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, or a child already reaped here, does not)."""
+    if pid <= 0:
+        return False  # 0 and negatives name process groups, not a process
     try:
         waited, _ = os.waitpid(pid, os.WNOHANG)
         if waited == pid:

@@ -67,9 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_wan_parsers(commands)
     for name, helptext in (("up", "start the two-site deployment"), ("demo", "up, agent conversation, down")):
         _add_up_args(commands.add_parser(name, help=helptext))
-    for name, helptext in (("down", "stop the deployment"), ("status", "show the deployment")):
-        commands.add_parser(name, help=helptext).add_argument("--run-dir", default=None)
-    restart = commands.add_parser("restart", help="restart one service process (e.g. cache-index-0)")
+    commands.add_parser("down", help="stop the deployment").add_argument("--run-dir", default=None)
+    status = commands.add_parser("status", help="show the deployment")
+    status.add_argument("--run-dir", default=None)
+    status.add_argument("--json", action="store_true",
+                        help="one entry per process: pid, state, metrics URL, restarts")
+    commands.add_parser("supervise", help="restart the deployment's exited processes (run by pdd up)"
+                        ).add_argument("--run-dir", default=None)
+    restart = commands.add_parser("restart", help="restart one process (e.g. cache-index-0, nats-b, wan-link)")
     restart.add_argument("name")
     restart.add_argument("--run-dir", default=None)
     return parser
@@ -220,8 +225,17 @@ def cmd_status(args) -> int:
     """Print the deployment's processes and health."""
     from infra import launcher
 
-    print(json.dumps(launcher.status(_run_dir(args)), indent=2))
+    print(json.dumps(launcher.status(_run_dir(args), detailed=args.json), indent=2))
     return 0
+
+
+def cmd_supervise(args) -> int:
+    """Supervise the deployment (started by pdd up)."""
+    from infra.supervisor import supervise
+    from shared.logging import configure_logging
+
+    configure_logging()
+    return supervise(_run_dir(args))
 
 
 def cmd_restart(args) -> int:
@@ -287,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(args.log_level if args.command not in ("up", "demo") else "warning")
     handlers = {"generate": cmd_generate, "bench": cmd_bench, "up": cmd_up, "down": cmd_down,
                 "status": cmd_status, "wan": cmd_wan, "serve": cmd_serve, "demo": cmd_demo,
-                "restart": cmd_restart}
+                "restart": cmd_restart, "supervise": cmd_supervise}
     try:
         return handlers[args.command](args)
     except (PddError, ValueError) as exc:

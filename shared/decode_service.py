@@ -80,7 +80,7 @@ class DecodeService(EngineService):
 
     def instance_ref(self) -> InstanceRef:
         return InstanceRef(instance_id=self.instance_id, site=self.config.site,
-                           bulk_endpoint=self.bulk_endpoint)
+                           bulk_endpoint=self.bulk_endpoint, incarnation=self.incarnation)
 
     async def on_cancel(self, cancel: CancelRequest):
         finished_elsewhere = cancel.kind == "finished"

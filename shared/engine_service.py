@@ -1,7 +1,6 @@
 """Base of the services that run the model: engine thread, KV events, cache dumps, load."""
 
 import asyncio
-import secrets
 import time
 
 import nats
@@ -30,7 +29,6 @@ class EngineService(Service):
         self.worker: EngineWorker | None = None
         self._kv_events: asyncio.Queue | None = None
         self._kv_seq = 0
-        self._kv_epoch = secrets.token_hex(8)
 
     @property
     def engine(self) -> Engine:
@@ -76,8 +74,7 @@ class EngineService(Service):
             instance=self.instance_ref(), service=self.service_name,
             active_sequences=engine.num_sequences, max_sequences=self.config.max_sequences,
             free_blocks=engine.blocks.num_free_blocks, used_blocks=engine.blocks.num_used_blocks,
-            total_blocks=engine.blocks.num_blocks,
-            kv_epoch=self._kv_epoch if self.publishes_kv_events else "", unix_s=time.time())
+            total_blocks=engine.blocks.num_blocks, unix_s=time.time())
 
     async def _publish_kv_events(self):
         subject = subjects.kv_events(self.config.site, self.instance_id)
@@ -92,9 +89,9 @@ class EngineService(Service):
     async def _publish_kv_event(self, js, subject: str, kind: str, hashes: list[int]):
         self._kv_seq += 1
         cls = KvBlocksStored if kind == "stored" else KvBlocksEvicted
-        event = cls(publisher_id=self.instance_id, epoch=self._kv_epoch, seq=self._kv_seq,
+        event = cls(publisher_id=self.instance_id, epoch=self.incarnation, seq=self._kv_seq,
                     block_hashes=hashes)
-        msg_id = f"{self.instance_id}:{self._kv_epoch}:{self._kv_seq}"
+        msg_id = f"{self.instance_id}:{self.incarnation}:{self._kv_seq}"
         try:
             await js.publish(subject, encode(event), headers={"Nats-Msg-Id": msg_id})
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
@@ -103,7 +100,7 @@ class EngineService(Service):
 
     async def _on_dump(self, msg):
         hashes = await self.worker.call(self.engine.prefix_cache.block_hashes)
-        await msg.respond(encode(KvBlocksStored(publisher_id=self.instance_id, epoch=self._kv_epoch,
+        await msg.respond(encode(KvBlocksStored(publisher_id=self.instance_id, epoch=self.incarnation,
                                                 seq=self._kv_seq, block_hashes=hashes)))
 
 

@@ -30,11 +30,15 @@ class InstanceRef(msgspec.Struct, frozen=True, kw_only=True):
         site: Site the instance runs at.
         bulk_endpoint: ``host:port`` of its bulk KV receiver as reachable from the sender's
             site (for site-B instances this is the WAN link's address).
+        incarnation: Random id of the process behind the name, new at every start. A process
+            restarted under the same name is another instance: what the old one held is gone.
+            It is also the epoch of the instance's KV events.
     """
 
     instance_id: str
     site: str
     bulk_endpoint: str = ""
+    incarnation: str = ""
 
 
 # ----- commands ------------------------------------------------------------------------
@@ -321,8 +325,6 @@ class LoadReported(_Message, kw_only=True):
         free_blocks: KV blocks on its free list now.
         used_blocks: KV blocks held by the requests it runs now (shared prefix blocks once).
         total_blocks: Size of its KV pool.
-        kv_epoch: Incarnation of its KV events (``KvBlocksStored.epoch``); empty for an
-            instance that publishes none. Only this incarnation's blocks count for routing.
         live_request_ids: For a router: the (attempt) ids of every request it still runs.
             Its heartbeat renews their leases; engines free what a router no longer lists.
         unix_s: Sender's clock when sent.
@@ -335,7 +337,6 @@ class LoadReported(_Message, kw_only=True):
     free_blocks: int = 0
     used_blocks: int = 0
     total_blocks: int = 0
-    kv_epoch: str = ""
     live_request_ids: list[str] = []
     unix_s: float
 

@@ -9,6 +9,7 @@ what went missing.
 """
 
 import asyncio
+import secrets
 import signal
 import time
 
@@ -40,6 +41,7 @@ class Service:
     def __init__(self, config: CommonConfig):
         self.config = config
         self.instance_id = config.instance_id
+        self.incarnation = secrets.token_hex(8)
         self.nc: nats.NATS | None = None
         self.bad_messages: BadMessageSink | None = None
         self._tasks: list[asyncio.Task] = []
@@ -66,7 +68,7 @@ class Service:
 
     def instance_ref(self) -> InstanceRef:
         """How other instances reach this one."""
-        return InstanceRef(instance_id=self.instance_id, site=self.config.site)
+        return InstanceRef(instance_id=self.instance_id, site=self.config.site, incarnation=self.incarnation)
 
     async def held_request_ids(self) -> list[str]:
         """Requests (attempt ids) this instance holds any state for."""

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, OpenAI
 
 from infra.launcher import load_state
 from infra.nats_server import free_port
@@ -160,21 +160,51 @@ async def test_killing_the_busiest_main_decoder_loses_no_request(deployment, tin
     recovered = [pdd["recoveries"] for _, pdd in results if pdd["recoveries"]]
     assert sum(active.values()) == streams and len(recovered) == active[victim], (active, recovered)
     assert all(r[0]["from"] == victim and r[0]["to"] != victim for r in recovered)
-    # The next request succeeds on what is left.
+    # The next request succeeds, and the supervisor brings the killed decoder back.
     reply = await api.chat.completions.create(
         model="smollm2-135m-instruct", messages=[{"role": "user", "content": "And now?"}],
         max_tokens=8, temperature=0)
-    assert reply.model_extra["pdd"]["instances"]["main_decode"] != victim
+    assert reply.choices[0].finish_reason == "length"
+    deadline = time.monotonic() + 60
+    while True:
+        status = json.loads(pdd("status", "--json", "--run-dir", str(run_dir)).stdout)
+        entry = status["processes"][victim]
+        if (entry["state"] == "running" and entry["restarts"] == 1
+                and victim in status["health"]["instances"]["main_decode"]) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert entry["pid"] != state.processes[victim] and entry["restarts"] == 1, entry
+    assert victim in status["health"]["instances"]["main_decode"] and status["supervisor"] == "running"
+
+
+def test_pdd_restart_covers_the_nats_servers_and_the_wan_link(deployment):
+    run_dir, ports = deployment
+    for name in ("nats-b", "wan-link"):
+        before = load_state(run_dir).processes[name]
+        restarted = pdd("restart", name, "--run-dir", str(run_dir))
+        assert restarted.returncode == 0, restarted.stderr
+        assert load_state(run_dir).processes[name] != before
+    api = OpenAI(base_url=f"http://127.0.0.1:{ports['--http-port']}/v1", api_key="none", max_retries=0,
+                 timeout=60)
+    deadline = time.monotonic() + 60
+    while True:  # main decode is back in view once the leafnode and its heartbeats return
+        reply = api.chat.completions.create(model="smollm2-135m-instruct", max_tokens=4, temperature=0,
+                                            messages=[{"role": "user", "content": "Still there?"}])
+        if reply.model_extra["pdd"]["pipeline"] != "P-RLD" or time.monotonic() > deadline:
+            break
+    assert reply.model_extra["pdd"]["pipeline"] in ("P-MD", "P-RLD-MD"), reply.model_extra["pdd"]
 
 
 def test_every_service_exposes_its_metrics(deployment):
     import urllib.request
 
     run_dir, _ = deployment
-    status = json.loads(pdd("status", "--run-dir", str(run_dir)).stdout)
+    status = json.loads(pdd("status", "--json", "--run-dir", str(run_dir)).stdout)
     urls = status["metrics_urls"]
-    main_decode = next(name for name, state in sorted(status["processes"].items())
-                       if name.startswith("main-decode") and state == "running")
+    # One that served requests since it started (the supervisor restarted a killed one).
+    main_decode = next(name for name, entry in sorted(status["processes"].items())
+                       if name.startswith("main-decode") and entry["state"] == "running"
+                       and entry["restarts"] == 0)
     expected = {
         "router": ["pdd_pipeline_choices_total", "pdd_ttft_seconds_bucket", "pdd_wan_estimate_bandwidth_bps"],
         "prefill-0": ['pdd_kv_bytes_total{direction="sent",path="wan"}', "pdd_kv_transfer_seconds_bucket",

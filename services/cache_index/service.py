@@ -7,7 +7,7 @@ the stream does not fully cover, or whose events show a gap, is asked for a full
 prefix cache, and only events newer than the dump are applied on top. Overlap queries are
 answered by request/reply: for each instance, how many leading blocks of the prompt it holds.
 
-Only the incarnation an instance's own heartbeat names (``LoadReported.kv_epoch``) counts:
+Only the incarnation an instance's own heartbeat names (``InstanceRef.incarnation``) counts:
 the streams outlive processes (and deployments, when a run folder is reused), so a replay
 may bring the events of an earlier instance of the same name. Its blocks are gone; they are
 ignored, and the instance is credited only with what it announces itself.
@@ -116,12 +116,13 @@ class CacheIndexService(Service):
             return
         index = self._index(report.instance.instance_id, report.instance.site)
         index.service, index.last_seen = report.service, time.monotonic()
-        index.live_epoch = report.kv_epoch
-        if index.epoch != report.kv_epoch and not index.syncing:
+        epoch = report.instance.incarnation
+        index.live_epoch = epoch
+        if index.epoch != epoch and not index.syncing:
             if index.epoch:
                 self.log.info("instance_restarted", instance=report.instance.instance_id,
-                              old_epoch=index.epoch, epoch=report.kv_epoch)
-            index.reset(report.kv_epoch)
+                              old_epoch=index.epoch, epoch=epoch)
+            index.reset(epoch)
         if index.seq < 0 and not index.syncing:
             self._request_dump(report.instance.instance_id, index)
         self._expire()

@@ -19,7 +19,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from shared.messages import LoadReported
+from shared.messages import InstanceRef, LoadReported
 
 
 
@@ -94,10 +94,11 @@ class InstanceRegistry:
         """Something at ``site`` answered (e.g. its NATS server, probed through the link)."""
         self._site_seen[site] = time.monotonic()
 
-    def is_dead(self, instance_id: str) -> bool:
-        """Whether ``instance_id`` is gone: silent while its site speaks, or past the partition tolerance."""
-        state = self._instances.get(instance_id)
-        if state is None:
+    def is_dead(self, ref: InstanceRef) -> bool:
+        """Whether the instance is gone: restarted (a new incarnation under its name), silent
+        while its site speaks, or silent past the partition tolerance."""
+        state = self._instances.get(ref.instance_id)
+        if state is None or (ref.incarnation and state.report.instance.incarnation != ref.incarnation):
             return True
         now = time.monotonic()
         silent_s = now - state.seen_monotonic

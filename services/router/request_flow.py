@@ -45,6 +45,7 @@ from shared.messages import (
     RequestFailed,
     ResendTokens,
     StartPrefill,
+    InstanceRef,
     decoder,
     encode,
 )
@@ -314,7 +315,7 @@ class RequestFlow:
 
     def _on_failure(self, event: RequestFailed):
         message = f"{event.instance_id}: {event.code}: {event.message}"
-        if event.instance_id not in self._needed():
+        if event.instance_id not in {ref.instance_id for ref in self._needed()}:
             # E.g. main decode's import broke while the relay streams: the relay finishes.
             log.warning("failure_not_on_stream_path", request_id=self.request_id,
                         instance=event.instance_id, code=event.code)
@@ -323,22 +324,25 @@ class RequestFlow:
             raise InstanceFailed(message, event.instance_id, event.code)
         raise UpstreamFailed(message)
 
-    def _needed(self) -> list[str]:
+    def _needed(self) -> list[InstanceRef]:
         """Instances whose failure stops the stream now."""
         p, needed = self.placement, []
         # Prefill until the producer of the stream holds its KV.
         if not (self._kv_ready if p.pipeline == "P-MD" else self._progressed):
-            needed.append(p.prefill.instance_id)
-        needed.append(self._producer_id())
+            needed.append(p.prefill)
+        needed.append(self._producer())
         return needed
 
-    def _producer_id(self) -> str:
+    def _producer(self) -> InstanceRef:
         p = self.placement
         relaying = p.relay_decode is not None and not self._handed_over
-        return (p.relay_decode if relaying else p.main_decode).instance_id
+        return p.relay_decode if relaying else p.main_decode
+
+    def _producer_id(self) -> str:
+        return self._producer().instance_id
 
     def _check_liveness(self):
-        for instance_id in self._needed():
-            if self.registry.is_dead(instance_id):
-                raise InstanceFailed(f"instance {instance_id} stopped responding "
-                                     f"(request {self.request_id})", instance_id, "instance_unresponsive")
+        for ref in self._needed():
+            if self.registry.is_dead(ref):
+                raise InstanceFailed(f"instance {ref.instance_id} stopped responding "
+                                     f"(request {self.request_id})", ref.instance_id, "instance_unresponsive")
