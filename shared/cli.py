@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from shared.errors import PddError
 from shared.logging import configure_logging
@@ -74,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one entry per process: pid, state, metrics URL, restarts")
     commands.add_parser("supervise", help="restart the deployment's exited processes (run by pdd up)"
                         ).add_argument("--run-dir", default=None)
+    chaos = commands.add_parser("chaos", help="inject faults into the running deployment; check nothing is lost")
+    chaos.add_argument("--scenario", default="all", help="one of md-kill, relay-kill, prefill-kill, "
+                       "router-kill, nats-a-restart, nats-b-outage, partition, stalls, slow-wan, or all")
+    chaos.add_argument("--streams", type=int, default=4, help="greedy streams per scenario (default 4)")
+    chaos.add_argument("--max-tokens", type=int, default=96, help="tokens per stream (default 96)")
+    chaos.add_argument("--prompt-words", type=int, default=300, help="words per cold prompt (default 300)")
+    chaos.add_argument("--outage-s", type=float, default=25.0, help="length of the nats-b outage (default 25)")
+    chaos.add_argument("--out", default=None, help="also write the Markdown table here")
+    chaos.add_argument("--run-dir", default=None)
     restart = commands.add_parser("restart", help="restart one process (e.g. cache-index-0, nats-b, wan-link)")
     restart.add_argument("name")
     restart.add_argument("--run-dir", default=None)
@@ -229,6 +239,42 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_chaos(args) -> int:
+    """Run chaos scenarios against the running deployment; print one JSON row each, then a table."""
+    import asyncio
+
+    from infra import launcher
+    from loadtest import chaos
+    from shared.model_loader import load_model
+
+    run_dir = _run_dir(args)
+    deployment = launcher.load_state(run_dir)
+    if deployment is None:
+        raise launcher.LauncherError(f"no deployment recorded in {run_dir} (pdd up first)")
+    names = list(chaos.SCENARIOS) if args.scenario == "all" else [args.scenario]
+    unknown = [n for n in names if n not in chaos.SCENARIOS]
+    if unknown:
+        raise PddError(f"unknown scenario {unknown[0]!r}; choose from {', '.join(chaos.SCENARIOS)} or all")
+    model = deployment.commands["router"]["env"]["PDD_MODEL"]
+    served = _get_served_model(deployment)
+    ctx = chaos.ChaosContext(run_dir=run_dir, model_name=served, loaded=load_model(model),
+                             streams=args.streams, max_tokens=args.max_tokens,
+                             prompt_words=args.prompt_words, outage_s=args.outage_s)
+    rows = asyncio.run(chaos.run(ctx, names))
+    text = chaos.table(rows)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def _get_served_model(deployment) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(deployment.router_url + "/models", timeout=10) as response:
+        return json.loads(response.read())["data"][0]["id"]
+
+
 def cmd_supervise(args) -> int:
     """Supervise the deployment (started by pdd up)."""
     from infra.supervisor import supervise
@@ -301,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(args.log_level if args.command not in ("up", "demo") else "warning")
     handlers = {"generate": cmd_generate, "bench": cmd_bench, "up": cmd_up, "down": cmd_down,
                 "status": cmd_status, "wan": cmd_wan, "serve": cmd_serve, "demo": cmd_demo,
-                "restart": cmd_restart, "supervise": cmd_supervise}
+                "restart": cmd_restart, "supervise": cmd_supervise, "chaos": cmd_chaos}
     try:
         return handlers[args.command](args)
     except (PddError, ValueError) as exc:

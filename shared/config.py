@@ -68,8 +68,10 @@ class CommonConfig:
     bulk_secret: str = setting("", "per-deployment secret authenticating bulk KV peers")
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint")
     metrics_port: int = setting(0, "port of the Prometheus /metrics endpoint (0: none)", non_negative)
-    request_lease_s: float = setting(8.0, "engines free a request whose router has been silent this long",
-                                     positive)
+    request_lease_s: float = setting(8.0, "engines free a request whose router has been silent this long "
+                                     "while its site is heard (the router died)", positive)
+    cut_off_lease_s: float = setting(30.0, "engines free a request whose router's whole site has been "
+                                     "silent this long (a cut or congested link, not a dead router)", positive)
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,8 @@ class RouterConfig(CommonConfig):
                                            "are resumed elsewhere", positive)
     max_recoveries: int = setting(2, "times a request is resumed elsewhere by token replay after an "
                                   "instance fails it (0: fail the request at once)", non_negative)
+    recovery_wait_s: float = setting(30.0, "how long a recovery waits for a live instance to resume on "
+                                     "(e.g. while a supervisor restarts the only prefill)", non_negative)
 
 
 @dataclass(frozen=True)

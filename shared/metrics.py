@@ -19,6 +19,8 @@ CACHE_INDEX_EVENTS = Counter("pdd_cache_index_events_total", "KV events seen by 
                              ["outcome"])
 EAGER_TOKENS = Counter("pdd_eager_tokens_total", "Tokens emitted by relay decode")
 ACTIVE_SEQUENCES = Gauge("pdd_active_sequences", "Sequences held", ["service", "instance"])
+KV_BLOCKS_USED = Gauge("pdd_kv_blocks_used", "KV blocks held by live sequences (cached idle blocks not counted)",
+                       ["service", "instance"])
 PUBLISH_FAILURES = Counter("pdd_publish_failures_total", "NATS publishes that failed (dropped, counted)",
                            ["service", "kind"])
 LEASES_EXPIRED = Counter("pdd_request_leases_expired_total",

@@ -91,7 +91,8 @@ class Service:
         await self.on_start()
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
         if self.holds_requests:
-            self.leases = RequestLeases(self.config.request_lease_s, grace_s=2 * self.config.heartbeat_s + 0.5)
+            self.leases = RequestLeases(self.config.request_lease_s, grace_s=2 * self.config.heartbeat_s + 0.5,
+                                        cut_off_lease_s=self.config.cut_off_lease_s)
             await self.subscribe(subjects.LOAD_ALL, _load_decoder, self._on_heartbeat_msg)
             self._tasks.append(asyncio.create_task(self._free_expired(), name="lease-reaper"))
         for task in self._tasks:

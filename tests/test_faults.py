@@ -164,7 +164,7 @@ async def test_a_nats_restart_at_site_a_costs_a_stall_not_the_stream(make_stack,
 
 
 async def test_site_b_nats_down_past_the_tolerance_finishes_at_site_a_and_leaks_nothing(make_stack, tiny):
-    lease = {"request_lease_s": 3.0}
+    lease = {"request_lease_s": 3.0, "cut_off_lease_s": 3.0}
     stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD",
                                                                 "partition_tolerance_s": 3},
                              engine_settings=lease, decode_settings=lease)

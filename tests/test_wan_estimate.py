@@ -20,6 +20,14 @@ def test_first_measurement_replaces_the_prior_then_smooths():
     assert abs(wan.current().rtt_s - 0.15) < 1e-9
 
 
+def test_one_queued_handshake_cannot_blow_up_the_rtt_estimate():
+    wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, alpha=0.5)
+    wan.add_rtt(25.0)  # waited behind a burst of other flows' KV
+    assert wan.current().rtt_s == 0.16
+    wan.add_rtt(0.04)
+    assert abs(wan.current().rtt_s - 0.1) < 1e-9
+
+
 def test_a_drop_is_believed_within_one_transfer_and_rises_are_smoothed():
     wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, alpha=0.5)
     wan.add_throughput(100e6, num_bytes=MIN_SAMPLE_BYTES)

@@ -106,14 +106,15 @@ class RequestFlow:
                  wan: WanEstimator, request_id: str,
                  prompt_token_ids: list[int], sampling: SamplingParams, placement: Placement,
                  first_token_timeout_s: float, token_timeout_s: float, started: float,
-                 block_size: int, replace: Replacer | None = None, max_recoveries: int = 0):
+                 block_size: int, replace: Replacer | None = None, max_recoveries: int = 0,
+                 recovery_wait_s: float = 0.0):
         self.nc, self.mailbox, self.registry, self.wan = nc, mailbox, registry, wan
         self.request_id = request_id
         self.prompt_token_ids, self.sampling, self.placement = prompt_token_ids, sampling, placement
         self.first_token_timeout_s, self.token_timeout_s = first_token_timeout_s, token_timeout_s
         self.started = started
         self.block_size = block_size
-        self._replace, self.max_recoveries = replace, max_recoveries
+        self._replace, self.max_recoveries, self.recovery_wait_s = replace, max_recoveries, recovery_wait_s
         # One seed for every attempt: token i is drawn from (seed, i) wherever it is sampled.
         self.seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         self.log = TokenLog()
@@ -181,10 +182,7 @@ class RequestFlow:
         if len(self.outcome.recoveries) >= self.max_recoveries or self._replace is None:
             raise failure.final() from None
         self._avoid.add(failure.instance_id)
-        try:
-            placement = await self._replace(frozenset(self._avoid))
-        except NoInstances as exc:
-            raise UpstreamFailed(f"{failure}; nowhere to resume the request: {exc}") from None
+        placement = await self._place_again(failure)
         failed_id = self.attempt_id
         self.mailbox.close(failed_id)
         await self._cancel(failed_id, "kill", f"recovering from {failure.instance_id}: {failure.reason}")
@@ -209,6 +207,18 @@ class RequestFlow:
         trace.get_current_span().add_event("recovery", attributes)
         _tracer.start_span("router.recovery", attributes=attributes).end()
         self._start_attempt_state()
+
+    async def _place_again(self, failure: InstanceFailed) -> Placement:
+        """A placement avoiding the failed instances; waits (bounded) while none is live, e.g.
+        for a supervisor to bring the only prefill back."""
+        deadline = time.monotonic() + self.recovery_wait_s
+        while True:
+            try:
+                return await self._replace(frozenset(self._avoid))
+            except NoInstances as exc:
+                if time.monotonic() > deadline:
+                    raise UpstreamFailed(f"{failure}; nowhere to resume the request: {exc}") from None
+            await asyncio.sleep(LIVENESS_TICK_S)
 
     async def _cancel_wan_transfer(self):
         """Odd traffic the relay finished: stop the WAN flow, learn how much had crossed."""

@@ -229,7 +229,7 @@ class RouterService(Service):
                 block_size=self.config.block_size, first_token_timeout_s=self.config.first_token_timeout_s,
                 token_timeout_s=self.config.token_timeout_s, started=started,
                 replace=lambda avoid: self._placement(req, request_id, avoid),
-                max_recoveries=self.config.max_recoveries)
+                max_recoveries=self.config.max_recoveries, recovery_wait_s=self.config.recovery_wait_s)
             try:
                 if req.stream:
                     return await self._stream(request, req, flow)

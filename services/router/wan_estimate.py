@@ -9,6 +9,11 @@ Smoothing applies to rises and noise only. A transfer much slower than believed 
 ``DROP_FACTOR`` of the estimate) replaces the bandwidth estimate at once: a link that fell
 from 100 to 2 Mbit/s must not send several more requests P→MD while the average catches up,
 and over-predicting for one transfer after a brief dip only costs a relayed request.
+
+A handshake sample also waits behind other flows' KV in the link's queue; one sample may
+raise the RTT estimate at most ``RTT_MAX_RISE``-fold (a handshake queued for 25 s behind a
+burst once made every later request look relay-worthy). Repeated slow handshakes still
+raise it quickly.
 """
 
 from prometheus_client import Gauge
@@ -19,6 +24,7 @@ BANDWIDTH = Gauge("pdd_wan_estimate_bandwidth_bps", "Router's smoothed WAN bandw
 RTT = Gauge("pdd_wan_estimate_rtt_seconds", "Router's smoothed WAN round-trip estimate")
 MIN_SAMPLE_BYTES = 256 << 10
 DROP_FACTOR = 0.5
+RTT_MAX_RISE = 4.0
 
 
 class WanEstimator:
@@ -44,6 +50,7 @@ class WanEstimator:
         """A WAN flow's handshake time."""
         if rtt_s <= 0:
             return
+        rtt_s = min(rtt_s, RTT_MAX_RISE * self.rtt_s) if self.rtt_s > 0 else rtt_s
         weight = self.alpha if self.rtt_samples else 1.0
         self.rtt_s += weight * (rtt_s - self.rtt_s)
         self.rtt_samples += 1

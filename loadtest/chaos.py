@@ -1,0 +1,309 @@
+"""``pdd chaos``: inject faults into a running deployment and check that nothing is lost.
+
+Each scenario computes the reference text of a bounded set of greedy streams with
+transformers (``generate(do_sample=False)``), runs the streams against the router, injects
+its fault into the real processes while they run (or before, for a partition), and reports
+one row: requests, identical to the reference, recovered, failed with a clear error, lost or
+duplicated tokens, the longest stall a client saw, and the KV blocks every engine still
+holds 10 s after the streams ended. Killed processes are brought back by ``pdd up``'s
+supervisor; each scenario starts once the router sees every instance again.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+import torch
+
+from infra import launcher, wan_control
+from loadtest.client import RequestRecord, stream_chat
+
+SETTLE_S = 10.0
+SCENARIOS = ("md-kill", "relay-kill", "prefill-kill", "router-kill", "nats-a-restart",
+             "nats-b-outage", "partition", "stalls", "slow-wan")
+WARM = {"md-kill", "nats-a-restart", "nats-b-outage", "partition", "stalls"}
+"""Scenarios whose prompts are cached on main decode first, so the streams run P-MD there
+(the common agentic case); the others stream cold prompts, relayed while their KV crosses."""
+AT_DISPATCH_S = {"prefill-kill": 0.5}
+"""Scenarios whose fault strikes this long after the streams are sent (mid-prefill), not
+once every stream has its first token."""
+
+
+@dataclass
+class ChaosRow:
+    """One scenario's outcome (the columns of the table in docs/reliability.md)."""
+
+    scenario: str
+    requests: int
+    identical: int
+    recovered: int
+    failed_clear: int
+    lost_or_duplicated_tokens: int
+    longest_stall_s: float
+    blocks_held_after_10s: int
+    notes: str = ""
+
+
+@dataclass
+class ChaosContext:
+    """What a scenario needs: the deployment, the model, the knobs."""
+
+    run_dir: Path
+    model_name: str
+    loaded: object
+    streams: int
+    max_tokens: int
+    prompt_words: int
+    outage_s: float
+    saved_bandwidth_bps: float = 0.0
+
+    @property
+    def deployment(self) -> launcher.Deployment:
+        return launcher.load_state(self.run_dir)
+
+
+def references(loaded, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """Greedy text per prompt from transformers itself (left-padded batch, fp32: exact)."""
+    tokenizer, width = loaded.tokenizer, max(len(p) for p in prompts)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=loaded.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=loaded.device)
+    with torch.inference_mode():
+        out = loaded.model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+                                    pad_token_id=pad)
+    eos = set(loaded.eos_token_ids)
+    texts = []
+    for row in out[:, width:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        texts.append(tokenizer.decode(row[:end], skip_special_tokens=True))
+    return texts
+
+
+def conversations(ctx: ChaosContext, scenario: str) -> list[list[dict]]:
+    """Cold prompts of their own per scenario and stream (no cached block is shared)."""
+    words = " ".join(f"item{i}" for i in range(ctx.prompt_words))
+    return [[{"role": "system", "content": f"Chaos run {scenario}, stream {i}."},
+             {"role": "user", "content": f"Summarise this log: {words}"}] for i in range(ctx.streams)]
+
+
+def prompt_ids(loaded, messages: list[dict]) -> list[int]:
+    return list(loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False))
+
+
+async def run_scenario(ctx: ChaosContext, scenario: str) -> ChaosRow:
+    """Run one scenario end to end and return its row."""
+    inject, before_streams = FAULTS[scenario]
+    await wait_healthy(ctx)
+    chats = conversations(ctx, scenario)
+    expected = references(ctx.loaded, [prompt_ids(ctx.loaded, c) for c in chats], ctx.max_tokens)
+    records = [RequestRecord(session=i, turn=0, kind=scenario) for i in range(len(chats))]
+    started = [asyncio.Event() for _ in chats]
+    url = ctx.deployment.router_url
+    async with aiohttp.ClientSession() as session:
+        if scenario in WARM:
+            await asyncio.gather(*(_warm(session, url, ctx, chat) for chat in chats))
+        notes = await before_streams(ctx) if before_streams else ""
+        streams = [asyncio.create_task(_stream(session, url, ctx, chat, record, event))
+                   for chat, record, event in zip(chats, records, started)]
+        if scenario in AT_DISPATCH_S:
+            await asyncio.sleep(AT_DISPATCH_S[scenario])  # the fault's timing
+            notes = await inject(ctx) or notes
+        elif inject is not None:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 300)
+            notes = await inject(ctx) or notes
+        await asyncio.gather(*streams)
+    after = AFTER.get(scenario)
+    if after is not None:
+        notes = await after(ctx) or notes
+    await asyncio.sleep(SETTLE_S)  # the measurement's definition: what is still held 10 s later
+    return _row(scenario, records, expected, held_blocks(ctx), notes)
+
+
+async def _warm(session, url: str, ctx: ChaosContext, chat: list[dict], timeout_s: float = 120.0):
+    """Send the prompt until main decode has it cached (the next request goes P-MD)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        # 16 tokens: above the odd-traffic bound, whose WAN transfer would be cancelled.
+        record = await stream_chat(session, url, ctx.model_name, chat, 16, RequestRecord(0, 0, "warm"))
+        if record.pdd.get("pipeline") == "P-MD":
+            return
+        await asyncio.sleep(0.5)
+    raise launcher.LauncherError("a prompt did not get cached on main decode")
+
+
+async def _stream(session, url, ctx, chat, record: RequestRecord, started: asyncio.Event):
+    task = asyncio.create_task(stream_chat(session, url, ctx.model_name, chat, ctx.max_tokens, record))
+    while not task.done() and record.ttft_ms is None:
+        await asyncio.sleep(0.05)
+    started.set()
+    await task
+
+
+def _row(scenario: str, records: list[RequestRecord], expected: list[str], held: int, notes: str) -> ChaosRow:
+    identical = sum(r.error is None and r.text == e for r, e in zip(records, expected))
+    failed = [r for r in records if r.error is not None]
+    wrong = [(r, e) for r, e in zip(records, expected) if r.error is None and r.text != e]
+    lost = sum(max(1, abs(len(r.text) - len(e))) for r, e in wrong)  # in characters: a lower bound
+    pipelines: dict[str, int] = {}
+    for r in records:
+        pipelines[r.pdd.get("pipeline", "none")] = pipelines.get(r.pdd.get("pipeline", "none"), 0) + 1
+    notes = "; ".join(filter(None, [notes, ", ".join(f"{p} {n}" for p, n in sorted(pipelines.items()))]))
+    stalls = [max(r.itl_ms, default=0.0) for r in records] + [r.ttft_ms or 0.0 for r in records]
+    return ChaosRow(scenario=scenario, requests=len(records), identical=identical,
+                    recovered=sum(bool(r.pdd.get("recoveries")) for r in records),
+                    failed_clear=sum(bool(r.error) for r in failed),
+                    lost_or_duplicated_tokens=lost, longest_stall_s=round(max(stalls) / 1000, 2),
+                    blocks_held_after_10s=held, notes=notes)
+
+
+async def wait_healthy(ctx: ChaosContext, timeout_s: float = 180.0):
+    """Until every process runs and the router sees every engine instance it saw at start."""
+    want = {kind: sum(1 for n in ctx.deployment.processes if n.startswith(prefix))
+            for kind, prefix in (("prefill", "prefill-"), ("relay_decode", "relay-decode-"),
+                                 ("main_decode", "main-decode-"))}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        health = await asyncio.to_thread(_health, ctx)
+        if health and all(len(health["instances"].get(k, [])) >= n for k, n in want.items()) \
+                and all(s == "healthy" for s in health.get("sites", {}).values()):
+            return
+        await asyncio.sleep(0.5)
+    raise launcher.LauncherError(f"deployment not healthy after {timeout_s:.0f} s")
+
+
+def _health(ctx: ChaosContext) -> dict | None:
+    return launcher._get_json(ctx.deployment.router_url.removesuffix("/v1") + "/health")
+
+
+def _metric_sum(url: str, name: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {line.split("{", 1)[1].split("}", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(name + "{")}
+
+
+def held_blocks(ctx: ChaosContext) -> int:
+    """KV blocks every engine process's live sequences hold now."""
+    total = 0
+    for name, url in ctx.deployment.metrics_urls.items():
+        if name.startswith(("prefill", "relay-decode", "main-decode")):
+            try:
+                total += int(sum(_metric_sum(url, "pdd_kv_blocks_used").values()))
+            except OSError:
+                pass  # being restarted: it holds nothing
+    return total
+
+
+def _kill(ctx: ChaosContext, name: str) -> str:
+    os.kill(ctx.deployment.processes[name], signal.SIGKILL)
+    return f"SIGKILL {name}"
+
+
+def _busiest(ctx: ChaosContext, prefix: str) -> str:
+    urls = ctx.deployment.metrics_urls
+    active = {n: sum(_metric_sum(u, "pdd_active_sequences").values()) for n, u in urls.items()
+              if n.startswith(prefix)}
+    return max(active, key=active.get)
+
+
+def _wan(ctx: ChaosContext, **changes) -> dict:
+    return wan_control.call(ctx.deployment.wan_control_url, changes)
+
+
+async def _md_kill(ctx):
+    return _kill(ctx, await asyncio.to_thread(_busiest, ctx, "main-decode-"))
+
+
+async def _relay_kill(ctx):
+    return _kill(ctx, await asyncio.to_thread(_busiest, ctx, "relay-decode-"))
+
+
+async def _prefill_kill(ctx):
+    return _kill(ctx, "prefill-0")
+
+
+async def _router_kill(ctx):
+    return _kill(ctx, "router")
+
+
+async def _nats_a_restart(ctx):
+    await asyncio.to_thread(launcher.restart, ctx.run_dir, "nats-a")
+    return "pdd restart nats-a"
+
+
+async def _nats_b_outage(ctx):
+    with launcher.locked_state(ctx.run_dir) as deployment:
+        deployment.paused.append("nats-b")  # keep the supervisor from bringing it back early
+        os.kill(deployment.processes["nats-b"], signal.SIGTERM)
+    await asyncio.sleep(ctx.outage_s)  # the fault's length
+    with launcher.locked_state(ctx.run_dir) as deployment:
+        deployment.paused.remove("nats-b")
+    await asyncio.to_thread(launcher.restart, ctx.run_dir, "nats-b")
+    return f"nats-b down {ctx.outage_s:.0f} s, then pdd restart nats-b"
+
+
+async def _partition_on(ctx):
+    await asyncio.to_thread(_wan, ctx, partitioned=True)
+    return "requests sent during a partition (healed once they finish)"
+
+
+async def _partition_off(ctx):
+    await asyncio.to_thread(_wan, ctx, partitioned=False)
+    await wait_healthy(ctx)
+
+
+async def _stalls_on(ctx):
+    await asyncio.to_thread(_wan, ctx, stall_probability=0.01, stall_ms=6000)
+    return "6 s stalls at 1 % of link chunks"
+
+
+async def _stalls_off(ctx):
+    await asyncio.to_thread(_wan, ctx, stall_probability=0.0, stall_ms=0)
+
+
+async def _slow_wan(ctx):
+    ctx.saved_bandwidth_bps = (await asyncio.to_thread(_wan, ctx))["profile"]["bandwidth_bps"]
+    await asyncio.to_thread(_wan, ctx, bandwidth_bps=2e6)
+    return "link at 2 Mbit/s before the streams start"
+
+
+async def _restore_wan(ctx):
+    await asyncio.to_thread(_wan, ctx, bandwidth_bps=ctx.saved_bandwidth_bps)
+
+
+Fault = Callable[[ChaosContext], Awaitable[str | None]]
+FAULTS: dict[str, tuple[Fault | None, Fault | None]] = {
+    "md-kill": (_md_kill, None), "relay-kill": (_relay_kill, None),
+    "prefill-kill": (_prefill_kill, None), "router-kill": (_router_kill, None),
+    "nats-a-restart": (_nats_a_restart, None), "nats-b-outage": (_nats_b_outage, None),
+    "partition": (None, _partition_on), "stalls": (None, _stalls_on), "slow-wan": (None, _slow_wan),
+}
+"""Scenario → (fault injected once every stream has its first token, fault set up before)."""
+AFTER: dict[str, Fault] = {"partition": _partition_off, "stalls": _stalls_off, "slow-wan": _restore_wan}
+
+
+async def run(ctx: ChaosContext, names: list[str]) -> list[ChaosRow]:
+    """Run scenarios in order; print each row as it is done."""
+    rows = []
+    for name in names:
+        row = await run_scenario(ctx, name)
+        print(json.dumps(asdict(row)), flush=True)
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[ChaosRow]) -> str:
+    """The rows as a Markdown table."""
+    head = ("| scenario | requests | identical | recovered | failed (clear error) | lost/dup tokens "
+            "| longest stall (s) | blocks held 10 s later | fault |\n|---|---|---|---|---|---|---|---|---|")
+    return head + "".join(
+        f"\n| {r.scenario} | {r.requests} | {r.identical} | {r.recovered} | {r.failed_clear} | "
+        f"{r.lost_or_duplicated_tokens} | {r.longest_stall_s} | {r.blocks_held_after_10s} | {r.notes} |"
+        for r in rows)
