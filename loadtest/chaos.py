@@ -293,7 +293,10 @@ async def run(ctx: ChaosContext, names: list[str]) -> list[ChaosRow]:
     """Run scenarios in order; print each row as it is done."""
     rows = []
     for name in names:
-        row = await run_scenario(ctx, name)
+        try:
+            row = await run_scenario(ctx, name)
+        except (launcher.LauncherError, OSError, asyncio.TimeoutError) as exc:
+            row = ChaosRow(name, ctx.streams, 0, 0, 0, 0, 0.0, -1, notes=f"scenario did not run: {exc}")
         print(json.dumps(asdict(row)), flush=True)
         rows.append(row)
     return rows
