@@ -90,6 +90,11 @@ class InstanceRegistry:
         state = self._instances.get(instance_id)
         return state is not None and state.seen_monotonic >= time.monotonic() - self._ttl_s
 
+    def forget(self, instance_id: str):
+        """Stop placing on an instance that failed a request as if gone (its next heartbeat, or a
+        restarted incarnation's first, brings it back)."""
+        self._instances.pop(instance_id, None)
+
     def site_heard(self, site: str):
         """Something at ``site`` answered (e.g. its NATS server, probed through the link)."""
         self._site_seen[site] = time.monotonic()

@@ -56,6 +56,8 @@ _prefill_reply_decoder = decoder(PrefillReply)
 _tracer = tracer("pdd.router")
 LIVENESS_TICK_S = 0.5
 RESEND_AFTER_S = 1.0
+GONE_REASONS = {"instance_unresponsive", "prefill_unreachable"}
+"""Failures that mean the instance is gone: placement skips it until it heartbeats again."""
 ODD_CANCEL_REPORT_S = 2.0
 RECOVERIES = Counter("pdd_recoveries_total", "Requests resumed elsewhere by token replay", ["reason"])
 
@@ -182,6 +184,8 @@ class RequestFlow:
         if len(self.outcome.recoveries) >= self.max_recoveries or self._replace is None:
             raise failure.final() from None
         self._avoid.add(failure.instance_id)
+        if failure.reason in GONE_REASONS:
+            self.registry.forget(failure.instance_id)
         placement = await self._place_again(failure)
         failed_id = self.attempt_id
         self.mailbox.close(failed_id)
