@@ -19,6 +19,12 @@ def streamed_text(chunks: list[dict]) -> str:
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
 
 
+async def busy_main_decoder(stack):
+    """The main decoder the request runs on, once it decodes."""
+    await until(lambda: any(m.engine.num_sequences for m in stack.mains), 15, "decoding to start")
+    return next(m for m in stack.mains if m.engine.num_sequences)
+
+
 async def stream_while(stack, body: dict, during) -> list[dict]:
     """Stream ``body`` and run ``during()`` concurrently; return the chunks."""
     request = asyncio.create_task(stream_chunks(stack, "/chat/completions", body))
@@ -32,8 +38,7 @@ async def test_a_main_decoder_dying_mid_stream_is_replaced_by_the_other(make_sta
     victim = []
 
     async def kill_the_busy_decoder():
-        await until(lambda: any(m.engine.num_sequences for m in stack.mains), 15, "decoding to start")
-        busy = next(m for m in stack.mains if m.engine.num_sequences)
+        busy = await busy_main_decoder(stack)
         prompt_blocks = busy.engine.blocks.num_used_blocks
         await until(lambda: busy.engine.blocks.num_used_blocks >= prompt_blocks + 2, 15,
                     "over a block of tokens streamed")
@@ -100,8 +105,7 @@ async def test_a_dead_engine_loop_fails_its_service_and_the_request_recovers(mak
     broken = []
 
     async def break_the_busy_engine():
-        await until(lambda: any(m.engine.num_sequences for m in stack.mains), 15, "decoding to start")
-        busy = next(m for m in stack.mains if m.engine.num_sequences)
+        busy = await busy_main_decoder(stack)
 
         def step():
             raise RuntimeError("injected: device lost")
