@@ -109,8 +109,10 @@ class InstanceRegistry:
         silent_s = now - state.seen_monotonic
         if silent_s <= self._ttl_s:
             return False
-        site_silent_s = now - self._site_seen.get(state.report.instance.site, 0.0)
-        return site_silent_s <= self._ttl_s or silent_s > self._partition_tolerance_s
+        # Its site must have been heard well after its last word: a neighbour's heartbeat sent
+        # just before the whole site went silent proves nothing.
+        heard_after_s = self._site_seen.get(state.report.instance.site, 0.0) - state.seen_monotonic
+        return heard_after_s > self._ttl_s / 2 or silent_s > self._partition_tolerance_s
 
     def site_silent_s(self, site: str) -> float:
         """Seconds since any instance at ``site`` was heard (inf: never)."""
