@@ -142,7 +142,7 @@ async def _warm(session, url: str, ctx: ChaosContext, chat: list[dict], timeout_
         record = await stream_chat(session, url, ctx.model_name, chat, 16, RequestRecord(0, 0, "warm"))
         if record.pdd.get("pipeline") == "P-MD":
             return
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(2.0)  # each try ships KV again: let the last one land first
     raise launcher.LauncherError("a prompt did not get cached on main decode")
 
 
