@@ -117,7 +117,7 @@ async def test_a_dead_engine_loop_fails_its_service_and_the_request_recovers(mak
     dead = broken[0]
     assert [r["from"] for r in chunks[-1]["pdd"]["recoveries"]] == [dead.instance_id]
     assert "engine-loop died" in dead.failure and dead.failed.is_set()
-    assert not stack.router.registry.is_alive(dead.instance_id)  # it stopped heart-beating
+    assert stack.router.registry.is_dead(dead.instance_ref())  # it stopped heart-beating
 
 
 async def test_a_failed_service_process_exits_non_zero(make_stack):

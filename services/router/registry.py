@@ -85,11 +85,6 @@ class InstanceRegistry:
                        if s.report.service == service and s.seen_monotonic >= cutoff),
                       key=lambda s: s.report.instance.instance_id)
 
-    def is_alive(self, instance_id: str) -> bool:
-        """Whether ``instance_id`` has sent a heartbeat within the TTL."""
-        state = self._instances.get(instance_id)
-        return state is not None and state.seen_monotonic >= time.monotonic() - self._ttl_s
-
     def forget(self, instance_id: str):
         """Stop placing on an instance that failed a request as if gone (its next heartbeat, or a
         restarted incarnation's first, brings it back)."""

@@ -198,8 +198,8 @@ class RequestFlow:
         self.attempt_id = subjects.attempt_request_id(self.request_id, self.attempt)
         self.placement = placement
         self.outcome.place(placement)
-        continuing = placement.relay_decode or placement.main_decode
-        recovery = Recovery(failure.instance_id, continuing.instance_id, failure.reason,
+        self._start_attempt_state()
+        recovery = Recovery(failure.instance_id, self._producer().instance_id, failure.reason,
                             self.log.next_index)
         self.outcome.recoveries.append(recovery)
         RECOVERIES.labels(failure.reason).inc()
@@ -210,7 +210,6 @@ class RequestFlow:
                       "pipeline": placement.pipeline, **recovery.as_pdd()}
         trace.get_current_span().add_event("recovery", attributes)
         _tracer.start_span("router.recovery", attributes=attributes).end()
-        self._start_attempt_state()
 
     async def _place_again(self, failure: InstanceFailed) -> Placement:
         """A placement avoiding the failed instances; waits (bounded) while none is live, e.g.
@@ -264,7 +263,7 @@ class RequestFlow:
             timeout = self.token_timeout_s if self._progressed else self.first_token_timeout_s
             if time.monotonic() - self._last_progress > timeout:
                 raise InstanceFailed(f"no token for {timeout:.0f} s (request {self.request_id})",
-                                     self._producer_id(), "timeout")
+                                     self._producer().instance_id, "timeout")
             await self._repair_gap()
             try:
                 kind, item = await asyncio.wait_for(self._queue.get(), LIVENESS_TICK_S)
@@ -351,9 +350,6 @@ class RequestFlow:
         p = self.placement
         relaying = p.relay_decode is not None and not self._handed_over
         return p.relay_decode if relaying else p.main_decode
-
-    def _producer_id(self) -> str:
-        return self._producer().instance_id
 
     def _check_liveness(self):
         for ref in self._needed():
