@@ -64,6 +64,8 @@ class Deployment:
         restarts: Process name → times it was started again (supervisor or ``pdd restart``).
         paused: Processes being restarted by hand (the supervisor leaves them alone).
         supervisor_pid: The supervisor process (0: none).
+        up_args: The ``pdd up`` options it was started with (``pdd chaos --scenario redeploy``
+            starts it again with them).
     """
 
     run_dir: str
@@ -76,6 +78,7 @@ class Deployment:
     restarts: dict[str, int] = field(default_factory=dict)
     paused: list[str] = field(default_factory=list)
     supervisor_pid: int = 0
+    up_args: dict = field(default_factory=dict)
 
 
 def default_run_dir() -> Path:
@@ -97,7 +100,9 @@ def up(args) -> Deployment:
         raise LauncherError(f"a deployment is already running from {run_dir} (pdd down first)")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     deployment = Deployment(str(run_dir), f"http://127.0.0.1:{args.http_port}/v1",
-                            f"http://127.0.0.1:{args.wan_control_port}")
+                            f"http://127.0.0.1:{args.wan_control_port}",
+                            up_args={k: v for k, v in vars(args).items()
+                                     if isinstance(v, (str, int, float, bool, type(None)))})
     try:
         _start_all(args, run_dir, deployment)
         _save(run_dir, deployment)

@@ -9,6 +9,7 @@ holds 10 s after the streams ended. Killed processes are brought back by ``pdd u
 supervisor; each scenario starts once the router sees every instance again.
 """
 
+import argparse
 import asyncio
 import json
 import os
@@ -16,7 +17,7 @@ import signal
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -27,8 +28,8 @@ from loadtest.client import RequestRecord, stream_chat
 
 SETTLE_S = 10.0
 SCENARIOS = ("md-kill", "relay-kill", "prefill-kill", "router-kill", "nats-a-restart",
-             "nats-b-outage", "partition", "stalls", "slow-wan")
-WARM = {"md-kill", "nats-a-restart", "nats-b-outage", "partition", "stalls"}
+             "nats-b-outage", "partition", "stalls", "slow-wan", "redeploy")
+WARM = {"md-kill", "nats-a-restart", "nats-b-outage", "partition", "stalls", "redeploy"}
 """Scenarios whose prompts are cached on main decode first, so the streams run P-MD there
 (the common agentic case); the others stream cold prompts, relayed while their KV crosses."""
 AT_DISPATCH_S = {"prefill-kill": 0.5}
@@ -48,6 +49,9 @@ class ChaosRow:
     lost_or_duplicated_tokens: int
     longest_stall_s: float
     blocks_held_after_10s: int
+    cache_fill_blocks_after_10s: int = 0
+    pipelines: dict[str, int] = field(default_factory=dict)
+    pipeline_after: str = ""
     notes: str = ""
 
 
@@ -62,7 +66,9 @@ class ChaosContext:
     max_tokens: int
     prompt_words: int
     outage_s: float
+    partition_s: float = 60.0
     saved_bandwidth_bps: float = 0.0
+    fault_started_s: float = 0.0
 
     @property
     def deployment(self) -> launcher.Deployment:
@@ -120,18 +126,25 @@ async def run_scenario(ctx: ChaosContext, scenario: str) -> ChaosRow:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 300)
             notes = await inject(ctx) or notes
         await asyncio.gather(*streams)
-    after = AFTER.get(scenario)
-    if after is not None:
-        notes = await after(ctx) or notes
+        after = AFTER.get(scenario)
+        if after is not None:
+            notes = await after(ctx) or notes
+        # Once the fault is over a warm prompt must take its usual path again (P-MD).
+        probe = RequestRecord(0, 0, "after") if scenario in WARM else None
+        if probe is not None:
+            await stream_chat(session, url, ctx.model_name, chats[0], 16, probe)
     await asyncio.sleep(SETTLE_S)  # the measurement's definition: what is still held 10 s later
-    held = held_blocks(ctx)
-    if held:  # imports kept for the cache may still be crossing: say when they are done
+    held, filling = held_blocks(ctx)
+    if filling:  # imports kept for the cache may still be crossing: say when they are done
         started_s = time.monotonic()
-        while held_blocks(ctx) and time.monotonic() - started_s < 120:
+        while held_blocks(ctx)[1] and time.monotonic() - started_s < 120:
             await asyncio.sleep(1.0)
-        notes = "; ".join(filter(None, [notes, f"{held_blocks(ctx)} blocks held "
-                                               f"{SETTLE_S + time.monotonic() - started_s:.0f} s later"]))
-    return _row(scenario, records, expected, held, notes)
+        notes = "; ".join(filter(None, [notes, f"{filling} blocks of cache fills crossing at 10 s, "
+                                               f"landed {SETTLE_S + time.monotonic() - started_s:.0f} s later"]))
+    row = _row(scenario, records, expected, held, notes)
+    row.cache_fill_blocks_after_10s = filling
+    row.pipeline_after = probe.pdd.get("pipeline", probe.error or "none") if probe else ""
+    return row
 
 
 async def _warm(session, url: str, ctx: ChaosContext, chat: list[dict], timeout_s: float = 120.0):
@@ -162,13 +175,12 @@ def _row(scenario: str, records: list[RequestRecord], expected: list[str], held:
     pipelines: dict[str, int] = {}
     for r in records:
         pipelines[r.pdd.get("pipeline", "none")] = pipelines.get(r.pdd.get("pipeline", "none"), 0) + 1
-    notes = "; ".join(filter(None, [notes, ", ".join(f"{p} {n}" for p, n in sorted(pipelines.items()))]))
     stalls = [max(r.itl_ms, default=0.0) for r in records] + [r.ttft_ms or 0.0 for r in records]
     return ChaosRow(scenario=scenario, requests=len(records), identical=identical,
                     recovered=sum(bool(r.pdd.get("recoveries")) for r in records),
                     failed_clear=sum(bool(r.error) for r in failed),
                     lost_or_duplicated_tokens=lost, longest_stall_s=round(max(stalls) / 1000, 2),
-                    blocks_held_after_10s=held, notes=notes)
+                    blocks_held_after_10s=held, pipelines=dict(sorted(pipelines.items())), notes=notes)
 
 
 async def wait_healthy(ctx: ChaosContext, timeout_s: float = 180.0):
@@ -196,16 +208,21 @@ def _metric_sum(url: str, name: str) -> dict[str, float]:
             for line in text.splitlines() if line.startswith(name + "{")}
 
 
-def held_blocks(ctx: ChaosContext) -> int:
-    """KV blocks every engine process's live sequences hold now."""
-    total = 0
+def held_blocks(ctx: ChaosContext) -> tuple[int, int]:
+    """KV blocks every engine process holds now: (for requests, for cache fills still crossing).
+
+    A cache fill is the import of a request that ended elsewhere: no request holds its
+    blocks, they land in the prefix cache when the transfer ends.
+    """
+    used = filling = 0
     for name, url in ctx.deployment.metrics_urls.items():
         if name.startswith(("prefill", "relay-decode", "main-decode")):
             try:
-                total += int(sum(_metric_sum(url, "pdd_kv_blocks_used").values()))
+                used += int(sum(_metric_sum(url, "pdd_kv_blocks_used").values()))
+                filling += int(sum(_metric_sum(url, "pdd_kv_blocks_cache_fill").values()))
             except OSError:
                 pass  # being restarted: it holds nothing
-    return total
+    return used - filling, filling
 
 
 def _kill(ctx: ChaosContext, name: str) -> str:
@@ -258,12 +275,25 @@ async def _nats_b_outage(ctx):
 
 async def _partition_on(ctx):
     await asyncio.to_thread(_wan, ctx, partitioned=True)
-    return "requests sent during a partition (healed once they finish)"
+    ctx.fault_started_s = time.monotonic()
+    return f"requests sent during a {ctx.partition_s:.0f} s partition"
 
 
 async def _partition_off(ctx):
+    await asyncio.sleep(max(0.0, ctx.fault_started_s + ctx.partition_s - time.monotonic()))  # its length
     await asyncio.to_thread(_wan, ctx, partitioned=False)
     await wait_healthy(ctx)
+
+
+async def _redeploy(ctx):
+    """``pdd down``, then ``pdd up`` on the same run folder (its JetStream store kept)."""
+    up_args = ctx.deployment.up_args
+    if not up_args:
+        raise launcher.LauncherError("the deployment does not record its pdd up options")
+    await asyncio.to_thread(launcher.down, ctx.run_dir)
+    await asyncio.to_thread(launcher.up, argparse.Namespace(**up_args))
+    await wait_healthy(ctx)
+    return "warm prompts sent again after pdd down, pdd up on the same run folder"
 
 
 async def _stalls_on(ctx):
@@ -291,6 +321,7 @@ FAULTS: dict[str, tuple[Fault | None, Fault | None]] = {
     "prefill-kill": (_prefill_kill, None), "router-kill": (_router_kill, None),
     "nats-a-restart": (_nats_a_restart, None), "nats-b-outage": (_nats_b_outage, None),
     "partition": (None, _partition_on), "stalls": (None, _stalls_on), "slow-wan": (None, _slow_wan),
+    "redeploy": (None, _redeploy),
 }
 """Scenario → (fault injected once every stream has its first token, fault set up before)."""
 AFTER: dict[str, Fault] = {"partition": _partition_off, "stalls": _stalls_off, "slow-wan": _restore_wan}
@@ -312,8 +343,11 @@ async def run(ctx: ChaosContext, names: list[str]) -> list[ChaosRow]:
 def table(rows: list[ChaosRow]) -> str:
     """The rows as a Markdown table."""
     head = ("| scenario | requests | identical | recovered | failed (clear error) | lost/dup tokens "
-            "| longest stall (s) | blocks held 10 s later | fault |\n|---|---|---|---|---|---|---|---|---|")
+            "| longest stall (s) | blocks held 10 s later | pipelines (then after the fault) | fault |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
     return head + "".join(
         f"\n| {r.scenario} | {r.requests} | {r.identical} | {r.recovered} | {r.failed_clear} | "
-        f"{r.lost_or_duplicated_tokens} | {r.longest_stall_s} | {r.blocks_held_after_10s} | {r.notes} |"
+        f"{r.lost_or_duplicated_tokens} | {r.longest_stall_s} | {r.blocks_held_after_10s} | "
+        f"{', '.join(f'{p} {n}' for p, n in r.pipelines.items())}"
+        f"{f' (then {r.pipeline_after})' if r.pipeline_after else ''} | {r.notes} |"
         for r in rows)

@@ -77,11 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
                         ).add_argument("--run-dir", default=None)
     chaos = commands.add_parser("chaos", help="inject faults into the running deployment; check nothing is lost")
     chaos.add_argument("--scenario", default="all", help="one of md-kill, relay-kill, prefill-kill, "
-                       "router-kill, nats-a-restart, nats-b-outage, partition, stalls, slow-wan, or all")
+                       "router-kill, nats-a-restart, nats-b-outage, partition, stalls, slow-wan, redeploy, or all")
     chaos.add_argument("--streams", type=int, default=4, help="greedy streams per scenario (default 4)")
     chaos.add_argument("--max-tokens", type=int, default=96, help="tokens per stream (default 96)")
     chaos.add_argument("--prompt-words", type=int, default=300, help="words per cold prompt (default 300)")
     chaos.add_argument("--outage-s", type=float, default=25.0, help="length of the nats-b outage (default 25)")
+    chaos.add_argument("--partition-s", type=float, default=60.0, help="length of the partition (default 60)")
     chaos.add_argument("--out", default=None, help="also write the Markdown table here")
     chaos.add_argument("--run-dir", default=None)
     restart = commands.add_parser("restart", help="restart one process (e.g. cache-index-0, nats-b, wan-link)")
@@ -259,7 +260,8 @@ def cmd_chaos(args) -> int:
     served = _get_served_model(deployment)
     ctx = chaos.ChaosContext(run_dir=run_dir, model_name=served, loaded=load_model(model),
                              streams=args.streams, max_tokens=args.max_tokens,
-                             prompt_words=args.prompt_words, outage_s=args.outage_s)
+                             prompt_words=args.prompt_words, outage_s=args.outage_s,
+                             partition_s=args.partition_s)
     rows = asyncio.run(chaos.run(ctx, names))
     text = chaos.table(rows)
     print(text)

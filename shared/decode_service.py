@@ -17,6 +17,7 @@ from shared.engine.engine import StepOutput
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.engine_loop import EngineLoop
 from shared.engine_service import EngineService
+from shared.errors import UnknownRequest
 from shared.messages import (
     CancelRequest,
     InstanceRef,
@@ -26,6 +27,7 @@ from shared.messages import (
     TokensEmitted,
     decoder,
 )
+from shared.metrics import KV_BLOCKS_CACHE_FILL
 
 _resend_decoder = decoder(ResendTokens)
 RECENT_OUTPUTS = 512
@@ -47,6 +49,26 @@ class DecodeService(EngineService):
         self.bulk_endpoint = ""
         self.spans: dict[str, trace.Span] = {}
         self._finished_outputs: OrderedDict[str, tuple[list[int], str]] = OrderedDict()
+
+    def load_report(self):
+        report = super().load_report()
+        KV_BLOCKS_CACHE_FILL.labels(self.service_name, self.instance_id).set(self._cache_fill_blocks())
+        return report
+
+    def _cache_fill_blocks(self) -> int:
+        """Blocks only imports kept for the cache hold (their requests ended elsewhere)."""
+        if self.importer is None:
+            return 0
+        filling = {rid for rid, state in list(self.importer.imports.items()) if state.discard_when_done}
+        if not filling:
+            return 0
+        engine, mine, others = self.worker.engine, set(), set()
+        for rid in engine.request_ids():  # read without the worker: a snapshot is enough here
+            try:
+                (mine if rid in filling else others).update(engine.get(rid).block_ids)
+            except UnknownRequest:
+                pass
+        return len(mine - others)
 
     async def on_start(self):
         self.importer = KvImporter(self.worker, self._on_import_complete, self._on_import_open,

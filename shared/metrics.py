@@ -21,6 +21,10 @@ EAGER_TOKENS = Counter("pdd_eager_tokens_total", "Tokens emitted by relay decode
 ACTIVE_SEQUENCES = Gauge("pdd_active_sequences", "Sequences held", ["service", "instance"])
 KV_BLOCKS_USED = Gauge("pdd_kv_blocks_used", "KV blocks held by live sequences (cached idle blocks not counted)",
                        ["service", "instance"])
+KV_BLOCKS_CACHE_FILL = Gauge(
+    "pdd_kv_blocks_cache_fill", "KV blocks pinned by imports of requests that ended elsewhere; they "
+    "land in the prefix cache (no request holds them) and are released when the transfer ends",
+    ["service", "instance"])
 PUBLISH_FAILURES = Counter("pdd_publish_failures_total", "NATS publishes that failed (dropped, counted)",
                            ["service", "kind"])
 LEASES_EXPIRED = Counter("pdd_request_leases_expired_total",
