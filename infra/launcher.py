@@ -166,6 +166,8 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
               site=md_site)
     from infra.wan_link import parse_ms, parse_rate
 
+    api_keys = getattr(args, "api_key", None) or os.environ.get("PDD_API_KEYS", "")
+    env["PDD_API_KEYS"] = api_keys
     spawn("router", 0, "--http-port", str(args.http_port),
           "--wan-bandwidth-mbit", str(parse_rate(args.bandwidth) / 1e6 or 100000),
           "--wan-rtt-ms", str(parse_ms(args.rtt)),

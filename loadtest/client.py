@@ -1,6 +1,7 @@
 """Drives the OpenAI streaming API and records what a user sees of every request."""
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -38,6 +39,12 @@ class RequestRecord:
     error: str | None = None
 
 
+def auth_headers() -> dict[str, str]:
+    """``Authorization`` for a router that requires API keys (``$PDD_API_KEY``), else none."""
+    key = os.environ.get("PDD_API_KEY", "")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 async def stream_chat(session: aiohttp.ClientSession, base_url: str, model: str,
                       messages: list[dict], max_tokens: int, record: RequestRecord,
                       timeout_s: float = 600) -> RequestRecord:
@@ -47,7 +54,7 @@ async def stream_chat(session: aiohttp.ClientSession, base_url: str, model: str,
     started = last = time.perf_counter()
     parts = []
     try:
-        async with session.post(base_url + "/chat/completions", json=body,
+        async with session.post(base_url + "/chat/completions", json=body, headers=auth_headers(),
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
             if response.status != 200:
                 record.error = f"HTTP {response.status}: {(await response.text())[:200]}"

@@ -113,6 +113,8 @@ def _add_up_args(parser: argparse.ArgumentParser):
     parser.add_argument("--pipeline-policy", default="auto", choices=["auto", "P-MD", "P-RLD-MD"])
     parser.add_argument("--no-md-prefix-cache", dest="md_prefix_cache", action="store_false",
                         help="main decode without its decode-side cache (baseline)")
+    parser.add_argument("--api-key", default=None,
+                        help="API key(s), comma-separated, clients must send (default: $PDD_API_KEYS; none)")
     parser.add_argument("--run-dir", default=None)
 
 
@@ -273,7 +275,10 @@ def cmd_chaos(args) -> int:
 def _get_served_model(deployment) -> str:
     import urllib.request
 
-    with urllib.request.urlopen(deployment.router_url + "/models", timeout=10) as response:
+    from loadtest.client import auth_headers
+
+    request = urllib.request.Request(deployment.router_url + "/models", headers=auth_headers())
+    with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())["data"][0]["id"]
 
 

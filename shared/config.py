@@ -21,9 +21,11 @@ ENV_PREFIX = "PDD_"
 
 
 def setting(default: Any, help: str, check: Callable[[Any], str | None] | None = None,
-            choices: tuple | None = None):
-    """Declare a setting: its default, help text, and an optional check returning an error."""
-    return field(default=default, metadata={"help": help, "check": check, "choices": choices})
+            choices: tuple | None = None, alias: str | None = None):
+    """Declare a setting: its default, help text, an optional check returning an error, and
+    an optional second flag name."""
+    return field(default=default, metadata={"help": help, "check": check, "choices": choices,
+                                            "alias": alias})
 
 
 def positive(value) -> str | None:
@@ -130,6 +132,9 @@ class RouterConfig(CommonConfig):
     served_model_name: str = setting("smollm2-135m-instruct", "model name shown by /v1/models")
     http_host: str = setting("127.0.0.1", "HTTP listen address")
     http_port: int = setting(8000, "HTTP port", non_negative)
+    api_keys: str = setting("", "comma-separated API keys clients must send as 'Authorization: Bearer <key>' "
+                            "(empty: none needed)", alias="--api-key")
+    max_body_mb: int = setting(16, "largest request body in MiB (larger: 413)", positive)
     block_size: int = setting(16, "tokens per KV block (same as the engines')", positive)
     kv_bytes_per_token: int = setting(0, "KV bytes per prompt token for WAN predictions (0: from the model)", non_negative)
     wan_bandwidth_mbit: float = setting(100.0, "WAN bandwidth estimate for pipeline choice", positive)
@@ -179,7 +184,8 @@ def env_name(name: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser, cls):
     """Add one flag per setting; values stay None unless given, so env and defaults apply."""
     for f in settings_of(cls):
-        parser.add_argument(flag_name(f.name), dest=f.name, default=None, metavar=f.type.__name__.upper()
+        names = [flag_name(f.name)] + ([f.metadata["alias"]] if f.metadata.get("alias") else [])
+        parser.add_argument(*names, dest=f.name, default=None, metavar=f.type.__name__.upper()
                             if isinstance(f.type, type) else "VALUE",
                             help=f"{f.metadata['help']} [env {env_name(f.name)}, default {f.default!r}]")
 

@@ -1,5 +1,9 @@
 """The router's HTTP surface: discovery endpoints and OpenAI-style errors for bad input."""
 
+import asyncio
+import json
+import time
+
 import aiohttp
 import pytest
 
@@ -71,3 +75,81 @@ async def test_stop_string_is_cut_from_the_text(stack, tiny):
     assert status == 200
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["choices"][0]["message"]["content"] == full[:full.index(stop)]
+
+
+async def raw_post(stack, path: str, data: bytes, headers: dict) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(stack.base_url + path, data=data, headers=headers) as response:
+            return response.status, await response.json()
+
+
+@pytest.mark.parametrize("path,method", [("/v1/nowhere", "GET"), ("/v1/chat/completions", "GET")])
+async def test_unknown_paths_and_methods_get_openai_errors(stack, path, method):
+    async with aiohttp.ClientSession() as session:
+        async with session.request(method, stack.base_url.removesuffix("/v1") + path) as response:
+            assert response.status in (404, 405)
+            assert response.content_type == "application/json"
+            assert (await response.json())["error"]["message"]
+
+
+async def test_an_oversized_body_gets_413_and_a_wrong_content_type_415(stack):
+    status, body = await raw_post(stack, "/chat/completions", b"x" * (17 << 20),
+                                  {"Content-Type": "application/json"})
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    status, body = await raw_post(stack, "/chat/completions", b"model=tiny",
+                                  {"Content-Type": "application/x-www-form-urlencoded"})
+    assert status == 415 and body["error"]["code"] == "unsupported_media_type"
+
+
+@pytest.mark.parametrize("extra,param", [({"seed": 2 ** 70}, "seed"), ({"seed": -(2 ** 64)}, "seed"),
+                                         ({"stop": "x" * 600}, "stop"), ({"top_p": 1.5}, "top_p")])
+async def test_out_of_range_sampling_gets_400(stack, extra, param):
+    status, body = await post(stack, "/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], **extra})
+    assert status == 400 and body["error"]["param"] == param
+
+
+async def test_an_agent_transcript_with_tool_calls_and_null_content_is_served(stack):
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    status, body = await post(stack, "/chat/completions", {"model": "tiny", "max_tokens": 3, "messages": [
+        {"role": "user", "content": "look it up"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"}]})
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 3
+
+
+async def test_a_huge_prompt_is_refused_before_tokenizing_while_health_answers(stack):
+    huge = {"model": "tiny", "messages": [{"role": "user", "content": "word " * ((8 << 20) // 5)}]}
+    refused = asyncio.create_task(post(stack, "/chat/completions", huge))
+    started = time.monotonic()
+    status, _ = await get(stack, "/health")
+    health_s = time.monotonic() - started
+    status_huge, body = await asyncio.wait_for(refused, 10)
+    assert status == 200 and health_s < 2
+    assert status_huge == 400 and body["error"]["code"] == "context_length_exceeded"
+
+
+async def test_the_default_max_tokens_is_clamped_to_the_remaining_context(make_stack, tiny):
+    stack = await make_stack(router_settings={"pipeline_policy": "P-MD", "default_max_tokens": 4090})
+    status, body = await post(stack, "/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "hi " * 20}], "ignore_eos": True})
+    assert status == 200, body
+    usage = body["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == tiny.model.config.max_position_embeddings
+
+
+async def test_api_keys_are_required_when_set(make_stack):
+    stack = await make_stack(router_settings={"api_keys": "k1,k2"})
+    chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    status, body = await raw_post(stack, "/chat/completions", json.dumps(chat).encode(),
+                                  {"Content-Type": "application/json"})
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    status, _ = await raw_post(stack, "/chat/completions", json.dumps(chat).encode(),
+                               {"Content-Type": "application/json", "Authorization": "Bearer nope"})
+    assert status == 401
+    status, body = await raw_post(stack, "/chat/completions", json.dumps(chat).encode(),
+                                  {"Content-Type": "application/json", "Authorization": "Bearer k2"})
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    assert (await get(stack, "/health"))[0] == 200  # probes need no key
+    assert (await get(stack, "/metrics"))[0] == 401

@@ -12,14 +12,19 @@ from typing import Any
 
 from shared.engine.sampling import MAX_STOP_STRINGS, SamplingParams
 
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
+"""Seeds are 64-bit signed integers, as in vLLM (they travel as msgpack integers)."""
+MAX_STOP_CHARS = 512
+
 
 class ApiError(Exception):
     """An error answered to the client in OpenAI's format."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         """The JSON error object."""
@@ -75,16 +80,18 @@ def parse_sampling(body: dict, default_max_tokens: int) -> SamplingParams:
         stop = tuple(stop)
     else:
         raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
-    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-        raise ApiError(400, f"'stop' takes up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+        raise ApiError(400, f"'stop' takes up to {MAX_STOP_STRINGS} non-empty strings of at most "
+                            f"{MAX_STOP_CHARS} characters", param="stop")
     if body.get("n", 1) != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise ApiError(400, "'ignore_eos' must be a boolean", param="ignore_eos")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ApiError(400, "'seed' must be an integer", param="seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not SEED_MIN <= seed <= SEED_MAX):
+        raise ApiError(400, f"'seed' must be an integer in [{SEED_MIN}, {SEED_MAX}]", param="seed")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", float, 1.0, low=0, high=2),
@@ -92,8 +99,12 @@ def parse_sampling(body: dict, default_max_tokens: int) -> SamplingParams:
         seed=seed, stop=stop, ignore_eos=ignore_eos)
 
 
-def chat_messages(body: dict) -> list[dict[str, str]]:
-    """The ``messages`` array, validated and flattened to text content."""
+def chat_messages(body: dict) -> list[dict]:
+    """The ``messages`` array, validated and flattened to text content.
+
+    An assistant turn may have ``content: null`` (it called tools); its ``tool_calls``, and a
+    tool turn's ``tool_call_id`` and ``name``, pass on to the chat template.
+    """
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty array", param="messages")
@@ -102,6 +113,8 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool", "developer"):
             raise ApiError(400, f"messages[{i}] needs a role of system, user, assistant, tool or developer", param="messages")
         content = message.get("content", "")
+        if content is None and message["role"] == "assistant":
+            content = ""
         if isinstance(content, list):
             parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
             if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
@@ -110,8 +123,22 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
         role = "system" if message["role"] == "developer" else message["role"]
-        flat.append({"role": role, "content": content})
+        flat.append({"role": role, "content": content, **_tool_fields(message, i)})
     return flat
+
+
+def _tool_fields(message: dict, index: int) -> dict:
+    fields = {}
+    if message.get("tool_calls") is not None:
+        if not isinstance(message["tool_calls"], list) or not all(isinstance(c, dict) for c in message["tool_calls"]):
+            raise ApiError(400, f"messages[{index}].tool_calls must be an array of objects", param="messages")
+        fields["tool_calls"] = message["tool_calls"]
+    for name in ("tool_call_id", "name"):
+        if message.get(name) is not None:
+            if not isinstance(message[name], str):
+                raise ApiError(400, f"messages[{index}].{name} must be a string", param="messages")
+            fields[name] = message[name]
+    return fields
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:

@@ -9,11 +9,13 @@ import asyncio
 import dataclasses
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import nats
 from aiohttp import web
 
-from services.router import openai_api
+from services.router import http_guard, openai_api
 from services.router.detokenizer import Detokenizer
 from services.router.mailbox import RequestMailbox
 from services.router.odd_traffic import OddTrafficRule
@@ -59,16 +61,23 @@ class RouterService(Service):
         self._in_flight: set[asyncio.Task] = set()
         self._draining = False
         self.mailbox: RequestMailbox | None = None
+        # One thread: the fast tokenizer is not safe to call from two threads at once.
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._max_token_chars = 0
 
     async def on_start(self):
+        loop = asyncio.get_running_loop()
         if self.metadata is None:
-            self.metadata = await asyncio.get_running_loop().run_in_executor(
-                None, load_metadata, self.config.model)
+            self.metadata = await loop.run_in_executor(None, load_metadata, self.config.model)
+        self._max_token_chars = await loop.run_in_executor(
+            self._tokenizing, lambda: max(map(len, self.metadata.tokenizer.get_vocab())))
         await self.subscribe(subjects.LOAD_ALL, _load_decoder, self._on_heartbeat)
         self.mailbox = RequestMailbox(self.nc, self.instance_id, self.bad_messages)
         await self.mailbox.start()
         self._tasks.append(asyncio.create_task(self._watch_sites(), name="site-health"))
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=self.config.max_body_mb << 20, middlewares=[
+            http_guard.openai_errors(), http_guard.api_keys(http_guard.parse_api_keys(self.config.api_keys)),
+            http_guard.json_content()])
         app.add_routes([
             web.get("/v1/models", self._models), web.get("/health", self._health),
             web.get("/metrics", self._metrics),
@@ -88,6 +97,7 @@ class RouterService(Service):
             await asyncio.wait(self._in_flight, timeout=30)
         if self._runner:
             await self._runner.cleanup()
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     async def _on_heartbeat(self, report: LoadReported, msg):
         self.registry.observe(report)
@@ -152,7 +162,8 @@ class RouterService(Service):
         try:
             if self._draining:
                 raise ApiError(503, "router is shutting down", type="server_error", code="unavailable")
-            parsed = self._parse(await self._json_body(request), chat)
+            body = await self._json_body(request)
+            parsed = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._parse, body, chat)
             return await self._run(request, parsed)
         except ApiError as exc:
             return web.json_response(exc.body(), status=exc.status)
@@ -175,14 +186,16 @@ class RouterService(Service):
                                 f"{self.config.served_model_name!r}", param="model", code="model_not_found")
         sampling = openai_api.parse_sampling(body, self.config.default_max_tokens)
         stream, include_usage = openai_api.stream_flags(body)
-        tokenizer = self.metadata.tokenizer
+        tokenizer, limit = self.metadata.tokenizer, self.metadata.max_context_tokens
         if chat:
+            messages = openai_api.chat_messages(body)
+            self._check_length(sum(len(m["content"]) for m in messages), "messages")
             prompt = list(tokenizer.apply_chat_template(
-                openai_api.chat_messages(body), add_generation_prompt=True, tokenize=True,
-                return_dict=False))
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False))
         else:
             prompt = self._completion_prompt(body.get("prompt"))
-        limit = self.metadata.max_context_tokens
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            sampling = msgspec.structs.replace(sampling, max_tokens=max(1, min(sampling.max_tokens, limit - len(prompt))))
         if len(prompt) + sampling.max_tokens > limit:
             raise ApiError(400, f"prompt ({len(prompt)} tokens) plus max_tokens ({sampling.max_tokens}) "
                                 f"exceeds the model's context of {limit} tokens",
@@ -194,12 +207,25 @@ class RouterService(Service):
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
+            self._check_length(len(prompt), "prompt")
             return self.metadata.tokenizer.encode(prompt, add_special_tokens=False)
         vocab = len(self.metadata.tokenizer)
         if isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
             return prompt
         raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids", param="prompt")
+
+    def _check_length(self, num_chars: int, param: str):
+        """Refuse text that cannot fit the context whatever it tokenizes to, before tokenizing it.
+
+        No token spells more than ``_max_token_chars`` characters, so text this long has at
+        least ``num_chars / _max_token_chars`` tokens.
+        """
+        at_least = num_chars // max(1, self._max_token_chars)
+        if at_least > self.metadata.max_context_tokens:
+            raise ApiError(400, f"the {param} ({num_chars} characters, at least {at_least} tokens) exceed "
+                                f"the model's context of {self.metadata.max_context_tokens} tokens",
+                           param=param, code="context_length_exceeded")
 
     async def _run(self, request: web.Request, req: ParsedRequest):
         started = time.perf_counter()
