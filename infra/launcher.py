@@ -13,7 +13,6 @@ import contextlib
 import fcntl
 import json
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -23,6 +22,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from infra.credentials import ensure_credentials
 from infra.nats_server import NatsSite, free_port, leafnode_count, nats_server_binary, start_nats, wait_until
 from shared.errors import PddError
 from shared.model_loader import model_cache_dir
@@ -118,7 +118,9 @@ def up(args) -> Deployment:
 
 
 def _start_all(args, run_dir: Path, deployment: Deployment):
-    site_a = NatsSite(SITE_A, args.nats_a_port, free_port(), run_dir / "jetstream-a", leaf_listen_port=free_port())
+    creds = ensure_credentials(run_dir / "secrets")
+    site_a = NatsSite(SITE_A, args.nats_a_port, free_port(), run_dir / "jetstream-a", leaf_listen_port=free_port(),
+                      credentials=creds)
     deployment.processes["nats-a"] = start_nats(site_a, run_dir, run_dir / "logs" / "nats-a.log").pid
     deployment.commands["nats-a"] = _nats_command(run_dir, SITE_A)
     leaf_port, bulk_ports = free_port(), [(free_port(), free_port()) for _ in range(args.md)]
@@ -134,13 +136,14 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
     deployment.processes["wan-link"] = _spawn(run_dir, "wan-link", deployment.commands["wan-link"])
     wait_until(lambda: _http_ok(deployment.wan_control_url + "/link"), 30, "WAN link did not start")
     site_b = NatsSite(SITE_B, args.nats_b_port, free_port(), run_dir / "jetstream-b",
-                      leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}")
+                      leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}", credentials=creds)
     deployment.processes["nats-b"] = start_nats(site_b, run_dir, run_dir / "logs" / "nats-b.log").pid
     deployment.commands["nats-b"] = _nats_command(run_dir, SITE_B)
     wait_until(lambda: leafnode_count(site_a) >= 1, 30, "leafnode between the sites did not connect")
     deployment.nats_urls = {SITE_A: site_a.url, SITE_B: site_b.url}
-    env = {"PDD_BULK_SECRET": secrets.token_hex(16), "PDD_MODEL": args.model,
-           "PDD_LOG_LEVEL": args.log_level, "PDD_KV_CACHE_MB": str(args.kv_cache_mb)}
+    env = {"PDD_MODEL": args.model, "PDD_LOG_LEVEL": args.log_level, "PDD_KV_CACHE_MB": str(args.kv_cache_mb),
+           "PDD_BULK_SECRET_FILE": str(creds.bulk_secret_file), "PDD_TLS_CA_FILE": str(creds.ca_file),
+           "PDD_TLS_CERT_FILE": str(creds.cert_file), "PDD_TLS_KEY_FILE": str(creds.key_file)}
     site_env = {SITE_A: {"PDD_SITE": SITE_A, "PDD_NATS_URL": site_a.url},
                 SITE_B: {"PDD_SITE": SITE_B, "PDD_NATS_URL": site_b.url}}
 
@@ -150,7 +153,8 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
         deployment.metrics_urls[name] = f"http://127.0.0.1:{metrics_port}/metrics"
         argv = ["serve", SERVICE_OF[kind], "--instance-id", f"{kind}-{index}",
                 "--metrics-port", str(metrics_port), *flags]
-        process_env = {**env, **site_env[site or TOPOLOGY[kind][0]]}
+        process_env = {**env, **site_env[site or TOPOLOGY[kind][0]],
+                       "PDD_NATS_SEED_FILE": str(creds.seed_file(SERVICE_OF[kind]))}
         deployment.commands[name] = {"argv": argv, "env": process_env}
         deployment.processes[name] = _spawn(run_dir, name, deployment.commands[name])
 
@@ -277,7 +281,7 @@ def _wait_ready(deployment: Deployment, name: str, timeout_s: float = 30.0):
         wait_until(lambda: _http_ok(deployment.wan_control_url + "/link"), timeout_s,
                    "WAN link did not come back")
     elif name.startswith("nats-"):
-        host, port = deployment.nats_urls[TOPOLOGY[name][0]].removeprefix("nats://").rsplit(":", 1)
+        host, port = deployment.nats_urls[TOPOLOGY[name][0]].split("://", 1)[1].rsplit(":", 1)
         wait_until(lambda: _accepts(host, int(port)), timeout_s, f"{name} did not come back")
 
 

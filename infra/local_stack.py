@@ -12,6 +12,7 @@ from pathlib import Path
 
 import nats
 
+from infra.credentials import Credentials, ensure_credentials
 from infra.nats_server import (
     NatsSite,
     free_port,
@@ -26,6 +27,7 @@ from services.main_decode.service import MainDecodeService
 from services.prefill.service import PrefillService
 from services.relay_decode.service import RelayDecodeService
 from services.router.service import RouterService
+from shared import nats_client
 from shared.config import (
     BulkReceiverConfig,
     CacheIndexConfig,
@@ -39,21 +41,24 @@ from shared.model_loader import LoadedModel, ModelMetadata
 SITE_A, SITE_B = "site-a", "site-b"
 
 
-async def start_site_pair(link: WanLink, workdir: Path, processes: list) -> dict[str, NatsSite]:
+async def start_site_pair(link: WanLink, workdir: Path, processes: list,
+                          credentials: Credentials | None = None) -> dict[str, NatsSite]:
     """Start site A's and site B's nats-servers, the leafnode crossing ``link``.
 
     Started processes are appended to ``processes`` (also when a later step fails), for the
-    caller to stop. Returns once the leafnode is connected.
+    caller to stop. Returns once the leafnode is connected. With ``credentials`` the servers
+    are locked down (role nkeys, TLS, a mutual-TLS leafnode).
     """
     loop = asyncio.get_running_loop()
     site_a, process = await loop.run_in_executor(None, start_nats_on_free_ports, lambda: NatsSite(
-        SITE_A, free_port(), free_port(), workdir / "js-a", leaf_listen_port=free_port()), workdir)
+        SITE_A, free_port(), free_port(), workdir / "js-a", leaf_listen_port=free_port(),
+        credentials=credentials), workdir)
     processes.append(process)
     leaf_port = await link.add_route(Route("leafnode", "127.0.0.1", 0, "127.0.0.1",
                                            site_a.leaf_listen_port, from_site=SITE_B))
     site_b, process = await loop.run_in_executor(None, start_nats_on_free_ports, lambda: NatsSite(
         SITE_B, free_port(), free_port(), workdir / "js-b",
-        leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}"), workdir)
+        leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}", credentials=credentials), workdir)
     processes.append(process)
     # JetStream behind a leafnode answers cross-domain API calls once both servers are up.
     await loop.run_in_executor(None, wait_until, lambda: leafnode_count(site_a) >= 1, 15,
@@ -68,7 +73,7 @@ class LocalStack:
                  num_relay: int = 1, profile: LinkProfile | None = None,
                  router_settings: dict | None = None, engine_settings: dict | None = None,
                  decode_settings: dict | None = None, relay_settings: dict | None = None,
-                 secret: str = "local-stack-secret"):
+                 secret: str = "local-stack-secret", secure: bool = True):
         self.loaded, self.metadata = loaded, metadata
         self.num_main, self.num_relay = num_main, num_relay
         self.link = WanLink(profile or LinkProfile(bandwidth_bps=0, rtt_ms=0, jitter_ms=0))
@@ -78,6 +83,7 @@ class LocalStack:
         self.relay_settings = relay_settings or {}
         self.secret = secret
         self.workdir = Path(tempfile.mkdtemp(prefix="pdd-stack-"))
+        self.credentials = ensure_credentials(self.workdir / "secrets") if secure else None
         self.nats_processes = []
         self.sites: dict[str, NatsSite] = {}
         self.router: RouterService | None = None
@@ -98,33 +104,48 @@ class LocalStack:
 
     async def start(self) -> "LocalStack":
         """Start NATS, the link and every service; return once the router sees them all."""
-        self.sites = await start_site_pair(self.link, self.workdir, self.nats_processes)
+        self.sites = await start_site_pair(self.link, self.workdir, self.nats_processes, self.credentials)
         await self._start_services()
         await self.wait_ready()
         return self
+
+    def security(self, role: str) -> dict:
+        """The settings a service of ``role`` needs to join this stack's NATS."""
+        if self.credentials is None:
+            return {}
+        return {"nats_seed_file": str(self.credentials.seed_file(role)),
+                "tls_ca_file": str(self.credentials.ca_file)}
+
+    async def connect(self, site: str, role: str) -> nats.NATS:
+        """A NATS client at ``site`` holding ``role``'s credentials (for tests)."""
+        creds = self.security(role)
+        return await nats_client.connect(self.sites[site].url, role=role, seed_file=creds.get("nats_seed_file", ""),
+                                         ca_file=creds.get("tls_ca_file", ""))
 
     async def _start_services(self):
         common = {"bulk_secret": self.secret, "heartbeat_s": 0.25}
         a_url, b_url = self.sites[SITE_A].url, self.sites[SITE_B].url
         self.cache_index = CacheIndexService(build_config(CacheIndexConfig, {
-            **common, "site": SITE_A, "nats_url": a_url, "instance_id": "cache-index-0"}, {}))
+            **common, **self.security("cache_index"), "site": SITE_A, "nats_url": a_url,
+            "instance_id": "cache-index-0"}, {}))
         self.prefill = PrefillService(build_config(PrefillConfig, {
-            **common, **self.engine_settings, "site": SITE_A, "nats_url": a_url,
+            **common, **self.security("prefill"), **self.engine_settings, "site": SITE_A, "nats_url": a_url,
             "instance_id": "prefill-0"}, {}), self.loaded)
         for i in range(self.num_relay):
             self.relays.append(RelayDecodeService(build_config(RelayDecodeConfig, {
-                **common, **self.engine_settings, **self.decode_settings, **self.relay_settings,
-                "site": SITE_A, "nats_url": a_url, "instance_id": f"relay-decode-{i}"}, {}), self.loaded))
+                **common, **self.security("relay_decode"), **self.engine_settings, **self.decode_settings,
+                **self.relay_settings, "site": SITE_A, "nats_url": a_url, "instance_id": f"relay-decode-{i}"}, {}), self.loaded))
         for i in range(self.num_main):
             bulk_port = free_port()
             wan_port = await self.link.add_route(Route(f"bulk-main-decode-{i}", "127.0.0.1", 0,
                                                        "127.0.0.1", bulk_port, from_site=SITE_A))
             self.mains.append(MainDecodeService(build_config(BulkReceiverConfig, {
-                **common, **self.engine_settings, **self.decode_settings, "site": SITE_B,
+                **common, **self.security("main_decode"), **self.engine_settings, **self.decode_settings,
+                "site": SITE_B,
                 "nats_url": b_url, "instance_id": f"main-decode-{i}", "bulk_port": bulk_port,
                 "bulk_advertise": f"127.0.0.1:{wan_port}"}, {}), self.loaded))
         self.router = RouterService(build_config(RouterConfig, {
-            **common, "site": SITE_A, "nats_url": a_url, "instance_id": "router-0",
+            **common, **self.security("router"), "site": SITE_A, "nats_url": a_url, "instance_id": "router-0",
             "model": self.loaded.name, "http_port": 0, "instance_ttl_s": 2.0,
             **self.router_settings}, {}), self.metadata)
         for service in self.services:

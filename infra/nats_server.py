@@ -13,7 +13,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from infra.credentials import LEAF_ROLE, Credentials
 from shared.errors import PddError
+from shared.nats_roles import ROLES, permissions
 
 
 class NatsStartError(PddError):
@@ -33,6 +35,9 @@ class NatsSite:
         store_dir: JetStream storage folder.
         leaf_listen_port: Port accepting leafnodes (the hub site), or None.
         leaf_remote_url: Leafnode URL to dial (the spoke site), or None.
+        credentials: The deployment's secrets: with them the server takes only TLS clients
+            that sign with a role's nkey, each held to its role's subjects, and the leafnode
+            runs over mutual TLS; without them (tests of NATS itself only) anyone may connect.
     """
 
     site: str
@@ -41,11 +46,12 @@ class NatsSite:
     store_dir: Path
     leaf_listen_port: int | None = None
     leaf_remote_url: str | None = None
+    credentials: Credentials | None = None
 
     @property
     def url(self) -> str:
         """Client URL."""
-        return f"nats://127.0.0.1:{self.client_port}"
+        return f"{'tls' if self.credentials else 'nats'}://127.0.0.1:{self.client_port}"
 
     def config_text(self) -> str:
         """The server's configuration file."""
@@ -56,11 +62,40 @@ class NatsSite:
             "max_payload: 8MB",
             f'jetstream {{ domain: "{self.site}", store_dir: "{self.store_dir}" }}',
         ]
+        creds = self.credentials
+        if creds:
+            lines += [f"tls {{ {_tls_block(creds)}, timeout: 5 }}", _authorization(creds)]
+        leaf_tls = f"tls {{ {_tls_block(creds)}, verify: true, timeout: 5 }}" if creds else ""
         if self.leaf_listen_port:
-            lines.append(f"leafnodes {{ listen: 127.0.0.1:{self.leaf_listen_port} }}")
+            auth = f'authorization {{ nkey: "{creds.public_key(LEAF_ROLE)}", timeout: 5 }}' if creds else ""
+            lines.append(f"leafnodes {{ listen: 127.0.0.1:{self.leaf_listen_port}, {leaf_tls}, {auth} }}"
+                         if creds else f"leafnodes {{ listen: 127.0.0.1:{self.leaf_listen_port} }}")
         if self.leaf_remote_url:
-            lines.append(f'leafnodes {{ remotes: [ {{ url: "{self.leaf_remote_url}" }} ] }}')
+            url = self.leaf_remote_url.replace("nats-leaf://", "tls://") if creds else self.leaf_remote_url
+            auth = f'nkey: "{creds.seed_file(LEAF_ROLE).read_text().strip()}"' if creds else ""
+            lines.append(f'leafnodes {{ remotes: [ {{ url: "{url}", {auth}, {leaf_tls} }} ] }}'
+                         if creds else f'leafnodes {{ remotes: [ {{ url: "{url}" }} ] }}')
         return "\n".join(lines) + "\n"
+
+
+def _tls_block(creds: Credentials) -> str:
+    # TLS before the INFO line: a plaintext client fails the handshake instead of reading INFO.
+    return (f'cert_file: "{creds.cert_file}", key_file: "{creds.key_file}", ca_file: "{creds.ca_file}", '
+            "handshake_first: true")
+
+
+def _authorization(creds: Credentials) -> str:
+    users = []
+    for role in ROLES:
+        allowed = permissions(role)
+        users.append(f'{{ nkey: "{creds.public_key(role)}", permissions: {{ '
+                     f"publish: {{ allow: {_quoted(allowed.publish)} }}, "
+                     f"subscribe: {{ allow: {_quoted(allowed.subscribe)} }}, allow_responses: true }} }}")
+    return "authorization { timeout: 5, users: [\n  " + ",\n  ".join(users) + "\n] }"
+
+
+def _quoted(patterns: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f'"{p}"' for p in patterns) + "]"
 
 
 def free_port() -> int:
@@ -83,6 +118,7 @@ def start_nats(site: NatsSite, workdir: Path, log_path: Path | None = None) -> s
     workdir.mkdir(parents=True, exist_ok=True)
     site.store_dir.mkdir(parents=True, exist_ok=True)
     config = workdir / f"nats-{site.site}.conf"
+    config.touch(mode=0o600)  # it may hold the leafnode's seed
     config.write_text(site.config_text())
     log_path = log_path or workdir / f"nats-{site.site}.log"
     with open(log_path, "ab") as log_file:

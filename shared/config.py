@@ -64,10 +64,18 @@ class CommonConfig:
     site: str = setting("site-a", "site (datacenter) this instance runs at", subject_token)
     instance_id: str = setting("", "unique instance name; default <service>-<host>-<pid>", subject_token)
     nats_url: str = setting("nats://127.0.0.1:4222", "NATS server of this instance's own site")
+    nats_seed_file: str = setting("", "file with this service role's NATS nkey seed (a locked-down "
+                                  "deployment's servers refuse clients without one)")
+    tls_ca_file: str = setting("", "the deployment's CA certificate: NATS over TLS, and mutual TLS "
+                               "on the bulk channel's WAN path")
+    tls_cert_file: str = setting("", "this service's TLS certificate (bulk channel, mutual TLS)")
+    tls_key_file: str = setting("", "private key of --tls-cert-file")
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
     otlp_endpoint: str = setting("", "OTLP/HTTP traces endpoint (e.g. http://jaeger:4318); empty: no export")
     heartbeat_s: float = setting(1.0, "seconds between LoadReported heartbeats", positive)
     bulk_secret: str = setting("", "per-deployment secret authenticating bulk KV peers")
+    bulk_secret_file: str = setting("", "file holding the bulk secret (read at start-up; keeps it out of "
+                                    "the environment)")
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint")
     metrics_port: int = setting(0, "port of the Prometheus /metrics endpoint (0: none)", non_negative)
     request_lease_s: float = setting(8.0, "engines free a request whose router has been silent this long "
@@ -202,9 +210,21 @@ def build_config(cls, flags: Mapping[str, Any], environ: Mapping[str, str] | Non
         value = f.default if raw is None else _convert(f, raw, source)
         _validate(f, value, source)
         values[f.name] = value
+    if values.get("bulk_secret_file") and not values.get("bulk_secret"):
+        values["bulk_secret"] = _read_secret(values["bulk_secret_file"], "bulk_secret_file")
     if "instance_id" in values and not values["instance_id"]:
         values["instance_id"] = f"{service}-{socket.gethostname()}-{os.getpid()}".replace(".", "-")[:128]
     return cls(**values)
+
+
+def _read_secret(path: str, name: str) -> str:
+    try:
+        secret = open(path).read().strip()
+    except OSError as exc:
+        raise ConfigError(f"setting {flag_name(name)} ({name}): cannot read {path!r}: {exc.strerror}") from None
+    if not secret:
+        raise ConfigError(f"setting {flag_name(name)} ({name}): {path!r} is empty")
+    return secret
 
 
 def _convert(f: dataclasses.Field, raw, source: str):

@@ -16,8 +16,7 @@ import time
 import nats
 import structlog
 
-from shared import subjects
-from shared import dead_letters
+from shared import dead_letters, nats_client, subjects
 from shared.config import CommonConfig
 from shared.dead_letters import BadMessageSink
 from shared.lease import RequestLeases
@@ -78,8 +77,9 @@ class Service:
 
     async def start(self):
         """Connect to this site's NATS server and start serving."""
-        self.nc = await nats.connect(
-            self.config.nats_url, name=self.instance_id, max_reconnect_attempts=-1,
+        self.nc = await nats_client.connect(
+            self.config.nats_url, role=self.service_name, seed_file=self.config.nats_seed_file,
+            ca_file=self.config.tls_ca_file, name=self.instance_id, max_reconnect_attempts=-1,
             reconnect_time_wait=0.5, connect_timeout=5,
         )
         self.bad_messages = BadMessageSink(self.nc, self.config.site, self.service_name)

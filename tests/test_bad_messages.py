@@ -3,7 +3,6 @@ counted, dead-lettered at its site, and never fatal to an actor or a request."""
 
 import asyncio
 
-import nats
 
 from shared import subjects
 from shared.dead_letters import BAD_MESSAGES, STREAM_NAME
@@ -27,20 +26,22 @@ async def test_garbage_on_every_subject_leaves_a_running_request_exact(make_stac
     rid = next(iter(stack.router.mailbox.open_request_ids))
     wrong_type = encode(TokensEmitted(request_id=rid, start_index=0, token_ids=[1], producer="MD",
                                       instance_id="forger"))
-    nc = await nats.connect(stack.sites["site-a"].url)
-    nc_b = await nats.connect(stack.sites["site-b"].url)
+    # Garbage from peers holding the role each subject needs (a buggy peer, not a forger).
+    nc = await stack.connect("site-a", "router")
+    nc_b = await stack.connect("site-b", "main_decode")
+    nc_relay = await stack.connect("site-a", "relay_decode")
     try:
         for payload in (b"\xc1garbage", wrong_type):
             await nc.publish(subjects.CANCEL, payload)
             await nc.publish(subjects.shared_work("site-a", "prefill", subjects.START_PREFILL), payload)
-            await nc.publish(subjects.request_events(rid), payload)
-            await nc.publish(subjects.load("site-a", "forger"), payload)
+            await nc_b.publish(subjects.request_events(rid), payload)
+            await nc_b.publish(subjects.load("site-a", "forger"), payload)
             await nc.publish(subjects.shared_work("site-a", "cache_index", subjects.OVERLAP), payload)
-            await nc_b.publish(subjects.instance_work("site-b", "main_decode", "main-decode-0",
-                                                      subjects.HANDOFF), payload)
-        await nc.publish(subjects.tokens(rid), b"\xc1garbage")
-        await nc.flush()
-        await nc_b.flush()
+            await nc_relay.publish(subjects.instance_work("site-b", "main_decode", "main-decode-0",
+                                                          subjects.HANDOFF), payload)
+        await nc_b.publish(subjects.tokens(rid), b"\xc1garbage")
+        for client in (nc, nc_b, nc_relay):
+            await client.flush()
         status, body = await request
         assert status == 200, body
         assert body["choices"][0]["message"]["content"] == expected_text(tiny, chat_prompt(tiny, content), 200)
@@ -49,5 +50,5 @@ async def test_garbage_on_every_subject_leaves_a_running_request_exact(make_stac
         info = await nc.jetstream().stream_info(STREAM_NAME)
         assert info.state.messages >= 10
     finally:
-        await nc.close()
-        await nc_b.close()
+        for client in (nc, nc_b, nc_relay):
+            await client.close()

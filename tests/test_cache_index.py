@@ -55,13 +55,11 @@ async def test_restarted_cache_index_rebuilds_and_routing_continues(make_stack, 
 
 
 async def test_kv_events_are_kept_in_each_sites_jetstream_domain(make_stack):
-    import nats
-
     from shared.kv_event_stream import STREAM_NAME
 
     stack = await make_stack(profile=FAST_WAN, router_settings={"pipeline_policy": "P-MD"})
     assert (await post(stack, "/chat/completions", chat_body("Tides and moons. " * 30, 4)))[0] == 200
-    nc = await nats.connect(stack.sites["site-a"].url)
+    nc = await stack.connect("site-a", "cache_index")
     try:
         counts = {}
         for site in ("site-a", "site-b"):

@@ -1,0 +1,130 @@
+"""A deployment's secrets: a CA, TLS certificates, one NATS nkey per role, the bulk secret.
+
+``pdd up`` (and the in-process stack) write them into ``<run dir>/secrets`` (folder 0700,
+every private file 0600) once, and reuse them on the next start from the same folder;
+deleting the folder rotates everything (docs/security.md). Certificates use P-256 keys,
+valid for the names and addresses a deployment's processes use to reach each other.
+"""
+
+import datetime
+import ipaddress
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import nkeys
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from shared.nats_roles import ROLES
+
+LEAF_ROLE = "leafnode"
+"""The identity site B's server uses to join site A's (not a service role)."""
+SERVICE_NAMES = ("localhost", "nats-a", "nats-b", "prefill", "relay-decode", "main-decode", "router",
+                 "wan-link", "cache-index")
+"""DNS names on the certificates (compose and Kubernetes service names), beside 127.0.0.1."""
+VALID_DAYS = 365
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """Paths of a deployment's secrets (every file exists).
+
+    Attributes:
+        folder: The secrets folder.
+        ca_file: CA certificate (PEM) every peer trusts.
+        cert_file: Certificate (PEM) of servers and clients of this deployment, signed by the CA.
+        key_file: Its private key.
+        bulk_secret_file: Key of the bulk channel's flow MACs.
+    """
+
+    folder: Path
+
+    @property
+    def ca_file(self) -> Path:
+        return self.folder / "ca.pem"
+
+    @property
+    def cert_file(self) -> Path:
+        return self.folder / "tls.pem"
+
+    @property
+    def key_file(self) -> Path:
+        return self.folder / "tls.key"
+
+    @property
+    def bulk_secret_file(self) -> Path:
+        return self.folder / "bulk.secret"
+
+    def seed_file(self, role: str) -> Path:
+        """The NATS nkey seed of ``role`` (a service role or ``leafnode``)."""
+        return self.folder / f"{role}.nk"
+
+    def public_key(self, role: str) -> str:
+        """The public nkey of ``role`` (servers list these)."""
+        return nkeys.from_seed(bytearray(self.seed_file(role).read_bytes().strip())).public_key.decode()
+
+    def bulk_secret(self) -> str:
+        return self.bulk_secret_file.read_text().strip()
+
+
+def ensure_credentials(folder: Path) -> Credentials:
+    """The secrets in ``folder``, generating whatever is missing (nothing is overwritten)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    creds = Credentials(folder)
+    for role in (*ROLES, LEAF_ROLE):
+        if not creds.seed_file(role).is_file():
+            _write_private(creds.seed_file(role), _new_user_seed())
+    if not creds.bulk_secret_file.is_file():
+        _write_private(creds.bulk_secret_file, secrets.token_hex(32).encode())
+    if not (creds.ca_file.is_file() and creds.cert_file.is_file() and creds.key_file.is_file()):
+        _write_certificates(creds)
+    return creds
+
+
+def _new_user_seed() -> bytes:
+    # nkeys encodes a 32-byte Ed25519 seed with its prefix and checksum (an "SU…" seed).
+    return nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+
+
+def _write_private(path: Path, data: bytes):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as file:
+        file.write(data)
+
+
+def _write_certificates(creds: Credentials):
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"pdd deployment CA {secrets.token_hex(4)}")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False,
+                                       data_encipherment=False, key_agreement=False,
+                                       encipher_only=False, decipher_only=False), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    names = [x509.DNSName(n) for n in SERVICE_NAMES] + [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pdd")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                  ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    _write_private(creds.key_file, key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                                     serialization.NoEncryption()))
+    _write_private(creds.ca_file, ca.public_bytes(pem))
+    _write_private(creds.cert_file, cert.public_bytes(pem))
+    # The CA's key is not kept: nothing signs after start-up, and a stolen key could mint peers.
