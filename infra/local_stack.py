@@ -113,8 +113,9 @@ class LocalStack:
         """The settings a service of ``role`` needs to join this stack's NATS."""
         if self.credentials is None:
             return {}
-        return {"nats_seed_file": str(self.credentials.seed_file(role)),
-                "tls_ca_file": str(self.credentials.ca_file)}
+        creds = self.credentials
+        return {"nats_seed_file": str(creds.seed_file(role)), "tls_ca_file": str(creds.ca_file),
+                "tls_cert_file": str(creds.cert_file), "tls_key_file": str(creds.key_file)}
 
     async def connect(self, site: str, role: str) -> nats.NATS:
         """A NATS client at ``site`` holding ``role``'s credentials (for tests)."""

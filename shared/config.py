@@ -96,6 +96,8 @@ class EngineConfig(CommonConfig):
     max_sequences: int = setting(16, "requests held at once", positive)
     torch_threads: int = setting(0, "torch CPU threads (0: torch's default)", non_negative)
     prefix_cache: bool = setting(True, "reuse cached prefix blocks (off: the no-decode-side-cache baseline)")
+    bulk_tls_local: bool = setting(False, "mutual TLS on the bulk channel's local path too (the WAN path "
+                                   "always has it once --tls-ca-file is set); senders and relays must agree")
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from shared.messages import (
     decoder,
 )
 from shared.metrics import KV_BLOCKS_CACHE_FILL
+from shared.tls import server_context
 
 _resend_decoder = decoder(ResendTokens)
 RECENT_OUTPUTS = 512
@@ -74,10 +75,14 @@ class DecodeService(EngineService):
         self.importer = KvImporter(self.worker, self._on_import_complete, self._on_import_open,
                                    in_flight_wait_s=self.config.kv_timeout_s,
                                    on_abort=self._on_import_aborted)
+        config = self.config
+        encrypted = config.tls_cert_file and (self.bulk_path == "wan" or config.bulk_tls_local)
         self.receiver = BulkReceiver(
-            self.importer, self.engine.frame_expectation, self.config.bulk_secret,
-            path=self.bulk_path, frame_timeout_s=self.config.kv_timeout_s,
-            host=self.config.bulk_host, port=self.config.bulk_port)
+            self.importer, self.engine.frame_expectation, config.bulk_secret,
+            path=self.bulk_path, frame_timeout_s=config.kv_timeout_s,
+            host=config.bulk_host, port=config.bulk_port, receiver_id=self.instance_id,
+            incarnation=self.incarnation,
+            tls=server_context(config.tls_ca_file, config.tls_cert_file, config.tls_key_file) if encrypted else None)
         host, port = await self.receiver.start()
         self.bulk_endpoint = self.config.bulk_advertise or f"{host}:{port}"
         self.loop = EngineLoop(self.worker, self._on_outputs)

@@ -357,6 +357,10 @@ class FlowOpen(_Message, kw_only=True):
         relay_instance_id: For a main decoder in ``P-RLD-MD``: the relay that will hand over.
         traceparent: W3C trace context of the sender's transfer span.
         sender_id: Sending instance.
+        receiver_id: The instance this flow is for; another one refuses it.
+        receiver_incarnation: That instance's incarnation (as in its heartbeats): a FlowOpen
+            recorded before a restart is refused by the restarted process, whose replay
+            memory is new.
         unix_s: Sender's clock (authentication freshness).
         nonce: Random hex, unique per flow (replay protection).
         mac: HMAC-SHA256 over the fields above with the deployment secret.
@@ -371,6 +375,8 @@ class FlowOpen(_Message, kw_only=True):
     relay_instance_id: str | None = None
     traceparent: str | None = None
     sender_id: str
+    receiver_id: str = ""
+    receiver_incarnation: str = ""
     unix_s: float
     nonce: str
     mac: str = ""

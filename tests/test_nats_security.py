@@ -13,6 +13,7 @@ import pytest
 
 from infra.credentials import ensure_credentials
 from shared import nats_client, subjects
+from shared.tls import client_context
 from shared.messages import CancelRequest, HandoffTokens, StartPrefill, TokensEmitted, encode
 from shared.engine.sampling import SamplingParams
 from tests.helpers import until
@@ -57,7 +58,7 @@ async def test_the_leafnode_port_takes_neither_plaintext_nor_a_foreign_certifica
             answer = b""
     assert b"INFO" not in answer and b"PONG" not in answer  # no NATS protocol before TLS
     foreign = ensure_credentials(tmp_path / "other")
-    context = nats_client.tls_context(str(stack.credentials.ca_file), str(foreign.cert_file), str(foreign.key_file))
+    context = client_context(str(stack.credentials.ca_file), str(foreign.cert_file), str(foreign.key_file))
     context.check_hostname = False
     with pytest.raises((ssl.SSLError, ConnectionResetError, BrokenPipeError, OSError)):
         with socket.create_connection(("127.0.0.1", leaf_port(stack)), timeout=5) as raw:

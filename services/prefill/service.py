@@ -33,6 +33,7 @@ from shared.messages import (
     encode,
 )
 from shared.metrics import KV_TRANSFER_SECONDS, PREFIX_HIT_BLOCKS, PREFIX_LOOKUP_BLOCKS
+from shared.tls import client_context
 from shared.tracing import context_from, current_traceparent, tracer
 
 _start_decoder = decoder(StartPrefill)
@@ -52,6 +53,9 @@ class PrefillService(EngineService):
         self._loop: EngineLoop | None = None
 
     async def on_start(self):
+        config = self.config
+        self._bulk_tls = client_context(config.tls_ca_file, config.tls_cert_file, config.tls_key_file) \
+            if config.tls_ca_file else None
         self._loop = EngineLoop(self.worker, self._on_outputs)
         self.watch(self._loop.start())
         site = self.config.site
@@ -224,10 +228,12 @@ class PrefillService(EngineService):
                 request_id=cmd.request_id, attempt=cmd.attempt, role=role, token_ids=cmd.token_ids,
                 sampling=cmd.sampling, seed=cmd.seed, traceparent=current_traceparent(),
                 relay_instance_id=cmd.relay_decode.instance_id if cmd.relay_decode else None,
-                sender_id=self.instance_id, unix_s=0.0, nonce="")
+                sender_id=self.instance_id, receiver_id=target.instance_id,
+                receiver_incarnation=target.incarnation, unix_s=0.0, nonce="")
             return await open_flow(target.bulk_endpoint, flow_open, self.config.bulk_secret,
                                    path=path, timeout_s=self.config.connect_timeout_s,
-                                   accept_timeout_s=self.config.accept_timeout_s)
+                                   accept_timeout_s=self.config.accept_timeout_s,
+                                   tls=self._bulk_tls if path == "wan" or self.config.bulk_tls_local else None)
 
     async def _send(self, flow: BulkFlow, span, frames: list, end_tokens: list[int]) -> int:
         with trace.use_span(span, end_on_exit=False):

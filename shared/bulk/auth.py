@@ -1,7 +1,9 @@
 """Peer authentication of bulk flows: an HMAC over the FlowOpen with the deployment secret.
 
 Costs no extra round trip: the sender signs its FlowOpen (with its clock and a fresh nonce);
-the receiver checks the MAC, the clock skew and that the nonce was not seen before.
+the receiver checks the MAC, that the flow names it (instance and incarnation, so a FlowOpen
+cannot be replayed to another receiver or to this one after a restart), the clock skew and
+that the nonce was not seen before.
 """
 
 import hashlib
@@ -31,10 +33,11 @@ def new_nonce() -> str:
 class FlowAuthenticator:
     """Receiver-side check of signed FlowOpens, with replay protection."""
 
-    def __init__(self, secret: str):
+    def __init__(self, secret: str, receiver_id: str = "", incarnation: str = ""):
         if not secret:
             raise ValueError("a bulk secret is required (--bulk-secret / PDD_BULK_SECRET)")
         self._secret = secret
+        self._receiver_id, self._incarnation = receiver_id, incarnation
         self._seen: dict[str, float] = {}
 
     def verify(self, flow_open: FlowOpen, now: float | None = None) -> str | None:
@@ -43,6 +46,10 @@ class FlowAuthenticator:
         expected = sign(flow_open, self._secret).mac
         if not hmac.compare_digest(expected, flow_open.mac):
             return "bad MAC: the peer does not hold this deployment's bulk secret"
+        if self._receiver_id and flow_open.receiver_id != self._receiver_id:
+            return f"FlowOpen for {flow_open.receiver_id!r}, not this receiver"
+        if self._incarnation and flow_open.receiver_incarnation != self._incarnation:
+            return "FlowOpen for an earlier incarnation of this receiver"
         if abs(now - flow_open.unix_s) > MAX_CLOCK_SKEW_S:
             return f"stale FlowOpen: clock skew above {MAX_CLOCK_SKEW_S:.0f} s"
         self._forget_older_than(now - 2 * MAX_CLOCK_SKEW_S)

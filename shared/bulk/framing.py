@@ -31,9 +31,13 @@ async def write_control(writer: asyncio.StreamWriter, message: BulkControl):
     await writer.drain()
 
 
-async def read_message(reader: asyncio.StreamReader, expect: kv_wire.FrameExpectation | None
+async def read_message(reader: asyncio.StreamReader, expect: kv_wire.FrameExpectation | None,
+                       max_control_bytes: int = MAX_CONTROL_BYTES
                        ) -> tuple[BulkControl | kv_wire.KvFrame | None, int]:
     """Read the next control message or validated KV frame, with its size in bytes.
+
+    A control message declaring more than ``max_control_bytes`` is refused before any of it
+    is read.
 
     Returns ``(None, 0)`` at a clean end of stream.
 
@@ -49,7 +53,7 @@ async def read_message(reader: asyncio.StreamReader, expect: kv_wire.FrameExpect
     try:
         if magic == CONTROL_MAGIC:
             (length,) = _CONTROL_LEN.unpack(await reader.readexactly(_CONTROL_LEN.size))
-            if length > MAX_CONTROL_BYTES:
+            if length > max_control_bytes:
                 raise OversizedFrame(f"control message of {length} bytes")
             try:
                 return _control_decoder.decode(await reader.readexactly(length)), 8 + length

@@ -1,6 +1,7 @@
 """Bulk receiver: accepts authenticated KV flows and hands their frames to a FlowHandler."""
 
 import asyncio
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -15,6 +16,12 @@ from shared.messages import FlowAccepted, FlowCancel, FlowEnd, FlowOpen, FlowRej
 from shared.metrics import KV_BYTES
 
 log = structlog.get_logger(__name__)
+AUTH_TIMEOUT_S = 5.0
+"""A peer must authenticate (TLS handshake, then a valid FlowOpen) within this."""
+MAX_PREAUTH_CONTROL_BYTES = 64 << 10
+"""Largest message read from a peer that has not authenticated yet (a FlowOpen with ~20K tokens)."""
+MAX_UNAUTHENTICATED = 32
+"""Connections still authenticating at once; more are closed on arrival."""
 
 
 @dataclass
@@ -74,10 +81,13 @@ class BulkReceiver:
     """TCP server for one receiving instance; one flow per connection."""
 
     def __init__(self, handler: FlowHandler, expectation: FrameExpectation, secret: str, *,
-                 path: str, frame_timeout_s: float, host: str = "127.0.0.1", port: int = 0):
+                 path: str, frame_timeout_s: float, host: str = "127.0.0.1", port: int = 0,
+                 receiver_id: str = "", incarnation: str = "", tls: ssl.SSLContext | None = None):
         self._handler = handler
         self._expect = expectation
-        self._auth = FlowAuthenticator(secret)
+        self._auth = FlowAuthenticator(secret, receiver_id, incarnation)
+        self._tls = tls
+        self._unauthenticated = 0
         self._path = path
         self._frame_timeout_s = frame_timeout_s
         self._host, self._port = host, port
@@ -86,8 +96,9 @@ class BulkReceiver:
 
     async def start(self) -> tuple[str, int]:
         """Listen; return the bound (host, port)."""
-        self._server = await asyncio.start_server(self._serve, self._host, self._port,
-                                                  limit=1 << 20)
+        self._server = await asyncio.start_server(self._serve, self._host, self._port, limit=1 << 20,
+                                                  ssl=self._tls,
+                                                  ssl_handshake_timeout=AUTH_TIMEOUT_S if self._tls else None)
         self._host, self._port = self._server.sockets[0].getsockname()[:2]
         return self._host, self._port
 
@@ -100,12 +111,20 @@ class BulkReceiver:
         await asyncio.gather(*self._connections, return_exceptions=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        if self._unauthenticated >= MAX_UNAUTHENTICATED:
+            log.warning("bulk_connection_refused", path=self._path, reason="too many unauthenticated peers")
+            writer.close()
+            return
         task = asyncio.current_task()
         self._connections.add(task)
         try:
             stats = FlowStats()
-            flow_open = await self._accept(reader, writer, stats)
-            if flow_open is not None:
+            self._unauthenticated += 1
+            try:
+                flow_open = await self._authenticate(reader, writer)
+            finally:
+                self._unauthenticated -= 1
+            if flow_open is not None and await self._admit(flow_open, writer, stats):
                 await self._receive(flow_open, reader, stats)
         except (ConnectionError, asyncio.TimeoutError, KvFrameError) as exc:
             log.warning("bulk_connection_dropped", path=self._path, error=str(exc))
@@ -113,28 +132,34 @@ class BulkReceiver:
             self._connections.discard(task)
             writer.close()
 
-    async def _accept(self, reader, writer, stats: FlowStats) -> FlowOpen | None:
-        message, _ = await asyncio.wait_for(read_message(reader, None), self._frame_timeout_s)
+    async def _authenticate(self, reader, writer) -> FlowOpen | None:
+        """The peer's FlowOpen if it is authentic, fresh and for this receiver, else None."""
+        message, _ = await asyncio.wait_for(read_message(reader, None, MAX_PREAUTH_CONTROL_BYTES),
+                                            AUTH_TIMEOUT_S)
         if not isinstance(message, FlowOpen):
             log.warning("bulk_flow_refused", path=self._path, reason="first message is not FlowOpen")
             return None
         problem = self._auth.verify(message)
         if problem is None:
-            received = time.monotonic()
-            try:
-                first_index = await self._handler.open_flow(message, stats)
-            except PddError as exc:
-                await write_control(writer, FlowRejected(request_id=message.request_id,
-                                                         code=exc.code, message=str(exc)))
-                return None
-            await write_control(writer, FlowAccepted(request_id=message.request_id,
-                                                     first_token_index=first_index,
-                                                     queued_s=time.monotonic() - received))
             return message
         log.warning("bulk_flow_refused", path=self._path, request_id=message.request_id, reason=problem)
         await write_control(writer, FlowRejected(request_id=message.request_id,
                                                  code="unauthenticated", message=problem))
         return None
+
+    async def _admit(self, flow_open: FlowOpen, writer, stats: FlowStats) -> bool:
+        """Ask the handler (which may wait for blocks in flight); answer the sender."""
+        received = time.monotonic()
+        try:
+            first_index = await self._handler.open_flow(flow_open, stats)
+        except PddError as exc:
+            await write_control(writer, FlowRejected(request_id=flow_open.request_id,
+                                                     code=exc.code, message=str(exc)))
+            return False
+        await write_control(writer, FlowAccepted(request_id=flow_open.request_id,
+                                                 first_token_index=first_index,
+                                                 queued_s=time.monotonic() - received))
+        return True
 
     async def _receive(self, flow_open: FlowOpen, reader, stats: FlowStats):
         request_id, reason = flow_open.request_id, "connection closed"

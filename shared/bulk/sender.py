@@ -1,6 +1,7 @@
 """Bulk sender: opens an authenticated per-request flow and streams KV frames with back-pressure."""
 
 import asyncio
+import ssl
 import time
 
 import msgspec
@@ -69,12 +70,15 @@ class BulkFlow:
 
 
 async def open_flow(endpoint: str, flow_open: FlowOpen, secret: str, *, path: str,
-                    timeout_s: float, accept_timeout_s: float | None = None) -> BulkFlow:
+                    timeout_s: float, accept_timeout_s: float | None = None,
+                    tls: ssl.SSLContext | None = None) -> BulkFlow:
     """Connect to ``endpoint`` (``host:port``), authenticate and wait for FlowAccepted.
 
     ``timeout_s`` bounds the connection; ``accept_timeout_s`` (default the same) bounds the
     wait for the answer, which a receiver may delay while blocks this prompt needs are still
     arriving on another flow. ``BulkFlow.handshake_s`` excludes that delay: one round trip.
+    With ``tls`` the connection is mutual TLS (the receiver must present the deployment's
+    certificate, and we present ours).
 
     Raises:
         FlowRefused: the receiver said no.
@@ -83,7 +87,8 @@ async def open_flow(endpoint: str, flow_open: FlowOpen, secret: str, *, path: st
     host, _, port = endpoint.rpartition(":")
     signed = sign(_stamp_fresh(flow_open), secret)
     reader, writer = await asyncio.wait_for(
-        asyncio.open_connection(host, int(port), limit=1 << 20), timeout_s)
+        asyncio.open_connection(host, int(port), limit=1 << 20, ssl=tls,
+                                server_hostname=host if tls else None), timeout_s)
     started = time.monotonic()
     try:
         await write_control(writer, signed)

@@ -1,0 +1,125 @@
+"""The bulk channel's locks, on real sockets: mutual TLS with the deployment's CA on the WAN
+path, FlowOpens bound to one receiver incarnation, and limits on peers that have not
+authenticated (time, size of what they may send, how many at once)."""
+
+import asyncio
+import ssl
+
+import msgspec
+import pytest
+
+from infra.credentials import ensure_credentials
+from shared.bulk import receiver as receiver_module
+from shared.bulk.auth import sign
+from shared.bulk.framing import CONTROL_MAGIC, control_bytes
+from shared.bulk.receiver import BulkReceiver
+from shared.bulk.sender import FlowRefused, open_flow
+from shared.engine.engine import Engine
+from shared.tls import client_context, server_context
+from tests.helpers import prompt_of_length
+from tests.test_bulk_channel import SECRET, RecordingHandler, flow_open_for
+
+
+@pytest.fixture
+def creds(tmp_path):
+    return ensure_credentials(tmp_path / "secrets")
+
+
+async def start_receiver(tiny, creds, receiver_id="main-decode-0", incarnation="inc-1", tls=True):
+    engine = Engine(tiny, num_blocks=32)
+    receiver = BulkReceiver(RecordingHandler(engine), engine.frame_expectation, SECRET, path="wan",
+                            frame_timeout_s=5, receiver_id=receiver_id, incarnation=incarnation,
+                            tls=server_context(str(creds.ca_file), str(creds.cert_file), str(creds.key_file))
+                            if tls else None)
+    host, port = await receiver.start()
+    return receiver, f"{host}:{port}"
+
+
+def ours(creds) -> ssl.SSLContext:
+    return client_context(str(creds.ca_file), str(creds.cert_file), str(creds.key_file))
+
+
+def bound(request_id, prompt, receiver_id="main-decode-0", incarnation="inc-1"):
+    return msgspec.structs.replace(flow_open_for(request_id, prompt), receiver_id=receiver_id,
+                                   receiver_incarnation=incarnation)
+
+
+async def test_a_flow_over_mutual_tls_is_accepted(tiny, creds):
+    receiver, endpoint = await start_receiver(tiny, creds)
+    try:
+        flow = await open_flow(endpoint, bound("r", prompt_of_length(tiny, 40)), SECRET, path="wan",
+                               timeout_s=5, tls=ours(creds))
+        await flow.close()
+    finally:
+        await receiver.stop()
+
+
+async def test_plaintext_and_foreign_certificates_fail_the_handshake(tiny, creds, tmp_path):
+    receiver, endpoint = await start_receiver(tiny, creds)
+    host, port = endpoint.rsplit(":", 1)
+    try:
+        reader, writer = await asyncio.open_connection(host, int(port))  # plaintext
+        writer.write(control_bytes(sign(bound("r", [1, 2, 3]), SECRET)))
+        await writer.drain()
+        reply = await asyncio.wait_for(reader.read(4096), 10)
+        assert not reply.startswith(CONTROL_MAGIC)  # no answer in our protocol, just a TLS alert or EOF
+        writer.close()
+        foreign = ensure_credentials(tmp_path / "other")
+        with pytest.raises((ssl.SSLError, ConnectionError, FlowRefused)):
+            await open_flow(endpoint, bound("r", [1, 2, 3]), SECRET, path="wan", timeout_s=5,
+                            tls=client_context(str(creds.ca_file), str(foreign.cert_file), str(foreign.key_file)))
+        with pytest.raises((ssl.SSLError, ConnectionError)):  # a receiver we do not trust
+            await open_flow(endpoint, bound("r", [1, 2, 3]), SECRET, path="wan", timeout_s=5,
+                            tls=client_context(str(foreign.ca_file), str(foreign.cert_file), str(foreign.key_file)))
+    finally:
+        await receiver.stop()
+
+
+@pytest.mark.parametrize("receiver_id,incarnation,why", [
+    ("main-decode-1", "inc-1", "not this receiver"),        # replayed to another receiver
+    ("main-decode-0", "inc-0", "earlier incarnation"),      # replayed after a restart
+])
+async def test_a_flow_open_for_another_receiver_or_incarnation_is_refused(tiny, creds, receiver_id,
+                                                                         incarnation, why):
+    receiver, endpoint = await start_receiver(tiny, creds)
+    try:
+        with pytest.raises(FlowRefused, match=why):
+            await open_flow(endpoint, bound("r", [1, 2, 3], receiver_id, incarnation), SECRET, path="wan",
+                            timeout_s=5, tls=ours(creds))
+    finally:
+        await receiver.stop()
+
+
+async def raw_tls(endpoint: str, creds):
+    host, port = endpoint.rsplit(":", 1)
+    return await asyncio.open_connection(host, int(port), ssl=ours(creds), server_hostname=host)
+
+
+async def test_an_oversized_control_frame_before_authentication_is_dropped_at_once(tiny, creds):
+    receiver, endpoint = await start_receiver(tiny, creds)
+    try:
+        reader, writer = await raw_tls(endpoint, creds)
+        writer.write(CONTROL_MAGIC + (16 << 20).to_bytes(4, "little"))  # declares 16 MiB
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 2) == b""  # closed, nothing buffered
+        writer.close()
+    finally:
+        await receiver.stop()
+
+
+async def test_a_silent_peer_is_dropped_and_peers_beyond_the_cap_are_refused(tiny, creds, monkeypatch):
+    monkeypatch.setattr(receiver_module, "AUTH_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(receiver_module, "MAX_UNAUTHENTICATED", 3)
+    receiver, endpoint = await start_receiver(tiny, creds)
+    try:
+        idle = [await raw_tls(endpoint, creds) for _ in range(3)]
+        extra_reader, extra_writer = await raw_tls(endpoint, creds)
+        assert await asyncio.wait_for(extra_reader.read(), 2) == b""  # over the cap: closed at once
+        for reader, writer in idle:  # silent: closed once the authentication time is up
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            writer.close()
+        flow = await open_flow(endpoint, bound("r", prompt_of_length(tiny, 40)), SECRET, path="wan",
+                               timeout_s=5, tls=ours(creds))  # room again for an honest peer
+        await flow.close()
+    finally:
+        await receiver.stop()
