@@ -47,6 +47,13 @@ class InvalidRequestState(PddError):
     code = "invalid_request_state"
 
 
+class HandoffRefused(PddError):
+    """A handoff that does not fit its request: another relay sent it, or too many or
+    impossible token ids."""
+
+    code = "handoff_refused"
+
+
 class RequestCancelled(PddError):
     """The request was cancelled; the operation it waited for will not happen."""
 

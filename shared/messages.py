@@ -87,6 +87,8 @@ class HandoffTokens(_Message, kw_only=True):
             main decoder only absorbs (computes KV, samples nothing).
         mode: ``one-shot`` or ``catch-up``.
         chunk: 1-based number of this chunk for the request.
+        relay_instance_id: The relay sending it; main decode takes a handoff only from the
+            relay the request's flow named.
     """
 
     request_id: str
@@ -95,6 +97,7 @@ class HandoffTokens(_Message, kw_only=True):
     final: bool = True
     mode: Literal["one-shot", "catch-up"] = "one-shot"
     chunk: int = 1
+    relay_instance_id: str = ""
 
 
 class CancelRequest(_Message, kw_only=True):

@@ -25,6 +25,10 @@ KV_BLOCKS_CACHE_FILL = Gauge(
     "pdd_kv_blocks_cache_fill", "KV blocks pinned by imports of requests that ended elsewhere; they "
     "land in the prefix cache (no request holds them) and are released when the transfer ends",
     ["service", "instance"])
+REFUSED_MESSAGES = Counter(
+    "pdd_refused_messages_total", "Well-formed messages refused because their sender or content does not fit "
+    "the request (tokens from an instance it was not placed on, a handoff from another relay…)",
+    ["service", "reason"])
 PUBLISH_FAILURES = Counter("pdd_publish_failures_total", "NATS publishes that failed (dropped, counted)",
                            ["service", "kind"])
 LEASES_EXPIRED = Counter("pdd_request_leases_expired_total",

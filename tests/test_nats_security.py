@@ -139,3 +139,53 @@ async def test_a_role_cannot_subscribe_to_what_is_not_its_own(stack, role, subje
         await asyncio.wait_for(violations.seen.wait(), 5)
     finally:
         await nc.close()
+
+
+async def test_a_decoder_role_still_cannot_write_a_stream_it_was_not_placed_on(stack, tiny):
+    from shared.metrics import REFUSED_MESSAGES
+
+    refused = REFUSED_MESSAGES.labels("router", "tokens_from_unplaced_instance")
+    before = refused._value.get()
+    content = "Describe the lighthouse keeper. " * 12
+    request = asyncio.create_task(post(stack, "/chat/completions", chat_body(content, 160)))
+    await until(lambda: stack.router.mailbox.open_request_ids, 15, "the request to be dispatched")
+    rid = next(iter(stack.router.mailbox.open_request_ids))
+    nc = await stack.connect("site-b", "main_decode")  # allowed to publish tokens, as some decoder
+    try:
+        await nc.publish(subjects.tokens(rid), encode(TokensEmitted(
+            request_id=rid, start_index=0, token_ids=[7] * 100, producer="MD", instance_id="main-decode-7")))
+        await nc.flush()
+        await until(lambda: refused._value.get() > before, 10, "the router to refuse the tokens")
+    finally:
+        await nc.close()
+    status, body = await request
+    assert status == 200 and body["choices"][0]["message"]["content"] == expected_text(
+        tiny, chat_prompt(tiny, content), 160)
+
+
+@pytest.mark.parametrize("relay_id,num_tokens,why", [
+    ("relay-decode-9", 3, "the request's relay is"),   # another relay (or someone holding relay credentials)
+    ("relay-decode-0", 1000, "fit max_tokens"),        # the right relay's name, an impossible length
+])
+async def test_main_decode_takes_a_handoff_only_from_the_requests_relay_and_of_a_possible_length(
+        stack, tiny, relay_id, num_tokens, why):
+    from shared.messages import RequestFailed, decoder
+
+    content = "Explain how tides work, in detail. " * 12
+    request = asyncio.create_task(post(stack, "/chat/completions", chat_body(content, 160)))
+    await until(lambda: stack.router.mailbox.open_request_ids, 15, "the request to be dispatched")
+    rid = next(iter(stack.router.mailbox.open_request_ids))
+    main = stack.mains[0]
+    await until(lambda: rid in main._relays, 15, "main decode to hold the request's KV")
+    nc = await stack.connect("site-a", "relay_decode")
+    try:
+        reply = await nc.request(subjects.instance_work("site-b", "main_decode", main.instance_id, subjects.HANDOFF),
+                                 encode(HandoffTokens(request_id=rid, start_index=0, token_ids=[5] * num_tokens,
+                                                      relay_instance_id=relay_id)), timeout=10)
+    finally:
+        await nc.close()
+    answer = decoder(RequestFailed).decode(reply.data)
+    assert answer.code == "handoff_refused" and why in answer.message, answer
+    status, body = await request
+    assert status == 200 and body["choices"][0]["message"]["content"] == expected_text(
+        tiny, chat_prompt(tiny, content), 160)

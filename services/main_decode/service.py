@@ -17,9 +17,9 @@ from shared.config import BulkReceiverConfig
 from shared.decode_service import DecodeService
 from shared.engine.engine import StepOutput
 from shared.engine.sequence import Sequence, SequenceStatus
-from shared.errors import InvalidRequestState, PddError
+from shared.errors import HandoffRefused, InvalidRequestState, PddError
 from shared.messages import HandoffAccepted, HandoffTokens, KvReady, RequestFailed, decoder, encode
-from shared.metrics import HANDOFF_CHUNKS, HANDOFFS
+from shared.metrics import HANDOFF_CHUNKS, HANDOFFS, REFUSED_MESSAGES
 from shared.tracing import context_from, tracer
 
 _handoff_decoder = decoder(HandoffTokens)
@@ -38,6 +38,7 @@ class MainDecodeService(DecodeService):
         self._traceparents: dict[str, str | None] = {}
         self._recompute_spans: dict[str, trace.Span] = {}
         self._absorbing: dict[str, asyncio.Future] = {}
+        self._relays: dict[str, str] = {}
 
     async def on_start(self):
         await super().on_start()
@@ -47,6 +48,8 @@ class MainDecodeService(DecodeService):
 
     async def _on_import_complete(self, state: ImportState, seq: Sequence, stats: FlowStats):
         rid = seq.request_id
+        if state.flow_open.relay_instance_id:  # before KvReady: the relay hands over once it hears it
+            self._relays[rid] = state.flow_open.relay_instance_id
         await self.publish(subjects.request_events(rid), KvReady(
             request_id=rid, instance_id=self.instance_id, site=self.config.site,
             cached_tokens=state.cached_tokens, imported_tokens=seq.num_imported_tokens,
@@ -78,6 +81,8 @@ class MainDecodeService(DecodeService):
         except (PddError, asyncio.TimeoutError) as exc:
             recompute.end()
             self._absorbing.pop(rid, None)
+            if isinstance(exc, HandoffRefused):
+                REFUSED_MESSAGES.labels(self.service_name, "handoff").inc()
             self.log.warning("handoff_refused", request_id=rid, error=str(exc) or "timeout")
             await msg.respond(encode(RequestFailed(
                 request_id=rid, instance_id=self.instance_id,
@@ -106,6 +111,15 @@ class MainDecodeService(DecodeService):
 
     def _extend(self, handoff: HandoffTokens):
         seq = self.engine.get(handoff.request_id)
+        relay = self._relays.get(handoff.request_id)
+        if relay is None or handoff.relay_instance_id != relay:
+            raise HandoffRefused(f"handoff from {handoff.relay_instance_id!r}; the request's relay is {relay!r}")
+        room = seq.sampling.max_tokens - handoff.start_index
+        if len(handoff.token_ids) > room:
+            raise HandoffRefused(f"handoff of {len(handoff.token_ids)} tokens; only {room} fit max_tokens")
+        vocab = self.engine.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in handoff.token_ids):
+            raise HandoffRefused("handoff holds token ids outside the vocabulary")
         if handoff.start_index != len(seq.output_token_ids):
             raise InvalidRequestState(f"handoff starts at {handoff.start_index}, main decode "
                                       f"holds {len(seq.output_token_ids)} output tokens")
@@ -125,9 +139,11 @@ class MainDecodeService(DecodeService):
 
     async def on_finished(self, out: StepOutput):
         self._traceparents.pop(out.request_id, None)
+        self._relays.pop(out.request_id, None)
 
     async def on_cancel(self, cancel):
         self._traceparents.pop(cancel.request_id, None)
+        self._relays.pop(cancel.request_id, None)
         span = self._recompute_spans.pop(cancel.request_id, None)
         if span is not None:
             span.end()

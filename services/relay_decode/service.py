@@ -125,7 +125,8 @@ class RelayDecodeService(DecodeService):
 
     async def _send_chunk(self, rid: str, subject: str, chunk: HandoffChunk, tokens: list[int]):
         handoff = HandoffTokens(request_id=rid, start_index=chunk.start_index, token_ids=tokens,
-                                final=chunk.final, mode=chunk.mode, chunk=chunk.chunk)
+                                final=chunk.final, mode=chunk.mode, chunk=chunk.chunk,
+                                relay_instance_id=self.instance_id)
         span = _tracer.start_span("handoff", context=context_from(self._traceparents.get(rid)), attributes={
             "request_id": rid, "mode": chunk.mode, "chunk": chunk.chunk, "tokens": len(tokens),
             "final": chunk.final})

@@ -62,6 +62,11 @@ class Placement:
         refs = (self.prefill, self.main_decode, self.relay_decode)
         return [ref.instance_id for ref in refs if ref is not None]
 
+    @property
+    def decoder_ids(self) -> frozenset[str]:
+        """The instances that may write the request's token stream."""
+        return frozenset(ref.instance_id for ref in (self.main_decode, self.relay_decode) if ref is not None)
+
 
 @dataclass(frozen=True)
 class WanEstimate:

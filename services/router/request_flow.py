@@ -49,6 +49,7 @@ from shared.messages import (
     decoder,
     encode,
 )
+from shared.metrics import REFUSED_MESSAGES
 from shared.tracing import trace_headers, tracer
 
 log = structlog.get_logger(__name__)
@@ -272,6 +273,12 @@ class RequestFlow:
                 continue
             if kind != "tokens":
                 self._on_event(item)
+                continue
+            if item.instance_id not in self.placement.decoder_ids:
+                # Only the instances this attempt was placed on write its stream.
+                REFUSED_MESSAGES.labels("router", "tokens_from_unplaced_instance").inc()
+                log.warning("tokens_refused", request_id=self.request_id, instance=item.instance_id,
+                            reason="not placed on it")
                 continue
             batch = self.log.add(item)
             self.outcome.finish_reason, self.outcome.finished_on = self.log.finish_reason, self.log.finished_on
