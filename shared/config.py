@@ -152,7 +152,12 @@ class RouterConfig(CommonConfig):
     ttft_target_ms: float = setting(500.0, "relay when the predicted WAN transfer exceeds this", non_negative)
     pipeline_policy: str = setting("auto", "auto (PDD's choice), or force P-MD / P-RLD-MD (baselines, tests)",
                                    choices=("auto", "P-MD", "P-RLD-MD"))
-    default_max_tokens: int = setting(256, "max_tokens when a request gives none", positive)
+    default_max_tokens: int = setting(256, "max_tokens when a request gives none (clamped to the context left)",
+                                      positive)
+    max_in_flight: int = setting(0, "requests running at once (0: what the main decoders report they hold, "
+                                 "their max_sequences summed)", non_negative)
+    max_queued: int = setting(0, "requests waiting for a slot; beyond: 429 (0: as many as run)", non_negative)
+    queue_timeout_s: float = setting(30.0, "longest wait for a slot before a 429", positive)
     odd_traffic_filter: bool = setting(True, "cancel the WAN transfer of long-input/very-short-output requests the relay finishes")
     odd_max_output_tokens: int = setting(8, "output bounds above this are never odd traffic", non_negative)
     relay_step_ms: float = setting(80.0, "relay decode step estimate (is the relay done before the KV lands?)", positive)

@@ -33,6 +33,10 @@ PUBLISH_FAILURES = Counter("pdd_publish_failures_total", "NATS publishes that fa
                            ["service", "kind"])
 LEASES_EXPIRED = Counter("pdd_request_leases_expired_total",
                          "Requests freed because their router died or no longer ran them", ["service", "kind"])
+QUEUE_SECONDS = Histogram("pdd_queue_seconds", "Time a request waited at the router for a slot",
+                          buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32))
+REJECTED = Counter("pdd_requests_rejected_total", "Requests answered 429 (no slot, wait line full or "
+                   "waited too long)", ["reason"])
 TTFT_SECONDS = Histogram("pdd_ttft_seconds", "Time to first token at the router", ["pipeline"],
                          buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64))
 

@@ -54,6 +54,7 @@ class PrefillService(EngineService):
 
     async def on_start(self):
         config = self.config
+        self._slots = asyncio.Semaphore(config.max_sequences)
         self._bulk_tls = client_context(config.tls_ca_file, config.tls_cert_file, config.tls_key_file) \
             if config.tls_ca_file else None
         self._loop = EngineLoop(self.worker, self._on_outputs)
@@ -89,7 +90,8 @@ class PrefillService(EngineService):
         log = self.log.bind(request_id=cmd.request_id, pipeline=cmd.pipeline)
         reply: PrefillCompleted | RequestFailed
         try:
-            reply, sending = await self._prefill(cmd, context_from(headers=msg.headers))
+            async with self._slots:  # at most max_sequences prompts held; the rest wait their turn
+                reply, sending = await self._prefill(cmd, context_from(headers=msg.headers))
         except asyncio.CancelledError:
             reply, sending = self._failure(cmd, "cancelled", "request cancelled"), None
         except (PddError, ConnectionError, asyncio.TimeoutError, OSError) as exc:

@@ -52,6 +52,7 @@ class RequestOutcome:
     kv_transfer_ms: float | None = None
     recoveries: list[Recovery] = field(default_factory=list)
     degraded_reason: str = ""
+    queue_ms: float = 0.0
 
     def place(self, placement: Placement):
         """Describe the attempt running on ``placement``."""
@@ -75,5 +76,5 @@ class RequestOutcome:
             "predicted_wan_ms": round(self.predicted_wan_ms, 1),
             "kv_transfer_ms": self.kv_transfer_ms, "instances": self.instances,
             "recoveries": [r.as_pdd() for r in self.recoveries],
-            "degraded": self.degraded_reason or None,
+            "degraded": self.degraded_reason or None, "queue_ms": round(self.queue_ms, 1),
         }

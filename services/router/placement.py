@@ -123,7 +123,8 @@ def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens
     prefill = _pick(prefills, hits, num_prompt_blocks)
     if not mains:
         return _relay_only(prefill, relays, num_prompt_blocks)
-    main = _pick(mains, hits, num_prompt_blocks)
+    main = _pick(_with_room(mains) or mains, hits, num_prompt_blocks)
+    relays = _with_room(relays)
     cached_blocks = hits.get(main.report.instance.instance_id, 0)
     missing_tokens = max(0, num_prompt_tokens - cached_blocks * block_size)
     missing_bytes = missing_tokens * kv_bytes_per_token
@@ -140,6 +141,11 @@ def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens
         md_cached_blocks=cached_blocks, md_load_blocks=main.load_blocks,
         num_prompt_blocks=num_prompt_blocks, missing_kv_bytes=missing_bytes,
         predicted_wan_s=predicted_s, odd_traffic=odd and relay is not None)
+
+
+def _with_room(instances: list[InstanceState]) -> list[InstanceState]:
+    """Those holding fewer of this router's requests than their ``max_sequences``."""
+    return [s for s in instances if not s.report.max_sequences or s.assigned < s.report.max_sequences]
 
 
 def _least_busy(relays: list[InstanceState]) -> InstanceState:

@@ -16,6 +16,7 @@ import nats
 from aiohttp import web
 
 from services.router import http_guard, openai_api
+from services.router.admission import Admission, Overloaded
 from services.router.detokenizer import Detokenizer
 from services.router.mailbox import RequestMailbox
 from services.router.odd_traffic import OddTrafficRule
@@ -29,7 +30,7 @@ from shared import subjects
 from shared.block_hash import HASH_SCHEME_VERSION, hash_blocks
 from shared.config import RouterConfig
 from shared.messages import LoadReported, OverlapQuery, OverlapReply, decoder, encode
-from shared.metrics import PIPELINE_CHOICES, REQUESTS, TTFT_SECONDS, exposition
+from shared.metrics import PIPELINE_CHOICES, QUEUE_SECONDS, REJECTED, REQUESTS, TTFT_SECONDS, exposition
 from shared.model_loader import ModelMetadata, load_metadata
 from shared.service import Service
 from shared.tracing import tracer
@@ -56,6 +57,8 @@ class RouterService(Service):
         self.wan = WanEstimator(config.wan_bandwidth_mbit * 1e6, config.wan_rtt_ms / 1000)
         self.odd_rule = OddTrafficRule(config.odd_traffic_filter, config.odd_max_output_tokens,
                                        config.relay_step_ms / 1000, config.ttft_target_ms / 1000)
+        self.admission = Admission(self.registry, max_in_flight=config.max_in_flight,
+                                   max_queued=config.max_queued, queue_timeout_s=config.queue_timeout_s)
         self.port = config.http_port
         self._runner: web.AppRunner | None = None
         self._in_flight: set[asyncio.Task] = set()
@@ -101,6 +104,7 @@ class RouterService(Service):
 
     async def _on_heartbeat(self, report: LoadReported, msg):
         self.registry.observe(report)
+        self.admission.wake()  # capacity may have grown
 
     async def _watch_sites(self):
         probes: dict[str, asyncio.Task] = {}
@@ -164,9 +168,20 @@ class RouterService(Service):
                 raise ApiError(503, "router is shutting down", type="server_error", code="unavailable")
             body = await self._json_body(request)
             parsed = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._parse, body, chat)
-            return await self._run(request, parsed)
+            self._check_fits_a_pool(parsed)
+            if not self.admission.limit:
+                raise ApiError(503, "no live main_decode or relay_decode instance", type="server_error",
+                               code="no_instances")
+            try:
+                async with self.admission.slot() as queued_s:
+                    QUEUE_SECONDS.observe(queued_s)
+                    return await self._run(request, parsed, queued_s)
+            except Overloaded as exc:
+                REJECTED.labels("busy").inc()
+                raise ApiError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded",
+                               headers={"Retry-After": str(exc.retry_after_s)}) from None
         except ApiError as exc:
-            return web.json_response(exc.body(), status=exc.status)
+            return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
         finally:
             self._in_flight.discard(task)
 
@@ -227,7 +242,16 @@ class RouterService(Service):
                                 f"the model's context of {self.metadata.max_context_tokens} tokens",
                            param=param, code="context_length_exceeded")
 
-    async def _run(self, request: web.Request, req: ParsedRequest):
+    def _check_fits_a_pool(self, req: ParsedRequest):
+        """400 for a request whose prompt and output fit no decoder's KV pool at all."""
+        pools = [s.report.total_blocks for service in ("main_decode", "relay_decode")
+                 for s in self.registry.live(service) if s.report.total_blocks]
+        needed = -(-(len(req.prompt_token_ids) + req.sampling.max_tokens) // self.config.block_size)
+        if pools and needed > max(pools):
+            raise ApiError(400, f"prompt plus max_tokens need {needed} KV blocks; the largest decoder pool "
+                                f"holds {max(pools)}", param="max_tokens", code="kv_capacity_exceeded")
+
+    async def _run(self, request: web.Request, req: ParsedRequest, queued_s: float = 0.0):
         started = time.perf_counter()
         request_id = new_request_id(self.instance_id)
         log = self.log.bind(request_id=request_id)
@@ -256,6 +280,7 @@ class RouterService(Service):
                 token_timeout_s=self.config.token_timeout_s, started=started,
                 replace=lambda avoid: self._placement(req, request_id, avoid),
                 max_recoveries=self.config.max_recoveries, recovery_wait_s=self.config.recovery_wait_s)
+            flow.outcome.queue_ms = queued_s * 1000
             try:
                 if req.stream:
                     return await self._stream(request, req, flow)
