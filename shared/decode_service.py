@@ -74,7 +74,8 @@ class DecodeService(EngineService):
     async def on_start(self):
         self.importer = KvImporter(self.worker, self._on_import_complete, self._on_import_open,
                                    in_flight_wait_s=self.config.kv_timeout_s,
-                                   on_abort=self._on_import_aborted)
+                                   on_abort=self._on_import_aborted,
+                                   max_sequences=self.config.max_sequences)
         config = self.config
         encrypted = config.tls_cert_file and (self.bulk_path == "wan" or config.bulk_tls_local)
         self.receiver = BulkReceiver(

@@ -80,3 +80,18 @@ async def test_a_wait_longer_than_the_queue_timeout_gets_429(make_stack, queue_t
         status, headers, body = await post_status(session, stack, chat_body("Short one.", 2))
         assert status == 429 and "Retry-After" in headers, body
         assert (await long)[0] == 200
+
+
+async def test_a_full_kv_pool_makes_flows_wait_and_decodes_preempt_instead_of_failing(make_stack, tiny):
+    # Main decode's pool (128 blocks of 16 tokens) holds three of these prompts, not four,
+    # and not three with their outputs: the fourth flow waits, and decoding preempts.
+    stack = await make_stack(decode_settings={"kv_cache_mb": 1},
+                             router_settings={"pipeline_policy": "P-MD", "max_recoveries": 0})
+    contents = [f"Case {i}: " + "summarise the tide tables of the northern coast. " * 55 for i in range(4)]
+    async with aiohttp.ClientSession() as session:
+        results = await asyncio.gather(*(post_status(session, stack, chat_body(c, 250)) for c in contents))
+    for (status, _, body), content in zip(results, contents):
+        assert status == 200, body
+        assert body["choices"][0]["message"]["content"] == expected_text(tiny, chat_prompt(tiny, content), 250)
+    main = stack.mains[0]
+    assert main.importer.num_waits_for_room >= 1 and main.engine.num_preemptions >= 1

@@ -98,3 +98,25 @@ def test_freeing_every_request_returns_every_block(tiny):
         engine.free(f"r{i}")
     assert engine.blocks.num_used_blocks == 0
     assert engine.blocks.num_available_blocks == 40
+
+
+def test_a_pool_that_runs_out_mid_decode_preempts_and_every_output_stays_exact(tiny):
+    from shared.engine.sampling import SamplingParams
+    from tests.helpers import prompt_of_length, reference_greedy
+
+    # 12 blocks of 16 tokens: three 40-token prompts fit, their 60 outputs each do not.
+    engine = Engine(tiny, num_blocks=12, block_size=16)
+    prompts = [prompt_of_length(tiny, 40, seed=i) for i in range(3)]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    done = {}
+    while len(done) < len(prompts):
+        for out in engine.step():
+            assert out.finish_reason != "error", out.error
+            if out.finished:
+                done[out.request_id] = engine.get(out.request_id).output_token_ids
+                engine.free(out.request_id)
+    assert engine.num_preemptions >= 1
+    for i, prompt in enumerate(prompts):
+        assert done[f"r{i}"] == reference_greedy(tiny, prompt, 60)

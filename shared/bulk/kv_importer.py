@@ -11,12 +11,14 @@ from shared.block_hash import hash_blocks
 from shared.bulk.receiver import FlowStats
 from shared.engine.sequence import Sequence
 from shared.engine_worker import EngineWorker
-from shared.errors import InvalidRequestState, RequestCancelled
+from shared.errors import InvalidRequestState, OutOfKvBlocks, RequestCancelled
 from shared.kv_wire import KvFrame
 from shared.messages import FlowOpen
 from shared.metrics import PREFIX_HIT_BLOCKS, PREFIX_LOOKUP_BLOCKS
 
 log = structlog.get_logger(__name__)
+ROOM_POLL_S = 0.05
+"""How often a flow waiting for room looks again."""
 
 
 @dataclass
@@ -65,8 +67,10 @@ class KvImporter:
 
     def __init__(self, worker: EngineWorker, on_complete: ImportCompleted,
                  on_open: ImportOpened | None = None, in_flight_wait_s: float = 120.0,
-                 on_abort: ImportAborted | None = None):
+                 on_abort: ImportAborted | None = None, max_sequences: int = 0):
         self._worker = worker
+        self._max_sequences = max_sequences
+        self.num_waits_for_room = 0
         self._in_flight_wait_s = in_flight_wait_s
         self._on_complete = on_complete
         self._on_open = on_open
@@ -88,8 +92,7 @@ class KvImporter:
             await self._wait_for_blocks_in_flight(rid, claim)
             if claim.cancelled.is_set() and not claim.finished_elsewhere:
                 raise RequestCancelled(f"request {rid!r} was cancelled while its flow waited")
-            first = await self._worker.call(engine.begin_import, rid, flow_open.token_ids,
-                                            flow_open.sampling, flow_open.seed)
+            first = await self._begin_when_room(flow_open, claim)
         except BaseException:
             self._release(rid)
             raise
@@ -101,6 +104,37 @@ class KvImporter:
         log.info("kv_import_opened", request_id=rid, cached_tokens=first,
                  prompt_tokens=len(flow_open.token_ids), role=flow_open.role)
         return first
+
+    async def _begin_when_room(self, flow_open: FlowOpen, claim: "_Claim") -> int:
+        """Reserve the prompt's blocks once the pool has them and fewer than ``max_sequences``
+        requests are held: a full instance makes the flow wait (the sender's accept timeout
+        bounds it), never fail. A prompt larger than the whole pool fails at once."""
+        engine, rid = self._worker.engine, flow_open.request_id
+        needed = -(-len(flow_open.token_ids) // engine.layout.block_size)
+        if needed > engine.blocks.num_blocks:
+            raise OutOfKvBlocks(f"the prompt needs {needed} KV blocks; the pool has {engine.blocks.num_blocks}")
+        deadline = asyncio.get_running_loop().time() + self._in_flight_wait_s
+        waited = False
+        while True:
+            if not self._max_sequences or engine.num_sequences < self._max_sequences:
+                try:
+                    return await self._worker.call(engine.begin_import, rid, flow_open.token_ids,
+                                                   flow_open.sampling, flow_open.seed)
+                except OutOfKvBlocks:
+                    pass
+            if claim.cancelled.is_set():
+                raise RequestCancelled(f"request {rid!r} ended while its flow waited for room")
+            if asyncio.get_running_loop().time() > deadline:
+                raise OutOfKvBlocks(f"no room for {needed} KV blocks within {self._in_flight_wait_s:.0f} s")
+            if not waited:
+                waited = True
+                self.num_waits_for_room += 1
+                log.info("kv_import_waits_for_room", request_id=rid, needed_blocks=needed,
+                         free_blocks=engine.blocks.num_free_blocks, sequences=engine.num_sequences)
+            try:  # room appears as other requests finish; a cancel ends the wait at once
+                await asyncio.wait_for(claim.cancelled.wait(), ROOM_POLL_S)
+            except asyncio.TimeoutError:
+                pass
 
     async def _wait_for_blocks_in_flight(self, request_id: str, claim: "_Claim"):
         """Let earlier flows that bring this prompt's blocks finish first.

@@ -53,6 +53,11 @@ class BlockManager:
         for _ in range(count):
             if not self._free:
                 evicted = self.prefix_cache.evict_one(self._is_idle)
+                if evicted is None:
+                    # An idle cached block whose children another sequence still uses (it
+                    # computed the same prefix on its own) counts as available but cannot go.
+                    self.release(blocks)
+                    raise OutOfKvBlocks(f"need {count} KV blocks, {len(blocks)} could be freed")
                 self._cached.discard(evicted)
                 self._free.append(evicted)
             block_id = self._free.popleft()

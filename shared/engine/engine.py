@@ -90,6 +90,7 @@ class Engine(KvTransfer):
         self.frame_expectation = FrameExpectation(loaded.fingerprint, self.layout)
         self._eos_ids = loaded.eos_token_ids
         self._sequences: dict[str, Sequence] = {}
+        self.num_preemptions = 0
 
     # ----- lifecycle of a sequence -------------------------------------------------------
 
@@ -219,7 +220,9 @@ class Engine(KvTransfer):
     def _schedule(self) -> tuple[list[tuple[Sequence, int]], list[StepOutput]]:
         """Pick (sequence, tokens) pairs under the token budget: decodes first, then chunks
         of prompts and extends. A sequence that cannot get blocks waits for others to
-        finish; if none can run at all, the first one fails with an error output."""
+        finish; if none can run at all, the youngest running sequence is preempted (its
+        blocks freed, its KV recomputed later), and only a sequence that cannot fit even
+        then fails with an error output."""
         candidates = sorted((s for s in self._sequences.values() if s.schedulable),
                             key=lambda s: s.num_pending_tokens != 1)
         budget, scheduled, starved = self.max_batch_tokens, [], []
@@ -236,10 +239,28 @@ class Engine(KvTransfer):
             budget -= num_tokens
         if scheduled or not starved:
             return scheduled, []
+        victim = self._preemption_victim(spare=starved[0])
+        if victim is not None:
+            self._preempt(victim)
+            return self._schedule()
         seq = starved[0]
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
         error = f"out of KV blocks: {len(seq.token_ids)} tokens do not fit the pool"
         return [], [StepOutput(seq.request_id, None, len(seq.output_token_ids), True, "error", error)]
+
+    def _preemption_victim(self, spare: Sequence) -> Sequence | None:
+        """The youngest running sequence holding blocks, other than ``spare`` (the oldest waits)."""
+        running = [s for s in self._sequences.values()
+                   if s is not spare and s.status is SequenceStatus.RUNNING and s.block_ids]
+        return running[-1] if running else None
+
+    def _preempt(self, seq: Sequence):
+        """Free a running sequence's blocks; it recomputes its KV later (vLLM's recompute
+        preemption). Its output is unchanged: token ``i`` depends only on the tokens before it
+        and on ``(seed, i)``."""
+        self.blocks.release(seq.block_ids)
+        seq.block_ids, seq.block_hashes, seq.num_kv_tokens = [], [], 0
+        self.num_preemptions += 1
 
     def _forward(self, input_ids, positions, slots, plans, sample_rows) -> torch.Tensor:
         device = self.loaded.device
