@@ -119,8 +119,10 @@ def up(args) -> Deployment:
 
 def _start_all(args, run_dir: Path, deployment: Deployment):
     creds = ensure_credentials(run_dir / "secrets")
+    # --insecure (measuring what encryption costs, nothing else): no NATS identities, no TLS.
+    locked = None if getattr(args, "insecure", False) else creds
     site_a = NatsSite(SITE_A, args.nats_a_port, free_port(), run_dir / "jetstream-a", leaf_listen_port=free_port(),
-                      credentials=creds)
+                      credentials=locked)
     deployment.processes["nats-a"] = start_nats(site_a, run_dir, run_dir / "logs" / "nats-a.log").pid
     deployment.commands["nats-a"] = _nats_command(run_dir, SITE_A)
     leaf_port, bulk_ports = free_port(), [(free_port(), free_port()) for _ in range(args.md)]
@@ -136,14 +138,16 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
     deployment.processes["wan-link"] = _spawn(run_dir, "wan-link", deployment.commands["wan-link"])
     wait_until(lambda: _http_ok(deployment.wan_control_url + "/link"), 30, "WAN link did not start")
     site_b = NatsSite(SITE_B, args.nats_b_port, free_port(), run_dir / "jetstream-b",
-                      leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}", credentials=creds)
+                      leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}", credentials=locked)
     deployment.processes["nats-b"] = start_nats(site_b, run_dir, run_dir / "logs" / "nats-b.log").pid
     deployment.commands["nats-b"] = _nats_command(run_dir, SITE_B)
     wait_until(lambda: leafnode_count(site_a) >= 1, 30, "leafnode between the sites did not connect")
     deployment.nats_urls = {SITE_A: site_a.url, SITE_B: site_b.url}
     env = {"PDD_MODEL": args.model, "PDD_LOG_LEVEL": args.log_level, "PDD_KV_CACHE_MB": str(args.kv_cache_mb),
-           "PDD_BULK_SECRET_FILE": str(creds.bulk_secret_file), "PDD_TLS_CA_FILE": str(creds.ca_file),
-           "PDD_TLS_CERT_FILE": str(creds.cert_file), "PDD_TLS_KEY_FILE": str(creds.key_file)}
+           "PDD_BULK_SECRET_FILE": str(creds.bulk_secret_file)}
+    if locked:
+        env.update(PDD_TLS_CA_FILE=str(creds.ca_file), PDD_TLS_CERT_FILE=str(creds.cert_file),
+                   PDD_TLS_KEY_FILE=str(creds.key_file))
     site_env = {SITE_A: {"PDD_SITE": SITE_A, "PDD_NATS_URL": site_a.url},
                 SITE_B: {"PDD_SITE": SITE_B, "PDD_NATS_URL": site_b.url}}
 
@@ -153,8 +157,9 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
         deployment.metrics_urls[name] = f"http://127.0.0.1:{metrics_port}/metrics"
         argv = ["serve", SERVICE_OF[kind], "--instance-id", f"{kind}-{index}",
                 "--metrics-port", str(metrics_port), *flags]
-        process_env = {**env, **site_env[site or TOPOLOGY[kind][0]],
-                       "PDD_NATS_SEED_FILE": str(creds.seed_file(SERVICE_OF[kind]))}
+        process_env = {**env, **site_env[site or TOPOLOGY[kind][0]]}
+        if locked:
+            process_env["PDD_NATS_SEED_FILE"] = str(creds.seed_file(SERVICE_OF[kind]))
         deployment.commands[name] = {"argv": argv, "env": process_env}
         deployment.processes[name] = _spawn(run_dir, name, deployment.commands[name])
 

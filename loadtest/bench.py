@@ -29,7 +29,11 @@ MODES = {
     "cross-site-pd": {"md_site": "site-b", "pipeline_policy": "P-MD", "md_prefix_cache": False},
     "cross-site-pd-drc": {"md_site": "site-b", "pipeline_policy": "P-MD", "md_prefix_cache": True},
     "pdd": {"md_site": "site-b", "pipeline_policy": "auto", "md_prefix_cache": True},
+    "pdd-plaintext": {"md_site": "site-b", "pipeline_policy": "auto", "md_prefix_cache": True, "insecure": True},
 }
+DEFAULT_MODES = ["same-site", "cross-site-pd", "cross-site-pd-drc", "pdd"]
+"""The paper's comparison; ``pdd-plaintext`` (PDD without TLS or NATS identities) is run on
+request, beside ``pdd``, to measure what encryption costs."""
 
 
 def percentiles(values: list[float]) -> dict:
@@ -154,7 +158,7 @@ def add_bench_run_parser(bench_kinds):
     run.add_argument("--out", required=True)
     run.add_argument("--quick", action="store_true", help="small trace: 20+ requests per mode")
     run.add_argument("--model", default="smollm2")
-    run.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    run.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     run.add_argument("--trace", default=None, help="replay a JSONL trace instead of generating one")
     run.add_argument("--sessions", type=int, default=None)
     run.add_argument("--turns", type=int, default=None)

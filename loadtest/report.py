@@ -133,6 +133,10 @@ def checks(results: dict) -> list[str]:
     if p99("pdd") and p99("cross-site-pd-drc"):
         ratio = p99("pdd") / p99("cross-site-pd-drc")
         line(ratio <= 0.5, f"PDD P99 TTFT / cross-site PD with DRC = {ratio:.2f} (target <= 0.5)")
+    if p99("pdd") and p99("pdd-plaintext"):
+        p50 = modes["pdd"]["ttft_ms"]["p50"] / modes["pdd-plaintext"]["ttft_ms"]["p50"]
+        out.append(f"MEASURED: encryption (NATS TLS + nkeys, mutual TLS on the WAN bulk path): PDD / PDD "
+                   f"plaintext TTFT p50 = {p50:.2f}, p99 = {p99('pdd') / p99('pdd-plaintext'):.2f}")
     if p99("pdd") and p99("same-site"):
         ratio = p99("pdd") / p99("same-site")
         line(ratio <= 1.5, f"PDD P99 TTFT / same-site = {ratio:.2f} (target <= 1.5)")

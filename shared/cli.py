@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     micro.add_argument("--bandwidth", default="100mbit")
     micro.add_argument("--rtt", default="40ms")
     micro.add_argument("--jitter", default="5ms")
+    bulk = bench_kinds.add_parser("bulk", help="bulk channel throughput, plaintext vs mutual TLS, on "
+                                               "loopback and through the WAN link")
+    bulk.add_argument("--megabytes", type=int, default=256, help="per flow (default 256)")
+    bulk.add_argument("--link", default="1gbit", help="shaped rate besides unshaped loopback (default 1gbit)")
+    bulk.add_argument("--repeats", type=int, default=3)
 
     from infra.serve import add_serve_parsers
     from infra.wan_control import add_wan_parsers
@@ -113,6 +118,9 @@ def _add_up_args(parser: argparse.ArgumentParser):
     parser.add_argument("--pipeline-policy", default="auto", choices=["auto", "P-MD", "P-RLD-MD"])
     parser.add_argument("--no-md-prefix-cache", dest="md_prefix_cache", action="store_false",
                         help="main decode without its decode-side cache (baseline)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="no NATS identities and no TLS (only to measure what encryption costs; "
+                             "never across networks you do not own)")
     parser.add_argument("--api-key", default=None,
                         help="API key(s), comma-separated, clients must send (default: $PDD_API_KEYS; none)")
     parser.add_argument("--run-dir", default=None)
@@ -180,6 +188,13 @@ def cmd_bench(args) -> int:
         profile = parse_profile(args.bandwidth, args.rtt, args.jitter)
         print(json.dumps(run_handoff_microbench(loaded, profile=profile, context=args.context,
                                                 trials=args.trials), indent=2))
+        return 0
+    if args.bench == "bulk":
+        from infra.wan_link import parse_rate
+        from loadtest.bulk_bench import run_bulk_bench
+
+        print(json.dumps(run_bulk_bench(load_model("tiny"), megabytes=args.megabytes,
+                                        rates=(0.0, parse_rate(args.link)), repeats=args.repeats), indent=2))
         return 0
     if args.bench == "handoff":
         from loadtest.handoff_bench import run_handoff_bench
