@@ -67,12 +67,12 @@ class NatsSite:
             lines += [f"tls {{ {_tls_block(creds)}, timeout: 5 }}", _authorization(creds)]
         leaf_tls = f"tls {{ {_tls_block(creds)}, verify: true, timeout: 5 }}" if creds else ""
         if self.leaf_listen_port:
-            auth = f'authorization {{ nkey: "{creds.public_key(LEAF_ROLE)}", timeout: 5 }}' if creds else ""
+            auth = leaf_hub_authorization(creds) if creds else ""
             lines.append(f"leafnodes {{ listen: 127.0.0.1:{self.leaf_listen_port}, {leaf_tls}, {auth} }}"
                          if creds else f"leafnodes {{ listen: 127.0.0.1:{self.leaf_listen_port} }}")
         if self.leaf_remote_url:
             url = self.leaf_remote_url.replace("nats-leaf://", "tls://") if creds else self.leaf_remote_url
-            auth = f'nkey: "{creds.seed_file(LEAF_ROLE).read_text().strip()}"' if creds else ""
+            auth = leaf_remote_nkey(creds) if creds else ""
             lines.append(f'leafnodes {{ remotes: [ {{ url: "{url}", {auth}, {leaf_tls} }} ] }}'
                          if creds else f'leafnodes {{ remotes: [ {{ url: "{url}" }} ] }}')
         return "\n".join(lines) + "\n"
@@ -82,6 +82,27 @@ def _tls_block(creds: Credentials) -> str:
     # TLS before the INFO line: a plaintext client fails the handshake instead of reading INFO.
     return (f'cert_file: "{creds.cert_file}", key_file: "{creds.key_file}", ca_file: "{creds.ca_file}", '
             "handshake_first: true")
+
+
+def leaf_hub_authorization(creds: Credentials) -> str:
+    """The hub's ``leafnodes.authorization``: only site B's server, by its nkey."""
+    return f'authorization {{ nkey: "{creds.public_key(LEAF_ROLE)}", timeout: 5 }}'
+
+
+def leaf_remote_nkey(creds: Credentials) -> str:
+    """The spoke's remote entry: the seed it signs the hub's challenge with."""
+    return f'nkey: "{creds.seed_file(LEAF_ROLE).read_text().strip()}"'
+
+
+def write_config_includes(creds: Credentials):
+    """Files a static server configuration (docker-compose, Kubernetes) includes from the
+    mounted secrets: the role users, the hub's leafnode authorization, the spoke's seed."""
+    for name, text in (("nats-users.conf", _authorization(creds)),
+                       ("nats-leaf-hub.conf", leaf_hub_authorization(creds)),
+                       ("nats-leaf-remote.conf", leaf_remote_nkey(creds))):
+        path = creds.folder / name
+        path.touch(mode=0o600)
+        path.write_text(text + "\n")
 
 
 def _authorization(creds: Credentials) -> str:

@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--partition-s", type=float, default=60.0, help="length of the partition (default 60)")
     chaos.add_argument("--out", default=None, help="also write the Markdown table here")
     chaos.add_argument("--run-dir", default=None)
+    secrets = commands.add_parser("secrets", help="write a deployment's CA, certificate, NATS nkeys and bulk "
+                                                  "secret into a folder (for docker-compose / Kubernetes)")
+    secrets.add_argument("--out", required=True, help="folder (created 0700; files 0600; existing ones kept)")
     restart = commands.add_parser("restart", help="restart one process (e.g. cache-index-0, nats-b, wan-link)")
     restart.add_argument("name")
     restart.add_argument("--run-dir", default=None)
@@ -297,6 +300,17 @@ def _get_served_model(deployment) -> str:
         return json.loads(response.read())["data"][0]["id"]
 
 
+def cmd_secrets(args) -> int:
+    """Generate (or complete) a secrets folder that compose and Kubernetes mount."""
+    from infra.credentials import ensure_credentials
+    from infra.nats_server import write_config_includes
+
+    creds = ensure_credentials(Path(args.out).resolve())
+    write_config_includes(creds)
+    print(f"secrets in {creds.folder}; for docker compose: export PDD_SECRETS_DIR={creds.folder}")
+    return 0
+
+
 def cmd_supervise(args) -> int:
     """Supervise the deployment (started by pdd up)."""
     from infra.supervisor import supervise
@@ -369,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(args.log_level if args.command not in ("up", "demo") else "warning")
     handlers = {"generate": cmd_generate, "bench": cmd_bench, "up": cmd_up, "down": cmd_down,
                 "status": cmd_status, "wan": cmd_wan, "serve": cmd_serve, "demo": cmd_demo,
-                "restart": cmd_restart, "supervise": cmd_supervise, "chaos": cmd_chaos}
+                "restart": cmd_restart, "secrets": cmd_secrets, "supervise": cmd_supervise, "chaos": cmd_chaos}
     try:
         return handlers[args.command](args)
     except (PddError, ValueError) as exc:
