@@ -219,3 +219,50 @@ def test_every_service_exposes_its_metrics(deployment):
             text = response.read().decode()
         for metric in metrics:
             assert metric in text, f"{name} lacks {metric}"
+
+
+async def test_200_concurrent_streams_complete_or_get_429_and_no_engine_exceeds_max_sequences(deployment):
+    """Against separate processes with default limits (16 sequences per engine): every stream
+    completes or is told to come back later; no 5xx; /health keeps answering within 2 s."""
+    import aiohttp
+
+    run_dir, ports = deployment
+    base = f"http://127.0.0.1:{ports['--http-port']}"
+    engines = {name: url for name, url in load_state(run_dir).metrics_urls.items()
+               if name.startswith(("prefill", "relay-decode", "main-decode"))}
+    most_active: dict[str, float] = {}
+    health_s: list[float] = []
+    done = asyncio.Event()
+
+    async def watch(session):
+        while not done.is_set():
+            started = time.monotonic()
+            async with session.get(base + "/health") as response:
+                await response.read()
+            health_s.append(time.monotonic() - started)
+            for name, url in engines.items():
+                async with session.get(url) as response:
+                    for line in (await response.text()).splitlines():
+                        if line.startswith("pdd_active_sequences{"):
+                            most_active[name] = max(most_active.get(name, 0.0), float(line.rsplit(" ", 1)[1]))
+
+    async def one(session, i):
+        body = {"model": "smollm2-135m-instruct", "max_tokens": 12, "temperature": 0, "stream": True,
+                "messages": [{"role": "user", "content": f"Stream {i}: name a colour."}]}
+        async with session.post(base + "/v1/chat/completions", json=body) as response:
+            text = await response.text()
+            if response.status == 200:
+                assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text, text[-300:]
+            elif response.status == 429:
+                assert int(response.headers["Retry-After"]) >= 1
+            return response.status
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
+        watcher = asyncio.create_task(watch(session))
+        statuses = await asyncio.gather(*(one(session, i) for i in range(200)))
+        done.set()
+        await watcher
+    assert set(statuses) <= {200, 429}, sorted(set(statuses))
+    assert statuses.count(200) >= 32  # at least what two main decoders hold at once
+    assert max(health_s) < 2.0, max(health_s)
+    assert most_active and max(most_active.values()) <= 16, most_active
