@@ -266,3 +266,19 @@ async def test_200_concurrent_streams_complete_or_get_429_and_no_engine_exceeds_
     assert statuses.count(200) >= 32  # at least what two main decoders hold at once
     assert max(health_s) < 2.0, max(health_s)
     assert most_active and max(most_active.values()) <= 16, most_active
+
+
+async def test_pdd_ups_nats_refuses_anonymous_and_plaintext_clients(deployment):
+    import nats
+
+    run_dir, _ = deployment
+    state = load_state(run_dir)
+    secrets = run_dir / "secrets"
+    assert oct(secrets.stat().st_mode & 0o777) == "0o700"
+    assert all(oct(f.stat().st_mode & 0o777) == "0o600" for f in secrets.iterdir())
+    for url in state.nats_urls.values():
+        assert url.startswith("tls://")
+        with pytest.raises((nats.errors.Error, OSError, asyncio.TimeoutError)):
+            await nats.connect(url.replace("tls://", "nats://"), allow_reconnect=False, connect_timeout=3,
+                               max_reconnect_attempts=0)
+    assert '"PDD_BULK_SECRET"' not in json.dumps(state.commands)  # secrets travel as files

@@ -156,9 +156,14 @@ class BulkReceiver:
             await write_control(writer, FlowRejected(request_id=flow_open.request_id,
                                                      code=exc.code, message=str(exc)))
             return False
-        await write_control(writer, FlowAccepted(request_id=flow_open.request_id,
-                                                 first_token_index=first_index,
-                                                 queued_s=time.monotonic() - received))
+        try:
+            await write_control(writer, FlowAccepted(request_id=flow_open.request_id,
+                                                     first_token_index=first_index,
+                                                     queued_s=time.monotonic() - received))
+        except (ConnectionError, OSError) as exc:
+            # The sender left while we waited for room (it was cancelled): free what we reserved.
+            await self._handler.abort_flow(flow_open.request_id, f"sender gone before acceptance: {exc}")
+            return False
         return True
 
     async def _receive(self, flow_open: FlowOpen, reader, stats: FlowStats):
@@ -196,4 +201,6 @@ class BulkReceiver:
             raise
         except PddError as exc:
             reason = f"{exc.code}: {exc}"
+        except (ConnectionError, OSError) as exc:
+            reason = f"connection lost: {exc}"
         await self._handler.abort_flow(request_id, reason)
