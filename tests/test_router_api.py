@@ -131,9 +131,10 @@ async def test_a_huge_prompt_is_refused_before_tokenizing_while_health_answers(s
 
 
 async def test_the_default_max_tokens_is_clamped_to_the_remaining_context(make_stack, tiny):
+    # A prompt near the 4,096-token context: the default of 4,090 would not fit; what is left does.
     stack = await make_stack(router_settings={"pipeline_policy": "P-MD", "default_max_tokens": 4090})
     status, body = await post(stack, "/chat/completions", {
-        "model": "tiny", "messages": [{"role": "user", "content": "hi " * 20}], "ignore_eos": True})
+        "model": "tiny", "messages": [{"role": "user", "content": "hi " * 3950}], "ignore_eos": True})
     assert status == 200, body
     usage = body["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == tiny.model.config.max_position_embeddings
