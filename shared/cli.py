@@ -22,9 +22,19 @@ def _add_model_args(parser: argparse.ArgumentParser):
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdd")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every ``pdd`` subcommand."""
     parser = argparse.ArgumentParser(prog="pdd", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"pdd {_version()}")
     parser.add_argument("--log-level", default="warning", help="debug, info, warning or error")
     commands = parser.add_subparsers(dest="command", required=True)
 

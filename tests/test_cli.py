@@ -71,3 +71,12 @@ def test_bench_handoff_micro_compares_ids_with_kv():
         parts = row["receiver_compute_ms"]["mean"] + row["link_ms"]["mean"]
         assert abs(parts - row["latency_ms"]["mean"]) <= 0.2
         assert row["link_ms"]["mean"] >= 4  # at least the link's round trip
+
+
+def test_version_names_the_installed_package():
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    result = subprocess.run([sys.executable, "-m", "shared.cli", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == f"pdd {version('pdd')}"

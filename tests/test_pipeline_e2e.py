@@ -59,7 +59,7 @@ async def test_chat_is_token_exact_through_each_pipeline(make_stack, tiny, polic
     prompt = chat_prompt(tiny, content)
     assert body["choices"][0]["message"]["content"] == expected_text(tiny, prompt, 120)
     assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 120,
-                             "total_tokens": len(prompt) + 120}
+                             "total_tokens": len(prompt) + 120, "prompt_tokens_details": {"cached_tokens": 0}}
     pdd = body["pdd"]
     assert pdd["pipeline"] == policy and pdd["prompt_tokens"] == len(prompt)
     assert pdd["wan_kv_bytes"] >= len(prompt) * stack.prefill.engine.layout.kv_bytes_per_token
@@ -116,6 +116,9 @@ async def test_follow_up_turn_reuses_main_decode_cache(make_stack, tiny):
     first_blocks = first["pdd"]["prompt_tokens"] // 16
     assert second["pdd"]["cached_blocks_md"] >= first_blocks
     assert second["pdd"]["wan_kv_bytes"] < first["pdd"]["wan_kv_bytes"] / 3
+    # Prefill computed the first turn's prompt again from its own cache: the client is told.
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= (first_blocks - 1) * 16
 
 
 async def test_auto_policy_relays_long_cold_prompts_only(make_stack, tiny):

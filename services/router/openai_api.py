@@ -153,9 +153,9 @@ def stream_flags(body: dict) -> tuple[bool, bool]:
 
 
 def completion_body(req: ParsedRequest, request_id: str, text: str, finish_reason: str,
-                    num_output_tokens: int, pdd: dict[str, Any]) -> dict:
+                    num_output_tokens: int, pdd: dict[str, Any], cached_tokens: int = 0) -> dict:
     """The non-streaming response."""
-    usage = usage_of(req, num_output_tokens)
+    usage = usage_of(req, num_output_tokens, cached_tokens)
     if req.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
                   "logprobs": None, "finish_reason": finish_reason}
@@ -189,15 +189,16 @@ def chunk_body(req: ParsedRequest, request_id: str, delta_text: str | None,
     return body
 
 
-def usage_chunk(req: ParsedRequest, request_id: str, num_output_tokens: int) -> dict:
+def usage_chunk(req: ParsedRequest, request_id: str, num_output_tokens: int, cached_tokens: int = 0) -> dict:
     """The final ``include_usage`` chunk (no choices)."""
     obj = "chat.completion.chunk" if req.chat else "text_completion"
     return {"id": request_id, "object": obj, "created": req.created, "model": req.model,
-            "choices": [], "usage": usage_of(req, num_output_tokens)}
+            "choices": [], "usage": usage_of(req, num_output_tokens, cached_tokens)}
 
 
-def usage_of(req: ParsedRequest, num_output_tokens: int) -> dict:
-    """OpenAI usage counts."""
+def usage_of(req: ParsedRequest, num_output_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI usage counts; ``cached_tokens``: prompt tokens prefill took from its prefix cache."""
     prompt = len(req.prompt_token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": num_output_tokens,
-            "total_tokens": prompt + num_output_tokens}
+            "total_tokens": prompt + num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}

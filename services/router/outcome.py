@@ -53,6 +53,7 @@ class RequestOutcome:
     recoveries: list[Recovery] = field(default_factory=list)
     degraded_reason: str = ""
     queue_ms: float = 0.0
+    prefill_cached_tokens: int = 0
 
     def place(self, placement: Placement):
         """Describe the attempt running on ``placement``."""

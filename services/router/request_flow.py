@@ -320,6 +320,8 @@ class RequestFlow:
             self._on_failure(event)
         elif isinstance(event, PrefillCompleted):
             self.wan.add_rtt(event.wan_rtt_s)
+            if self.attempt == 0:  # what the client's prompt reused (a recovery's prefill is ours)
+                self.outcome.prefill_cached_tokens = event.cached_tokens
             if not self._wan_bytes_final:
                 self.outcome.wan_kv_bytes = self._wan_bytes_before + event.bytes_per_path.get("wan", 0)
         elif isinstance(event, KvReady):

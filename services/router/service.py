@@ -343,7 +343,7 @@ class RouterService(Service):
         text = detok.emitted + detok.flush()
         return web.json_response(openai_api.completion_body(
             req, flow.request_id, text, flow.outcome.finish_reason, flow.outcome.output_tokens,
-            flow.outcome.as_pdd()))
+            flow.outcome.as_pdd(), flow.outcome.prefill_cached_tokens))
 
     async def _stream(self, request: web.Request, req: ParsedRequest, flow: RequestFlow):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -362,7 +362,8 @@ class RouterService(Service):
             await self._sse(response, openai_api.chunk_body(
                 req, flow.request_id, None, flow.outcome.finish_reason, pdd=flow.outcome.as_pdd()))
             if req.include_usage:
-                await self._sse(response, openai_api.usage_chunk(req, flow.request_id, flow.outcome.output_tokens))
+                await self._sse(response, openai_api.usage_chunk(req, flow.request_id, flow.outcome.output_tokens,
+                                                                 flow.outcome.prefill_cached_tokens))
             self._count(flow, "ok")
         except (UpstreamFailed, UpstreamTimeout) as exc:
             self._count(flow, "error")
