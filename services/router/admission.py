@@ -51,10 +51,6 @@ class Admission:
         """Requests allowed in flight now (``--max-in-flight``, else the decoders' capacity)."""
         return self._max_in_flight or capacity_of(self._registry)
 
-    @property
-    def queued(self) -> int:
-        return len(self._waiters)
-
     @asynccontextmanager
     async def slot(self):
         """Hold a slot while the block runs; yields the seconds spent waiting for it.

@@ -180,9 +180,7 @@ class RouterService(Service):
                 REJECTED.labels("busy").inc()
                 raise ApiError(429, str(exc), type="rate_limit_error", code="rate_limit_exceeded",
                                headers={"Retry-After": str(exc.retry_after_s)}) from None
-        except ApiError as exc:
-            return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
-        finally:
+        finally:  # an ApiError is answered by http_guard.openai_errors
             self._in_flight.discard(task)
 
     async def _json_body(self, request) -> dict:
