@@ -67,9 +67,6 @@ class Credentials:
         """The public nkey of ``role`` (servers list these)."""
         return nkeys.from_seed(bytearray(self.seed_file(role).read_bytes().strip())).public_key.decode()
 
-    def bulk_secret(self) -> str:
-        return self.bulk_secret_file.read_text().strip()
-
 
 def ensure_credentials(folder: Path) -> Credentials:
     """The secrets in ``folder``, generating whatever is missing (nothing is overwritten)."""
@@ -78,9 +75,9 @@ def ensure_credentials(folder: Path) -> Credentials:
     creds = Credentials(folder)
     for role in (*ROLES, LEAF_ROLE):
         if not creds.seed_file(role).is_file():
-            _write_private(creds.seed_file(role), _new_user_seed())
+            write_private(creds.seed_file(role), _new_user_seed())
     if not creds.bulk_secret_file.is_file():
-        _write_private(creds.bulk_secret_file, secrets.token_hex(32).encode())
+        write_private(creds.bulk_secret_file, secrets.token_hex(32).encode())
     if not (creds.ca_file.is_file() and creds.cert_file.is_file() and creds.key_file.is_file()):
         _write_certificates(creds)
     return creds
@@ -91,8 +88,10 @@ def _new_user_seed() -> bytes:
     return nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
 
 
-def _write_private(path: Path, data: bytes):
+def write_private(path: Path, data: bytes):
+    """Write ``data`` to ``path`` readable by its owner only (0600, also when it existed)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # O_CREAT's mode applies only to a new file
     with os.fdopen(fd, "wb") as file:
         file.write(data)
 
@@ -123,8 +122,8 @@ def _write_certificates(creds: Credentials):
                                                   ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
             .sign(ca_key, hashes.SHA256()))
     pem = serialization.Encoding.PEM
-    _write_private(creds.key_file, key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+    write_private(creds.key_file, key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
                                                      serialization.NoEncryption()))
-    _write_private(creds.ca_file, ca.public_bytes(pem))
-    _write_private(creds.cert_file, cert.public_bytes(pem))
+    write_private(creds.ca_file, ca.public_bytes(pem))
+    write_private(creds.cert_file, cert.public_bytes(pem))
     # The CA's key is not kept: nothing signs after start-up, and a stolen key could mint peers.

@@ -13,7 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.credentials import LEAF_ROLE, Credentials
+from infra.credentials import LEAF_ROLE, Credentials, write_private
 from shared.errors import PddError
 from shared.nats_roles import ROLES, permissions
 
@@ -62,19 +62,17 @@ class NatsSite:
             "max_payload: 8MB",
             f'jetstream {{ domain: "{self.site}", store_dir: "{self.store_dir}" }}',
         ]
-        creds = self.credentials
+        creds, hub_lock, remote_lock, url = self.credentials, "", "", self.leaf_remote_url
         if creds:
             lines += [f"tls {{ {_tls_block(creds)}, timeout: 5 }}", _authorization(creds)]
-        leaf_tls = f"tls {{ {_tls_block(creds)}, verify: true, timeout: 5 }}" if creds else ""
+            leaf_tls = f"tls {{ {_tls_block(creds)}, verify: true, timeout: 5 }}"
+            hub_lock = f", {leaf_tls}, {leaf_hub_authorization(creds)}"
+            remote_lock = f", {leaf_remote_nkey(creds)}, {leaf_tls}"
+            url = url and url.replace("nats-leaf://", "tls://")
         if self.leaf_listen_port:
-            auth = leaf_hub_authorization(creds) if creds else ""
-            lines.append(f"leafnodes {{ listen: 127.0.0.1:{self.leaf_listen_port}, {leaf_tls}, {auth} }}"
-                         if creds else f"leafnodes {{ listen: 127.0.0.1:{self.leaf_listen_port} }}")
-        if self.leaf_remote_url:
-            url = self.leaf_remote_url.replace("nats-leaf://", "tls://") if creds else self.leaf_remote_url
-            auth = leaf_remote_nkey(creds) if creds else ""
-            lines.append(f'leafnodes {{ remotes: [ {{ url: "{url}", {auth}, {leaf_tls} }} ] }}'
-                         if creds else f'leafnodes {{ remotes: [ {{ url: "{url}" }} ] }}')
+            lines.append(f"leafnodes {{ listen: 127.0.0.1:{self.leaf_listen_port}{hub_lock} }}")
+        if url:
+            lines.append(f'leafnodes {{ remotes: [ {{ url: "{url}"{remote_lock} }} ] }}')
         return "\n".join(lines) + "\n"
 
 
@@ -100,9 +98,7 @@ def write_config_includes(creds: Credentials):
     for name, text in (("nats-users.conf", _authorization(creds)),
                        ("nats-leaf-hub.conf", leaf_hub_authorization(creds)),
                        ("nats-leaf-remote.conf", leaf_remote_nkey(creds))):
-        path = creds.folder / name
-        path.touch(mode=0o600)
-        path.write_text(text + "\n")
+        write_private(creds.folder / name, (text + "\n").encode())
 
 
 def _authorization(creds: Credentials) -> str:
@@ -139,8 +135,7 @@ def start_nats(site: NatsSite, workdir: Path, log_path: Path | None = None) -> s
     workdir.mkdir(parents=True, exist_ok=True)
     site.store_dir.mkdir(parents=True, exist_ok=True)
     config = workdir / f"nats-{site.site}.conf"
-    config.touch(mode=0o600)  # it may hold the leafnode's seed
-    config.write_text(site.config_text())
+    write_private(config, site.config_text().encode())  # it may hold the leafnode's seed
     log_path = log_path or workdir / f"nats-{site.site}.log"
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen([nats_server_binary(), "-c", str(config)], stdout=log_file,
