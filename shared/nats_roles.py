@@ -30,9 +30,10 @@ def inbox_prefix(role: str) -> str:
     return f"_INBOX.{role}"
 
 
-def _stream_admin(stream: str) -> list[str]:
-    """Create, update and look up one stream of this site (what ``ensure_stream`` sends)."""
-    return [f"$JS.API.STREAM.{verb}.{stream}" for verb in ("CREATE", "UPDATE", "INFO")] + ["$JS.API.INFO"]
+def _stream_admin(stream: str, api: str = "$JS.API") -> list[str]:
+    """Create, update and look up one stream (what ``ensure_stream`` sends), on this site's
+    JetStream API or, with ``api="$JS.<domain>.API"``, another domain's."""
+    return [f"{api}.STREAM.{verb}.{stream}" for verb in ("CREATE", "UPDATE", "INFO")] + [f"{api}.INFO"]
 
 
 def _instance_verb(service: str, verb: str) -> str:
@@ -54,11 +55,9 @@ def _role_subjects(role: str) -> tuple[list[str], list[str]]:
     if role == "cache_index":
         # It follows every site's KV event stream (creating it if no engine has yet). The
         # local domain's API is checked under its plain name, the others under $JS.<domain>.
-        follow = [f"STREAM.{verb}.{KV_EVENT_STREAM}" for verb in ("CREATE", "UPDATE", "INFO")] + \
-            ["STREAM.NAMES", "INFO", "CONSUMER.>"]
-        return ([*(_instance_verb(e, subjects.DUMP) for e in ENGINES),
-                 *(f"{api}.{call}" for api in ("$JS.API", f"$JS.{ANY}.API") for call in follow),
-                 "$JS.FC.>", "$JS.ACK.>"],
+        follow = [call for api in ("$JS.API", f"$JS.{ANY}.API")
+                  for call in (*_stream_admin(KV_EVENT_STREAM, api), f"{api}.STREAM.NAMES", f"{api}.CONSUMER.>")]
+        return ([*(_instance_verb(e, subjects.DUMP) for e in ENGINES), *follow, "$JS.FC.>", "$JS.ACK.>"],
                 [subjects.shared_work(ANY, "cache_index", subjects.OVERLAP)])
     publish = [subjects.REQUEST_EVENTS_ALL]
     subscribe = [_instance_verb(role, subjects.DUMP)]
