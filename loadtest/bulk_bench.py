@@ -54,8 +54,9 @@ def _frames(loaded, num_tokens: int) -> tuple[list[int], list]:
                                                                   max_tokens_per_frame=256)]
 
 
-async def _one_flow(loaded, prompt, frames, total_bytes: int, tls: bool, rate_bps: float, creds) -> float:
-    """Seconds to send ``total_bytes`` of frames on one flow."""
+async def _one_flow(loaded, prompt, frames, total_bytes: int, tls: bool, rate_bps: float,
+                    creds) -> tuple[float, int]:
+    """Send at least ``total_bytes`` of frames on one flow: (seconds, bytes sent)."""
     handler = _Discard()
     receiver = BulkReceiver(handler, Engine(loaded, num_blocks=4).frame_expectation, SECRET, path="wan",
                             frame_timeout_s=30, receiver_id="bench", tls=server_context(
