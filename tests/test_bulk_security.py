@@ -4,6 +4,7 @@ authenticated (time, size of what they may send, how many at once)."""
 
 import asyncio
 import ssl
+import time
 
 import msgspec
 import pytest
@@ -121,5 +122,39 @@ async def test_a_silent_peer_is_dropped_and_peers_beyond_the_cap_are_refused(tin
         flow = await open_flow(endpoint, bound("r", prompt_of_length(tiny, 40)), SECRET, path="wan",
                                timeout_s=5, tls=ours(creds))  # room again for an honest peer
         await flow.close()
+    finally:
+        await receiver.stop()
+
+
+class SlowToAccept(RecordingHandler):
+    """Reserves the prompt's blocks only once told to (as when a full pool makes a flow wait)."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.waiting, self.go = asyncio.Event(), asyncio.Event()
+
+    async def open_flow(self, flow_open, stats):
+        self.waiting.set()
+        await self.go.wait()
+        return await super().open_flow(flow_open, stats)
+
+
+async def test_a_sender_gone_while_its_flow_waited_leaves_no_reservation(tiny, creds):
+    engine = Engine(tiny, num_blocks=32)
+    handler = SlowToAccept(engine)
+    receiver = BulkReceiver(handler, engine.frame_expectation, SECRET, path="wan", frame_timeout_s=60,
+                            receiver_id="main-decode-0", incarnation="inc-1",
+                            tls=server_context(str(creds.ca_file), str(creds.cert_file), str(creds.key_file)))
+    host, port = await receiver.start()
+    try:
+        reader, writer = await raw_tls(f"{host}:{port}", creds)
+        writer.write(control_bytes(sign(msgspec.structs.replace(
+            bound("r", prompt_of_length(tiny, 40)), unix_s=time.time(), nonce="n1"), SECRET)))
+        await writer.drain()
+        await asyncio.wait_for(handler.waiting.wait(), 5)
+        writer.close()  # the sender was cancelled while its flow waited for room
+        handler.go.set()
+        await asyncio.wait_for(handler.aborted.wait(), 10)
+        assert engine.num_sequences == 0 and engine.blocks.num_used_blocks == 0
     finally:
         await receiver.stop()
