@@ -13,6 +13,7 @@ from pathlib import Path
 
 from shared.errors import PddError
 from shared.logging import configure_logging
+from shared.version import pdd_version
 
 
 def _add_model_args(parser: argparse.ArgumentParser):
@@ -22,19 +23,10 @@ def _add_model_args(parser: argparse.ArgumentParser):
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("pdd")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every ``pdd`` subcommand."""
     parser = argparse.ArgumentParser(prog="pdd", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"pdd {_version()}")
+    parser.add_argument("--version", action="version", version=f"pdd {pdd_version()}")
     parser.add_argument("--log-level", default="warning", help="debug, info, warning or error")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -92,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                         ).add_argument("--run-dir", default=None)
     chaos = commands.add_parser("chaos", help="inject faults into the running deployment; check nothing is lost")
     chaos.add_argument("--scenario", default="all", help="one of md-kill, relay-kill, prefill-kill, "
-                       "router-kill, nats-a-restart, nats-b-outage, partition, stalls, slow-wan, redeploy, or all")
+                       "router-kill, nats-a-restart, nats-b-outage, partition, stalls, slow-wan, redeploy, "
+                       "a comma-separated list of them, or all (default: all)")
     chaos.add_argument("--streams", type=int, default=4, help="greedy streams per scenario (default 4)")
     chaos.add_argument("--max-tokens", type=int, default=96, help="tokens per stream (default 96)")
     chaos.add_argument("--prompt-words", type=int, default=300, help="words per cold prompt (default 300)")
@@ -282,7 +275,7 @@ def cmd_chaos(args) -> int:
     deployment = launcher.load_state(run_dir)
     if deployment is None:
         raise launcher.LauncherError(f"no deployment recorded in {run_dir} (pdd up first)")
-    names = list(chaos.SCENARIOS) if args.scenario == "all" else [args.scenario]
+    names = list(chaos.SCENARIOS) if args.scenario == "all" else args.scenario.split(",")
     unknown = [n for n in names if n not in chaos.SCENARIOS]
     if unknown:
         raise PddError(f"unknown scenario {unknown[0]!r}; choose from {', '.join(chaos.SCENARIOS)} or all")
