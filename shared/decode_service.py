@@ -6,6 +6,7 @@ sequence or, once the request ended here, from a short record of its output.
 
 import asyncio
 from collections import OrderedDict
+from typing import NamedTuple
 
 from opentelemetry import trace
 
@@ -14,6 +15,7 @@ from shared.bulk.kv_importer import ImportState, KvImporter
 from shared.bulk.receiver import BulkReceiver, FlowStats
 from shared.config import BulkReceiverConfig
 from shared.engine.engine import StepOutput
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.engine_loop import EngineLoop
 from shared.engine_service import EngineService
@@ -35,6 +37,18 @@ RECENT_OUTPUTS = 512
 """Finished requests whose output a producer keeps for resends."""
 
 
+class KnownOutputs(NamedTuple):
+    """A request's output as this instance knows it, for a resend."""
+
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs | None] | None
+
+
+def _logprobs_of(seq: Sequence) -> list[TokenLogprobs | None] | None:
+    """The sequence's per-token log-probabilities, or None when the request did not ask for them."""
+    return list(seq.output_logprobs) if seq.sampling.logprobs is not None else None
+
 class DecodeService(EngineService):
     """Relay decode and main decode share this; subclasses add the handoff."""
 
@@ -49,7 +63,7 @@ class DecodeService(EngineService):
         self.loop: EngineLoop | None = None
         self.bulk_endpoint = ""
         self.spans: dict[str, trace.Span] = {}
-        self._finished_outputs: OrderedDict[str, tuple[list[int], str]] = OrderedDict()
+        self._finished_outputs: OrderedDict[str, KnownOutputs] = OrderedDict()
 
     def load_report(self):
         report = super().load_report()
@@ -142,7 +156,8 @@ class DecodeService(EngineService):
         """Called when a flow's KV is all in; the base emits already-known output tokens."""
         if seq.output_token_ids:
             await self.emit(seq.request_id, 0, seq.output_token_ids,
-                            seq.finish_reason if seq.status is SequenceStatus.FINISHED else None)
+                            seq.finish_reason if seq.status is SequenceStatus.FINISHED else None,
+                            _logprobs_of(seq))
             if seq.status is SequenceStatus.FINISHED:
                 self._remember_finished(await self.worker.call(self.engine.free, seq.request_id))
                 return
@@ -153,31 +168,34 @@ class DecodeService(EngineService):
     async def _on_resend(self, resend: ResendTokens, msg):
         rid = resend.request_id
         known = self._finished_outputs.get(rid) or await self.worker.call(self._live_outputs, rid)
-        if known is None or resend.from_index >= len(known[0]):
+        if known is None or resend.from_index >= len(known.token_ids):
             return
-        tokens, finish_reason = known
-        await self.emit(rid, resend.from_index, tokens[resend.from_index:], finish_reason)
+        tokens, start = known.token_ids, resend.from_index
+        await self.emit(rid, start, tokens[start:], known.finish_reason,
+                        known.logprobs[start:] if known.logprobs is not None else None)
         self.log.info("tokens_resent", request_id=rid, from_index=resend.from_index,
                       tokens=len(tokens) - resend.from_index)
 
-    def _live_outputs(self, request_id: str) -> tuple[list[int], None] | None:
+    def _live_outputs(self, request_id: str) -> KnownOutputs | None:
         if not self.engine.holds(request_id):
             return None
-        return list(self.engine.get(request_id).output_token_ids), None
+        seq = self.engine.get(request_id)
+        return KnownOutputs(list(seq.output_token_ids), None, _logprobs_of(seq))
 
     def _remember_finished(self, seq: Sequence):
         if seq.finish_reason in ("stop", "length"):
-            self._finished_outputs[seq.request_id] = (list(seq.output_token_ids), seq.finish_reason)
+            self._finished_outputs[seq.request_id] = KnownOutputs(
+                list(seq.output_token_ids), seq.finish_reason, _logprobs_of(seq))
             while len(self._finished_outputs) > RECENT_OUTPUTS:
                 self._finished_outputs.popitem(last=False)
 
     async def emit(self, request_id: str, start_index: int, token_ids: list[int],
-                   finish_reason: str | None):
-        """Publish tokens on the request's stream."""
+                   finish_reason: str | None, logprobs: list[TokenLogprobs | None] | None = None):
+        """Publish tokens (and their log-probabilities, if asked for) on the request's stream."""
         await self.publish(subjects.tokens(request_id), TokensEmitted(
             request_id=request_id, start_index=start_index, token_ids=token_ids,
             producer=self.producer, instance_id=self.instance_id,
-            final=finish_reason is not None, finish_reason=finish_reason))
+            final=finish_reason is not None, finish_reason=finish_reason, logprobs=logprobs))
 
     async def _on_outputs(self, outputs: list[StepOutput]):
         for out in outputs:
@@ -187,7 +205,8 @@ class DecodeService(EngineService):
                     code="out_of_kv_blocks", message=out.error))
             else:
                 await self.emit(out.request_id, out.token_index, [out.token_id],
-                                out.finish_reason if out.finished else None)
+                                out.finish_reason if out.finished else None,
+                                [out.logprobs] if out.logprobs is not None else None)
             if out.finished:
                 self._remember_finished(await self.worker.call(self.engine.free, out.request_id))
                 self.end_span(out.request_id)

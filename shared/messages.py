@@ -10,6 +10,7 @@ from typing import Literal
 
 import msgspec
 
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling import SamplingParams
 
 Pipeline = Literal["P-MD", "P-RLD-MD", "P-RLD"]
@@ -170,6 +171,8 @@ class TokensEmitted(_Message, kw_only=True):
         instance_id: The producing instance.
         final: True on the producer's last message for the request.
         finish_reason: ``stop`` or ``length`` when the request ended, else None.
+        logprobs: Per token, its log-probabilities when the request asked for them (None for
+            a token this producer holds without them); None when not asked for.
     """
 
     request_id: str
@@ -179,6 +182,7 @@ class TokensEmitted(_Message, kw_only=True):
     instance_id: str
     final: bool = False
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs | None] | None = None
 
 
 class PrefillCompleted(_Message, kw_only=True):
@@ -421,10 +425,13 @@ class FlowEnd(_Message, kw_only=True):
         request_id: The request.
         output_token_ids: Output tokens to start from (the prefill's first token for a
             decoder that begins decoding; empty for a main decoder awaiting a handoff).
+        output_logprobs: Their log-probabilities, aligned, when the request asked for them
+            (empty otherwise, and for the tokens a recovered request resumes from).
     """
 
     request_id: str
     output_token_ids: list[int]
+    output_logprobs: list[TokenLogprobs] = []
 
 
 class FlowCancel(_Message, kw_only=True):

@@ -62,3 +62,56 @@ async def until(predicate, timeout_s: float = 10.0, what: str = "condition"):
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+def reference_logprobs(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int) -> torch.Tensor:
+    """transformers' log-softmax of the next-token logits at each step of its own greedy
+    ``generate`` (past end-of-sequence tokens), ``[max_new_tokens, vocab]``."""
+    inputs = torch.tensor([prompt_ids], device=loaded.device)
+    config = loaded.model.generation_config
+    saved_eos, config.eos_token_id = config.eos_token_id, None
+    try:
+        with torch.inference_mode():
+            output = loaded.model.generate(
+                inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens, do_sample=False,
+                pad_token_id=loaded.tokenizer.pad_token_id, output_logits=True, return_dict_in_generate=True)
+    finally:
+        config.eos_token_id = saved_eos
+    return torch.log_softmax(torch.stack(output.logits)[:, 0].float(), dim=-1)
+
+
+class _VllmPenalties:
+    """vLLM's penalties and ``min_tokens`` as a transformers logits processor (the reference)."""
+
+    def __init__(self, num_prompt_tokens: int, eos_ids, repetition: float, frequency: float,
+                 presence: float, min_tokens: int):
+        self.num_prompt_tokens, self.eos_ids = num_prompt_tokens, list(eos_ids)
+        self.repetition, self.frequency, self.presence, self.min_tokens = repetition, frequency, presence, min_tokens
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = scores.clone()
+        for row, ids in enumerate(input_ids):
+            seen = torch.unique(ids)
+            values = scores[row, seen]
+            scores[row, seen] = torch.where(values > 0, values / self.repetition, values * self.repetition)
+            outputs = ids[self.num_prompt_tokens:]
+            counts = torch.bincount(outputs, minlength=scores.shape[1]).float()
+            scores[row] -= self.frequency * counts + self.presence * (counts > 0).float()
+            if len(outputs) < self.min_tokens:
+                scores[row, self.eos_ids] = float("-inf")
+        return scores
+
+
+def reference_penalised(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int, *,
+                        repetition: float = 1.0, frequency: float = 0.0, presence: float = 0.0,
+                        min_tokens: int = 0) -> list[int]:
+    """transformers' greedy output under vLLM's penalties, stopping at end-of-sequence."""
+    from transformers import LogitsProcessorList
+
+    inputs = torch.tensor([prompt_ids], device=loaded.device)
+    processor = _VllmPenalties(len(prompt_ids), loaded.eos_token_ids, repetition, frequency, presence, min_tokens)
+    with torch.inference_mode():
+        output = loaded.model.generate(
+            inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=loaded.tokenizer.pad_token_id, logits_processor=LogitsProcessorList([processor]))
+    return output[0, len(prompt_ids):].tolist()

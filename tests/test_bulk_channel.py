@@ -39,8 +39,8 @@ class RecordingHandler:
         self.engine.import_frame(frame)
         self.events.append(("frame", request_id))
 
-    async def end_flow(self, request_id, output_token_ids, stats):
-        self.engine.finish_import(request_id, output_token_ids)
+    async def end_flow(self, request_id, end, stats):
+        self.engine.finish_import(request_id, end.output_token_ids)
         self.events.append(("end", request_id))
         self.ended.set()
 

@@ -5,11 +5,12 @@ decoder's cached blocks. Every answer equals transformers' greedy output.
 """
 
 import pytest
+import torch
 
 from infra.wan_link import LinkProfile
 from loadtest.demo_conversation import long_tool_output
 from shared.model_loader import load_metadata
-from tests.helpers import reference_greedy, until
+from tests.helpers import reference_greedy, reference_logprobs, reference_penalised, until
 from tests.test_pipeline_e2e import post
 
 pytestmark = pytest.mark.real_model
@@ -87,3 +88,36 @@ async def test_long_cold_prompt_with_long_output_catches_up(smol_stack, smollm2)
     pdd = body["pdd"]
     assert pdd["pipeline"] == "P-RLD-MD" and pdd["finished_on"] == "MD"
     assert pdd["handoff_mode"] == "catch-up" and pdd["handoff_chunks"] >= 2, pdd
+
+
+async def test_penalties_min_tokens_and_logprobs_are_exact_across_a_handoff(make_stack, smollm2):
+    """vLLM's penalty rules (computed by transformers with a reference logits processor) and
+    the model's own log-probabilities, through the relay → main-decode handoff."""
+    stack = await make_stack(loaded=smollm2, metadata=load_metadata("smollm2"), profile=DEFAULT_WAN,
+                             engine_settings={"kv_cache_mb": 256},
+                             router_settings={"served_model_name": "smollm2", "pipeline_policy": "P-RLD-MD"})
+    messages = [{"role": "user", "content": "Write the word 'tea' five times, then say why tea is good. "
+                                            + long_tool_output(4)}]
+    prompt = list(smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False))
+    penalties = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.3, "min_tokens": 24}
+    status, answer = await post(stack, "/chat/completions", {
+        "model": "smollm2", "messages": messages, "max_tokens": 48, "temperature": 0, **penalties})
+    assert status == 200, answer
+    assert answer["pdd"]["eager_tokens"] >= 1 and answer["pdd"]["finished_on"] == "MD", answer["pdd"]
+    expected = reference_penalised(smollm2, prompt, 48, repetition=1.3, frequency=0.5, presence=0.3, min_tokens=24)
+    assert answer["choices"][0]["message"]["content"] == smollm2.tokenizer.decode(expected, skip_special_tokens=True)
+    assert expected != reference_greedy(smollm2, prompt, 48, stop_at_eos=True)  # the penalties did change it
+
+    status, answer = await post(stack, "/chat/completions", {
+        "model": "smollm2", "messages": messages, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+        "logprobs": True, "top_logprobs": 3})
+    assert status == 200 and answer["pdd"]["eager_tokens"] >= 1, answer
+    output, reference = reference_greedy(smollm2, prompt, 32), reference_logprobs(smollm2, prompt, 32)
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [smollm2.tokenizer.decode([t]) for t in output]
+    for i, (token_id, entry) in enumerate(zip(output, content)):
+        assert abs(entry["logprob"] - float(reference[i, token_id])) < 1e-4
+        assert entry["top_logprobs"][0]["logprob"] == entry["logprob"]
+        values = torch.topk(reference[i], 3).values.tolist()
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(values, abs=1e-4)

@@ -136,14 +136,15 @@ class PrefillService(EngineService):
             with _tracer.start_as_current_span("prefill.compute", context=parent,
                                                attributes={"request_id": rid}) as span:
                 started = time.perf_counter()
-                first_token, cached_tokens = await self._compute_first_token(cmd)
+                first, cached_tokens = await self._compute_first_token(cmd)
+                first_token = first.token_id
                 compute_s = time.perf_counter() - started
                 span.set_attribute("cached_tokens", cached_tokens)
             loop = asyncio.get_running_loop()
             exports: dict[int, asyncio.Future] = {}
             exported = {path: loop.create_future() for path, _, _ in paths}
             ships = {path: asyncio.create_task(self._ship(
-                cmd, path, spans[path], self._end_tokens(cmd, role, first_token), opens[path],
+                cmd, path, spans[path], self._end_tokens(cmd, role, first), opens[path],
                 flows, exports, exported[path])) for path, _, role in paths}
             frames = {path: await future for path, future in exported.items()}
             await self.worker.call(self.engine.free, rid)
@@ -174,7 +175,7 @@ class PrefillService(EngineService):
 
         return completed, send_all()
 
-    async def _ship(self, cmd: StartPrefill, path: str, span, end_tokens: list[int], opening,
+    async def _ship(self, cmd: StartPrefill, path: str, span, end_tokens: tuple[list, list], opening,
                     flows: dict, exports: dict, exported: asyncio.Future):
         """One path: wait for its flow, export from where its receiver stands, send."""
         try:
@@ -205,11 +206,11 @@ class PrefillService(EngineService):
                              return_exceptions=True)
         await self.worker.call(self.engine.free_if_held, rid)
 
-    async def _compute_first_token(self, cmd: StartPrefill) -> tuple[int, int]:
+    async def _compute_first_token(self, cmd: StartPrefill) -> tuple[StepOutput, int]:
         future = asyncio.get_running_loop().create_future()
         self._first_tokens[cmd.request_id] = future
         # The prefill samples exactly one token, with the request's own seed and parameters.
-        sampling = msgspec.structs.replace(cmd.sampling, max_tokens=1)
+        sampling = msgspec.structs.replace(cmd.sampling, max_tokens=1, min_tokens=min(1, cmd.sampling.min_tokens))
         seq = await self.worker.call(self.engine.add_request, cmd.request_id, cmd.token_ids,
                                      sampling, cmd.seed)
         block_size = self.engine.layout.block_size
@@ -237,12 +238,12 @@ class PrefillService(EngineService):
                                    accept_timeout_s=self.config.accept_timeout_s,
                                    tls=self._bulk_tls if path == "wan" or self.config.bulk_tls_local else None)
 
-    async def _send(self, flow: BulkFlow, span, frames: list, end_tokens: list[int]) -> int:
+    async def _send(self, flow: BulkFlow, span, frames: list, end_tokens: tuple[list, list]) -> int:
         with trace.use_span(span, end_on_exit=False):
             async def stream():
                 for parts in frames:
                     await flow.send_frame(parts)
-                await flow.end(end_tokens)
+                await flow.end(*end_tokens)
 
             await asyncio.wait_for(stream(), self.config.send_timeout_s)
             KV_TRANSFER_SECONDS.labels(flow.path).observe(flow.elapsed_s)
@@ -251,12 +252,15 @@ class PrefillService(EngineService):
             return flow.bytes_sent
 
     @staticmethod
-    def _end_tokens(cmd: StartPrefill, role: str, first_token: int) -> list[int]:
+    def _end_tokens(cmd: StartPrefill, role: str, first: StepOutput) -> tuple[list[int], list]:
+        """The output tokens the receiver starts from, and their log-probabilities."""
         # A main decoder behind a relay waits for the relay's handoff instead.
         if role == "main_decode" and cmd.pipeline == "P-RLD-MD":
-            return []
+            return [], []
         # A recovered request goes on from what the client has (its first token is among them).
-        return list(cmd.resume_token_ids) or [first_token]
+        if cmd.resume_token_ids:
+            return list(cmd.resume_token_ids), []
+        return [first.token_id], [first.logprobs] if first.logprobs is not None else []
 
     async def _on_outputs(self, outputs: list[StepOutput]):
         for out in outputs:
@@ -266,7 +270,7 @@ class PrefillService(EngineService):
             if out.error:
                 future.set_exception(PddError(out.error))
             else:
-                future.set_result(out.token_id)
+                future.set_result(out)
 
 
 def _paths(cmd: StartPrefill) -> list[tuple[str, InstanceRef, str]]:

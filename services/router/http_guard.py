@@ -46,7 +46,7 @@ def _from_http(exc: web.HTTPException) -> ApiError:
         return ApiError(413, exc.text or "request body too large", code="request_too_large")
     if isinstance(exc, web.HTTPNotFound):
         return ApiError(404, "no such path; this server offers /v1/chat/completions, /v1/completions, "
-                             "/v1/models, /health and /metrics", code="not_found")
+                             "/v1/models, /tokenize, /detokenize, /version, /health and /metrics", code="not_found")
     if isinstance(exc, web.HTTPMethodNotAllowed):
         return ApiError(405, f"method not allowed; use {', '.join(sorted(exc.allowed_methods))}",
                         code="method_not_allowed")

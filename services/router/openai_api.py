@@ -1,35 +1,21 @@
 """The OpenAI-compatible surface: request validation and response shapes.
 
-Accepts what common clients send (the official ``openai`` client, aiperf, guidellm):
-``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
-``stream``, ``stream_options.include_usage``, ``ignore_eos``. Errors use OpenAI's error
-object with a fitting HTTP status.
+Implements what ``request_fields`` lists (sampling, penalties, ``min_tokens``, ``logprobs``,
+streaming with usage) and refuses the rest by name. Errors use OpenAI's error object with a
+fitting HTTP status.
 """
 
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.engine.sampling import MAX_STOP_STRINGS, SamplingParams
+from services.router.api_error import ApiError
+from services.router.request_fields import check_fields
+from shared.engine.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
 """Seeds are 64-bit signed integers, as in vLLM (they travel as msgpack integers)."""
 MAX_STOP_CHARS = 512
-
-
-class ApiError(Exception):
-    """An error answered to the client in OpenAI's format."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def body(self) -> dict:
-        """The JSON error object."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
 
 
 @dataclass
@@ -43,6 +29,7 @@ class ParsedRequest:
         sampling: Sampling and stopping parameters.
         stream: Server-sent events instead of one JSON body.
         include_usage: Send a usage chunk at the end of a stream.
+        system_fingerprint: Names the serving configuration (version and model weights).
     """
 
     chat: bool
@@ -51,6 +38,7 @@ class ParsedRequest:
     sampling: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    system_fingerprint: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -66,11 +54,41 @@ def _number(body: dict, name: str, kind, default, low=None, high=None, low_open=
     return kind(value)
 
 
-def parse_sampling(body: dict, default_max_tokens: int) -> SamplingParams:
-    """Sampling parameters from an OpenAI request body, validated."""
+def parse_sampling(body: dict, default_max_tokens: int, chat: bool) -> SamplingParams:
+    """Sampling parameters from an OpenAI request body, validated (every field checked first)."""
+    check_fields(body, chat)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = _number({name: max_tokens}, name, int, default_max_tokens, low=1)
+    if body.get("n", 1) not in (1, None):
+        raise ApiError(400, "only n=1 is supported", param="n")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", float, 1.0, low=0, high=2),
+        top_p=_number(body, "top_p", float, 1.0, low=0, high=1, low_open=True),
+        top_k=_top_k(body), seed=_seed(body), stop=_stop(body), ignore_eos=_flag(body, "ignore_eos"),
+        min_tokens=_number(body, "min_tokens", int, 0, low=0, high=max_tokens),
+        repetition_penalty=_number(body, "repetition_penalty", float, 1.0, low=0, high=2, low_open=True),
+        frequency_penalty=_number(body, "frequency_penalty", float, 0.0, low=-2, high=2),
+        presence_penalty=_number(body, "presence_penalty", float, 0.0, low=-2, high=2),
+        logprobs=_logprobs(body, chat))
+    return params
+
+
+def _top_k(body: dict) -> int:
+    top_k = _number(body, "top_k", int, 0, low=-1)
+    return 0 if top_k == -1 else top_k  # vLLM spells "off" -1
+
+
+def _seed(body: dict) -> int | None:
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not SEED_MIN <= seed <= SEED_MAX):
+        raise ApiError(400, f"'seed' must be an integer in [{SEED_MIN}, {SEED_MAX}]", param="seed")
+    return seed
+
+
+def _stop(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
         stop = ()
@@ -83,20 +101,29 @@ def parse_sampling(body: dict, default_max_tokens: int) -> SamplingParams:
     if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
         raise ApiError(400, f"'stop' takes up to {MAX_STOP_STRINGS} non-empty strings of at most "
                             f"{MAX_STOP_CHARS} characters", param="stop")
-    if body.get("n", 1) != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise ApiError(400, "'ignore_eos' must be a boolean", param="ignore_eos")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                             or not SEED_MIN <= seed <= SEED_MAX):
-        raise ApiError(400, f"'seed' must be an integer in [{SEED_MIN}, {SEED_MAX}]", param="seed")
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=_number(body, "temperature", float, 1.0, low=0, high=2),
-        top_p=_number(body, "top_p", float, 1.0, low=0, high=1, low_open=True),
-        seed=seed, stop=stop, ignore_eos=ignore_eos)
+    return stop
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be a boolean", param=name)
+    return value
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token: chat's ``logprobs`` + ``top_logprobs``, completions' ``logprobs``."""
+    if not chat:
+        value = _number(body, "logprobs", int, None, low=0, high=MAX_LOGPROBS)
+        return value
+    top = _number(body, "top_logprobs", int, None, low=0, high=MAX_LOGPROBS)
+    if not _flag(body, "logprobs"):
+        if top:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return None
+    return top or 0
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -143,9 +170,7 @@ def _tool_fields(message: dict, index: int) -> dict:
 
 def stream_flags(body: dict) -> tuple[bool, bool]:
     """``stream`` and ``stream_options.include_usage``."""
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be a boolean", param="stream")
+    stream = _flag(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", param="stream_options")
@@ -153,23 +178,24 @@ def stream_flags(body: dict) -> tuple[bool, bool]:
 
 
 def completion_body(req: ParsedRequest, request_id: str, text: str, finish_reason: str,
-                    num_output_tokens: int, pdd: dict[str, Any], cached_tokens: int = 0) -> dict:
-    """The non-streaming response."""
+                    num_output_tokens: int, pdd: dict[str, Any], cached_tokens: int = 0,
+                    logprobs: dict | None = None) -> dict:
+    """The non-streaming response (``logprobs``: the choice's, already in its endpoint's shape)."""
     usage = usage_of(req, num_output_tokens, cached_tokens)
     if req.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": finish_reason}
+                  "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": request_id, "object": obj, "created": req.created, "model": req.model,
-            "choices": [choice], "usage": usage, "pdd": pdd}
+            "system_fingerprint": req.system_fingerprint, "choices": [choice], "usage": usage, "pdd": pdd}
 
 
 def chunk_body(req: ParsedRequest, request_id: str, delta_text: str | None,
                finish_reason: str | None = None, *, first: bool = False,
-               pdd: dict | None = None) -> dict:
+               pdd: dict | None = None, logprobs: dict | None = None) -> dict:
     """One streaming chunk (``delta_text`` None with a finish reason for the last one)."""
     if req.chat:
         delta: dict[str, Any] = {}
@@ -177,13 +203,13 @@ def chunk_body(req: ParsedRequest, request_id: str, delta_text: str | None,
             delta["role"] = "assistant"
         if delta_text:
             delta["content"] = delta_text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": delta_text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     body = {"id": request_id, "object": obj, "created": req.created, "model": req.model,
-            "choices": [choice]}
+            "system_fingerprint": req.system_fingerprint, "choices": [choice]}
     if pdd is not None:
         body["pdd"] = pdd
     return body
@@ -193,7 +219,8 @@ def usage_chunk(req: ParsedRequest, request_id: str, num_output_tokens: int, cac
     """The final ``include_usage`` chunk (no choices)."""
     obj = "chat.completion.chunk" if req.chat else "text_completion"
     return {"id": request_id, "object": obj, "created": req.created, "model": req.model,
-            "choices": [], "usage": usage_of(req, num_output_tokens, cached_tokens)}
+            "system_fingerprint": req.system_fingerprint, "choices": [],
+            "usage": usage_of(req, num_output_tokens, cached_tokens)}
 
 
 def usage_of(req: ParsedRequest, num_output_tokens: int, cached_tokens: int = 0) -> dict:

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import msgspec
 import nats
@@ -18,6 +19,7 @@ from aiohttp import web
 from services.router import http_guard, openai_api
 from services.router.admission import Admission, Overloaded
 from services.router.detokenizer import Detokenizer
+from services.router.logprobs_format import LogprobsFormatter
 from services.router.mailbox import RequestMailbox
 from services.router.odd_traffic import OddTrafficRule
 from services.router.openai_api import ApiError, ParsedRequest
@@ -34,6 +36,7 @@ from shared.metrics import PIPELINE_CHOICES, QUEUE_SECONDS, REJECTED, REQUESTS, 
 from shared.model_loader import ModelMetadata, load_metadata
 from shared.service import Service
 from shared.tracing import tracer
+from shared.version import pdd_version
 
 _overlap_decoder = decoder(OverlapReply)
 _load_decoder = decoder(LoadReported)
@@ -67,6 +70,8 @@ class RouterService(Service):
         # One thread: the fast tokenizer is not safe to call from two threads at once.
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._max_token_chars = 0
+        self._logprobs_format: LogprobsFormatter | None = None
+        self.system_fingerprint = ""
 
     async def on_start(self):
         loop = asyncio.get_running_loop()
@@ -74,6 +79,8 @@ class RouterService(Service):
             self.metadata = await loop.run_in_executor(None, load_metadata, self.config.model)
         self._max_token_chars = await loop.run_in_executor(
             self._tokenizing, lambda: max(map(len, self.metadata.tokenizer.get_vocab())))
+        self._logprobs_format = LogprobsFormatter(self.metadata.tokenizer)
+        self.system_fingerprint = f"pdd-{pdd_version()}-{Path(self.config.model).name}"
         await self.subscribe(subjects.LOAD_ALL, _load_decoder, self._on_heartbeat)
         self.mailbox = RequestMailbox(self.nc, self.instance_id, self.bad_messages)
         await self.mailbox.start()
@@ -83,7 +90,8 @@ class RouterService(Service):
             http_guard.json_content()])
         app.add_routes([
             web.get("/v1/models", self._models), web.get("/health", self._health),
-            web.get("/metrics", self._metrics),
+            web.get("/metrics", self._metrics), web.get("/version", self._version),
+            web.post("/tokenize", self._tokenize), web.post("/detokenize", self._detokenize),
             web.post("/v1/completions", self._completions),
             web.post("/v1/chat/completions", self._chat_completions),
         ])
@@ -132,7 +140,45 @@ class RouterService(Service):
 
     async def _models(self, request):
         return web.json_response({"object": "list", "data": [{
-            "id": self.config.served_model_name, "object": "model", "created": 0, "owned_by": "pdd"}]})
+            "id": self.config.served_model_name, "object": "model", "created": 0, "owned_by": "pdd",
+            "root": self.config.model, "parent": None,
+            "max_model_len": self.metadata.max_context_tokens}]})
+
+    async def _version(self, request):
+        return web.json_response({"version": pdd_version()})
+
+    async def _tokenize(self, request):
+        """vLLM's ``/tokenize``: a ``prompt`` or chat ``messages`` → token ids."""
+        body = await self._json_body(request)
+        self._check_model(body.get("model", self.config.served_model_name))
+        tokens = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._tokenize_body, body)
+        return web.json_response({"count": len(tokens), "max_model_len": self.metadata.max_context_tokens,
+                                  "tokens": tokens})
+
+    def _tokenize_body(self, body: dict) -> list[int]:
+        if "messages" in body:
+            messages = openai_api.chat_messages(body)
+            self._check_length(sum(len(m["content"]) for m in messages), "messages")
+            return list(self.metadata.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+                tokenize=True, return_dict=False))
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise ApiError(400, "'prompt' (a string) or 'messages' is required", param="prompt")
+        self._check_length(len(prompt), "prompt")
+        return self.metadata.tokenizer.encode(prompt, add_special_tokens=body.get("add_special_tokens") is True)
+
+    async def _detokenize(self, request):
+        """vLLM's ``/detokenize``: token ids → text."""
+        body = await self._json_body(request)
+        self._check_model(body.get("model", self.config.served_model_name))
+        tokens, vocab = body.get("tokens"), len(self.metadata.tokenizer)
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
+            raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
+        text = await asyncio.get_running_loop().run_in_executor(
+            self._tokenizing, self.metadata.tokenizer.decode, tokens)
+        return web.json_response({"prompt": text})
 
     async def _health(self, request):
         live = self.registry.summary()
@@ -192,12 +238,15 @@ class RouterService(Service):
             raise ApiError(400, "request body must be a JSON object")
         return body
 
-    def _parse(self, body: dict, chat: bool) -> ParsedRequest:
-        model = body.get("model")
+    def _check_model(self, model):
         if model != self.config.served_model_name:
             raise ApiError(404, f"model {model!r} does not exist; this server serves "
                                 f"{self.config.served_model_name!r}", param="model", code="model_not_found")
-        sampling = openai_api.parse_sampling(body, self.config.default_max_tokens)
+
+    def _parse(self, body: dict, chat: bool) -> ParsedRequest:
+        model = body.get("model")
+        self._check_model(model)
+        sampling = openai_api.parse_sampling(body, self.config.default_max_tokens, chat)
         stream, include_usage = openai_api.stream_flags(body)
         tokenizer, limit = self.metadata.tokenizer, self.metadata.max_context_tokens
         if chat:
@@ -214,7 +263,8 @@ class RouterService(Service):
                                 f"exceeds the model's context of {limit} tokens",
                            param="messages" if chat else "prompt", code="context_length_exceeded")
         return ParsedRequest(chat=chat, model=model, prompt_token_ids=prompt, sampling=sampling,
-                             stream=stream, include_usage=include_usage)
+                             stream=stream, include_usage=include_usage,
+                             system_fingerprint=self.system_fingerprint)
 
     def _completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -341,18 +391,35 @@ class RouterService(Service):
         text = detok.emitted + detok.flush()
         return web.json_response(openai_api.completion_body(
             req, flow.request_id, text, flow.outcome.finish_reason, flow.outcome.output_tokens,
-            flow.outcome.as_pdd(), flow.outcome.prefill_cached_tokens))
+            flow.outcome.as_pdd(), flow.outcome.prefill_cached_tokens,
+            self._logprobs(req, flow, 0, len(flow.log.token_ids))))
+
+    def _logprobs(self, req: ParsedRequest, flow: RequestFlow, start: int, end: int,
+                  text_offset: int = 0) -> dict | None:
+        """The ``logprobs`` object of output tokens ``[start, end)``, if the request asked for it."""
+        if req.sampling.logprobs is None:
+            return None
+        ids, logprobs = flow.log.token_ids[start:end], flow.log.logprobs[start:end]
+        if req.chat:
+            return self._logprobs_format.chat(ids, logprobs)
+        return self._logprobs_format.completion(ids, logprobs, text_offset)
 
     async def _stream(self, request: web.Request, req: ParsedRequest, flow: RequestFlow):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
         detok, first = Detokenizer(self.metadata.tokenizer, req.sampling.stop), True
+        num_sent, num_chars = 0, 0
         try:
             async for batch in flow.tokens():
                 delta = detok.add(batch)
-                if delta or first:
-                    await self._sse(response, openai_api.chunk_body(req, flow.request_id, delta, first=first))
+                logprobs = self._logprobs(req, flow, num_sent, num_sent + len(batch), num_chars)
+                num_sent += len(batch)
+                if logprobs is not None and not req.chat:
+                    num_chars += sum(map(len, logprobs["tokens"]))
+                if delta or first or logprobs is not None:
+                    await self._sse(response, openai_api.chunk_body(req, flow.request_id, delta, first=first,
+                                                                    logprobs=logprobs))
                     first = False
             rest = detok.flush()
             if rest:

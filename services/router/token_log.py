@@ -9,6 +9,7 @@ resumes the request elsewhere from ``token_ids``.
 
 from dataclasses import dataclass, field
 
+from shared.engine.logprobs import TokenLogprobs
 from shared.messages import TokensEmitted
 
 
@@ -21,13 +22,16 @@ class TokenLog:
         finish_reason: ``stop`` or ``length`` once a producer ended the request.
         finished_on: Producer (``RLD`` or ``MD``) that ended it.
         eager_tokens: Released tokens the relay produced first.
+        logprobs: Per released token, the log-probabilities its producer sent (None where it
+            sent none).
     """
 
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     finish_reason: str | None = None
     finished_on: str | None = None
     eager_tokens: int = 0
-    _pending: dict[int, tuple[int, str]] = field(default_factory=dict)
+    _pending: dict[int, tuple[int, str, TokenLogprobs | None]] = field(default_factory=dict)
     _final_index: int | None = None
 
     @property
@@ -47,17 +51,22 @@ class TokenLog:
 
     def add(self, message: TokensEmitted) -> list[int]:
         """Take a producer's message; return the tokens it lets the client have now, in order."""
+        logprobs = message.logprobs or ()
         for offset, token in enumerate(message.token_ids):
             index = message.start_index + offset
             if index >= self.next_index:
-                self._pending.setdefault(index, (token, message.producer))
+                logprob = logprobs[offset] if offset < len(logprobs) else None
+                known = self._pending.get(index)
+                if known is None or (known[2] is None and logprob is not None and known[0] == token):
+                    self._pending[index] = (token, message.producer, logprob)
         if message.finish_reason is not None and self._final_index is None:
             self._final_index = message.start_index + len(message.token_ids) - 1
             self.finish_reason, self.finished_on = message.finish_reason, message.producer
         released = []
         while self.next_index in self._pending:
-            token, producer = self._pending.pop(self.next_index)
+            token, producer, logprob = self._pending.pop(self.next_index)
             self.token_ids.append(token)
+            self.logprobs.append(logprob)
             released.append(token)
             self.eager_tokens += producer == "RLD"
         return released

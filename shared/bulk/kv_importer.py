@@ -13,7 +13,7 @@ from shared.engine.sequence import Sequence
 from shared.engine_worker import EngineWorker
 from shared.errors import InvalidRequestState, OutOfKvBlocks, RequestCancelled
 from shared.kv_wire import KvFrame
-from shared.messages import FlowOpen
+from shared.messages import FlowEnd, FlowOpen
 from shared.metrics import PREFIX_HIT_BLOCKS, PREFIX_LOOKUP_BLOCKS
 
 log = structlog.get_logger(__name__)
@@ -190,7 +190,7 @@ class KvImporter:
     async def import_frame(self, request_id: str, frame: KvFrame) -> None:
         await self._worker.call(self._worker.engine.import_frame, frame)
 
-    async def end_flow(self, request_id: str, output_token_ids: list[int], stats: FlowStats) -> None:
+    async def end_flow(self, request_id: str, end: FlowEnd, stats: FlowStats) -> None:
         state = self.imports.pop(request_id, None)
         if state is None:
             return
@@ -200,7 +200,7 @@ class KvImporter:
             await self._worker.call(engine.free, request_id)
             log.info("kv_import_kept_for_cache", request_id=request_id)
             return
-        seq = await self._worker.call(engine.finish_import, request_id, output_token_ids)
+        seq = await self._worker.call(engine.finish_import, request_id, end.output_token_ids, end.output_logprobs)
         log.info("kv_import_done", request_id=request_id, frames=stats.frames,
                  kv_bytes=stats.bytes_received, transfer_s=round(stats.transfer_s, 4))
         await self._on_complete(state, seq, stats)

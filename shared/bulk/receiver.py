@@ -70,8 +70,8 @@ class FlowHandler(Protocol):
     async def import_frame(self, request_id: str, frame: KvFrame) -> None:
         """Store one validated frame."""
 
-    async def end_flow(self, request_id: str, output_token_ids: list[int], stats: FlowStats) -> None:
-        """All frames arrived."""
+    async def end_flow(self, request_id: str, end: FlowEnd, stats: FlowStats) -> None:
+        """All frames arrived; ``end`` carries the output tokens to start from."""
 
     async def abort_flow(self, request_id: str, reason: str) -> None:
         """The flow broke or was cancelled: discard what arrived."""
@@ -184,7 +184,7 @@ class BulkReceiver:
                         stats.first_frame_monotonic, stats.first_frame_bytes = time.monotonic(), size
                 elif isinstance(message, FlowEnd):
                     stats.finished_monotonic = time.monotonic()
-                    await self._handler.end_flow(request_id, message.output_token_ids, stats)
+                    await self._handler.end_flow(request_id, message, stats)
                     return
                 elif isinstance(message, FlowCancel):
                     reason = f"cancelled by sender: {message.reason}"

@@ -45,10 +45,10 @@ class BulkFlow:
         KV_BYTES.labels(self.path, "sent").inc(size)
         await self._writer.drain()
 
-    async def end(self, output_token_ids: list[int]):
-        """Tell the receiver every frame is sent, then close."""
-        await write_control(self._writer, FlowEnd(request_id=self.request_id,
-                                                  output_token_ids=output_token_ids))
+    async def end(self, output_token_ids: list[int], output_logprobs: list | None = None):
+        """Tell the receiver every frame is sent (and which output tokens it starts from), then close."""
+        await write_control(self._writer, FlowEnd(request_id=self.request_id, output_token_ids=output_token_ids,
+                                                  output_logprobs=output_logprobs or []))
         await self.close()
 
     async def cancel(self, reason: str):

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from shared.block_hash import ROOT_PARENT_HASH, hash_block, hash_blocks
-from shared.engine import attention
+from shared.engine import attention, logits_processing
 from shared.engine.attention import ForwardPlan, SequencePlan, forward_plan
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_layout import DEFAULT_BLOCK_SIZE, KvLayout
 from shared.engine.kv_pool import KvPool
 from shared.engine.kv_transfer import KvTransfer
+from shared.engine.logprobs import TokenLogprobs, token_logprobs
 from shared.engine.prefix_cache import KvEventListener, PrefixCache
 from shared.engine.sampling import SamplingParams, sample_token
 from shared.engine.sequence import Sequence, SequenceStatus
@@ -50,6 +51,7 @@ class StepOutput:
         finish_reason: ``stop``, ``length`` or ``error`` when finished.
         error: What went wrong, when ``finish_reason`` is ``error``.
         absorbed: True when a held extend (``extend(..., sample=False)``) has been computed.
+        logprobs: The sampled token's log-probabilities, when the request asked for them.
     """
 
     request_id: str
@@ -59,6 +61,7 @@ class StepOutput:
     finish_reason: str | None = None
     error: str | None = None
     absorbed: bool = False
+    logprobs: TokenLogprobs | None = None
 
 
 class Engine(KvTransfer):
@@ -276,15 +279,20 @@ class Engine(KvTransfer):
         return out.logits[0]
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
-        index = len(seq.output_token_ids)
-        token = sample_token(logits, seq.sampling, seq.seed, index)
+        index, params = len(seq.output_token_ids), seq.sampling
+        processed = logits_processing.apply(logits, params, seq.token_ids, seq.num_prompt_tokens, self._eos_ids)
+        token = sample_token(processed, params, seq.seed, index)
+        logprobs = token_logprobs(logits, token, params.logprobs) if params.logprobs is not None else None
         seq.token_ids.append(token)
+        seq.output_logprobs.append(logprobs)
         reason = self._finish_reason(seq, token)
         if reason:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        return StepOutput(seq.request_id, token, index, reason is not None, reason)
+        return StepOutput(seq.request_id, token, index, reason is not None, reason, logprobs=logprobs)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if len(seq.output_token_ids) < seq.sampling.min_tokens:
+            return None  # neither EOS nor a stop string ends it yet (vLLM's min_tokens)
         if token in self._eos_ids and not seq.sampling.ignore_eos:
             return "stop"
         if seq.sampling.stop:
@@ -316,10 +324,12 @@ class Engine(KvTransfer):
         seq.block_hashes = hashes[:len(hit)]
         seq.num_kv_tokens = seq.num_cached_tokens = len(hit) * self.layout.block_size
 
-    def _append_outputs(self, seq: Sequence, token_ids: list[int]):
+    def _append_outputs(self, seq: Sequence, token_ids: list[int],
+                        logprobs: list[TokenLogprobs | None] | tuple = ()):
         if len(seq.output_token_ids) + len(token_ids) > seq.sampling.max_tokens:
             raise InvalidRequestState(f"request {seq.request_id!r} would exceed max_tokens")
         seq.token_ids.extend(token_ids)
+        seq.output_logprobs.extend(logprobs[i] if i < len(logprobs) else None for i in range(len(token_ids)))
         reason = self._finish_reason(seq, token_ids[-1]) if token_ids else None
         if reason:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason

@@ -66,7 +66,7 @@ class KvTransfer:
         seq.num_imported_tokens += header.num_tokens
         self._cache_full_blocks(seq)
 
-    def finish_import(self, request_id: str, token_ids: list[int]) -> Sequence:
+    def finish_import(self, request_id: str, token_ids: list[int], logprobs: list | tuple = ()) -> Sequence:
         """End an import and make the sequence runnable.
 
         Args:
@@ -75,6 +75,8 @@ class KvTransfer:
                 prefill sampled, or a relay's tokens). Empty parks the sequence until
                 ``extend`` hands it tokens. Prompt tokens not covered by frames are
                 recomputed here.
+            logprobs: The log-probabilities of ``token_ids`` where their producer computed
+                them (aligned; missing ones are None).
 
         Returns:
             The sequence; already FINISHED if ``token_ids`` end the request (EOS, stop
@@ -82,7 +84,7 @@ class KvTransfer:
         """
         seq = self._get(request_id, SequenceStatus.IMPORTING)
         seq.status = SequenceStatus.RUNNING
-        self._append_outputs(seq, token_ids)
+        self._append_outputs(seq, token_ids, logprobs)
         return seq
 
     def export_frames(self, request_id: str, first_token_index: int = 0,

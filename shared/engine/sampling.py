@@ -10,6 +10,8 @@ import torch
 import xxhash
 
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+"""Most alternatives a request may ask for per token (vLLM's default ``max_logprobs``)."""
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -22,6 +24,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         seed: Per-request seed for reproducible sampling; None lets the engine pick one.
         stop: Strings that end generation once they appear in the generated text.
         ignore_eos: Keep generating past end-of-sequence tokens (benchmarks).
+        top_k: Sample among the ``top_k`` most likely tokens only; 0 disables it.
+        min_tokens: End-of-sequence tokens and stop strings do not end the request before
+            this many tokens (vLLM's semantics).
+        repetition_penalty: >1 discourages every token already in the prompt or the output
+            (positive logits divided, negative ones multiplied); 1 disables it.
+        frequency_penalty: Subtracted from a token's logit once per time it is in the output.
+        presence_penalty: Subtracted from a token's logit if it is in the output at all.
+        logprobs: None for no log-probabilities; otherwise each output token carries its own
+            log-probability and this many most likely alternatives (0 to ``MAX_LOGPROBS``).
     """
 
     max_tokens: int = 16
@@ -30,6 +41,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    top_k: int = 0
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: int | None = None
 
     def validate(self):
         """Raise ValueError naming the first field out of range."""
@@ -41,15 +58,31 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
             raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not (-2 <= self.frequency_penalty <= 2 and -2 <= self.presence_penalty <= 2):
+            raise ValueError("frequency_penalty and presence_penalty must be in [-2, 2]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         """True when sampling is deterministic argmax."""
         return self.temperature == 0
 
+    @property
+    def penalised(self) -> bool:
+        """True when a penalty changes the logits before sampling."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, token_index: int) -> int:
-    """Pick one token from a 1-D logits row.
+    """Pick one token from a 1-D logits row (after ``logits_processing.apply``).
 
     Args:
         logits: Next-token logits, shape ``[vocab]``.
@@ -59,7 +92,11 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, token_
     """
     if params.greedy:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    logits = logits.float() / params.temperature
+    if 0 < params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, sorted_ids = torch.sort(probs, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).

@@ -3,6 +3,7 @@
 import enum
 from dataclasses import dataclass, field
 
+from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling import SamplingParams
 
 
@@ -34,6 +35,8 @@ class Sequence:
         block_hashes: Chained hashes of the leading full blocks that have KV.
         finish_reason: ``stop``, ``length`` or ``error`` once finished.
         hold_after_compute: Compute the pending tokens' KV but sample nothing (catch-up chunk).
+        output_logprobs: Per output token, its log-probabilities when the request asked for
+            them and they are known here (None for a token handed over without them).
     """
 
     request_id: str
@@ -50,6 +53,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     hold_after_compute: bool = False
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
     @property
     def output_token_ids(self) -> list[int]:
