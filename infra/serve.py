@@ -47,10 +47,13 @@ def run_serve(args) -> int:
 
         asyncio.run(run_wan_link(args))
         return 0
+    from shared.logging import configure_logging
     from shared.service import run_service
 
     cls = SERVICE_CONFIGS[args.service]
     config = build_config(cls, vars(args), service=args.service.replace("_", "-"))
+    # Before the service exists: its logger binds the configuration in force when it is made.
+    configure_logging(config.log_level)
     service = _make_service(args.service, config)
     try:
         import uvloop

@@ -68,6 +68,7 @@ class Route:
 class _Direction:
     free_at: float = 0.0
     bytes: int = 0
+    queued_bytes: int = 0  # read from the sender, not yet delivered (in flight on the "wire")
 
 
 @dataclass
@@ -129,7 +130,8 @@ class WanLink:
         """Profile and counters, for ``pdd wan show``."""
         return {"profile": asdict(self.profile),
                 "routes": {n: {**asdict(r), **asdict(self.stats[n])} for n, r in self.routes.items()},
-                "bytes_per_direction": {d: s.bytes for d, s in self._directions.items()}}
+                "bytes_per_direction": {d: s.bytes for d, s in self._directions.items()},
+                "queued_bytes_per_direction": {d: s.queued_bytes for d, s in self._directions.items()}}
 
     async def _accept(self, route: Route, client_reader, client_writer):
         task = asyncio.current_task()
@@ -161,7 +163,7 @@ class WanLink:
     async def _pipe(self, reader, writer, direction: str, stats: _RouteStats, forward: bool):
         """Read at the link's pace, deliver after the one-way delay, in order."""
         queue: asyncio.Queue = asyncio.Queue()
-        deliver = asyncio.create_task(self._deliver(queue, writer))
+        deliver = asyncio.create_task(self._deliver(queue, writer, self._directions[direction]))
         link, loop, last_delivery = self._directions[direction], asyncio.get_running_loop(), 0.0
         try:
             while True:
@@ -184,6 +186,7 @@ class WanLink:
                 one_way_s = max(0.0, profile.rtt_ms / 2000 + self._rng.gauss(0, profile.jitter_ms / 1000))
                 last_delivery = max(last_delivery, start + tx_s + one_way_s)
                 queue.put_nowait((last_delivery, data))
+                link.queued_bytes += len(data)
                 # Pace reading to the link: the sender feels the cap through TCP back-pressure.
                 if link.free_at > now:
                     await asyncio.sleep(link.free_at - now)
@@ -193,7 +196,7 @@ class WanLink:
             queue.put_nowait((0.0, None))
             await asyncio.gather(deliver, return_exceptions=True)
 
-    async def _deliver(self, queue: asyncio.Queue, writer):
+    async def _deliver(self, queue: asyncio.Queue, writer, link: _Direction):
         loop = asyncio.get_running_loop()
         try:
             while True:
@@ -205,11 +208,16 @@ class WanLink:
                     await asyncio.sleep(delay)
                 await self._open.wait()
                 writer.write(data)
+                link.queued_bytes -= len(data)
                 await writer.drain()
             if writer.can_write_eof():
                 writer.write_eof()
         except (ConnectionError, OSError):
             pass
+        finally:
+            while not queue.empty():  # undelivered when the connection broke: no longer queued
+                _, data = queue.get_nowait()
+                link.queued_bytes -= len(data or b"")
 
 
 # --- units and control API ---------------------------------------------------------------
@@ -246,7 +254,9 @@ def parse_profile(bandwidth: str, rtt: str, jitter: str, seed: int = 0) -> LinkP
 
 
 def control_app(link: WanLink) -> web.Application:
-    """``GET /link`` shows the profile and counters; ``PUT /link`` changes the profile."""
+    """``GET /link`` shows the profile and counters; ``PUT /link`` changes the profile;
+    ``GET /metrics`` is the link's Prometheus exposition."""
+    from infra.wan_link_metrics import metrics_handler
 
     async def show(request):
         return web.json_response(link.snapshot())
@@ -259,5 +269,9 @@ def control_app(link: WanLink) -> web.Application:
         return web.json_response(link.snapshot())
 
     app = web.Application()
-    app.add_routes([web.get("/link", show), web.put("/link", change)])
+    async def health(request):
+        return web.json_response({"status": "ok", "partitioned": link.profile.partitioned})
+
+    app.add_routes([web.get("/link", show), web.put("/link", change), web.get("/metrics", metrics_handler(link)),
+                    web.get("/health", health)])
     return app

@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     secrets = commands.add_parser("secrets", help="write a deployment's CA, certificate, NATS nkeys and bulk "
                                                   "secret into a folder (for docker-compose / Kubernetes)")
     secrets.add_argument("--out", required=True, help="folder (created 0700; files 0600; existing ones kept)")
+    hf = commands.add_parser("install-tokenizer", help="put SmolLM2's tokenizer in the Hugging Face cache under "
+                                                       "its hub id (for aiperf, guidellm, eval harnesses; make setup runs it)")
+    hf.add_argument("--hub-cache", default=None, help="hub cache folder (default: $HF_HUB_CACHE, else "
+                                                      "$HF_HOME/hub, else ~/.cache/huggingface/hub)")
     restart = commands.add_parser("restart", help="restart one process (e.g. cache-index-0, nats-b, wan-link)")
     restart.add_argument("name")
     restart.add_argument("--run-dir", default=None)
@@ -127,6 +131,8 @@ def _add_up_args(parser: argparse.ArgumentParser):
     parser.add_argument("--insecure", action="store_true",
                         help="no NATS identities and no TLS (only to measure what encryption costs; "
                              "never across networks you do not own)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model id the API serves (default: HuggingFaceTB/SmolLM2-135M-Instruct)")
     parser.add_argument("--api-key", default=None,
                         help="API key(s), comma-separated, clients must send (default: $PDD_API_KEYS; none)")
     parser.add_argument("--run-dir", default=None)
@@ -314,6 +320,17 @@ def cmd_secrets(args) -> int:
     return 0
 
 
+def cmd_install_tokenizer(args) -> int:
+    """Place SmolLM2's tokenizer where transformers finds it offline as HuggingFaceTB/SmolLM2-135M-Instruct."""
+    from shared.hf_cache import SMOLLM2_HF_ID, install_tokenizer
+    from shared.model_loader import ensure_smollm2_converted
+
+    hub_cache = Path(args.hub_cache).expanduser() if args.hub_cache else None
+    snapshot = install_tokenizer(ensure_smollm2_converted(), SMOLLM2_HF_ID, hub_cache)
+    print(f"tokenizer of {SMOLLM2_HF_ID} in {snapshot} (load it with HF_HUB_OFFLINE=1)")
+    return 0
+
+
 def cmd_supervise(args) -> int:
     """Supervise the deployment (started by pdd up)."""
     from infra.supervisor import supervise
@@ -386,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(args.log_level if args.command not in ("up", "demo") else "warning")
     handlers = {"generate": cmd_generate, "bench": cmd_bench, "up": cmd_up, "down": cmd_down,
                 "status": cmd_status, "wan": cmd_wan, "serve": cmd_serve, "demo": cmd_demo,
-                "restart": cmd_restart, "secrets": cmd_secrets, "supervise": cmd_supervise, "chaos": cmd_chaos}
+                "restart": cmd_restart, "secrets": cmd_secrets, "install-tokenizer": cmd_install_tokenizer, "supervise": cmd_supervise, "chaos": cmd_chaos}
     try:
         return handlers[args.command](args)
     except (PddError, ValueError) as exc:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.errors import ConfigError
+from shared.hf_cache import SMOLLM2_HF_ID
 from shared.subjects import check_token
 
 ENV_PREFIX = "PDD_"
@@ -71,7 +72,10 @@ class CommonConfig:
     tls_cert_file: str = setting("", "this service's TLS certificate (bulk channel, mutual TLS)")
     tls_key_file: str = setting("", "private key of --tls-cert-file")
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
-    otlp_endpoint: str = setting("", "OTLP/HTTP traces endpoint (e.g. http://jaeger:4318); empty: no export")
+    served_model_name: str = setting(SMOLLM2_HF_ID, "model id the API serves and /v1/models lists, and the "
+                                     "model_name label of metrics (default: SmolLM2's Hugging Face id)")
+    otlp_endpoint: str = setting("", "OTLP/HTTP traces endpoint (e.g. http://jaeger:4318); empty: the standard "
+                                 "OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, else no export")
     heartbeat_s: float = setting(1.0, "seconds between LoadReported heartbeats", positive)
     bulk_secret: str = setting("", "per-deployment secret authenticating bulk KV peers")
     bulk_secret_file: str = setting("", "file holding the bulk secret (read at start-up; keeps it out of "
@@ -139,7 +143,6 @@ class RouterConfig(CommonConfig):
     """Settings of the router (HTTP front door)."""
 
     model: str = setting("smollm2", "model whose tokenizer the router uses")
-    served_model_name: str = setting("smollm2-135m-instruct", "model name shown by /v1/models")
     http_host: str = setting("127.0.0.1", "HTTP listen address")
     http_port: int = setting(8000, "HTTP port", non_negative)
     api_keys: str = setting("", "comma-separated API keys clients must send as 'Authorization: Bearer <key>' "

@@ -29,7 +29,7 @@ from shared.messages import (
     TokensEmitted,
     decoder,
 )
-from shared.metrics import KV_BLOCKS_CACHE_FILL
+from shared.metrics import ENGINE_STEP_SECONDS, KV_BLOCKS_CACHE_FILL, KV_IMPORTS_WAITING
 from shared.tls import server_context
 
 _resend_decoder = decoder(ResendTokens)
@@ -68,6 +68,8 @@ class DecodeService(EngineService):
     def load_report(self):
         report = super().load_report()
         KV_BLOCKS_CACHE_FILL.labels(self.service_name, self.instance_id).set(self._cache_fill_blocks())
+        if self.importer is not None:
+            KV_IMPORTS_WAITING.labels(self.service_name, self.instance_id).set(len(self.importer.waiting))
         return report
 
     def _cache_fill_blocks(self) -> int:
@@ -100,7 +102,8 @@ class DecodeService(EngineService):
             tls=server_context(config.tls_ca_file, config.tls_cert_file, config.tls_key_file) if encrypted else None)
         host, port = await self.receiver.start()
         self.bulk_endpoint = self.config.bulk_advertise or f"{host}:{port}"
-        self.loop = EngineLoop(self.worker, self._on_outputs)
+        self.loop = EngineLoop(self.worker, self._on_outputs, step_seconds=ENGINE_STEP_SECONDS.labels(
+            self.config.served_model_name, self.service_name))
         self.watch(self.loop.start())
         await self.subscribe(subjects.instance_work(self.config.site, self.service_name, self.instance_id,
                                                     subjects.RESEND), _resend_decoder, self._on_resend)

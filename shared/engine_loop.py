@@ -6,9 +6,11 @@ free sequences: those are the step boundaries continuous batching joins at.
 """
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 import structlog
+from prometheus_client import Histogram
 
 from shared.engine.engine import StepOutput
 from shared.engine_worker import EngineWorker
@@ -21,8 +23,11 @@ class EngineLoop:
 
     def __init__(self, worker: EngineWorker,
                  on_outputs: Callable[[list[StepOutput]], Awaitable[None]],
-                 between_steps: Callable[[], Awaitable[None]] | None = None):
+                 between_steps: Callable[[], Awaitable[None]] | None = None,
+                 step_seconds: Histogram | None = None):
+        """``step_seconds``: a histogram (labels bound) that observes every step's duration."""
         self._worker = worker
+        self._step_seconds = step_seconds
         self._on_outputs = on_outputs
         self._between_steps = between_steps
         self._wakeup = asyncio.Event()
@@ -54,7 +59,10 @@ class EngineLoop:
                 if not await self._worker.call(engine.has_work):
                     break
                 try:
+                    started = time.perf_counter()
                     outputs = await self._worker.call(engine.step)
+                    if self._step_seconds is not None:
+                        self._step_seconds.observe(time.perf_counter() - started)
                 except Exception:
                     log.exception("engine_step_failed")
                     raise

@@ -9,7 +9,7 @@ from shared import subjects
 from shared.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.messages import KvBlocksEvicted, KvBlocksStored, LoadReported, encode
-from shared.metrics import ACTIVE_SEQUENCES, KV_BLOCKS_USED
+from shared.metrics import ACTIVE_SEQUENCES, KV_BLOCKS_USED, KV_CACHE_USAGE
 from shared.model_loader import load_model
 from shared.service import Service
 from shared.engine_worker import EngineWorker
@@ -71,6 +71,8 @@ class EngineService(Service):
         engine = self.worker.engine
         ACTIVE_SEQUENCES.labels(self.service_name, self.instance_id).set(engine.num_sequences)
         KV_BLOCKS_USED.labels(self.service_name, self.instance_id).set(engine.blocks.num_used_blocks)
+        KV_CACHE_USAGE.labels(self.service_name, self.instance_id).set(
+            engine.blocks.num_used_blocks / max(1, engine.blocks.num_blocks))
         return LoadReported(
             instance=self.instance_ref(), service=self.service_name,
             active_sequences=engine.num_sequences, max_sequences=self.config.max_sequences,

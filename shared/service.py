@@ -22,7 +22,8 @@ from shared.dead_letters import BadMessageSink
 from shared.lease import RequestLeases
 from shared.logging import configure_logging
 from shared.messages import CancelRequest, InstanceRef, LoadReported, decoder, encode
-from shared.metrics import LEASES_EXPIRED, PUBLISH_FAILURES, serve_metrics
+from shared.metrics import LEASES_EXPIRED, PUBLISH_FAILURES
+from shared.ops_server import start_ops_server
 from shared.tracing import configure_tracing
 
 log = structlog.get_logger(__name__)
@@ -48,6 +49,8 @@ class Service:
         self.failed = asyncio.Event()
         self.failure: str | None = None
         self.log = log.bind(service=self.service_name, instance=self.instance_id)
+        self._ops = None
+        self._started = False
 
     # --- to override -------------------------------------------------------------------
 
@@ -64,6 +67,14 @@ class Service:
         """The heartbeat to publish."""
         return LoadReported(instance=self.instance_ref(), service=self.service_name,
                             unix_s=time.time())
+
+    def health(self) -> tuple[bool, dict]:
+        """Healthy once started and until it fails. A lost NATS connection is reported but is not
+        unhealthy: the client reconnects by itself, and a restart would drop what it holds."""
+        connected = self.nc is not None and self.nc.is_connected
+        healthy = self._started and self.failure is None
+        return healthy, {"service": self.service_name, "instance": self.instance_id, "nats_connected": connected,
+                         **({"failure": self.failure} if self.failure else {})}
 
     def instance_ref(self) -> InstanceRef:
         """How other instances reach this one."""
@@ -86,9 +97,10 @@ class Service:
         await dead_letters.ensure_stream(self.nc, self.config.site)
         await self.subscribe(subjects.CANCEL, _cancel_decoder, self._on_cancel_msg)
         if self.config.metrics_port:
-            port = serve_metrics(self.config.metrics_host, self.config.metrics_port)
-            self.log.info("metrics_listening", url=f"http://{self.config.metrics_host}:{port}/metrics")
+            self._ops = await start_ops_server(self.config.metrics_host, self.config.metrics_port, self.health)
+            self.log.info("metrics_listening", url=f"http://{self.config.metrics_host}:{self._ops.port}/metrics")
         await self.on_start()
+        self._started = True
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
         if self.holds_requests:
             self.leases = RequestLeases(self.config.request_lease_s, grace_s=2 * self.config.heartbeat_s + 0.5,
@@ -141,6 +153,8 @@ class Service:
                 await asyncio.wait_for(self.nc.drain(), 5)
             except (asyncio.TimeoutError, nats.errors.Error):
                 await self.nc.close()
+        if self._ops is not None:
+            await self._ops.cleanup()
         self.log.info("service_stopped")
 
     async def publish(self, subject: str, message, headers: dict | None = None) -> bool:
@@ -194,7 +208,8 @@ async def wait_for_termination(failed: asyncio.Event | None = None):
 async def run_service(service: Service) -> int:
     """Run until SIGTERM/SIGINT or a failure, then stop; return the process exit code."""
     configure_logging(service.config.log_level)
-    configure_tracing(f"pdd-{service.service_name}", service.config.otlp_endpoint)
+    configure_tracing(f"pdd-{service.service_name}", service.config.otlp_endpoint,
+                      instance_id=service.instance_id)
     await service.start()
     await wait_for_termination(service.failed)
     await service.stop()

@@ -1,5 +1,13 @@
-"""OpenTelemetry: one tracer provider per process, W3C trace context in NATS headers and bulk frames."""
+"""OpenTelemetry: one tracer provider per process, W3C trace context in NATS headers and bulk frames.
 
+The standard ``OTEL_*`` variables are honoured: ``OTEL_EXPORTER_OTLP_ENDPOINT`` /
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (and the exporter's other ``OTEL_EXPORTER_OTLP_*``
+settings), ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_EXPORTER=none``
+and ``OTEL_SDK_DISABLED``. ``PDD_OTLP_ENDPOINT`` (``--otlp-endpoint``) is an alias of the
+endpoint and wins when both are set.
+"""
+
+import os
 from collections.abc import Mapping
 
 from opentelemetry import context as otel_context
@@ -14,30 +22,50 @@ TRACEPARENT = "traceparent"
 
 
 def configure_tracing(service_name: str, otlp_endpoint: str = "",
-                      exporter: SpanExporter | None = None, batch: bool = True) -> bool:
+                      exporter: SpanExporter | None = None, batch: bool = True,
+                      instance_id: str = "", environ: Mapping[str, str] = os.environ) -> bool:
     """Install a tracer provider for this process, once.
 
     Args:
-        service_name: ``service.name`` resource attribute.
-        otlp_endpoint: OTLP/HTTP collector base URL (``http://jaeger:4318``); empty for none.
+        service_name: ``service.name`` resource attribute, unless ``OTEL_SERVICE_NAME`` is set.
+        otlp_endpoint: OTLP/HTTP collector base URL (``http://jaeger:4318``); empty: the
+            standard variables decide (none set: no export).
         exporter: An explicit exporter (tests pass an in-memory one).
         batch: Export in batches (False: each span as it ends, for tests).
+        instance_id: ``service.instance.id`` (the instance's name in this deployment).
+        environ: Where the ``OTEL_*`` variables are read.
 
     Returns:
         False if a provider was already installed (the first one stays).
     """
     if isinstance(trace.get_tracer_provider(), TracerProvider):
         return False
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    if exporter is None and otlp_endpoint:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        exporter = OTLPSpanExporter(endpoint=otlp_endpoint.rstrip("/") + "/v1/traces")
+    attributes = {"service.instance.id": instance_id} if instance_id else {}
+    if not environ.get("OTEL_SERVICE_NAME"):
+        attributes["service.name"] = service_name
+    provider = TracerProvider(resource=Resource.create(attributes))
+    if exporter is None:
+        exporter = _otlp_exporter(otlp_endpoint, environ)
     if exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200)
                                     if batch else SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     return True
+
+
+def _otlp_exporter(otlp_endpoint: str, environ: Mapping[str, str]) -> SpanExporter | None:
+    """The OTLP/HTTP exporter the settings ask for, or None."""
+    if environ.get("OTEL_SDK_DISABLED", "").lower() == "true" or environ.get("OTEL_TRACES_EXPORTER") == "none":
+        return None
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    # The spec: a signal-specific endpoint is used as given; the general one gets /v1/traces.
+    base = otlp_endpoint or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "") if not otlp_endpoint else ""
+    if not endpoint and base:
+        endpoint = base.rstrip("/") + "/v1/traces"
+    # The exporter reads the other OTEL_EXPORTER_OTLP_* settings (headers, timeout, TLS) itself.
+    return OTLPSpanExporter(endpoint=endpoint) if endpoint else None
 
 
 def tracer(name: str) -> trace.Tracer:

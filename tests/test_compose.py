@@ -22,6 +22,7 @@ from shared.config import build_config, env_name, settings_of
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
+OBSERVABILITY = {"jaeger", "prometheus", "grafana"}
 
 
 def pdd_services():
@@ -49,7 +50,7 @@ def secrets_dir(tmp_path_factory) -> Path:
 
 
 def test_same_processes_on_the_same_sites_as_the_launcher():
-    assert set(SERVICES) - {"jaeger"} == set(TOPOLOGY)
+    assert set(SERVICES) - OBSERVABILITY == set(TOPOLOGY)
     for name, sites in TOPOLOGY.items():
         assert sorted(SERVICES[name]["networks"]) == sorted(sites), name
 
@@ -82,7 +83,7 @@ def test_compose_refuses_to_start_without_its_secrets():
     text = (ROOT / "docker-compose.yml").read_text()
     assert "PDD_BULK_SECRET:" not in text and ":-change" not in text
     for name, spec in SERVICES.items():
-        if name in ("jaeger", "wan-link"):  # the link forwards bytes it cannot read: it holds no secret
+        if name in OBSERVABILITY | {"wan-link"}:  # the link forwards bytes it cannot read: it holds no secret
             continue
         mounts = [v for v in spec.get("volumes", []) if v.endswith((f":{SECRETS_MOUNT}:ro", ":/etc/nats/secrets:ro"))]
         assert len(mounts) == 1 and mounts[0].startswith("${PDD_SECRETS_DIR:?"), name
@@ -118,3 +119,48 @@ def test_bulk_paths_lead_to_the_decoders():
 def _wan_routes() -> list[str]:
     command = SERVICES["wan-link"]["command"]
     return [command[i + 1] for i, arg in enumerate(command) if arg == "--route"]
+
+
+def test_every_process_has_a_healthcheck_and_starts_after_what_it_needs_is_healthy():
+    for name in TOPOLOGY:
+        spec = SERVICES[name]
+        assert spec["healthcheck"]["test"][0] == "CMD", name
+        for dependency, condition in (spec.get("depends_on") or {}).items():
+            assert condition == {"condition": "service_healthy"}, (name, dependency)
+    assert set(SERVICES["router"]["depends_on"]) == set(SERVICE_OF) - {"router"} | {"nats-a"}
+    for name in ("nats-a", "nats-b"):
+        assert any(v.endswith(":/data/jetstream") and not v.startswith(".") for v in SERVICES[name]["volumes"]), name
+        assert v_in(COMPOSE["volumes"], SERVICES[name]["volumes"])
+
+
+def v_in(volumes: dict, mounts: list[str]) -> bool:
+    return any(m.split(":")[0] in volumes for m in mounts)
+
+
+def test_prometheus_scrapes_every_process_on_the_port_it_serves_metrics():
+    config = yaml.safe_load((ROOT / "infra/observability/prometheus.yml").read_text())
+    targets = {t for job in config["scrape_configs"] for group in job["static_configs"] for t in group["targets"]}
+    for name in SERVICE_OF:
+        env = resolved_env(SERVICES[name])
+        assert env["PDD_METRICS_HOST"] == "0.0.0.0" and f"{name}:{env['PDD_METRICS_PORT']}" in targets, name
+    assert "wan-link:8100" in targets
+    assert set(SERVICES["prometheus"]["networks"]) == {"site-a", "site-b"}
+
+
+def test_the_image_resolves_the_cpu_build_of_torch_and_no_cuda_package(tmp_path):
+    """``pip install --dry-run --report`` on the image's requirements (the Dockerfile adds the
+    PyTorch CPU index; here the same wheel comes from the local wheel store)."""
+    dockerfile = (ROOT / "infra/Dockerfile").read_text()
+    assert "-r infra/requirements-image.txt" in dockerfile and "download.pytorch.org/whl/cpu" in dockerfile
+    assert "\nUSER pdd" in dockerfile and "\nHEALTHCHECK " in dockerfile
+    report = tmp_path / "report.json"
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                             "--report", str(report), "-r", str(ROOT / "infra/requirements-image.txt")],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    import json
+
+    installs = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    assert installs["torch"] == "2.13.0+cpu"
+    cuda = sorted(n for n in installs if n.startswith(("nvidia", "cuda")) or n == "triton")
+    assert not cuda, cuda

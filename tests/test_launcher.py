@@ -51,13 +51,13 @@ async def test_openai_client_gets_exact_answers_from_both_decoders(deployment, t
     _, ports = deployment
     api = client(ports)
     models = await api.models.list()
-    assert [m.id for m in models.data] == ["smollm2-135m-instruct"]
+    assert [m.id for m in models.data] == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
     # Own system prompts: no two requests share a cached block, so however the six arrive
     # (together, or one after another on a starved machine) the idle decoders take turns.
     conversations = [[{"role": "system", "content": f"Case {i}."},
                       {"role": "user", "content": f"What is {i} plus {i}?"}] for i in range(6)]
     answers = await asyncio.gather(*(api.chat.completions.create(
-        model="smollm2-135m-instruct", messages=messages, max_tokens=20,
+        model="HuggingFaceTB/SmolLM2-135M-Instruct", messages=messages, max_tokens=20,
         temperature=0, extra_body={"ignore_eos": True}) for messages in conversations))
     for messages, answer in zip(conversations, answers):
         prompt = list(tiny.tokenizer.apply_chat_template(
@@ -91,7 +91,7 @@ async def test_restarting_the_cache_index_while_requests_run(deployment):
 
     async def ask():
         reply = await api.chat.completions.create(
-            model="smollm2-135m-instruct", messages=[{"role": "user", "content": content}],
+            model="HuggingFaceTB/SmolLM2-135M-Instruct", messages=[{"role": "user", "content": content}],
             max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
         return reply.model_extra["pdd"]
 
@@ -127,7 +127,7 @@ async def test_killing_the_busiest_main_decoder_loses_no_request(deployment, tin
 
     async def long_request(i):
         stream = await api.chat.completions.create(
-            model="smollm2-135m-instruct", max_tokens=max_tokens, temperature=0, stream=True,
+            model="HuggingFaceTB/SmolLM2-135M-Instruct", max_tokens=max_tokens, temperature=0, stream=True,
             messages=conversations[i], extra_body={"ignore_eos": True})
         text, pdd = [], None
         async for chunk in stream:
@@ -162,7 +162,7 @@ async def test_killing_the_busiest_main_decoder_loses_no_request(deployment, tin
     assert all(r[0]["from"] == victim and r[0]["to"] != victim for r in recovered)
     # The next request succeeds, and the supervisor brings the killed decoder back.
     reply = await api.chat.completions.create(
-        model="smollm2-135m-instruct", messages=[{"role": "user", "content": "And now?"}],
+        model="HuggingFaceTB/SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "And now?"}],
         max_tokens=8, temperature=0)
     assert reply.choices[0].finish_reason == "length"
     deadline = time.monotonic() + 60
@@ -188,15 +188,33 @@ def test_pdd_restart_covers_the_nats_servers_and_the_wan_link(deployment):
                  timeout=60)
     deadline = time.monotonic() + 60
     while True:  # main decode is back in view once the leafnode and its heartbeats return
-        reply = api.chat.completions.create(model="smollm2-135m-instruct", max_tokens=4, temperature=0,
+        reply = api.chat.completions.create(model="HuggingFaceTB/SmolLM2-135M-Instruct", max_tokens=4, temperature=0,
                                             messages=[{"role": "user", "content": "Still there?"}])
         if reply.model_extra["pdd"]["pipeline"] != "P-RLD" or time.monotonic() > deadline:
             break
     assert reply.model_extra["pdd"]["pipeline"] in ("P-MD", "P-RLD-MD"), reply.model_extra["pdd"]
 
 
+POINT_3_FAMILIES = {
+    "router": ["pdd_ttft_seconds", "pdd_inter_token_latency_seconds", "pdd_e2e_request_latency_seconds",
+               "pdd_queue_seconds", "pdd_prompt_tokens", "pdd_generation_tokens", "pdd_requests",
+               "pdd_requests_running", "pdd_requests_waiting"],
+    "prefill-0": ["pdd_prefill_seconds", "pdd_engine_step_seconds", "pdd_kv_transfer_seconds",
+                  "pdd_kv_transfer_bytes", "pdd_kv_cache_usage_ratio"],
+    "main-decode": ["pdd_engine_step_seconds", "pdd_kv_cache_usage_ratio", "pdd_kv_imports_waiting",
+                    "pdd_active_sequences"],
+    "relay-decode-0": ["pdd_engine_step_seconds", "pdd_kv_cache_usage_ratio", "pdd_active_sequences"],
+    "wan-link": ["pdd_wan_bytes", "pdd_wan_queue_bytes", "pdd_wan_partitioned", "pdd_wan_shaped_rate_bps",
+                 "pdd_wan_route_bytes"],
+}
+"""Families with samples on each process once requests have run (a family is named without
+``_total``, as prometheus_client's parser names it)."""
+
+
 def test_every_service_exposes_its_metrics(deployment):
     import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
 
     run_dir, _ = deployment
     status = json.loads(pdd("status", "--json", "--run-dir", str(run_dir)).stdout)
@@ -206,7 +224,8 @@ def test_every_service_exposes_its_metrics(deployment):
                        if name.startswith("main-decode") and entry["state"] == "running"
                        and entry["restarts"] == 0)
     expected = {
-        "router": ["pdd_pipeline_choices_total", "pdd_ttft_seconds_bucket", "pdd_wan_estimate_bandwidth_bps"],
+        "router": ["pdd_pipeline_choices_total", "pdd_ttft_seconds_bucket", "pdd_wan_estimate_bandwidth_bps",
+                   'model_name="HuggingFaceTB/SmolLM2-135M-Instruct"'],
         "prefill-0": ['pdd_kv_bytes_total{direction="sent",path="wan"}', "pdd_kv_transfer_seconds_bucket",
                       'pdd_prefix_cache_lookup_blocks_total{service="prefill"}'],
         main_decode: ['pdd_kv_bytes_total{direction="received",path="wan"}', "pdd_active_sequences",
@@ -219,6 +238,12 @@ def test_every_service_exposes_its_metrics(deployment):
             text = response.read().decode()
         for metric in metrics:
             assert metric in text, f"{name} lacks {metric}"
+    for name, families in POINT_3_FAMILIES.items():
+        url = urls[main_decode if name == "main-decode" else name]
+        with urllib.request.urlopen(url, timeout=5) as response:
+            parsed = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+        for family in families:
+            assert family in parsed and parsed[family].samples, f"{name} has no samples of {family}"
 
 
 async def test_200_concurrent_streams_complete_or_get_429_and_no_engine_exceeds_max_sequences(deployment):
@@ -247,7 +272,7 @@ async def test_200_concurrent_streams_complete_or_get_429_and_no_engine_exceeds_
                             most_active[name] = max(most_active.get(name, 0.0), float(line.rsplit(" ", 1)[1]))
 
     async def one(session, i):
-        body = {"model": "smollm2-135m-instruct", "max_tokens": 12, "temperature": 0, "stream": True,
+        body = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "max_tokens": 12, "temperature": 0, "stream": True,
                 "messages": [{"role": "user", "content": f"Stream {i}: name a colour."}]}
         async with session.post(base + "/v1/chat/completions", json=body) as response:
             text = await response.text()
@@ -282,3 +307,13 @@ async def test_pdd_ups_nats_refuses_anonymous_and_plaintext_clients(deployment):
             await nats.connect(url.replace("tls://", "nats://"), allow_reconnect=False, connect_timeout=3,
                                max_reconnect_attempts=0)
     assert '"PDD_BULK_SECRET"' not in json.dumps(state.commands)  # secrets travel as files
+
+
+def test_every_line_every_service_logs_is_one_json_object(deployment):
+    run_dir, _ = deployment
+    logs = [p for p in (run_dir / "logs").glob("*.log") if not p.name.startswith("nats-")]
+    assert {"router.log", "prefill-0.log", "main-decode-0.log", "wan-link.log"} <= {p.name for p in logs}
+    for path in logs:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                assert isinstance(json.loads(line), dict), f"{path.name}:{number}: {line[:200]}"

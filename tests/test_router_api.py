@@ -30,7 +30,7 @@ async def test_models_health_and_metrics(stack):
                                             "messages": [{"role": "user", "content": "hi"}]})
     status, body = await get(stack, "/metrics")
     assert status == 200
-    assert 'pdd_requests_total{finished_on="MD",outcome="ok",pipeline="P-MD"}' in body
+    assert 'pdd_requests_total{finish_reason="length",finished_on="MD",model_name="tiny",outcome="ok",pipeline="P-MD"}' in body
     assert "pdd_kv_bytes_total" in body and "pdd_ttft_seconds_bucket" in body
 
 

@@ -27,3 +27,38 @@ async def test_one_trace_spans_the_whole_relay_pipeline(make_stack, spans):
     assert handoff.attributes["mode"] == "one-shot" and handoff.attributes["tokens"] >= 1
     wan = next(s for s in found if s.name == "kv.transfer.wan")
     assert wan.attributes["kv_bytes"] == body["pdd"]["wan_kv_bytes"]
+
+
+async def test_a_request_continues_the_clients_traceparent(make_stack, spans):
+    import aiohttp
+
+    stack = await make_stack(router_settings={"pipeline_policy": "P-MD"})
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    async with aiohttp.ClientSession() as session:
+        async with session.post(stack.base_url + "/chat/completions", json=chat_body("Tell me about owls.", 8),
+                                headers={"traceparent": f"00-{trace_id}-{parent_id}-01"}) as response:
+            body = await response.json()
+    assert response.status == 200, body
+
+    def request_spans():
+        return [s for s in spans.get_finished_spans() if s.attributes.get("request_id") == body["id"]]
+
+    await until(lambda: {"router.route", "main.decode"} <= {s.name for s in request_spans()}, 10, "spans")
+    assert {f"{s.context.trace_id:032x}" for s in request_spans()} == {trace_id}
+    route = next(s for s in request_spans() if s.name == "router.route")
+    assert f"{route.parent.span_id:016x}" == parent_id and route.parent.is_remote
+    attributes = route.attributes
+    assert attributes["gen_ai.operation.name"] == "chat" and attributes["gen_ai.request.model"] == "tiny"
+    assert attributes["gen_ai.request.max_tokens"] == 8 and attributes["gen_ai.usage.output_tokens"] == 8
+    assert attributes["gen_ai.usage.input_tokens"] == body["usage"]["prompt_tokens"]
+    assert tuple(attributes["gen_ai.response.finish_reasons"]) == ("length",)
+
+
+def test_the_standard_otel_variables_choose_the_exporter():
+    from shared.tracing import _otlp_exporter
+
+    assert _otlp_exporter("", {}) is None
+    exporter = _otlp_exporter("", {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"})
+    assert exporter is not None and exporter._endpoint == "http://collector:4318/v1/traces"
+    assert _otlp_exporter("http://jaeger:4318", {})._endpoint == "http://jaeger:4318/v1/traces"
+    assert _otlp_exporter("", {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_TRACES_EXPORTER": "none"}) is None

@@ -32,7 +32,14 @@ from shared.messages import (
     decoder,
     encode,
 )
-from shared.metrics import KV_TRANSFER_SECONDS, PREFIX_HIT_BLOCKS, PREFIX_LOOKUP_BLOCKS
+from shared.metrics import (
+    ENGINE_STEP_SECONDS,
+    KV_TRANSFER_BYTES,
+    KV_TRANSFER_SECONDS,
+    PREFILL_SECONDS,
+    PREFIX_HIT_BLOCKS,
+    PREFIX_LOOKUP_BLOCKS,
+)
 from shared.tls import client_context
 from shared.tracing import context_from, current_traceparent, tracer
 
@@ -57,7 +64,8 @@ class PrefillService(EngineService):
         self._slots = asyncio.Semaphore(config.max_sequences)
         self._bulk_tls = client_context(config.tls_ca_file, config.tls_cert_file, config.tls_key_file) \
             if config.tls_ca_file else None
-        self._loop = EngineLoop(self.worker, self._on_outputs)
+        self._loop = EngineLoop(self.worker, self._on_outputs, step_seconds=ENGINE_STEP_SECONDS.labels(
+            config.served_model_name, self.service_name))
         self.watch(self._loop.start())
         site = self.config.site
         await self.subscribe(subjects.instance_work(site, self.service_name, self.instance_id,
@@ -139,6 +147,7 @@ class PrefillService(EngineService):
                 first, cached_tokens = await self._compute_first_token(cmd)
                 first_token = first.token_id
                 compute_s = time.perf_counter() - started
+                PREFILL_SECONDS.labels(self.config.served_model_name).observe(compute_s)
                 span.set_attribute("cached_tokens", cached_tokens)
             loop = asyncio.get_running_loop()
             exports: dict[int, asyncio.Future] = {}
@@ -246,7 +255,8 @@ class PrefillService(EngineService):
                 await flow.end(*end_tokens)
 
             await asyncio.wait_for(stream(), self.config.send_timeout_s)
-            KV_TRANSFER_SECONDS.labels(flow.path).observe(flow.elapsed_s)
+            KV_TRANSFER_SECONDS.labels(self.config.served_model_name, flow.path).observe(flow.elapsed_s)
+            KV_TRANSFER_BYTES.labels(self.config.served_model_name, flow.path).observe(flow.bytes_sent)
             span.set_attribute("kv_bytes", flow.bytes_sent)
             span.set_attribute("first_token_index", flow.first_token_index)
             return flow.bytes_sent

@@ -8,6 +8,7 @@ If a handoff fails the relay simply finishes the request itself.
 """
 
 import asyncio
+import time
 
 import nats
 from opentelemetry import trace
@@ -30,7 +31,7 @@ from shared.messages import (
     decoder,
     encode,
 )
-from shared.metrics import EAGER_TOKENS
+from shared.metrics import EAGER_TOKENS, HANDOFF_SECONDS
 from shared.tracing import context_from, trace_headers, tracer
 
 _event_decoder = decoder(RequestEvent)
@@ -103,6 +104,7 @@ class RelayDecodeService(DecodeService):
     async def _hand_over(self, rid: str, chunk: HandoffChunk | None):
         machine, ready = self.machines[rid], self._main[rid]
         subject = subjects.instance_work(ready.site, "main_decode", ready.instance_id, subjects.HANDOFF)
+        started = time.perf_counter()
         while chunk is not None:
             tokens = await self.worker.call(self._chunk_tokens, rid, chunk)
             if tokens is None:
@@ -117,6 +119,7 @@ class RelayDecodeService(DecodeService):
             emitted = await self.worker.call(self._emitted, rid)
             chunk = machine.accepted(answer.next_index, emitted or answer.next_index, self.load())
         if machine.state is HandoffState.RELEASED:
+            HANDOFF_SECONDS.labels(self.config.served_model_name, machine.mode).observe(time.perf_counter() - started)
             await self.worker.call(self.engine.free_if_held, rid)
             self.end_span(rid, handoff_mode=machine.mode, handoff_chunks=machine.chunks)
             self.log.info("handed_over", request_id=rid, mode=machine.mode, chunks=machine.chunks,

@@ -96,6 +96,11 @@ class Admission:
                 self._waiters.remove(waiter)
         return time.monotonic() - started
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._waiters)
+
     def wake(self):
         """Grant free slots to waiters in arrival order (after a release or a new heartbeat)."""
         while self._waiters and self.in_flight < self.limit:

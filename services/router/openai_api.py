@@ -229,3 +229,23 @@ def usage_of(req: ParsedRequest, num_output_tokens: int, cached_tokens: int = 0)
     return {"prompt_tokens": prompt, "completion_tokens": num_output_tokens,
             "total_tokens": prompt + num_output_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def gen_ai_request_attributes(req: ParsedRequest) -> dict[str, Any]:
+    """OpenTelemetry's ``gen_ai.*`` request attributes of the request span."""
+    sampling = req.sampling
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": "chat" if req.chat else "text_completion",
+        "gen_ai.provider.name": "pdd", "gen_ai.request.model": req.model,
+        "gen_ai.request.max_tokens": sampling.max_tokens, "gen_ai.request.temperature": sampling.temperature,
+        "gen_ai.request.top_p": sampling.top_p,
+        "gen_ai.request.frequency_penalty": sampling.frequency_penalty,
+        "gen_ai.request.presence_penalty": sampling.presence_penalty,
+    }
+    if sampling.top_k:
+        attributes["gen_ai.request.top_k"] = sampling.top_k
+    if sampling.seed is not None:
+        attributes["gen_ai.request.seed"] = sampling.seed
+    if sampling.stop:
+        attributes["gen_ai.request.stop_sequences"] = list(sampling.stop)
+    return attributes

@@ -23,7 +23,6 @@ import msgspec
 import nats
 import structlog
 from opentelemetry import trace
-from prometheus_client import Counter
 
 from services.router.mailbox import RequestMailbox
 from services.router.odd_traffic import OddTrafficTracker
@@ -49,7 +48,7 @@ from shared.messages import (
     decoder,
     encode,
 )
-from shared.metrics import REFUSED_MESSAGES
+from shared.metrics import RECOVERIES, REFUSED_MESSAGES
 from shared.tracing import trace_headers, tracer
 
 log = structlog.get_logger(__name__)
@@ -60,7 +59,6 @@ RESEND_AFTER_S = 1.0
 GONE_REASONS = {"instance_unresponsive", "prefill_unreachable"}
 """Failures that mean the instance is gone: placement skips it until it heartbeats again."""
 ODD_CANCEL_REPORT_S = 2.0
-RECOVERIES = Counter("pdd_recoveries_total", "Requests resumed elsewhere by token replay", ["reason"])
 
 Replacer = Callable[[frozenset[str]], Awaitable[Placement]]
 """Places the request again, avoiding the given instance ids; raises ``NoInstances``."""

@@ -28,14 +28,22 @@ from services.router.wan_estimate import WanEstimator
 from services.router.registry import InstanceRegistry
 from services.router.site_health import SiteHealth
 from services.router.request_flow import RequestFlow, UpstreamFailed, UpstreamTimeout, new_request_id
+from services.router.request_metrics import RequestMetrics
 from shared import subjects
 from shared.block_hash import HASH_SCHEME_VERSION, hash_blocks
 from shared.config import RouterConfig
 from shared.messages import LoadReported, OverlapQuery, OverlapReply, decoder, encode
-from shared.metrics import PIPELINE_CHOICES, QUEUE_SECONDS, REJECTED, REQUESTS, TTFT_SECONDS, exposition
+from shared.metrics import (
+    PIPELINE_CHOICES,
+    QUEUE_SECONDS,
+    REJECTED,
+    REQUESTS_RUNNING,
+    REQUESTS_WAITING,
+    exposition,
+)
 from shared.model_loader import ModelMetadata, load_metadata
 from shared.service import Service
-from shared.tracing import tracer
+from shared.tracing import context_from, tracer
 from shared.version import pdd_version
 
 _overlap_decoder = decoder(OverlapReply)
@@ -80,6 +88,9 @@ class RouterService(Service):
         self._max_token_chars = await loop.run_in_executor(
             self._tokenizing, lambda: max(map(len, self.metadata.tokenizer.get_vocab())))
         self._logprobs_format = LogprobsFormatter(self.metadata.tokenizer)
+        model_name = self.config.served_model_name
+        REQUESTS_RUNNING.labels(model_name).set_function(lambda: self.admission.in_flight)
+        REQUESTS_WAITING.labels(model_name).set_function(lambda: self.admission.num_waiting)
         self.system_fingerprint = f"pdd-{pdd_version()}-{Path(self.config.model).name}"
         await self.subscribe(subjects.LOAD_ALL, _load_decoder, self._on_heartbeat)
         self.mailbox = RequestMailbox(self.nc, self.instance_id, self.bad_messages)
@@ -220,7 +231,7 @@ class RouterService(Service):
                                code="no_instances")
             try:
                 async with self.admission.slot() as queued_s:
-                    QUEUE_SECONDS.observe(queued_s)
+                    QUEUE_SECONDS.labels(self.config.served_model_name).observe(queued_s)
                     return await self._run(request, parsed, queued_s)
             except Overloaded as exc:
                 REJECTED.labels("busy").inc()
@@ -303,8 +314,11 @@ class RouterService(Service):
         started = time.perf_counter()
         request_id = new_request_id(self.instance_id)
         log = self.log.bind(request_id=request_id)
-        with _tracer.start_as_current_span("router.route", attributes={
-                "request_id": request_id, "prompt_tokens": len(req.prompt_token_ids)}) as span:
+        # A client's W3C traceparent makes this request's trace a part of the client's.
+        with _tracer.start_as_current_span("router.route", context=context_from(headers=request.headers),
+                                           attributes={"request_id": request_id,
+                                                       "prompt_tokens": len(req.prompt_token_ids),
+                                                       **openai_api.gen_ai_request_attributes(req)}) as span:
             placement = await self._place(req, request_id)
             span.set_attributes({"pipeline": placement.pipeline, "odd_traffic": placement.odd_traffic,
                                  "md_cached_blocks": placement.md_cached_blocks,
@@ -329,15 +343,20 @@ class RouterService(Service):
                 replace=lambda avoid: self._placement(req, request_id, avoid),
                 max_recoveries=self.config.max_recoveries, recovery_wait_s=self.config.recovery_wait_s)
             flow.outcome.queue_ms = queued_s * 1000
+            metrics = RequestMetrics(self.config.served_model_name, started)
             try:
                 if req.stream:
-                    return await self._stream(request, req, flow)
-                return await self._collect(req, flow)
+                    return await self._stream(request, req, flow, metrics)
+                return await self._collect(req, flow, metrics)
             finally:
                 outcome = flow.outcome
                 span.set_attributes({"finished_on": outcome.finished_on or "",
                                      "eager_tokens": outcome.eager_tokens,
-                                     "recoveries": len(outcome.recoveries)})
+                                     "recoveries": len(outcome.recoveries),
+                                     "gen_ai.response.id": request_id, "gen_ai.response.model": req.model,
+                                     "gen_ai.response.finish_reasons": [outcome.finish_reason or "error"],
+                                     "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
+                                     "gen_ai.usage.output_tokens": outcome.output_tokens})
                 log.info("request_done", pipeline=outcome.pipeline, finished_on=outcome.finished_on,
                          output_tokens=outcome.output_tokens, ttft_ms=outcome.ttft_ms,
                          eager_tokens=outcome.eager_tokens, wan_kv_bytes=outcome.wan_kv_bytes,
@@ -379,15 +398,15 @@ class RouterService(Service):
             self.log.warning("cache_index_unavailable")
             return {}
 
-    async def _collect(self, req: ParsedRequest, flow: RequestFlow):
+    async def _collect(self, req: ParsedRequest, flow: RequestFlow, metrics: RequestMetrics):
         detok = Detokenizer(self.metadata.tokenizer, req.sampling.stop)
         try:
             async for batch in flow.tokens():
                 detok.add(batch)
         except (UpstreamFailed, UpstreamTimeout) as exc:
-            self._count(flow, "error")
+            metrics.finish(flow.outcome, "error")
             raise self._upstream_error(exc) from None
-        self._count(flow, "ok")
+        metrics.finish(flow.outcome, "ok")
         text = detok.emitted + detok.flush()
         return web.json_response(openai_api.completion_body(
             req, flow.request_id, text, flow.outcome.finish_reason, flow.outcome.output_tokens,
@@ -404,7 +423,7 @@ class RouterService(Service):
             return self._logprobs_format.chat(ids, logprobs)
         return self._logprobs_format.completion(ids, logprobs, text_offset)
 
-    async def _stream(self, request: web.Request, req: ParsedRequest, flow: RequestFlow):
+    async def _stream(self, request: web.Request, req: ParsedRequest, flow: RequestFlow, metrics: RequestMetrics):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -421,6 +440,7 @@ class RouterService(Service):
                     await self._sse(response, openai_api.chunk_body(req, flow.request_id, delta, first=first,
                                                                     logprobs=logprobs))
                     first = False
+                    metrics.delivered(flow.outcome.pipeline)
             rest = detok.flush()
             if rest:
                 await self._sse(response, openai_api.chunk_body(req, flow.request_id, rest))
@@ -429,9 +449,9 @@ class RouterService(Service):
             if req.include_usage:
                 await self._sse(response, openai_api.usage_chunk(req, flow.request_id, flow.outcome.output_tokens,
                                                                  flow.outcome.prefill_cached_tokens))
-            self._count(flow, "ok")
+            metrics.finish(flow.outcome, "ok")
         except (UpstreamFailed, UpstreamTimeout) as exc:
-            self._count(flow, "error")
+            metrics.finish(flow.outcome, "error")
             await self._sse(response, self._upstream_error(exc).body())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -440,12 +460,6 @@ class RouterService(Service):
     @staticmethod
     async def _sse(response: web.StreamResponse, body: dict):
         await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
-
-    def _count(self, flow: RequestFlow, outcome: str):
-        o = flow.outcome
-        REQUESTS.labels(o.pipeline, o.finished_on or "none", outcome).inc()
-        if o.ttft_ms is not None:
-            TTFT_SECONDS.labels(o.pipeline).observe(o.ttft_ms / 1000)
 
     @staticmethod
     def _upstream_error(exc) -> ApiError:
