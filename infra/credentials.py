@@ -68,8 +68,12 @@ class Credentials:
         return nkeys.from_seed(bytearray(self.seed_file(role).read_bytes().strip())).public_key.decode()
 
 
-def ensure_credentials(folder: Path) -> Credentials:
-    """The secrets in ``folder``, generating whatever is missing (nothing is overwritten)."""
+def ensure_credentials(folder: Path, extra_names: tuple[str, ...] = ()) -> Credentials:
+    """The secrets in ``folder``, generating whatever is missing (nothing is overwritten).
+
+    ``extra_names``: DNS names the certificate also covers (the addresses one site dials the
+    other's at, across clusters); they apply when the certificate is made.
+    """
     folder.mkdir(parents=True, exist_ok=True)
     os.chmod(folder, 0o700)
     creds = Credentials(folder)
@@ -79,7 +83,7 @@ def ensure_credentials(folder: Path) -> Credentials:
     if not creds.bulk_secret_file.is_file():
         write_private(creds.bulk_secret_file, secrets.token_hex(32).encode())
     if not (creds.ca_file.is_file() and creds.cert_file.is_file() and creds.key_file.is_file()):
-        _write_certificates(creds)
+        _write_certificates(creds, extra_names)
     return creds
 
 
@@ -96,7 +100,7 @@ def write_private(path: Path, data: bytes):
         file.write(data)
 
 
-def _write_certificates(creds: Credentials):
+def _write_certificates(creds: Credentials, extra_names: tuple[str, ...] = ()):
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"pdd deployment CA {secrets.token_hex(4)}")])
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -111,7 +115,8 @@ def _write_certificates(creds: Credentials):
                                        encipher_only=False, decipher_only=False), critical=True)
           .sign(ca_key, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP256R1())
-    names = [x509.DNSName(n) for n in SERVICE_NAMES] + [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    names = [x509.DNSName(n) for n in dict.fromkeys((*SERVICE_NAMES, *extra_names))] + [
+        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pdd")]))
             .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     secrets = commands.add_parser("secrets", help="write a deployment's CA, certificate, NATS nkeys and bulk "
                                                   "secret into a folder (for docker-compose / Kubernetes)")
     secrets.add_argument("--out", required=True, help="folder (created 0700; files 0600; existing ones kept)")
+    secrets.add_argument("--san", action="append", default=[],
+                         help="another DNS name for the certificate, e.g. the address site B dials site A's "
+                              "leafnode at (repeatable; applies when the certificate is made)")
     hf = commands.add_parser("install-tokenizer", help="put SmolLM2's tokenizer in the Hugging Face cache under "
                                                        "its hub id (for aiperf, guidellm, eval harnesses; make setup runs it)")
     hf.add_argument("--hub-cache", default=None, help="hub cache folder (default: $HF_HUB_CACHE, else "
@@ -314,7 +317,7 @@ def cmd_secrets(args) -> int:
     from infra.credentials import ensure_credentials
     from infra.nats_server import write_config_includes
 
-    creds = ensure_credentials(Path(args.out).resolve())
+    creds = ensure_credentials(Path(args.out).resolve(), tuple(args.san))
     write_config_includes(creds)
     print(f"secrets in {creds.folder}; for docker compose: export PDD_SECRETS_DIR={creds.folder}")
     return 0

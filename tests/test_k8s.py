@@ -1,0 +1,131 @@
+"""The Kubernetes manifests (infra/k8s): both overlays render with ``kubectl kustomize``, every
+object validates against the Kubernetes schema (``kubernetes-validate``, strict), and the
+rendered services match the launcher's topology, commands and settings as the compose file does."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from infra.launcher import SERVICE_OF, TOPOLOGY
+from infra.nats_server import nats_server_binary
+from infra.serve import SERVICE_CONFIGS
+from shared.cli import build_parser
+from shared.config import build_config, env_name, settings_of
+from tests.test_dashboards import exported_families
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S_VERSION = "1.32"
+SECRETS_MOUNT = "/run/secrets/pdd"
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each overlay's objects, rendered from a copy of infra/k8s with fresh secrets in base/secrets."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is needed to render the manifests (kubectl kustomize)"
+    copy = tmp_path_factory.mktemp("k8s") / "k8s"
+    shutil.copytree(ROOT / "infra/k8s", copy, ignore=shutil.ignore_patterns("secrets"))
+    secrets = subprocess.run([sys.executable, "-m", "shared.cli", "secrets", "--out", str(copy / "base/secrets")],
+                             capture_output=True, text=True, cwd=ROOT)
+    assert secrets.returncode == 0, secrets.stderr
+    out = {}
+    for site in ("site-a", "site-b"):
+        result = subprocess.run([kubectl, "kustomize", str(copy / "overlays" / site)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        out[site] = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    out["secrets_dir"] = copy / "base/secrets"
+    return out
+
+
+def objects(rendered, site: str, kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in rendered[site] if o["kind"] == kind}
+
+
+@pytest.mark.parametrize("site", ["site-a", "site-b"])
+def test_every_object_validates_against_the_kubernetes_schema(rendered, site):
+    for obj in rendered[site]:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("site", ["site-a", "site-b"])
+def test_each_site_runs_the_launchers_services_there(rendered, site):
+    deployments = set(objects(rendered, site, "Deployment"))
+    expected = {name for name, sites in TOPOLOGY.items() if sites == (site,) and name in SERVICE_OF}
+    assert deployments == expected
+    assert set(objects(rendered, site, "StatefulSet")) == {f"nats-{site[-1]}"}
+
+
+def container_env(rendered, site: str, deployment: dict) -> dict[str, str]:
+    config_maps = objects(rendered, site, "ConfigMap")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    env = {}
+    for source in container.get("envFrom", []):
+        env.update(config_maps[source["configMapRef"]["name"]]["data"])
+    env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
+    return env
+
+
+@pytest.mark.parametrize("site", ["site-a", "site-b"])
+def test_commands_and_settings_are_the_launchers(rendered, site):
+    secrets_dir = rendered["secrets_dir"]
+    for name, deployment in objects(rendered, site, "Deployment").items():
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        args = build_parser().parse_args(container["command"][1:])
+        assert container["command"][0] == "pdd" and args.command == "serve" and args.service == SERVICE_OF[name]
+        cls = SERVICE_CONFIGS[SERVICE_OF[name]]
+        env = container_env(rendered, site, deployment)
+        env = {k: v.replace("$(POD_IP)", "10.0.0.7").replace(SECRETS_MOUNT, str(secrets_dir)) for k, v in env.items()}
+        from_fields = {e["name"] for e in container["env"] if "valueFrom" in e} - {"POD_IP"}
+        known = {env_name(f.name) for f in settings_of(cls)}
+        assert set(env) | from_fields <= known | {"POD_IP"}, sorted(set(env) - known)
+        config = build_config(cls, {}, {**env, "PDD_INSTANCE_ID": f"{name}-abc12"}, service=name)
+        assert config.site == site and config.nats_url == f"tls://nats-{site[-1]}:4222"
+        assert config.nats_seed_file == str(secrets_dir / f"{SERVICE_OF[name]}.nk")
+        assert config.bulk_secret == (secrets_dir / "bulk.secret").read_text().strip()
+        assert config.metrics_port == 9090 and config.metrics_host == "0.0.0.0"
+
+
+@pytest.mark.parametrize("site", ["site-a", "site-b"])
+def test_probes_resources_secrets_and_jetstream_volumes(rendered, site):
+    secret = next(iter(objects(rendered, site, "Secret").values()))
+    assert {"ca.pem", "tls.pem", "tls.key", "bulk.secret", "nats-users.conf"} <= set(secret["data"])
+    for name, deployment in objects(rendered, site, "Deployment").items():
+        pod = deployment["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert container[probe]["httpGet"] == {"path": "/health", "port": "metrics"}, name
+        assert {"cpu", "memory"} <= set(container["resources"]["requests"]), name
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert [v["secret"]["secretName"] for v in pod["volumes"]] == [secret["metadata"]["name"]]
+    nats = next(iter(objects(rendered, site, "StatefulSet").values()))
+    assert nats["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "jetstream"
+    mounts = {m["name"]: m["mountPath"] for m in nats["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["jetstream"] == "/data/jetstream" and mounts["secrets"] == "/etc/nats/secrets"
+
+
+@pytest.mark.parametrize("site", ["site-a", "site-b"])
+def test_nats_config_is_the_compose_one_and_valid(rendered, site, tmp_path):
+    ours = (ROOT / "infra/k8s/overlays" / site / "nats.conf").read_text()
+    compose = (ROOT / "infra/nats" / f"{site}.conf").read_text()
+    differing = set(ours.splitlines()) ^ set(compose.splitlines())
+    allowed = {"http: 127.0.0.1:8222", "http: 0.0.0.0:8222", '    url: "tls://wan-link:17422"',
+               '    url: "tls://nats-a.site-a.example.com:7422"'}
+    assert {line for line in differing if not line.startswith("#")} <= allowed
+    config_map = next(c for c in objects(rendered, site, "ConfigMap").values() if "site.conf" in c["data"])
+    (tmp_path / "secrets").symlink_to(rendered["secrets_dir"])
+    conf = tmp_path / "site.conf"
+    conf.write_text(config_map["data"]["site.conf"].replace("/etc/nats/secrets", str(tmp_path / "secrets")))
+    check = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+
+
+def test_the_hpa_example_scales_on_a_metric_we_export(rendered):
+    hpa = objects(rendered, "site-a", "HorizontalPodAutoscaler")["prefill"]
+    metric = hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
+    assert metric in exported_families()
+    assert hpa["spec"]["scaleTargetRef"]["name"] in objects(rendered, "site-a", "Deployment")
