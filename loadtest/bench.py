@@ -7,6 +7,10 @@ Modes (each on a fresh deployment, same trace, same WAN profile):
 - ``pdd``: everything (selective relaying, catch-up, odd-traffic filter).
 
 Writes ``results.json``, ``report.md`` and PNG plots into the output folder.
+
+``--url`` replays the same trace against any OpenAI-compatible server instead (vLLM, SGLang,
+Dynamo, or a PDD deployment already running) and writes the same ``results.json``, its one
+mode named by ``--label``, so runs against other systems compare side by side.
 """
 
 import argparse
@@ -117,17 +121,26 @@ def run_mode(mode: str, trace, args) -> tuple[list[RequestRecord], float, int]:
         launcher.down(run_dir, quiet=True)
 
 
+def bench_trace(args):
+    """The trace ``args`` describe: ``--trace`` read back, or generated from the seed."""
+    if getattr(args, "trace", None):
+        return load_trace(Path(args.trace))
+    return generate_trace(args.seed, sessions=args.sessions, turns=args.turns, cold_lines=args.cold_lines,
+                          max_tokens=args.max_tokens, session_rate_per_s=args.rate)
+
+
 def run_bench(args) -> dict:
-    """All modes, the handoff microbenchmark, and the output files."""
+    """All modes (or one ``--url`` endpoint), the handoff microbenchmark, and the output files."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trace = load_trace(Path(args.trace)) if args.trace else generate_trace(
-        args.seed, sessions=args.sessions, turns=args.turns, cold_lines=args.cold_lines,
-        max_tokens=args.max_tokens, session_rate_per_s=args.rate)
+    trace = bench_trace(args)
     save_trace(trace, out / "trace.jsonl")
     started = time.perf_counter()
     results = {"modes": {}, "config": {k: v for k, v in vars(args).items() if k not in ("func",)}}
     records = {}
+    if args.url:
+        return _run_endpoint(args, trace, out, results, started)
+    args.model = args.model or "smollm2"
     for mode in args.modes:
         print(f"mode {mode}: {len(trace)} requests", flush=True)
         records[mode], wall_s, link_bytes = run_mode(mode, trace, args)
@@ -142,38 +155,102 @@ def run_bench(args) -> dict:
     profile = parse_profile(args.bandwidth, args.rtt, args.jitter, args.seed)
     results["handoff_microbench"] = run_handoff_microbench(load_model(args.model), profile=profile,
                                                            trials=args.handoff_trials)
+    _write(results, records, out, started)
+    return results
+
+
+def _run_endpoint(args, trace, out: Path, results: dict, started: float) -> dict:
+    """Replay the trace against ``args.url`` as one mode named ``args.label``."""
+    url = args.url.rstrip("/")
+    print(f"{args.label} ({url}): {len(trace)} requests", flush=True)
+    records, wall_s = asyncio.run(run_trace(url, trace, concurrency=args.concurrency, open_loop=args.rate > 0,
+                                            model=args.model))
+    results["modes"][args.label] = summarise(records, wall_s, args.ttft_slo_ms, args.itl_slo_ms)
+    results["modes"][args.label]["wan_link_kv_bytes"] = None  # no link of ours to count on
+    print(f"  {json.dumps(results['modes'][args.label]['ttft_ms'])} errors={results['modes'][args.label]['errors']}",
+          flush=True)
+    _write(results, {args.label: records}, out, started)
+    return results
+
+
+def _write(results: dict, records: dict, out: Path, started: float):
+    from loadtest.report import write_report
+
     results["config"]["duration_s"] = round(time.perf_counter() - started, 1)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "records.json").write_text(json.dumps(
         {m: [r.__dict__ for r in rs] for m, rs in records.items()}, indent=1))
-    from loadtest.report import write_report
-
     write_report(results, records, out)
-    return results
+
+
+def write_trace(args) -> int:
+    """``pdd bench trace``: the benchmark's trace in our JSONL or aiperf's Mooncake format."""
+    args = resolve_size(args)
+    trace = bench_trace(args)
+    out = Path(args.out)
+    if args.format == "jsonl":
+        save_trace(trace, out)
+    else:
+        out.write_text("".join(json.dumps(row) + "\n" for row in mooncake_rows(trace)))
+    print(f"{len(trace)} requests in {out} ({args.format})")
+    return 0
+
+
+def mooncake_rows(trace) -> list[dict]:
+    """aiperf's multi-turn Mooncake rows: one per turn, sessions by ``session_id``; a session's
+    first turn at its start time (ms), each later one as soon as the previous answer is in."""
+    rows = []
+    for turn in sorted(trace, key=lambda t: (t.session, t.turn)):
+        row = {"session_id": f"session-{turn.session}", "text_input": turn.content, "output_length": turn.max_tokens}
+        if turn.turn == 0:
+            row["timestamp"] = int(turn.start_s * 1000)
+        else:
+            row["delay"] = 0
+        rows.append(row)
+    return rows
 
 
 def add_bench_run_parser(bench_kinds):
     """``pdd bench run``."""
     run = bench_kinds.add_parser("run", help="the four-mode comparison (results.json, report.md, plots)")
-    run.add_argument("--out", required=True)
-    run.add_argument("--quick", action="store_true", help="small trace: 20+ requests per mode")
-    run.add_argument("--model", default="smollm2")
-    run.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
+    run.add_argument("--out", required=True, help="folder for results.json, report.md, plots and the trace")
+    run.add_argument("--quick", action="store_true", help="small trace: 5 sessions x 4 turns (full: 12 x 6)")
+    run.add_argument("--url", default=None, help="benchmark this OpenAI-compatible base URL (e.g. "
+                     "http://127.0.0.1:8000/v1) instead of deployments started here")
+    run.add_argument("--label", default="endpoint", help="the mode name of a --url run in results.json "
+                     "(default: endpoint)")
+    run.add_argument("--model", default=None, help="model to deploy (smollm2, tiny or an HF folder; default "
+                     "smollm2); with --url the model name sent (default: the first /models lists)")
+    run.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES),
+                     help=f"deployments to compare (default: {' '.join(DEFAULT_MODES)})")
     run.add_argument("--trace", default=None, help="replay a JSONL trace instead of generating one")
-    run.add_argument("--sessions", type=int, default=None)
-    run.add_argument("--turns", type=int, default=None)
-    run.add_argument("--cold-lines", type=int, default=40)
-    run.add_argument("--max-tokens", type=int, default=24)
-    run.add_argument("--concurrency", type=int, default=2, help="closed-loop sessions at once")
-    run.add_argument("--rate", type=float, default=0.0, help="open-loop session starts per second")
-    run.add_argument("--bandwidth", default="100mbit")
-    run.add_argument("--rtt", default="40ms")
-    run.add_argument("--jitter", default="5ms")
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--kv-cache-mb", type=int, default=512)
-    run.add_argument("--ttft-slo-ms", type=float, default=3000.0)
-    run.add_argument("--itl-slo-ms", type=float, default=1000.0)
-    run.add_argument("--handoff-trials", type=int, default=20)
+    run.add_argument("--sessions", type=int, default=None, help="sessions in the generated trace")
+    run.add_argument("--turns", type=int, default=None, help="turns per session in the generated trace")
+    run.add_argument("--cold-lines", type=int, default=40, help="tool-output lines of a first turn (default 40)")
+    run.add_argument("--max-tokens", type=int, default=24, help="output tokens per turn (default 24)")
+    run.add_argument("--concurrency", type=int, default=2, help="closed-loop sessions at once (default 2)")
+    run.add_argument("--rate", type=float, default=0.0, help="open-loop session starts per second (default 0: "
+                     "closed loop)")
+    run.add_argument("--bandwidth", default="100mbit", help="emulated WAN rate (default 100mbit)")
+    run.add_argument("--rtt", default="40ms", help="emulated WAN round trip (default 40ms)")
+    run.add_argument("--jitter", default="5ms", help="emulated WAN jitter (default 5ms)")
+    run.add_argument("--seed", type=int, default=0, help="trace and jitter seed (default 0)")
+    run.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool per engine (default 512)")
+    run.add_argument("--ttft-slo-ms", type=float, default=3000.0, help="goodput's TTFT bound (default 3000)")
+    run.add_argument("--itl-slo-ms", type=float, default=1000.0, help="goodput's inter-token bound (default 1000)")
+    run.add_argument("--handoff-trials", type=int, default=20, help="trials of the handoff microbenchmark "
+                     "(default 20)")
+    trace = bench_kinds.add_parser("trace", help="write the benchmark's agentic trace for other tools")
+    trace.add_argument("--out", required=True, help="file to write")
+    trace.add_argument("--format", default="mooncake", choices=["mooncake", "jsonl"],
+                       help="mooncake: aiperf's --custom-dataset-type mooncake_trace (default); jsonl: ours")
+    trace.add_argument("--quick", action="store_true", help="the quick benchmark's trace")
+    for name in ("--sessions", "--turns"):
+        trace.add_argument(name, type=int, default=None)
+    trace.add_argument("--cold-lines", type=int, default=40)
+    trace.add_argument("--max-tokens", type=int, default=24)
+    trace.add_argument("--rate", type=float, default=0.0)
+    trace.add_argument("--seed", type=int, default=0)
     return run
 
 

@@ -15,7 +15,7 @@ def write_report(results: dict, records: dict[str, list[RequestRecord]], out: Pa
     """Plots and the markdown report, with the acceptance checks stated plainly."""
     plot_ttft_cdf(records, out / "ttft_cdf.png")
     plot_wan_bytes(records, out / "wan_bytes.png", {
-        mode: m["wan_link_kv_bytes"] for mode, m in results["modes"].items() if "wan_link_kv_bytes" in m})
+        mode: m["wan_link_kv_bytes"] for mode, m in results["modes"].items() if m.get("wan_link_kv_bytes") is not None})
     plot_relay_timeline(records.get("pdd", []), out / "relay_timeline.png")
     (out / "report.md").write_text(render(results))
 
@@ -94,7 +94,7 @@ def render(results: dict) -> str:
     for mode, m in modes.items():
         lines.append(f"| {mode} | {m['requests']} | {m['errors']} | {m['ttft_ms']['p50']} | {m['ttft_ms']['p90']} | "
                      f"{m['ttft_ms']['p99']} | {m['itl_ms']['p99']} | {m['goodput_rps']} | "
-                     f"{m['wan_kv_bytes'] / 1e6:.1f} | {m.get('wan_link_kv_bytes', 0) / 1e6:.1f} | "
+                     f"{m['wan_kv_bytes'] / 1e6:.1f} | {_megabytes(m.get('wan_link_kv_bytes'))} | "
                      f"{m['rld_token_share']:.3f} | {m['pipelines']} |")
     micro = results.get("handoff_microbench", {})
     if micro:
@@ -111,6 +111,11 @@ def render(results: dict) -> str:
     lines += ["", "## Checks", ""] + [f"- {check}" for check in checks(results)]
     lines += ["", "Plots: `ttft_cdf.png`, `wan_bytes.png`, `relay_timeline.png`.", ""]
     return "\n".join(lines)
+
+
+def _megabytes(count: int | None) -> str:
+    """``count`` bytes in MB, or – when not measured (an endpoint benchmarked by --url)."""
+    return "–" if count is None else f"{count / 1e6:.1f}"
 
 
 def wan_bytes(mode: dict) -> int | None:

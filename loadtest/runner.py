@@ -7,15 +7,18 @@ from collections import defaultdict
 import aiohttp
 from tqdm import tqdm
 
-from loadtest.client import RequestRecord, stream_chat
+from loadtest.client import RequestRecord, auth_headers, stream_chat
 from loadtest.trace import TraceTurn
 
 SYSTEM = "You are a careful coding agent. Answer briefly."
 
 
 async def run_trace(base_url: str, trace: list[TraceTurn], *, concurrency: int = 0,
-                    open_loop: bool = False, progress: bool = True) -> tuple[list[RequestRecord], float]:
+                    open_loop: bool = False, progress: bool = True,
+                    model: str | None = None) -> tuple[list[RequestRecord], float]:
     """Replay ``trace``; return the records and the wall time in seconds.
+
+    ``model`` is the name sent in every request (default: the first one ``/models`` lists).
 
     Closed loop: at most ``concurrency`` sessions at once. Open loop: each session starts at
     its ``start_s``. Within a session every turn waits for the previous answer, which joins
@@ -28,7 +31,9 @@ async def run_trace(base_url: str, trace: list[TraceTurn], *, concurrency: int =
     bar = tqdm(total=len(trace), desc="requests", disable=not progress, leave=False)
     records: list[RequestRecord] = []
     async with aiohttp.ClientSession() as http:
-        model = (await (await http.get(base_url + "/models")).json())["data"][0]["id"]
+        if model is None:
+            async with http.get(base_url + "/models", headers=auth_headers()) as response:
+                model = (await response.json())["data"][0]["id"]
         started = time.perf_counter()
 
         async def run_session(turns: list[TraceTurn]):

@@ -195,6 +195,10 @@ def cmd_bench(args) -> int:
                           for m, v in results["modes"].items()}, indent=2))
         print(f"results in {args.out}/results.json and {args.out}/report.md")
         return 0
+    if args.bench == "trace":
+        from loadtest.bench import write_trace
+
+        return write_trace(args)
     if args.bench == "handoff-micro":
         from infra.wan_link import parse_profile
         from loadtest.handoff_microbench import run_handoff_microbench

@@ -5,14 +5,27 @@ probe instead of answering from a side thread.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from shared.metrics import exposition
 
 
-async def start_ops_server(host: str, port: int, health: Callable[[], tuple[bool, dict]]) -> web.AppRunner:
-    """Serve ``/metrics`` and ``/health`` on ``host:port``; returns the runner (``cleanup()`` stops it).
+@dataclass
+class OpsServer:
+    """A running operations endpoint."""
+
+    runner: web.AppRunner
+    port: int
+
+    async def stop(self):
+        """Stop answering."""
+        await self.runner.cleanup()
+
+
+async def start_ops_server(host: str, port: int, health: Callable[[], tuple[bool, dict]]) -> OpsServer:
+    """Serve ``/metrics`` and ``/health`` on ``host:port`` (port 0: any free one).
 
     Args:
         health: Returns (healthy, details): 200 with the details when healthy, else 503.
@@ -33,5 +46,4 @@ async def start_ops_server(host: str, port: int, health: Callable[[], tuple[bool
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    runner.port = site._server.sockets[0].getsockname()[1]
-    return runner
+    return OpsServer(runner, site._server.sockets[0].getsockname()[1])

@@ -154,7 +154,7 @@ class Service:
             except (asyncio.TimeoutError, nats.errors.Error):
                 await self.nc.close()
         if self._ops is not None:
-            await self._ops.cleanup()
+            await self._ops.stop()
         self.log.info("service_stopped")
 
     async def publish(self, subject: str, message, headers: dict | None = None) -> bool:

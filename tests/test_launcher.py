@@ -317,3 +317,37 @@ def test_every_line_every_service_logs_is_one_json_object(deployment):
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if line.strip():
                 assert isinstance(json.loads(line), dict), f"{path.name}:{number}: {line[:200]}"
+
+
+def test_bench_run_url_benchmarks_a_running_endpoint_in_the_usual_shape(deployment, tmp_path):
+    run_dir, ports = deployment
+    url = f"http://127.0.0.1:{ports['--http-port']}/v1"
+    result = pdd("bench", "run", "--url", url, "--label", "pdd-running", "--out", str(tmp_path),
+                 "--sessions", "2", "--turns", "2", "--cold-lines", "8", timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results["modes"]) == ["pdd-running"]
+    figures = results["modes"]["pdd-running"]
+    assert figures["requests"] == 4 and figures["errors"] == 0
+    assert set(figures["ttft_ms"]) == {"p50", "p90", "p99", "mean"} and figures["ttft_ms"]["p50"] > 0
+    assert {"itl_ms", "e2e_ms", "goodput_rps", "wan_kv_bytes", "rld_token_share", "pipelines"} <= set(figures)
+    assert sum(figures["pipelines"].values()) == 4  # the PDD extension fields come back from a PDD server
+    assert "| pdd-running |" in (tmp_path / "report.md").read_text()
+
+
+def test_bench_trace_exports_the_agentic_trace_for_aiperf(tmp_path):
+    out = tmp_path / "trace.mooncake.jsonl"
+    result = pdd("bench", "trace", "--format", "mooncake", "--quick", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    ours = tmp_path / "trace.jsonl"
+    assert pdd("bench", "trace", "--format", "jsonl", "--quick", "--out", str(ours)).returncode == 0
+    turns = [json.loads(line) for line in ours.read_text().splitlines()]
+    assert len(rows) == len(turns) >= 20
+    by_session = {}
+    for row in rows:
+        assert set(row) in ({"session_id", "text_input", "output_length", "timestamp"},
+                            {"session_id", "text_input", "output_length", "delay"})
+        by_session.setdefault(row["session_id"], []).append(row)
+    assert all("timestamp" in turns_[0] for turns_ in by_session.values())
+    assert sorted(r["text_input"] for r in rows) == sorted(t["content"] for t in turns)
