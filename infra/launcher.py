@@ -219,15 +219,28 @@ def locked_state(run_dir: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+PROGRESS_EVERY_S = 5.0
+
+
 def _wait_healthy(deployment: Deployment, args):
+    """Wait until the router sees every instance; say what is still missing every few seconds
+    (on stderr, unless ``args.progress`` is False: the benchmark starts deployments quietly)."""
     want = {"prefill": args.prefill, "relay_decode": args.rld, "main_decode": args.md, "cache_index": 1}
+    started = last_report = time.monotonic()
 
     def healthy():
+        nonlocal last_report
         dead = [name for name, pid in deployment.processes.items() if not process_alive(pid)]
         if dead:
             raise LauncherError(f"{', '.join(dead)} exited; see {deployment.run_dir}/logs/")
         health = _get_json(deployment.router_url.removesuffix("/v1") + "/health")
-        return bool(health) and all(len(health["instances"].get(s, [])) >= n for s, n in want.items())
+        seen = {s: len(health["instances"].get(s, [])) if health else 0 for s in want}
+        if getattr(args, "progress", True) and time.monotonic() - last_report >= PROGRESS_EVERY_S:
+            last_report = time.monotonic()
+            waiting = ", ".join(f"{s} {seen[s]}/{n}" for s, n in want.items() if seen[s] < n)
+            print(f"waiting {last_report - started:.0f} s: {'router' if not health else waiting} "
+                  f"(loading the model; logs in {deployment.run_dir}/logs/)", file=sys.stderr, flush=True)
+        return bool(health) and all(seen[s] >= n for s, n in want.items())
 
     wait_until(healthy, args.timeout, f"services not healthy after {args.timeout:.0f} s; "
                                       f"see {deployment.run_dir}/logs/")

@@ -29,15 +29,15 @@ def add_serve_parsers(commands):
     for name, cls in SERVICE_CONFIGS.items():
         add_arguments(kinds.add_parser(name, help=f"run {name}"), cls)
     wan = kinds.add_parser("wan_link", help="run the WAN link emulator")
-    wan.add_argument("--control-host", default="127.0.0.1")
-    wan.add_argument("--control-port", type=int, default=8100)
+    wan.add_argument("--control-host", default="127.0.0.1", help="address of the control API (/link, /metrics, /health)")
+    wan.add_argument("--control-port", type=int, default=8100, help="port of the control API")
     wan.add_argument("--route", action="append", default=[], metavar="NAME=HOST:PORT>HOST:PORT@SITE",
                      help="forward NAME from listen HOST:PORT to target HOST:PORT; SITE is the connecting side's site")
-    wan.add_argument("--bandwidth", default="100mbit")
-    wan.add_argument("--rtt", default="40ms")
-    wan.add_argument("--jitter", default="5ms")
-    wan.add_argument("--seed", type=int, default=0)
-    wan.add_argument("--log-level", default="info")
+    wan.add_argument("--bandwidth", default="100mbit", help="capacity per direction (e.g. 1gbit, unlimited)")
+    wan.add_argument("--rtt", default="40ms", help="base round trip")
+    wan.add_argument("--jitter", default="5ms", help="standard deviation of the one-way delay")
+    wan.add_argument("--seed", type=int, default=0, help="seed of the jitter and stall draws")
+    wan.add_argument("--log-level", default="info", help="debug, info, warning or error")
 
 
 def run_serve(args) -> int:

@@ -25,9 +25,9 @@ def add_wan_parsers(commands):
     change.add_argument("--jitter", help="e.g. 10ms")
     change.add_argument("--stall-probability", type=float, help="chance per 64 KiB chunk of a stall")
     change.add_argument("--stall", help="stall length, e.g. 500ms")
-    change.add_argument("--seed", type=int)
+    change.add_argument("--seed", type=int, help="reseed the jitter and stall draws")
     partition = actions.add_parser("partition", help="cut (on) or restore (off) the link")
-    partition.add_argument("state", choices=["on", "off"])
+    partition.add_argument("state", choices=["on", "off"], help="on: nothing crosses; off: restored")
 
 
 def profile_changes(args) -> dict:

@@ -111,7 +111,7 @@ def run_mode(mode: str, trace, args) -> tuple[list[RequestRecord], float, int]:
         run_dir=str(run_dir), prefill=1, rld=1, md=1, model=args.model, kv_cache_mb=args.kv_cache_mb,
         http_port=free_port(), nats_a_port=free_port(), nats_b_port=free_port(),
         wan_control_port=free_port(), bandwidth=args.bandwidth, rtt=args.rtt, jitter=args.jitter,
-        seed=args.seed, log_level="warning", timeout=300.0, **MODES[mode])
+        seed=args.seed, log_level="warning", timeout=300.0, progress=False, **MODES[mode])
     deployment = launcher.up(up_args)
     try:
         records, wall_s = asyncio.run(run_trace(deployment.router_url, trace, concurrency=args.concurrency,
@@ -245,12 +245,12 @@ def add_bench_run_parser(bench_kinds):
     trace.add_argument("--format", default="mooncake", choices=["mooncake", "jsonl"],
                        help="mooncake: aiperf's --custom-dataset-type mooncake_trace (default); jsonl: ours")
     trace.add_argument("--quick", action="store_true", help="the quick benchmark's trace")
-    for name in ("--sessions", "--turns"):
-        trace.add_argument(name, type=int, default=None)
-    trace.add_argument("--cold-lines", type=int, default=40)
-    trace.add_argument("--max-tokens", type=int, default=24)
-    trace.add_argument("--rate", type=float, default=0.0)
-    trace.add_argument("--seed", type=int, default=0)
+    trace.add_argument("--sessions", type=int, default=None, help="sessions (default: 5 quick, 12 full)")
+    trace.add_argument("--turns", type=int, default=None, help="turns per session (default: 4 quick, 6 full)")
+    trace.add_argument("--cold-lines", type=int, default=40, help="tool-output lines of a first turn")
+    trace.add_argument("--max-tokens", type=int, default=24, help="output tokens per turn")
+    trace.add_argument("--rate", type=float, default=0.0, help="open-loop session starts per second (0: closed loop)")
+    trace.add_argument("--seed", type=int, default=0, help="trace seed")
     return run
 
 

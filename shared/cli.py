@@ -20,7 +20,30 @@ def _add_model_args(parser: argparse.ArgumentParser):
     parser.add_argument("--model", default="smollm2",
                         help="smollm2 (default), tiny (random test model) or an HF model folder")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="weights and KV dtype")
+
+
+RUN_DIR_HELP = "the deployment's run folder (default: ~/.cache/pdd/run)"
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that states each flag's default, unless its text already does."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, [], argparse.SUPPRESS) or not action.option_strings
+                or action.nargs == 0):  # a switch: its name says what it does
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _use_defaults_formatter(parser: argparse.ArgumentParser):
+    parser.formatter_class = DefaultsHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _use_defaults_formatter(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,10 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="run the engine in-process on one prompt")
     generate.add_argument("prompt", help="the user message (or raw text with --raw)")
     _add_model_args(generate)
-    generate.add_argument("--max-tokens", type=int, default=128)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--max-tokens", type=int, default=128, help="output tokens at most")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    generate.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
@@ -48,25 +71,25 @@ def build_parser() -> argparse.ArgumentParser:
     handoff = bench_kinds.add_parser("handoff", help="main decode's worst inter-token gap during a "
                                                      "100-token handoff, one-shot vs catch-up")
     _add_model_args(handoff)
-    handoff.add_argument("--other-streams", type=int, default=3)
-    handoff.add_argument("--context", type=int, default=512)
-    handoff.add_argument("--chunk-tokens", type=int, default=32)
+    handoff.add_argument("--other-streams", type=int, default=3, help="streams decoding beside the handoff")
+    handoff.add_argument("--context", type=int, default=512, help="prompt tokens")
+    handoff.add_argument("--chunk-tokens", type=int, default=32, help="tokens per catch-up chunk")
     from loadtest.bench import add_bench_run_parser
 
     add_bench_run_parser(bench_kinds)
     micro = bench_kinds.add_parser("handoff-micro", help="100-token handoff by token IDs vs by KV, "
                                                          "over the same emulated WAN link")
     _add_model_args(micro)
-    micro.add_argument("--trials", type=int, default=20)
-    micro.add_argument("--context", type=int, default=512)
-    micro.add_argument("--bandwidth", default="100mbit")
-    micro.add_argument("--rtt", default="40ms")
-    micro.add_argument("--jitter", default="5ms")
+    micro.add_argument("--trials", type=int, default=20, help="handoffs timed per kind")
+    micro.add_argument("--context", type=int, default=512, help="prompt tokens")
+    micro.add_argument("--bandwidth", default="100mbit", help="emulated WAN rate")
+    micro.add_argument("--rtt", default="40ms", help="emulated WAN round trip")
+    micro.add_argument("--jitter", default="5ms", help="emulated WAN jitter")
     bulk = bench_kinds.add_parser("bulk", help="bulk channel throughput, plaintext vs mutual TLS, on "
                                                "loopback and through the WAN link")
     bulk.add_argument("--megabytes", type=int, default=256, help="per flow (default 256)")
     bulk.add_argument("--link", default="1gbit", help="shaped rate besides unshaped loopback (default 1gbit)")
-    bulk.add_argument("--repeats", type=int, default=3)
+    bulk.add_argument("--repeats", type=int, default=3, help="runs of each measurement")
 
     from infra.serve import add_serve_parsers
     from infra.wan_control import add_wan_parsers
@@ -75,13 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_wan_parsers(commands)
     for name, helptext in (("up", "start the two-site deployment"), ("demo", "up, agent conversation, down")):
         _add_up_args(commands.add_parser(name, help=helptext))
-    commands.add_parser("down", help="stop the deployment").add_argument("--run-dir", default=None)
+    commands.add_parser("down", help="stop the deployment").add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
     status = commands.add_parser("status", help="show the deployment")
-    status.add_argument("--run-dir", default=None)
+    status.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
     status.add_argument("--json", action="store_true",
                         help="one entry per process: pid, state, metrics URL, restarts")
     commands.add_parser("supervise", help="restart the deployment's exited processes (run by pdd up)"
-                        ).add_argument("--run-dir", default=None)
+                        ).add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
     chaos = commands.add_parser("chaos", help="inject faults into the running deployment; check nothing is lost")
     chaos.add_argument("--scenario", default="all", help="one of md-kill, relay-kill, prefill-kill, "
                        "router-kill, nats-a-restart, nats-b-outage, partition, stalls, slow-wan, redeploy, "
@@ -92,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--outage-s", type=float, default=25.0, help="length of the nats-b outage (default 25)")
     chaos.add_argument("--partition-s", type=float, default=60.0, help="length of the partition (default 60)")
     chaos.add_argument("--out", default=None, help="also write the Markdown table here")
-    chaos.add_argument("--run-dir", default=None)
+    chaos.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
     secrets = commands.add_parser("secrets", help="write a deployment's CA, certificate, NATS nkeys and bulk "
                                                   "secret into a folder (for docker-compose / Kubernetes)")
     secrets.add_argument("--out", required=True, help="folder (created 0700; files 0600; existing ones kept)")
@@ -104,8 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("--hub-cache", default=None, help="hub cache folder (default: $HF_HUB_CACHE, else "
                                                       "$HF_HOME/hub, else ~/.cache/huggingface/hub)")
     restart = commands.add_parser("restart", help="restart one process (e.g. cache-index-0, nats-b, wan-link)")
-    restart.add_argument("name")
-    restart.add_argument("--run-dir", default=None)
+    restart.add_argument("name", help="process name as pdd status lists it")
+    restart.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
+    _use_defaults_formatter(parser)
     return parser
 
 
@@ -114,21 +138,22 @@ def _add_up_args(parser: argparse.ArgumentParser):
     parser.add_argument("--prefill", type=int, default=1, help="prefill instances")
     parser.add_argument("--rld", type=int, default=1, help="relay decode instances")
     parser.add_argument("--md", type=int, default=1, help="main decode instances")
-    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--model", default="smollm2", help="smollm2, tiny (random test model) or an HF model folder")
     parser.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool per engine instance")
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--nats-a-port", type=int, default=4222)
-    parser.add_argument("--nats-b-port", type=int, default=4223)
-    parser.add_argument("--wan-control-port", type=int, default=8100)
+    parser.add_argument("--http-port", type=int, default=8000, help="the router's API port")
+    parser.add_argument("--nats-a-port", type=int, default=4222, help="site A's NATS client port")
+    parser.add_argument("--nats-b-port", type=int, default=4223, help="site B's NATS client port")
+    parser.add_argument("--wan-control-port", type=int, default=8100, help="the WAN link's control API (and /metrics) port")
     parser.add_argument("--bandwidth", default="100mbit", help="WAN bandwidth (default 100mbit)")
     parser.add_argument("--rtt", default="40ms", help="WAN round trip (default 40ms)")
     parser.add_argument("--jitter", default="5ms", help="WAN jitter (default 5ms)")
     parser.add_argument("--seed", type=int, default=0, help="jitter seed")
-    parser.add_argument("--service-log-level", dest="log_level", default="info")
+    parser.add_argument("--service-log-level", dest="log_level", default="info", help="the services' log level")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for health")
     parser.add_argument("--md-site", default="site-b", choices=["site-a", "site-b"],
                         help="where main decode runs (site-a: the same-site baseline, no WAN)")
-    parser.add_argument("--pipeline-policy", default="auto", choices=["auto", "P-MD", "P-RLD-MD"])
+    parser.add_argument("--pipeline-policy", default="auto", choices=["auto", "P-MD", "P-RLD-MD"],
+                        help="auto: the router chooses per request; or force one pipeline")
     parser.add_argument("--no-md-prefix-cache", dest="md_prefix_cache", action="store_false",
                         help="main decode without its decode-side cache (baseline)")
     parser.add_argument("--insecure", action="store_true",
@@ -138,7 +163,7 @@ def _add_up_args(parser: argparse.ArgumentParser):
                         help="model id the API serves (default: HuggingFaceTB/SmolLM2-135M-Instruct)")
     parser.add_argument("--api-key", default=None,
                         help="API key(s), comma-separated, clients must send (default: $PDD_API_KEYS; none)")
-    parser.add_argument("--run-dir", default=None)
+    parser.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
 
 
 def cmd_generate(args) -> int:

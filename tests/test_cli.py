@@ -80,3 +80,31 @@ def test_version_names_the_installed_package():
 
     result = subprocess.run([sys.executable, "-m", "shared.cli", "--version"], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == f"pdd {version('pdd')}"
+
+
+def _parsers(parser, path="pdd"):
+    import argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, f"{path} {name}")
+
+
+def test_every_flag_of_every_command_has_help_and_states_its_default():
+    import argparse
+
+    from shared.cli import build_parser
+
+    missing, parsers = [], list(_parsers(build_parser()))
+    assert len(parsers) > 20
+    for path, parser in parsers:
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)):
+                continue
+            if not action.help:
+                missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+    assert not missing, missing
+    up_help = dict(parsers)["pdd up"].format_help()
+    assert "(default: 8000)" in up_help and "(default: smollm2)" in up_help
