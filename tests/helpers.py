@@ -67,6 +67,13 @@ async def until(predicate, timeout_s: float = 10.0, what: str = "condition"):
 def reference_logprobs(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int) -> torch.Tensor:
     """transformers' log-softmax of the next-token logits at each step of its own greedy
     ``generate`` (past end-of-sequence tokens), ``[max_new_tokens, vocab]``."""
+    return reference_greedy_with_logprobs(loaded, prompt_ids, max_new_tokens)[1]
+
+
+def reference_greedy_with_logprobs(loaded: LoadedModel, prompt_ids: list[int],
+                                   max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """One greedy ``generate`` (past end-of-sequence tokens): its tokens and the log-softmax
+    of the logits each was chosen from."""
     inputs = torch.tensor([prompt_ids], device=loaded.device)
     config = loaded.model.generation_config
     saved_eos, config.eos_token_id = config.eos_token_id, None
@@ -77,7 +84,8 @@ def reference_logprobs(loaded: LoadedModel, prompt_ids: list[int], max_new_token
                 pad_token_id=loaded.tokenizer.pad_token_id, output_logits=True, return_dict_in_generate=True)
     finally:
         config.eos_token_id = saved_eos
-    return torch.log_softmax(torch.stack(output.logits)[:, 0].float(), dim=-1)
+    return (output.sequences[0, len(prompt_ids):].tolist(),
+            torch.log_softmax(torch.stack(output.logits)[:, 0].float(), dim=-1))
 
 
 class _VllmPenalties:

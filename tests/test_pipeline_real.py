@@ -10,7 +10,7 @@ import torch
 from infra.wan_link import LinkProfile
 from loadtest.demo_conversation import long_tool_output
 from shared.model_loader import load_metadata
-from tests.helpers import reference_greedy, reference_logprobs, reference_penalised, until
+from tests.helpers import reference_greedy, reference_greedy_with_logprobs, reference_penalised, until
 from tests.test_pipeline_e2e import post
 
 pytestmark = pytest.mark.real_model
@@ -46,12 +46,30 @@ async def test_agent_turns_through_both_pipelines_are_exact(make_stack, smollm2)
     messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
                  {"role": "user", "content": "Name one risk of that design."}]
     status, second = await post(stack, "/chat/completions", {
-        "model": "smollm2", "messages": messages, "max_tokens": 24, "temperature": 0})
+        "model": "smollm2", "messages": messages, "max_tokens": 24, "temperature": 0,
+        "logprobs": True, "top_logprobs": 3})
     assert status == 200, second
-    assert second["choices"][0]["message"]["content"] == reference_answer(smollm2, messages, 24)[0]
+    prompt = list(smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False))
+    tokens, logprobs = reference_greedy_with_logprobs(smollm2, prompt, 24)
+    until_eos = next((i + 1 for i, t in enumerate(tokens) if t in smollm2.eos_token_ids), len(tokens))
+    expected = smollm2.tokenizer.decode(tokens[:until_eos], skip_special_tokens=True)
+    assert second["choices"][0]["message"]["content"] == expected
     assert second["pdd"]["pipeline"] == "P-MD"
     assert second["pdd"]["cached_blocks_md"] >= prompt_len // 16
     assert second["pdd"]["wan_kv_bytes"] < 0.2 * first["pdd"]["wan_kv_bytes"]
+    assert_logprobs_equal_transformers(smollm2, second["choices"][0]["logprobs"]["content"], tokens, logprobs)
+
+
+def assert_logprobs_equal_transformers(loaded, content: list[dict], output: list[int], reference: torch.Tensor):
+    """Each token's log-probability and top 3 equal transformers' log-softmax (``reference``,
+    for its greedy ``output``) within 1e-4; the chosen token is the likeliest."""
+    assert [e["token"] for e in content] == [loaded.tokenizer.decode([t]) for t in output[:len(content)]]
+    for i, (token_id, entry) in enumerate(zip(output, content)):
+        assert abs(entry["logprob"] - float(reference[i, token_id])) < 1e-4, i
+        assert entry["top_logprobs"][0]["logprob"] == entry["logprob"]
+        values = torch.topk(reference[i], 3).values.tolist()
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(values, abs=1e-4)
 
 
 @pytest.fixture
@@ -100,24 +118,19 @@ async def test_penalties_min_tokens_and_logprobs_are_exact_across_a_handoff(make
                                             + long_tool_output(4)}]
     prompt = list(smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                         return_dict=False))
-    penalties = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.3, "min_tokens": 24}
+    penalties = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.3, "min_tokens": 20}
     status, answer = await post(stack, "/chat/completions", {
-        "model": "smollm2", "messages": messages, "max_tokens": 48, "temperature": 0, **penalties})
+        "model": "smollm2", "messages": messages, "max_tokens": 32, "temperature": 0, **penalties})
     assert status == 200, answer
     assert answer["pdd"]["eager_tokens"] >= 1 and answer["pdd"]["finished_on"] == "MD", answer["pdd"]
-    expected = reference_penalised(smollm2, prompt, 48, repetition=1.3, frequency=0.5, presence=0.3, min_tokens=24)
+    expected = reference_penalised(smollm2, prompt, 32, repetition=1.3, frequency=0.5, presence=0.3, min_tokens=20)
     assert answer["choices"][0]["message"]["content"] == smollm2.tokenizer.decode(expected, skip_special_tokens=True)
-    assert expected != reference_greedy(smollm2, prompt, 48, stop_at_eos=True)  # the penalties did change it
+    assert expected != reference_greedy(smollm2, prompt, 32, stop_at_eos=True)  # the penalties did change it
 
     status, answer = await post(stack, "/chat/completions", {
-        "model": "smollm2", "messages": messages, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+        "model": "smollm2", "messages": messages, "max_tokens": 20, "temperature": 0, "ignore_eos": True,
         "logprobs": True, "top_logprobs": 3})
     assert status == 200 and answer["pdd"]["eager_tokens"] >= 1, answer
-    output, reference = reference_greedy(smollm2, prompt, 32), reference_logprobs(smollm2, prompt, 32)
     content = answer["choices"][0]["logprobs"]["content"]
-    assert [e["token"] for e in content] == [smollm2.tokenizer.decode([t]) for t in output]
-    for i, (token_id, entry) in enumerate(zip(output, content)):
-        assert abs(entry["logprob"] - float(reference[i, token_id])) < 1e-4
-        assert entry["top_logprobs"][0]["logprob"] == entry["logprob"]
-        values = torch.topk(reference[i], 3).values.tolist()
-        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(values, abs=1e-4)
+    assert len(content) == 20
+    assert_logprobs_equal_transformers(smollm2, content, *reference_greedy_with_logprobs(smollm2, prompt, 20))

@@ -343,7 +343,7 @@ class RouterService(Service):
                 replace=lambda avoid: self._placement(req, request_id, avoid),
                 max_recoveries=self.config.max_recoveries, recovery_wait_s=self.config.recovery_wait_s)
             flow.outcome.queue_ms = queued_s * 1000
-            metrics = RequestMetrics(self.config.served_model_name, started)
+            metrics = RequestMetrics(self.config.served_model_name, started - queued_s)  # e2e from arrival
             try:
                 if req.stream:
                     return await self._stream(request, req, flow, metrics)

@@ -37,7 +37,8 @@ def rows(deployment):
     """One ``pdd chaos`` run over every scenario but router-kill (one process: the reference
     outputs and the model load once, not once per scenario)."""
     result = pdd("chaos", "--scenario", ",".join(SCENARIOS), "--run-dir", str(deployment), "--streams", "3",
-                 "--max-tokens", "300", "--prompt-words", "400", "--partition-s", "20", timeout=1500)
+                 "--max-tokens", "300", "--prompt-words", "400", "--partition-s", "18", "--outage-s", "18",
+                 timeout=1500)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()[:len(SCENARIOS)]
     return {row["scenario"]: row for row in map(json.loads, lines)}
