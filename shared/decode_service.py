@@ -129,9 +129,11 @@ class DecodeService(EngineService):
 
     async def on_cancel(self, cancel: CancelRequest):
         finished_elsewhere = cancel.kind == "finished"
-        state = await self.importer.cancel(cancel.request_id, finished_elsewhere)
-        if state is not None:
-            if not finished_elsewhere:
+        if self.importer.holds(cancel.request_id):
+            # Its flow owns the sequence, even while the engine thread is still making it:
+            # freeing it here would leave the flow's frames no import to land in.
+            state = await self.importer.cancel(cancel.request_id, finished_elsewhere)
+            if state is not None and not finished_elsewhere:
                 await self.publish(subjects.request_events(cancel.request_id), KvImportAborted(
                     request_id=cancel.request_id, instance_id=self.instance_id,
                     wan_kv_bytes=state.stats.bytes_received, reason=cancel.reason))

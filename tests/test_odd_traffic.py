@@ -44,3 +44,41 @@ async def test_non_odd_request_the_relay_finishes_still_completes_its_transfer(m
     index = stack.cache_index.instances["main-decode-0"]
     await until(lambda: len(index.block_hashes) >= num_blocks, 20, "main decode to cache every block")
     await until(lambda: engines_idle(stack), 10, "the finished import to be freed")
+
+
+async def test_a_finished_cancel_arriving_while_main_decode_begins_the_import_keeps_it(make_stack, tiny):
+    """The router's "finished" cancel can reach main decode while its engine thread is creating
+    the import's sequence. The import must go on (it fills the cache), not be freed under the
+    importer so that its frames find no import."""
+    import asyncio
+    import threading
+
+    from shared.messages import CancelRequest
+
+    stack = await make_stack(profile=NARROW_WAN, router_settings={**ROUTER, "odd_traffic_filter": False,
+                                                                    "pipeline_policy": "P-RLD-MD"})
+    main = stack.mains[0]
+    in_begin, release, request_ids = threading.Event(), threading.Event(), []
+    begin_import = main.engine.begin_import
+
+    def slow_begin_import(request_id, *args, **kwargs):
+        request_ids.append(request_id)
+        in_begin.set()
+        release.wait(30)  # the engine thread is here while the cancel is handled on the loop
+        return begin_import(request_id, *args, **kwargs)
+
+    main.engine.begin_import = slow_begin_import
+    answer = asyncio.create_task(post(stack, "/chat/completions", chat_body(LONG, 4)))
+    try:
+        assert await asyncio.to_thread(in_begin.wait, 30)
+        cancel = asyncio.create_task(main.on_cancel(CancelRequest(request_id=request_ids[0], kind="finished")))
+        await asyncio.sleep(0)  # one loop turn: the cancel runs up to its first wait, before the begin ends
+    finally:
+        release.set()
+    await asyncio.wait_for(cancel, 30)
+    status, body = await answer
+    assert status == 200 and body["pdd"]["finished_on"] == "RLD", body
+    num_blocks = len(chat_prompt(tiny, LONG)) // 16
+    index = stack.cache_index.instances["main-decode-0"]
+    await until(lambda: len(index.block_hashes) >= num_blocks, 20, "main decode to cache every block")
+    await until(lambda: engines_idle(stack), 10, "the finished import to be freed")

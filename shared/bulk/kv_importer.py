@@ -93,6 +93,9 @@ class KvImporter:
             if claim.cancelled.is_set() and not claim.finished_elsewhere:
                 raise RequestCancelled(f"request {rid!r} was cancelled while its flow waited")
             first = await self._begin_when_room(flow_open, claim)
+            if claim.cancelled.is_set() and not claim.finished_elsewhere:  # while the sequence was made
+                await self._worker.call(engine.free_if_held, rid)
+                raise RequestCancelled(f"request {rid!r} was cancelled while its import began")
         except BaseException:
             self._release(rid)
             raise
@@ -214,6 +217,11 @@ class KvImporter:
         log.warning("kv_import_aborted", request_id=request_id, reason=reason)
         if self._on_abort and not state.discard_when_done:
             await self._on_abort(request_id, reason)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether a flow of ``request_id`` is open here (waiting, beginning or importing): its
+        sequence is the importer's to free."""
+        return request_id in self.imports or request_id in self._claims
 
     async def cancel(self, request_id: str, finished_elsewhere: bool) -> ImportState | None:
         """Cancel an import in progress; return its state if there was one.
