@@ -27,6 +27,8 @@ from infra import launcher, wan_control
 from loadtest.client import RequestRecord, stream_chat
 
 SETTLE_S = 10.0
+HEARTBEAT_S = 1.0
+"""The services' heartbeat (``--heartbeat-s`` default): how often an engine's gauges are refreshed."""
 SCENARIOS = ("md-kill", "relay-kill", "prefill-kill", "router-kill", "nats-a-restart",
              "nats-b-outage", "partition", "stalls", "slow-wan", "redeploy")
 WARM = {"md-kill", "nats-a-restart", "nats-b-outage", "partition", "stalls", "redeploy"}
@@ -132,6 +134,7 @@ async def run_scenario(ctx: ChaosContext, scenario: str) -> ChaosRow:
         # Once the fault is over a warm prompt must take its usual path again (P-MD).
         probe = RequestRecord(0, 0, "after") if scenario in WARM else None
         if probe is not None:
+            await _cache_fills_landed(ctx)
             await stream_chat(session, url, ctx.model_name, chats[0], 16, probe)
     await asyncio.sleep(SETTLE_S)  # the measurement's definition: what is still held 10 s later
     held, filling = held_blocks(ctx)
@@ -145,6 +148,18 @@ async def run_scenario(ctx: ChaosContext, scenario: str) -> ChaosRow:
     row.cache_fill_blocks_after_10s = filling
     row.pipeline_after = probe.pdd.get("pipeline", probe.error or "none") if probe else ""
     return row
+
+
+async def _cache_fills_landed(ctx: ChaosContext, timeout_s: float = 60.0):
+    """Wait until no import kept for the cache is crossing: a stream the relay finished reaches
+    main decode only as such a fill, and "once its KV has landed" is when the probe means something.
+
+    The gauge is refreshed with each heartbeat, so the wait starts two heartbeats after the
+    streams ended (an earlier reading may predate the fill)."""
+    await asyncio.sleep(2 * HEARTBEAT_S)
+    deadline = time.monotonic() + timeout_s
+    while held_blocks(ctx)[1] and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
 
 
 async def _warm(session, url: str, ctx: ChaosContext, chat: list[dict], timeout_s: float = 120.0):

@@ -93,7 +93,11 @@ async def test_main_decode_crash_mid_request_fails_fast_without_recoveries(make_
     main = stack.mains[0]
     request = asyncio.create_task(post(stack, "/chat/completions",
                                        chat_body("A long answer please. " * 10, 3000)))
-    await until(lambda: main.engine.num_sequences == 1, 15, "main decode to start")
+    def decoding():  # the import is over (else the prefill's transfer is what fails first)
+        return any(len(main.engine.get(rid).output_token_ids) > 1 for rid in main.engine.request_ids()
+                   if main.engine.holds(rid))
+
+    await until(decoding, 15, "main decode to be decoding")
     await crash(main)  # no goodbye on NATS, the bulk port closes, decoding stops mid-stream
     started = time.monotonic()
     status, body = await asyncio.wait_for(request, 20)
