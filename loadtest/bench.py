@@ -24,6 +24,7 @@ import numpy as np
 
 from infra import launcher
 from infra.nats_server import free_port
+from loadtest.bench_intervals import ModeRun, Runs, ratio_intervals
 from loadtest.client import RequestRecord
 from loadtest.runner import run_trace
 from loadtest.trace import generate_trace, load_trace, save_trace
@@ -121,6 +122,26 @@ def run_mode(mode: str, trace, args) -> tuple[list[RequestRecord], float, int]:
         launcher.down(run_dir, quiet=True)
 
 
+def interleaved(modes: list[str], repetition: int) -> list[str]:
+    """The modes in repetition ``repetition``'s order: rotated by one each time, so no mode is
+    always first (on a fresh machine) or always last."""
+    shift = repetition % len(modes)
+    return modes[shift:] + modes[:shift]
+
+
+def pooled_summary(mode: str, repetitions: list[dict], runs: list[ModeRun], args) -> dict:
+    """A mode's figures over every repetition: latencies and shares over all requests, goodput
+    over the summed wall time, byte counts as the mean per repetition (one trace's worth)."""
+    records = [r for run in runs for r in run.records]
+    wall_s = sum(rep[mode]["wall_s"] for rep in repetitions)
+    summary = summarise(records, wall_s, args.ttft_slo_ms, args.itl_slo_ms)
+    summary["wan_kv_bytes"] = round(summary["wan_kv_bytes"] / len(runs))
+    link = [run.link_kv_bytes for run in runs]
+    summary["wan_link_kv_bytes"] = None if None in link else round(sum(link) / len(link))
+    summary["repetitions"] = len(runs)
+    return summary
+
+
 def bench_trace(args):
     """The trace ``args`` describe: ``--trace`` read back, or generated from the seed."""
     if getattr(args, "trace", None):
@@ -141,13 +162,22 @@ def run_bench(args) -> dict:
     if args.url:
         return _run_endpoint(args, trace, out, results, started)
     args.model = args.model or "smollm2"
+    runs: Runs = {mode: [] for mode in args.modes}
+    for repetition in range(args.repeat):
+        for mode in interleaved(args.modes, repetition):
+            print(f"mode {mode} (repetition {repetition + 1}/{args.repeat}): {len(trace)} requests", flush=True)
+            mode_records, wall_s, link_bytes = run_mode(mode, trace, args)
+            for record in mode_records:
+                record.repetition = repetition
+            runs[mode].append(ModeRun(mode_records, link_bytes))
+            summary = summarise(mode_records, wall_s, args.ttft_slo_ms, args.itl_slo_ms)
+            summary["wan_link_kv_bytes"] = link_bytes
+            results.setdefault("repetitions", [{} for _ in range(args.repeat)])[repetition][mode] = summary
+            print(f"  {json.dumps(summary['ttft_ms'])} errors={summary['errors']}", flush=True)
     for mode in args.modes:
-        print(f"mode {mode}: {len(trace)} requests", flush=True)
-        records[mode], wall_s, link_bytes = run_mode(mode, trace, args)
-        results["modes"][mode] = summarise(records[mode], wall_s, args.ttft_slo_ms, args.itl_slo_ms)
-        results["modes"][mode]["wan_link_kv_bytes"] = link_bytes
-        print(f"  {json.dumps(results['modes'][mode]['ttft_ms'])} errors={results['modes'][mode]['errors']}",
-              flush=True)
+        results["modes"][mode] = pooled_summary(mode, results["repetitions"], runs[mode], args)
+        records[mode] = [r for run in runs[mode] for r in run.records]
+    results["intervals"] = ratio_intervals(runs, seed=args.seed)
     from loadtest.handoff_microbench import run_handoff_microbench
     from shared.model_loader import load_model
     from infra.wan_link import parse_profile
@@ -223,6 +253,8 @@ def add_bench_run_parser(bench_kinds):
                      "smollm2); with --url the model name sent (default: the first /models lists)")
     run.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES),
                      help=f"deployments to compare (default: {' '.join(DEFAULT_MODES)})")
+    run.add_argument("--repeat", type=int, default=1, help="repetitions of every mode, interleaved; ratios "
+                     "are reported as a median with a 90%% bootstrap interval (default 1)")
     run.add_argument("--trace", default=None, help="replay a JSONL trace instead of generating one")
     run.add_argument("--sessions", type=int, default=None, help="sessions in the generated trace")
     run.add_argument("--turns", type=int, default=None, help="turns per session in the generated trace")

@@ -24,6 +24,7 @@ class RequestRecord:
         text: The answer.
         pdd: The response's ``pdd`` object.
         error: The error message, if the request failed.
+        repetition: Which repetition of ``pdd bench run --repeat`` it belongs to (from 0).
     """
 
     session: int
@@ -37,6 +38,7 @@ class RequestRecord:
     text: str = ""
     pdd: dict = field(default_factory=dict)
     error: str | None = None
+    repetition: int = 0
 
 
 def auth_headers() -> dict[str, str]:

@@ -108,6 +108,7 @@ def render(results: dict) -> str:
                      if comp and link else "– | –")
             lines.append(f"| {label} | {row['payload_bytes']} | {lat['mean']} | {lat['max']} | "
                          f"{lat['std']} | {split} |")
+    lines += render_intervals(results.get("intervals", {}))
     lines += ["", "## Checks", ""] + [f"- {check}" for check in checks(results)]
     lines += ["", "Plots: `ttft_cdf.png`, `wan_bytes.png`, `relay_timeline.png`.", ""]
     return "\n".join(lines)
@@ -125,8 +126,32 @@ def wan_bytes(mode: dict) -> int | None:
     return mode.get("wan_link_kv_bytes") or mode.get("wan_kv_bytes")
 
 
+def _rld_share_why(pdd: dict) -> str:
+    """Why the relay's share of output tokens is high, from the mode's own counts."""
+    relayed = pdd["pipelines"].get("P-RLD-MD", 0)
+    on_rld = pdd.get("finished_on", {}).get("RLD", 0)
+    return (f"; why: {relayed} of {pdd['requests']} requests were relayed and {on_rld} of them "
+            f"ended on the relay — with ~{pdd.get('mean_output_tokens')} output tokens a relayed "
+            "answer is done before its KV lands, and a follow-up sent right after finds main "
+            "decode's cache still behind the in-flight transfer, so it is relayed again")
+
+
+def render_intervals(intervals: dict) -> list[str]:
+    """The ratios table: median over repetitions, 90 % bootstrap interval, verdict."""
+    if not intervals:
+        return []
+    lines = ["", "## Ratios (median over repetitions, 90 % bootstrap interval)", "",
+             "| ratio | median | 90 % interval | per repetition | target | verdict |", "|---|---|---|---|---|---|"]
+    for figure in intervals.values():
+        target = "–" if figure["target"] is None else f"<= {figure['target']}"
+        lines.append(f"| {figure['label']} | {figure['median']:.3f} | [{figure['low']:.3f}, {figure['high']:.3f}] | "
+                     f"{', '.join(f'{v:.3f}' for v in figure['per_repetition'])} | {target} | {figure['verdict']} |")
+    return lines
+
+
 def checks(results: dict) -> list[str]:
-    """The issue's acceptance figures, each marked met or missed, never tuned."""
+    """The issue's acceptance figures, each judged on its interval (MET, MISSED or UNDECIDED),
+    never tuned."""
     modes, out = results["modes"], []
 
     def p99(mode):
@@ -135,32 +160,18 @@ def checks(results: dict) -> list[str]:
     def line(ok, text):
         out.append(("MET: " if ok else "MISSED: ") + text)
 
-    if p99("pdd") and p99("cross-site-pd-drc"):
-        ratio = p99("pdd") / p99("cross-site-pd-drc")
-        line(ratio <= 0.5, f"PDD P99 TTFT / cross-site PD with DRC = {ratio:.2f} (target <= 0.5)")
     if p99("pdd") and p99("pdd-plaintext"):
         p50 = modes["pdd"]["ttft_ms"]["p50"] / modes["pdd-plaintext"]["ttft_ms"]["p50"]
         out.append(f"MEASURED: encryption (NATS TLS + nkeys, mutual TLS on the WAN bulk path): PDD / PDD "
                    f"plaintext TTFT p50 = {p50:.2f}, p99 = {p99('pdd') / p99('pdd-plaintext'):.2f}")
-    if p99("pdd") and p99("same-site"):
-        ratio = p99("pdd") / p99("same-site")
-        line(ratio <= 1.5, f"PDD P99 TTFT / same-site = {ratio:.2f} (target <= 1.5)")
-    full, drc = wan_bytes(modes.get("cross-site-pd", {})), wan_bytes(modes.get("cross-site-pd-drc", {}))
-    if full and drc is not None:
-        line(drc <= 0.3 * full, f"DRC WAN bytes / full transfer = {drc / full:.2f} (target <= 0.30; "
-                                "bytes counted on the WAN link)")
-    if "pdd" in modes:
-        pdd = modes["pdd"]
-        share = pdd["rld_token_share"]
-        why = ""
-        if share > 0.2:
-            relayed = pdd["pipelines"].get("P-RLD-MD", 0)
-            on_rld = pdd.get("finished_on", {}).get("RLD", 0)
-            why = (f"; why: {relayed} of {pdd['requests']} requests were relayed and {on_rld} of them "
-                   f"ended on the relay — with ~{pdd.get('mean_output_tokens')} output tokens a relayed "
-                   "answer is done before its KV lands, and a follow-up sent right after finds main "
-                   "decode's cache still behind the in-flight transfer, so it is relayed again")
-        line(share <= 0.2, f"RLD token share = {share:.3f} (target <= 0.20){why}")
+    intervals = results.get("intervals", {})
+    for name, figure in intervals.items():
+        if figure["target"] is None:
+            continue
+        why = _rld_share_why(modes["pdd"]) if name == "rld_token_share" and figure["verdict"] != "MET" else ""
+        out.append(f"{figure['verdict']}: {figure['label']} = {figure['median']:.3f}, 90% interval "
+                   f"[{figure['low']:.3f}, {figure['high']:.3f}] over {len(figure['per_repetition'])} "
+                   f"repetition(s) (target <= {figure['target']}){why}")
     micro = results.get("handoff_microbench")
     if micro:
         ids, kv = micro["token_ids"], micro["incremental_kv"]

@@ -1,0 +1,65 @@
+"""The benchmark's ratios over repetitions: medians, bootstrap intervals, verdicts, mode order."""
+
+import random
+
+import numpy as np
+import pytest
+
+from loadtest.bench import interleaved
+from loadtest.bench_intervals import ModeRun, ratio_intervals, verdict
+from loadtest.client import RequestRecord
+
+
+def records(ttfts, eager=0, output=24):
+    return [RequestRecord(0, i, "warm", ttft_ms=t, output_tokens=output, pdd={"eager_tokens": eager})
+            for i, t in enumerate(ttfts)]
+
+
+def runs(scale_pdd: float, repetitions: int = 3, seed: int = 0):
+    rng = random.Random(seed)
+    out = {"pdd": [], "cross-site-pd-drc": [], "cross-site-pd": [], "same-site": []}
+    for _ in range(repetitions):
+        base = [rng.lognormvariate(7, 0.6) for _ in range(21)]
+        out["cross-site-pd-drc"].append(ModeRun(records(base), 270_000_000))
+        out["cross-site-pd"].append(ModeRun(records([t * 3 for t in base]), 940_000_000))
+        out["same-site"].append(ModeRun(records([t * 0.5 for t in base]), 0))
+        out["pdd"].append(ModeRun(records([t * scale_pdd for t in base], eager=3), 260_000_000))
+    return out
+
+
+def test_each_ratio_is_the_median_of_its_repetitions_with_an_interval_around_it():
+    measured = runs(0.4)
+    intervals = ratio_intervals(measured, samples=400)
+    p99 = intervals["pdd_vs_drc_ttft_p99"]
+    direct = [np.percentile([r.ttft_ms for r in p.records], 99) / np.percentile([r.ttft_ms for r in d.records], 99)
+              for p, d in zip(measured["pdd"], measured["cross-site-pd-drc"])]
+    assert p99["per_repetition"] == pytest.approx(direct, abs=1e-3)
+    assert p99["median"] == pytest.approx(float(np.median(direct)), abs=1e-3)
+    assert p99["low"] <= p99["median"] <= p99["high"]
+    assert intervals["drc_vs_full_wan_bytes"]["median"] == pytest.approx(270 / 940, abs=1e-3)
+    assert intervals["rld_token_share"]["median"] == pytest.approx(3 / 24, abs=1e-3)
+
+
+def test_a_target_is_judged_on_the_whole_interval():
+    assert verdict(0.3, 0.45, 0.5) == "MET"
+    assert verdict(0.55, 0.7, 0.5) == "MISSED"
+    assert verdict(0.4, 0.6, 0.5) == "UNDECIDED"
+    assert verdict(0.4, 0.6, None) == "MEASURED"
+    # PDD's P99 exactly half of DRC's in every repetition, but 21 requests each: the interval straddles 0.5
+    assert ratio_intervals(runs(0.5), samples=400)["pdd_vs_drc_ttft_p99"]["verdict"] == "UNDECIDED"
+    assert ratio_intervals(runs(1.0), samples=400)["pdd_vs_drc_ttft_p99"]["verdict"] == "MISSED"
+    assert ratio_intervals(runs(0.2), samples=400)["pdd_vs_drc_ttft_p99"]["verdict"] == "MET"
+
+
+def test_more_repetitions_narrow_the_interval():
+    few = ratio_intervals(runs(0.5, repetitions=1), samples=400)["pdd_vs_same_site_ttft_p99"]
+    many = ratio_intervals(runs(0.5, repetitions=8), samples=400)["pdd_vs_same_site_ttft_p99"]
+    assert len(many["per_repetition"]) == 8
+    assert many["high"] - many["low"] < few["high"] - few["low"]
+
+
+def test_repetitions_rotate_the_mode_order():
+    modes = ["a", "b", "c", "d"]
+    orders = [interleaved(modes, r) for r in range(4)]
+    assert orders[0] == modes and orders[1] == ["b", "c", "d", "a"]
+    assert {order[0] for order in orders} == set(modes)
