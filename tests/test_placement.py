@@ -97,3 +97,18 @@ def test_without_a_live_main_decoder_the_relay_serves_alone():
     with_main = place(relay_registry(main_decodes=1), {}, num_prompt_tokens=80, block_size=BLOCK_SIZE,
                       kv_bytes_per_token=100, wan=FAST_WAN, ttft_target_s=1.0)
     assert with_main.pipeline == "P-MD"
+
+
+def test_a_conversation_stays_on_the_decoder_whose_cache_keeps_its_kv_off_the_wan():
+    # 64K-token context: the cached decoder's requests hold more blocks than the prompt has, the
+    # other decoder is idle but lacks the whole prompt (8.6 GB, 2.7 s on this link, past the target)
+    registry = registry_with(main_decodes=2, used_blocks={"main-decode-0": 4000})
+    slow_wan = WanEstimate(bandwidth_bps=25e9, rtt_s=0.02)
+    placement = place(registry, {"main-decode-0": 3800}, num_prompt_tokens=4096 * BLOCK_SIZE,
+                      block_size=BLOCK_SIZE, kv_bytes_per_token=2 * 65536, wan=slow_wan, ttft_target_s=0.5)
+    assert placement.main_decode.instance_id == "main-decode-0"
+    assert placement.predicted_wan_s <= 0.5
+    # without a decoder that could take it in time, the cheaper one in blocks still wins
+    far = place(registry, {"main-decode-0": 1000}, num_prompt_tokens=4096 * BLOCK_SIZE,
+                block_size=BLOCK_SIZE, kv_bytes_per_token=2 * 65536, wan=slow_wan, ttft_target_s=0.5)
+    assert far.main_decode.instance_id == "main-decode-1"

@@ -6,7 +6,11 @@ only while no main decoder is live (site B unreachable): serving at site A beats
 
 Among prefill or main decode instances the cheapest wins, cost counted in KV blocks: the
 prompt blocks the instance lacks (to compute, or to receive over the WAN) plus the blocks
-its running requests hold. A cached prefix therefore draws requests to its instance only
+its running requests hold. Main decoders whose missing KV would cross the WAN within the
+TTFT target go first: with long contexts one running request holds as many blocks as a
+whole prompt, and sending a conversation away from the decoder that caches it would ship
+gigabytes and push the request onto the relay (the simulator showed a third of 64K-token
+requests misplaced that way). A cached prefix therefore draws requests to its instance only
 while that instance is not busier by more than the prefix saves: a system prompt shared by
 all traffic cannot pin every request on one decoder. Equal costs go to the instance that
 was placed on least recently. Relays, whose work is decode steps, go to the fewest
@@ -123,11 +127,16 @@ def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens
     prefill = _pick(prefills, hits, num_prompt_blocks)
     if not mains:
         return _relay_only(prefill, relays, num_prompt_blocks)
-    main = _pick(_with_room(mains) or mains, hits, num_prompt_blocks)
+    def missing_bytes_at(state: InstanceState) -> int:
+        cached = hits.get(state.report.instance.instance_id, 0)
+        return max(0, num_prompt_tokens - cached * block_size) * kv_bytes_per_token
+
+    candidates = _with_room(mains) or mains
+    quick = [s for s in candidates if wan.transfer_s(missing_bytes_at(s)) <= ttft_target_s]
+    main = _pick(quick or candidates, hits, num_prompt_blocks)
     relays = _with_room(relays)
     cached_blocks = hits.get(main.report.instance.instance_id, 0)
-    missing_tokens = max(0, num_prompt_tokens - cached_blocks * block_size)
-    missing_bytes = missing_tokens * kv_bytes_per_token
+    missing_bytes = missing_bytes_at(main)
     predicted_s = wan.transfer_s(missing_bytes)
     relay = None
     odd = policy == "auto" and odd_rule is not None and odd_rule.is_odd(max_tokens, predicted_s)

@@ -143,7 +143,7 @@ class RequestFlow:
             UpstreamFailed, UpstreamTimeout: the request cannot complete (after at most
                 ``max_recoveries`` resumptions).
         """
-        self.registry.assign(self.placement.instance_ids, self.placement.num_prompt_blocks)
+        self._assign(self.placement)
         completed = False
         try:
             while True:
@@ -157,10 +157,20 @@ class RequestFlow:
                 await self._cancel_wan_transfer()
             completed = True
         finally:
-            self.registry.release(self.placement.instance_ids, self.placement.num_prompt_blocks)
+            self._release(self._counted)
             self.mailbox.close(self.attempt_id)
             await self._cancel(self.attempt_id, "finished" if completed else "stop",
                                "request finished" if completed else "client gone or request failed")
+
+    def _assign(self, placement):
+        """Count the request on the instances it runs on (placement weighs their load)."""
+        self._counted = list(placement.instance_ids)
+        self.registry.assign(self._counted, placement.num_prompt_blocks)
+
+    def _release(self, instance_ids: list[str]):
+        """Stop counting the request on ``instance_ids``."""
+        self.registry.release(instance_ids, self.placement.num_prompt_blocks)
+        self._counted = [i for i in self._counted if i not in instance_ids]
 
     async def _attempt_tokens(self) -> AsyncIterator[list[int]]:
         self._queue = self.mailbox.open(self.attempt_id)
@@ -189,8 +199,8 @@ class RequestFlow:
         failed_id = self.attempt_id
         self.mailbox.close(failed_id)
         await self._cancel(failed_id, "kill", f"recovering from {failure.instance_id}: {failure.reason}")
-        self.registry.release(self.placement.instance_ids, self.placement.num_prompt_blocks)
-        self.registry.assign(placement.instance_ids, placement.num_prompt_blocks)
+        self._release(self._counted)
+        self._assign(placement)
         self._wan_bytes_before = self.outcome.wan_kv_bytes
         self.log.forget_pending()
         self.attempt += 1
@@ -317,6 +327,8 @@ class RequestFlow:
         if isinstance(event, RequestFailed):
             self._on_failure(event)
         elif isinstance(event, PrefillCompleted):
+            if prefill in self._counted:  # its work for the request is done: it is free for the next
+                self._release([prefill])
             self.wan.add_rtt(event.wan_rtt_s)
             if self.attempt == 0:  # what the client's prompt reused (a recovery's prefill is ours)
                 self.outcome.prefill_cached_tokens = event.cached_tokens
