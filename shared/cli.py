@@ -94,8 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     from infra.serve import add_serve_parsers
     from infra.wan_control import add_wan_parsers
 
+    from loadtest.sim.commands import add_sim_parsers
+
     add_serve_parsers(commands)
     add_wan_parsers(commands)
+    add_sim_parsers(commands)
     for name, helptext in (("up", "start the two-site deployment"), ("demo", "up, agent conversation, down")):
         _add_up_args(commands.add_parser(name, help=helptext))
     commands.add_parser("down", help="stop the deployment").add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
@@ -437,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                 "status": cmd_status, "wan": cmd_wan, "serve": cmd_serve, "demo": cmd_demo,
                 "restart": cmd_restart, "secrets": cmd_secrets, "install-tokenizer": cmd_install_tokenizer, "supervise": cmd_supervise, "chaos": cmd_chaos}
     try:
-        return handlers[args.command](args)
+        return (handlers.get(args.command) or args.handler)(args)
     except (PddError, ValueError) as exc:
         print(f"pdd: error: {exc}", file=sys.stderr)
         return 2

@@ -64,7 +64,7 @@ async def test_client_records_errors_instead_of_raising(make_stack):
     assert record.error.startswith("HTTP 404")
 
 
-def test_bench_run_writes_results_report_and_plots(tmp_path):
+def test_bench_run_writes_results_report_and_plots_and_the_simulator_replays_it(tmp_path):
     pdd = str(Path(sys.executable).parent / "pdd")
     result = subprocess.run([pdd, "bench", "run", "--out", str(tmp_path), "--model", "tiny",
                              "--sessions", "2", "--turns", "2", "--cold-lines", "12",
@@ -88,3 +88,39 @@ def test_bench_run_writes_results_report_and_plots(tmp_path):
     assert "| cross-site-pd |" in report and "## Checks" in report
     for plot in ("ttft_cdf.png", "wan_bytes.png", "relay_timeline.png"):
         assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
+    assert results["intervals"]["rld_token_share"]["per_repetition"] == [results["modes"]["pdd"]["rld_token_share"]]
+    assert "## Ratios" in report
+    _check_the_simulator_replays(pdd, tmp_path, results)
+
+
+def _check_the_simulator_replays(pdd: str, run: Path, results: dict):
+    """``pdd profile`` on this machine, then ``pdd sim validate`` of the run just measured."""
+    from loadtest.runner import SYSTEM
+    from loadtest.sim.workload import from_trace
+    from shared.model_loader import load_metadata
+
+    profile = run / "profile.json"
+    measured = subprocess.run([pdd, "profile", "--model", "tiny", "--quick", "--out", str(profile)],
+                              capture_output=True, text=True, timeout=300)
+    assert measured.returncode == 0, measured.stderr[-2000:]
+    fit = json.loads(profile.read_text())
+    assert fit["shared_host_speed"]["2"] > 0 and len(fit["cost_model"]["coefficients"]) == 5
+    replay = subprocess.run([pdd, "sim", "validate", str(run), "--profile", str(profile), "--json"],
+                            capture_output=True, text=True, timeout=300)
+    assert replay.returncode == 0, replay.stderr[-2000:]
+    modes = json.loads(replay.stdout)["modes"]
+    assert set(modes) == {"cross-site-pd", "pdd"}
+    metrics = {"ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "wan_kv_bytes", "rld_token_share", "goodput_rps"}
+    for figures in modes.values():
+        assert metrics <= set(figures)
+        assert all({"predicted", "measured", "rel_error"} <= set(figures[m]) for m in metrics)
+    # the simulated deployment ships what the real one shipped: the whole prompt, every turn
+    cross = modes["cross-site-pd"]["wan_kv_bytes"]
+    assert cross["measured"] == results["modes"]["cross-site-pd"]["wan_link_kv_bytes"]
+    assert abs(cross["rel_error"]) < 0.05
+    # the trace, tokenized as the client sends it: first turns have exactly the router's prompt count
+    records = json.loads((run / "records.json").read_text())["pdd"]
+    workload = from_trace(load_trace(run / "trace.jsonl"), load_metadata("tiny").tokenizer, 16, concurrency=2,
+                          system_prompt=SYSTEM)
+    first_turns = {r.session: r.prompt_tokens for r in workload.requests if r.turn == 0}
+    assert first_turns == {r["session"]: r["prompt_tokens"] for r in records if r["turn"] == 0}

@@ -1,0 +1,129 @@
+"""The bulk channel, simulated: flow opening, room at the receiver, in-flight dedupe, shipping
+from the first needed token, and frame-by-frame import on the receiver's engine thread."""
+
+import math
+from collections import defaultdict, deque
+
+from loadtest.sim.flight import Flight
+from loadtest.sim.instance import SimEngine
+from shared.config import PrefillConfig
+
+FRAME_TOKENS = PrefillConfig().frame_tokens
+"""Tokens per KV wire frame, as prefill sends them."""
+
+
+class KvFlows:
+    """Every KV flow of one simulation (``sim``: the ``Simulator`` it belongs to)."""
+
+    def __init__(self, sim):
+        self.sim, self.d, self.events = sim, sim.d, sim.events
+        self.by_name, self.wan, self.local = sim.by_name, sim.wan, sim.local
+        self.held: dict[str, int] = defaultdict(int)
+        self._claims: dict[str, dict[int, list]] = {}
+        self._room_waiters: dict[str, deque] = defaultdict(deque)
+
+    def open(self, flight: Flight, receiver: SimEngine, path: str):
+        """The receiver answers a flow's opening with the first token it needs, after earlier
+        flows bringing this prompt's blocks have landed (the importer's in-flight dedupe)."""
+        if path == "md":
+            claims = self._claims.setdefault(receiver.name, {}).setdefault(flight.request.session, [])
+            earlier = claims[-1] if claims else None
+            claims.append(flight)
+            if earlier is not None:
+                earlier.waiters.append(lambda: self._when_room(flight, receiver, path))
+                return
+        self._when_room(flight, receiver, path)
+
+    def _when_room(self, flight: Flight, receiver: SimEngine, path: str):
+        """The receiver reserves the request's blocks once it has room (the importer's wait:
+        fewer than ``max_sequences`` held and the blocks free)."""
+        blocks = self.sim.blocks(flight.request)
+        if self.held[receiver.name] < receiver.max_sequences and receiver.pool.fits(blocks):
+            self.held[receiver.name] += 1
+            flight.held[path] = receiver
+            waited = self.events.now - flight.room_asked_s.pop(path, self.events.now)
+            flight.result.room_wait_s[path] = waited
+            self._flow_open_reply(flight, receiver, path)
+        else:
+            flight.room_asked_s.setdefault(path, self.events.now)
+            self._room_waiters[receiver.name].append(lambda: self._when_room(flight, receiver, path))
+
+    def release_room(self, flight: Flight, path: str = "md"):
+        """The request no longer holds the receiver's blocks: wake the oldest flow waiting."""
+        receiver = flight.held.pop(path, None)
+        if receiver is None:
+            return
+        self.held[receiver.name] -= 1
+        waiters = self._room_waiters[receiver.name]
+        if waiters:
+            waiters.popleft()()
+
+    def _flow_open_reply(self, flight: Flight, receiver: SimEngine, path: str):
+        """The importer's prefix lookup and ``begin_import`` are engine-thread calls."""
+        receiver.add_serial(0.0, lambda: receiver.add_serial(0.0, lambda: self._reply(flight, receiver, path)))
+
+    def _reply(self, flight: Flight, receiver: SimEngine, path: str):
+        request = flight.request
+        first = receiver.pool.hit_blocks(request.session, request.prompt_blocks(self.d.block_size)) * self.d.block_size
+        first = min(first, request.prompt_tokens)
+        flight.opened_s = self.events.now
+        latency = self.sim.one_way() if path == "md" else self.d.local_latency_s
+        self.events.after(latency, lambda: self._opened(flight, path, first))
+
+    def _opened(self, flight: Flight, path: str, first: int):
+        flight.first_needed[path] = first
+        if path == "md":
+            flight.handshake_s = self.events.now - flight.prefill_started_s
+        self.maybe_ship(flight, path)
+
+    def maybe_ship(self, flight: Flight, path: str):
+        """Export from the receiver's first needed token (once per start index) and send."""
+        if not flight.prefilled or path not in flight.first_needed or path in flight.shipped:
+            return
+        flight.shipped.add(path)
+        first = flight.first_needed[path]
+        num_bytes = (flight.request.prompt_tokens - first) * self.d.kv_bytes_per_token
+        export_s = 0.0 if first in flight.exported else self.by_name[flight.placement.prefill.instance_id].cost.export_s(num_bytes)
+        flight.exported.add(first)
+        prefill = self.by_name[flight.placement.prefill.instance_id]
+        prefill.add_serial(export_s, lambda: self._send(flight, path, num_bytes))
+
+    def _send(self, flight: Flight, path: str, num_bytes: int):
+        if path == "relay":
+            relay = self.by_name[flight.placement.relay_decode.instance_id]
+            self.local.send(num_bytes, lambda _: self.import_kv(relay, num_bytes, lambda: self.sim.relay.start(flight, relay)))
+            return
+        if flight.odd.state.value == "wan_cancelled":
+            self.claim_done(flight)
+            self.release_room(flight)
+            return
+        if self.sim.md_remote():
+            flight.result.wan_kv_bytes = num_bytes
+            flight.send_s = self.events.now
+            flight.wan_flow = self.wan.send(num_bytes, lambda bps: self.sim.md_landed(flight, num_bytes, bps))
+        else:
+            self.local.send(num_bytes, lambda bps: self.sim.md_landed(flight, num_bytes, bps))
+
+    def claim_done(self, flight: Flight):
+        """The flow's import ended (landed or cancelled): flows waiting behind it may open."""
+        flight.md_ready = True
+        claims = self._claims[self.sim.main_of(flight).name][flight.request.session]
+        if flight in claims:
+            claims.remove(flight)
+        waiters, flight.waiters = flight.waiters, []
+        for wake in waiters:
+            wake()
+
+    def import_kv(self, receiver: SimEngine, num_bytes: int, then):
+        """Frame by frame (one engine call each, ``FRAME_TOKENS`` tokens a frame), then
+        ``finish_import``: each call waits for the step running when it is made."""
+        frames = max(1, math.ceil(num_bytes / (FRAME_TOKENS * self.d.kv_bytes_per_token)))
+        per_frame_s = receiver.cost.import_s(num_bytes) / frames
+
+        def frame(left: int):
+            if left == 0:
+                receiver.add_serial(0.0, then)  # finish_import
+            else:
+                receiver.add_serial(per_frame_s, lambda: frame(left - 1))
+
+        frame(frames)

@@ -1,0 +1,173 @@
+"""The simulator's parts and its request path, driven by the router's and relay's own policies."""
+
+import pytest
+
+from loadtest.sim.cost_model import LinearCostModel, nonnegative_least_squares, step_features
+from loadtest.sim.deployment import Deployment, RolePool
+from loadtest.sim.events import EventQueue
+from loadtest.sim.instance import Chunked, DecodeSeq, SimEngine
+from loadtest.sim.kv_pool import SimKvPool
+from loadtest.sim.network import LinkSpec, WanPipe
+from loadtest.sim.simulator import Simulator
+from loadtest.sim.workload import SimRequest, Workload, from_records
+
+# a SmolLM2-like engine on a 2-core CPU: 80 ms per decode step, ~1.6 ms per prompt token
+COST = LinearCostModel((0.08, 0.0016, 1e-6, 0.004, 5e-6), 1e9, 5e9, 46080)
+BLOCK = 16
+
+
+def deployment(link: LinkSpec = LinkSpec(100e6, 0.04, 0.005), **overrides) -> Deployment:
+    role = RolePool(1, COST, 512 * (1 << 20) // (BLOCK * 46080))
+    settings = dict(md_site="site-b", pipeline_policy="auto", md_prefix_cache=True, host_cores=2,
+                    initial_wan_bps=link.bandwidth_bps, initial_wan_rtt_s=link.rtt_s)
+    settings.update(overrides)
+    return Deployment(role, role, role, link, BLOCK, 46080, **settings)
+
+
+def agent_records(sessions: int = 3, turns: int = 4, output: int = 24, odd: int = 0) -> list[dict]:
+    records = []
+    for session in range(sessions):
+        prompt = 850
+        for turn in range(turns):
+            records.append({"session": session, "turn": turn, "kind": "cold" if turn == 0 else "warm",
+                            "prompt_tokens": prompt, "output_tokens": output})
+            prompt += output + 45
+    for i in range(odd):
+        records.append({"session": 100 + i, "turn": 0, "kind": "odd", "prompt_tokens": 850, "output_tokens": 2})
+    return records
+
+
+def run(records, **overrides):
+    simulator = Simulator(deployment(**overrides))
+    result = simulator.run(from_records(records, BLOCK, 2, "test"))
+    return simulator, result
+
+
+def test_wan_pipe_shares_its_rate_and_counts_what_a_cancelled_flow_sent():
+    events = EventQueue()
+    pipe = WanPipe(events, LinkSpec(8e6, 0.0, 0.0))  # 1 MB/s, no latency
+    landed = {}
+    pipe.send(1_000_000, lambda bps: landed.setdefault("a", events.now))
+    pipe.send(1_000_000, lambda bps: landed.setdefault("b", events.now))
+    cancelled = pipe.send(1_000_000, lambda bps: landed.setdefault("c", events.now))
+    events.at(1.5, lambda: pipe.cancel(cancelled))  # each got 0.5 MB by then
+    events.run()
+    assert "c" not in landed
+    # after the cancel two flows share 1 MB/s for their remaining 0.5 MB each
+    assert landed["a"] == pytest.approx(2.5) and landed["b"] == pytest.approx(2.5)
+    assert pipe.bytes_carried == pytest.approx(2_500_000, rel=1e-6)
+
+
+def test_kv_pool_evicts_the_least_recently_used_chain_from_its_tail():
+    pool = SimKvPool(10)
+    for session, chain in ((1, (1, 2, 3, 4)), (2, (5, 6, 7, 8))):
+        pool.pin(session, 4)
+        pool.unpin(session, 4, chain)
+    pool.pin(1, 4)  # session 1 is used again: session 2 is now the older
+    pool.pin(3, 4)  # 8 of 10 blocks held by running requests: two of session 2's four idle ones go
+    assert pool.hit_blocks(2, (5, 6, 7, 8)) == 2
+    assert pool.hit_blocks(1, (1, 2, 3, 4, 9)) == 4
+    assert pool.hit_blocks(1, (1, 2, 7)) == 2  # a prefix hit stops where the chains differ
+
+
+def test_engine_runs_decode_as_macro_steps_and_new_work_joins_at_a_step_boundary():
+    events = EventQueue()
+    engine = SimEngine(events, "md-0", "main_decode", "site-b", COST, SimKvPool(1000), max_sequences=4)
+    tokens = []
+    seq = DecodeSeq(None, 10, 100, lambda s, n, first, gap: tokens.append((n, first, gap)), lambda s: None)
+    engine.add_decode(seq)
+    step_s = COST.step_s([], 1, 100)
+    done = []
+    events.at(2.5 * step_s, lambda: engine.add_chunked(Chunked(50, 100, lambda: done.append(events.now))))
+    events.run()
+    assert seq.remaining == 0 and sum(n for n, _, _ in tokens) == 10
+    # the chunk waited for the third step's end, then shared the fourth step with the decode
+    assert done[0] == pytest.approx(3 * step_s + COST.step_s([(50, 100)], 1, 103), rel=1e-3)
+
+
+def test_cold_turns_are_relayed_and_warm_follow_ups_go_straight_to_main_decode():
+    simulator, result = run(agent_records())
+    by_turn = {(r.session, r.turn): r for r in result.requests}
+    assert len(result.requests) == 12
+    for session in range(3):
+        cold = by_turn[(session, 0)]
+        assert cold.pipeline == "P-RLD-MD" and cold.eager_tokens > 1  # the relay streamed while KV crossed
+        assert by_turn[(session, 3)].pipeline == "P-MD"
+    assert all(r.eager_tokens + 0 <= r.output_tokens for r in result.requests)
+
+
+def test_every_token_arrives_and_nothing_stays_held():
+    simulator, result = run(agent_records(odd=2))
+    assert len(result.requests) == 14
+    for engines in simulator.engines.values():
+        for engine in engines:
+            assert engine.pool.pinned_blocks == 0 and not engine.running and not engine.waiting
+    assert not any(simulator.flows.held.values())
+    for request in result.requests:
+        delivered = 1 + sum(n for _, n in request.gaps)
+        assert delivered == request.output_tokens
+
+
+def test_odd_requests_finish_on_the_relay_with_their_wan_transfer_cancelled():
+    simulator, result = run(agent_records(sessions=1, turns=1, odd=1))
+    odd = next(r for r in result.requests if r.kind == "odd")
+    assert odd.finished_on == "RLD" and odd.wan_cancelled
+    prompt_kv_bytes = 850 * 46080
+    # the cold turn's KV crossed whole; the odd one's was cut short
+    assert prompt_kv_bytes <= result.wan_bytes < 2 * prompt_kv_bytes
+
+
+def test_a_long_relayed_answer_is_handed_over_in_catch_up_chunks():
+    # 39 MB over 20 Mbit/s: ~16 s, so the relay is far ahead when main decode holds the prompt
+    simulator, result = run(agent_records(sessions=1, turns=1, output=400), link=LinkSpec(20e6, 0.04, 0.0))
+    (request,) = result.requests
+    assert request.pipeline == "P-RLD-MD" and request.finished_on == "MD"
+    assert request.handoff_mode == "catch-up"
+
+
+def test_the_decode_side_cache_cuts_wan_bytes_and_the_same_site_floor_has_none():
+    records = agent_records()
+    _, full = run(records, pipeline_policy="P-MD", md_prefix_cache=False)
+    _, drc = run(records, pipeline_policy="P-MD")
+    _, same = run(records, pipeline_policy="P-MD", md_site="site-a")
+    assert drc.wan_bytes < 0.4 * full.wan_bytes
+    assert same.wan_bytes == 0
+    assert full.wan_bytes == sum(r["prompt_tokens"] for r in records) * 46080
+
+
+def test_open_loop_sessions_run_their_turns_in_order():
+    requests = [SimRequest(0, t, "warm", 200 + 40 * t, 8, 8, tuple(range(1, (240 + 40 * t) // BLOCK + 1)), 1.0)
+                for t in range(3)]
+    simulator = Simulator(deployment())
+    result = simulator.run(Workload(requests, 0, "open"))
+    arrivals = [r.arrival_s for r in sorted(result.requests, key=lambda r: r.turn)]
+    ends = [r.arrival_s + r.e2e_s for r in sorted(result.requests, key=lambda r: r.turn)]
+    assert arrivals[0] == pytest.approx(1.0)
+    assert arrivals[1] >= ends[0] and arrivals[2] >= ends[1]
+
+
+def test_profile_fit_recovers_a_linear_cost_model():
+    truth = [0.05, 0.002, 3e-7, 0.004, 6e-6]
+    samples = [step_features([(n, c)], 0, 0) for n, c in ((64, 0), (512, 0), (2048, 0), (128, 1024), (512, 2048))]
+    samples += [step_features([], b, b * c) for b, c in ((1, 256), (4, 1024), (8, 512), (1, 2048))]
+    import numpy as np
+
+    features = np.stack(samples)
+    seconds = features @ np.asarray(truth)
+    fitted = nonnegative_least_squares(features / seconds[:, None], np.ones_like(seconds))
+    assert fitted == pytest.approx(truth, rel=1e-6)
+
+
+def test_decisions_come_from_the_routers_and_relays_own_code():
+    import loadtest.sim.relay_path as relay_module
+    import loadtest.sim.simulator as simulator_module
+    from services.relay_decode import handoff
+    from services.router import odd_traffic, placement, wan_estimate
+
+    assert simulator_module.place is placement.place
+    assert relay_module.HandoffMachine is handoff.HandoffMachine
+    assert simulator_module.OddTrafficTracker is odd_traffic.OddTrafficTracker
+    assert simulator_module.WanEstimator is wan_estimate.WanEstimator
+    # the router's threshold, changed, changes the simulated pipeline choice
+    _, relaxed = run(agent_records(sessions=1, turns=1), ttft_target_s=60.0)
+    assert [r.pipeline for r in relaxed.requests] == ["P-MD"]
