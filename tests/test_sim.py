@@ -18,7 +18,7 @@ BLOCK = 16
 
 def deployment(link: LinkSpec = LinkSpec(100e6, 0.04, 0.005), **overrides) -> Deployment:
     role = RolePool(1, COST, 512 * (1 << 20) // (BLOCK * 46080))
-    settings = dict(md_site="site-b", pipeline_policy="auto", md_prefix_cache=True, host_cores=2,
+    settings = dict(md_site="site-b", pipeline_policy="auto", md_prefix_cache=True, host_cores=2, engine_thread_io=True,
                     initial_wan_bps=link.bandwidth_bps, initial_wan_rtt_s=link.rtt_s)
     settings.update(overrides)
     return Deployment(role, role, role, link, BLOCK, 46080, **settings)

@@ -60,6 +60,9 @@ class KvFlows:
 
     def _flow_open_reply(self, flight: Flight, receiver: SimEngine, path: str):
         """The importer's prefix lookup and ``begin_import`` are engine-thread calls."""
+        if not self.d.engine_thread_io:
+            self._reply(flight, receiver, path)
+            return
         receiver.add_serial(0.0, lambda: receiver.add_serial(0.0, lambda: self._reply(flight, receiver, path)))
 
     def _reply(self, flight: Flight, receiver: SimEngine, path: str):
@@ -117,6 +120,9 @@ class KvFlows:
     def import_kv(self, receiver: SimEngine, num_bytes: int, then):
         """Frame by frame (one engine call each, ``FRAME_TOKENS`` tokens a frame), then
         ``finish_import``: each call waits for the step running when it is made."""
+        if not self.d.engine_thread_io:
+            receiver.add_serial(receiver.cost.import_s(num_bytes), then)
+            return
         frames = max(1, math.ceil(num_bytes / (FRAME_TOKENS * self.d.kv_bytes_per_token)))
         per_frame_s = receiver.cost.import_s(num_bytes) / frames
 

@@ -14,7 +14,11 @@ from dataclasses import dataclass
 from loadtest.sim.cluster import Counts, Evaluation, Setting, Sla, WorkloadSource, build, evaluate
 
 ROLES = ("prefill", "relay_decode", "main_decode")
-MAX_EVALUATIONS = 60
+MAX_EVALUATIONS = 40
+LINK_BOUND_UTILISATION = 0.7
+MAX_INSTANCES = 160
+"""A line busier than this (averaged over the whole run, drain included) is the bottleneck: more
+instances only queue more bytes on it."""
 
 
 @dataclass
@@ -100,8 +104,8 @@ def size(design: str, setting: Setting, source: WorkloadSource, rate_rps: float,
     current = run(counts)
     while not current.meets_sla and len(runs) < MAX_EVALUATIONS:
         role = _grow(design, current, sla)
-        if role is None:  # the time goes on the link: no instance count fixes it
-            break
+        if role is None or counts.prefill + counts.relay_decode + counts.main_decode >= MAX_INSTANCES:
+            break  # the time goes on the link (no instance count fixes it), or past what we try
         step = max(1, getattr(counts, role) // 8)
         counts = counts.bump(role, step)
         current = run(counts)
@@ -125,6 +129,8 @@ def _grow(design: str, evaluation: Evaluation, sla: Sla) -> str | None:
     on the link (more instances would not help)."""
     busy = {role: share for role, share in evaluation.busy_share.items() if design == "pdd" or role != "relay_decode"}
     decoders = {role: share for role, share in busy.items() if role != "prefill"}
+    if evaluation.link_utilisation >= LINK_BOUND_UTILISATION:
+        return None
     if evaluation.summary["itl_quantile_s"] > sla.itl_s:
         return max(decoders, key=decoders.get)
     waits = evaluation.slow_waits

@@ -50,7 +50,7 @@ def bench_deployment(config: dict, mode: str, cost: LinearCostModel, host_cores:
     return Deployment(role, role, role, wan,
                       BLOCK_SIZE, cost.kv_bytes_per_token, md_site=spec["md_site"],
                       pipeline_policy=spec["pipeline_policy"], md_prefix_cache=spec["md_prefix_cache"],
-                      host_cores=host_cores, host_speed=host_speed, initial_wan_bps=link.bandwidth_bps,
+                      host_cores=host_cores, host_speed=host_speed, engine_thread_io=True, initial_wan_bps=link.bandwidth_bps,
                       initial_wan_rtt_s=link.rtt_ms / 1000)
 
 
