@@ -188,7 +188,7 @@ def frontier(setting: Setting, source: WorkloadSource, rate_rps: float, sla: Sla
     rows.sort(key=lambda r: (r["cost"], r["ttft_q_ms"]))
     front, best = [], float("inf")
     for row in rows:
-        if row["ttft_q_ms"] < best:
+        if row["ttft_q_ms"] < 0.99 * best:  # a dearer row must be faster by more than noise
             front.append(row)
             best = row["ttft_q_ms"]
     return front
