@@ -115,11 +115,23 @@ def _quoted(patterns: tuple[str, ...]) -> str:
     return "[" + ", ".join(f'"{p}"' for p in patterns) + "]"
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A currently free TCP port on loopback."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A currently free TCP port on loopback, never one this process handed out before.
+
+    The kernel may give the same ephemeral port to two probes made one after the other (the
+    first is closed before the second), and a deployment picks a dozen at once: a chaos
+    redeploy once gave NATS's monitor the port it had just given a main decoder's receiver.
+    """
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def nats_server_binary() -> str:

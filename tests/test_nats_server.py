@@ -30,3 +30,25 @@ def test_start_retries_with_fresh_ports(tmp_path, taken_port):
     finally:
         process.terminate()
         process.wait(timeout=5)
+
+
+def test_free_port_never_hands_out_the_same_port_twice(monkeypatch):
+    import infra.nats_server as nats_server
+
+    offered = iter([47001, 47001, 47002])  # the kernel offers a port it just offered again
+
+    class Probe:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(offered)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(nats_server.socket, "socket", Probe)
+    assert [nats_server.free_port(), nats_server.free_port()] == [47001, 47002]
