@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loadtest.engine_bench import bench_transfer, synthetic_prompt
+from loadtest.engine_bench import _median_s, bench_transfer, synthetic_prompt
 from loadtest.sim.cost_model import LinearCostModel, linear_as_json, nonnegative_least_squares, step_features
 from shared.engine.engine import DEFAULT_MAX_BATCH_TOKENS, Engine
 from shared.engine.sampling import SamplingParams
@@ -31,10 +31,6 @@ SIZES = {
     "quick": {"cold": (32, 128), "cached": ((64, 32), (128, 64)), "decode": ((1, 64), (4, 64)),
               "extend": (8, 32), "extend_context": 64, "repeats": 1, "steps": 2, "transfer_context": 64},
 }
-
-
-def _median_s(run, repeats: int) -> float:
-    return statistics.median(run() for _ in range(repeats))
 
 
 def _timed_step(engine: Engine) -> float:

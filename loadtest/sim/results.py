@@ -4,6 +4,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from loadtest.bench import percentiles
+
 
 @dataclass
 class RequestResult:
@@ -57,27 +59,16 @@ class RequestResult:
 
 
 def _percentiles(values, weights=None) -> dict:
-    if not len(values):
-        return {"p50": None, "p90": None, "p99": None, "mean": None}
-    values = np.asarray(values, dtype=float)
-    if weights is None:
-        weights = np.ones_like(values)
+    """``pdd bench``'s p50/p90/p99/mean in ms of ``values`` (seconds); with ``weights`` (a count
+    per value, as inter-token gaps come), the weighted quantiles."""
+    if weights is None or not len(values):
+        return percentiles([v * 1000 for v in values])
+    values = np.asarray(values, dtype=float) * 1000
     order = np.argsort(values)
     values, weights = values[order], np.asarray(weights, dtype=float)[order]
     cumulative = np.cumsum(weights) / weights.sum()
-
-    def at(q):
-        return round(float(np.interp(q, cumulative, values)) * 1000, 1) if len(values) > 1 else round(values[0] * 1000, 1)
-
-    # the benchmark's percentiles are numpy's linear ones over requests; for unweighted
-    # samples use exactly those
-    if (weights == 1).all():
-        return {"p50": round(float(np.percentile(values, 50)) * 1000, 1),
-                "p90": round(float(np.percentile(values, 90)) * 1000, 1),
-                "p99": round(float(np.percentile(values, 99)) * 1000, 1),
-                "mean": round(float(values.mean()) * 1000, 1)}
-    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99),
-            "mean": round(float((values * weights).sum() / weights.sum()) * 1000, 1)}
+    at = {f"p{round(q * 100)}": round(float(np.interp(q, cumulative, values)), 1) for q in (0.5, 0.9, 0.99)}
+    return at | {"mean": round(float((values * weights).sum() / weights.sum()), 1)}
 
 
 @dataclass
@@ -121,6 +112,5 @@ class SimResult:
             "rld_token_share": round(sum(r.eager_tokens for r in done) / output, 4) if output else 0.0,
             "pipelines": pipelines,
             "finished_on": {k: sum(1 for r in done if r.finished_on == k) for k in ("MD", "RLD")},
-            "mean_prefix_hit": None,
             "wall_s": round(window_s, 1),
         }
