@@ -17,7 +17,7 @@ from infra.credentials import ensure_credentials
 from infra.wan_link import LinkProfile, Route, WanLink
 from shared.bulk.receiver import BulkReceiver
 from shared.bulk.sender import open_flow
-from shared.engine.engine import Engine
+from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.messages import FlowOpen
 from shared.tls import client_context, server_context
@@ -45,7 +45,7 @@ class _Discard:
 
 
 def _frames(loaded, num_tokens: int) -> tuple[list[int], list]:
-    engine = Engine(loaded, num_blocks=num_tokens // 16 + 4)
+    engine = HfEngine(loaded, num_blocks=num_tokens // 16 + 4)
     prompt = [(i * 7919) % 1000 + 10 for i in range(num_tokens)]
     engine.add_request("bench", prompt, SamplingParams(max_tokens=1))
     while engine.get("bench").num_kv_tokens < num_tokens:
@@ -58,7 +58,7 @@ async def _one_flow(loaded, prompt, frames, total_bytes: int, tls: bool, rate_bp
                     creds) -> tuple[float, int]:
     """Send at least ``total_bytes`` of frames on one flow: (seconds, bytes sent)."""
     handler = _Discard()
-    receiver = BulkReceiver(handler, Engine(loaded, num_blocks=4).frame_expectation, SECRET, path="wan",
+    receiver = BulkReceiver(handler, HfEngine(loaded, num_blocks=4).frame_expectation, SECRET, path="wan",
                             frame_timeout_s=30, receiver_id="bench", tls=server_context(
                                 str(creds.ca_file), str(creds.cert_file), str(creds.key_file)) if tls else None)
     host, port = await receiver.start()

@@ -1,4 +1,4 @@
-"""Engine microbenchmark: prefill, decode, extend and KV export/import speeds, printed as JSON.
+"""HfEngine microbenchmark: prefill, decode, extend and KV export/import speeds, printed as JSON.
 
 Every figure is measured in this one run, so ratios (batch-4 vs batch-1 throughput, extend
 vs decode step) compare like with like on a noisy machine. Run it with
@@ -9,7 +9,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from shared.engine.engine import Engine
+from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.kv_wire import decode_frame, frame_bytes
 from shared.model_loader import LoadedModel
@@ -31,7 +31,7 @@ def _median_s(run: Callable[[], float], repeats: int) -> float:
 
 def bench_prefill(loaded: LoadedModel, num_tokens: int, repeats: int) -> float:
     """Prompt tokens per second for a cold prefill of ``num_tokens``."""
-    engine = Engine(loaded, num_blocks=num_tokens // 16 + 8, max_batch_tokens=num_tokens)
+    engine = HfEngine(loaded, num_blocks=num_tokens // 16 + 8, max_batch_tokens=num_tokens)
     seeds = iter(range(1000, 2000))
 
     def once() -> float:
@@ -46,9 +46,9 @@ def bench_prefill(loaded: LoadedModel, num_tokens: int, repeats: int) -> float:
     return num_tokens / _median_s(once, repeats)
 
 
-def _decoding_engine(loaded: LoadedModel, batch: int, context: int, steps: int) -> Engine:
+def _decoding_engine(loaded: LoadedModel, batch: int, context: int, steps: int) -> HfEngine:
     """An engine with ``batch`` sequences prefilled to ``context`` tokens, ready to decode."""
-    engine = Engine(loaded, num_blocks=batch * ((context + steps + 120) // 16 + 2),
+    engine = HfEngine(loaded, num_blocks=batch * ((context + steps + 120) // 16 + 2),
                     max_batch_tokens=context)
     for i in range(batch):
         engine.add_request(f"d{i}", synthetic_prompt(loaded, context, i),
@@ -105,7 +105,7 @@ def bench_transfer(loaded: LoadedModel, context: int, repeats: int) -> dict:
         frames = [frame_bytes(parts) for parts in sender.export_frames("d0")]
         export_s.append(time.perf_counter() - start)
         buffers = [bytearray(f) for f in frames]
-        receiver = Engine(loaded, num_blocks=context // 16 + 4)  # cold: every block is written
+        receiver = HfEngine(loaded, num_blocks=context // 16 + 4)  # cold: every block is written
         receiver.begin_import("d0", prompt, SamplingParams(max_tokens=1))
         start = time.perf_counter()
         for buffer in buffers:

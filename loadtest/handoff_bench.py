@@ -12,12 +12,12 @@ import statistics
 import time
 
 from loadtest.engine_bench import synthetic_prompt
-from shared.engine.engine import Engine
+from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.model_loader import LoadedModel
 
 
-def _timed_steps(engine: Engine, steps: int) -> list[float]:
+def _timed_steps(engine: HfEngine, steps: int) -> list[float]:
     gaps = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -26,7 +26,7 @@ def _timed_steps(engine: Engine, steps: int) -> list[float]:
     return gaps
 
 
-def _handoff_gaps(engine: Engine, prompt: list[int], handed: list[int], chunk_tokens: int) -> list[float]:
+def _handoff_gaps(engine: HfEngine, prompt: list[int], handed: list[int], chunk_tokens: int) -> list[float]:
     """Step durations while main decode absorbs ``handed`` in chunks of ``chunk_tokens``."""
     sampling = SamplingParams(max_tokens=len(handed) + 8, ignore_eos=True)
     engine.begin_import("h", prompt, sampling)  # the prompt's blocks come from the prefix cache
@@ -46,7 +46,7 @@ def run_handoff_bench(loaded: LoadedModel, *, other_streams: int = 3, context: i
     """Worst inter-token gap of the other streams during a handoff, per mode."""
     if context % 16:
         raise ValueError("context must be a multiple of the block size")
-    engine = Engine(loaded, num_blocks=(other_streams + 2) * ((context + 400) // 16 + 4),
+    engine = HfEngine(loaded, num_blocks=(other_streams + 2) * ((context + 400) // 16 + 4),
                     max_batch_tokens=max(context, handoff_tokens + other_streams))
     for i in range(other_streams):
         engine.add_request(f"s{i}", synthetic_prompt(loaded, context, i),

@@ -22,7 +22,7 @@ import time
 
 from infra.wan_link import LinkProfile, Route, WanLink
 from loadtest.engine_bench import synthetic_prompt
-from shared.engine.engine import Engine
+from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.block_hash import hash_blocks
 from shared.kv_wire import decode_frame, encode_frame, frame_bytes
@@ -40,7 +40,7 @@ class _MainDecode:
     """A main decoder holding the prompt's KV, serving both kinds of handoff on one socket."""
 
     def __init__(self, loaded: LoadedModel, prompt: list[int], handed_tokens: int):
-        self.engine = Engine(loaded, num_blocks=(len(prompt) + handed_tokens) // 16 * 4 + 16)
+        self.engine = HfEngine(loaded, num_blocks=(len(prompt) + handed_tokens) // 16 * 4 + 16)
         self.prompt = prompt
         self.engine.generate("warm", prompt + [0], SamplingParams(max_tokens=1))  # prompt KV cached
 
@@ -76,7 +76,7 @@ class _MainDecode:
         self.engine.free(rid)
 
 
-def _kv_frame(relay: Engine, context: int, kv, handed: list[int], trial: int) -> bytes:
+def _kv_frame(relay: HfEngine, context: int, kv, handed: list[int], trial: int) -> bytes:
     """The handed tokens' KV as one frame; each trial's token IDs differ in their first token,
     so the receiver's prefix cache never already holds them (every trial ships real bytes)."""
     tokens = [(handed[0] + trial + 1) % 32000] + handed[1:]
@@ -90,7 +90,7 @@ def _kv_frame(relay: Engine, context: int, kv, handed: list[int], trial: int) ->
 async def _measure(loaded: LoadedModel, profile: LinkProfile, context: int, num_tokens: int,
                    trials: int) -> dict:
     prompt = synthetic_prompt(loaded, context, 11)
-    relay = Engine(loaded, num_blocks=(context + num_tokens) // 16 + 8)
+    relay = HfEngine(loaded, num_blocks=(context + num_tokens) // 16 + 8)
     relay.add_request("r", prompt, SamplingParams(max_tokens=num_tokens + 1, ignore_eos=True))
     while relay.has_work():
         relay.step()

@@ -58,6 +58,14 @@ def host_port(value: str) -> str | None:
     return None if host and port.isdigit() else "must be host:port"
 
 
+def known_backend(value: str) -> str | None:
+    """Check: a registered engine backend."""
+    from shared.engine.backend import backend_names  # the engine package imports torch
+
+    names = backend_names()
+    return None if value in names else f"no such engine backend (have: {', '.join(names)})"
+
+
 @dataclass(frozen=True)
 class CommonConfig:
     """Settings every service reads."""
@@ -92,6 +100,8 @@ class CommonConfig:
 class EngineConfig(CommonConfig):
     """Settings of services that run the model."""
 
+    engine: str = setting("hf", "engine backend (registered in shared/engine/backend.py; hf: transformers)",
+                          known_backend)
     model: str = setting("smollm2", "smollm2, tiny or an HF model folder")
     device: str = setting("cpu", "torch device (cpu, cuda, cuda:N)")
     dtype: str = setting("float32", "weights and KV dtype", choices=("float32", "bfloat16", "float16"))

@@ -14,12 +14,10 @@ from shared import subjects
 from shared.bulk.kv_importer import ImportState, KvImporter
 from shared.bulk.receiver import BulkReceiver, FlowStats
 from shared.config import BulkReceiverConfig
-from shared.engine.engine import StepOutput
+from shared.engine.backend import RequestView, StepOutput
 from shared.engine.logprobs import TokenLogprobs
-from shared.engine.sequence import Sequence, SequenceStatus
 from shared.engine_loop import EngineLoop
 from shared.engine_service import EngineService
-from shared.errors import UnknownRequest
 from shared.messages import (
     CancelRequest,
     InstanceRef,
@@ -45,9 +43,10 @@ class KnownOutputs(NamedTuple):
     logprobs: list[TokenLogprobs | None] | None
 
 
-def _logprobs_of(seq: Sequence) -> list[TokenLogprobs | None] | None:
-    """The sequence's per-token log-probabilities, or None when the request did not ask for them."""
-    return list(seq.output_logprobs) if seq.sampling.logprobs is not None else None
+def _logprobs_of(view: RequestView) -> list[TokenLogprobs | None] | None:
+    """The request's per-token log-probabilities, or None when it did not ask for them."""
+    return list(view.output_logprobs) if view.output_logprobs is not None else None
+
 
 class DecodeService(EngineService):
     """Relay decode and main decode share this; subclasses add the handoff."""
@@ -76,16 +75,9 @@ class DecodeService(EngineService):
         """Blocks only imports kept for the cache hold (their requests ended elsewhere)."""
         if self.importer is None:
             return 0
-        filling = {rid for rid, state in list(self.importer.imports.items()) if state.discard_when_done}
-        if not filling:
-            return 0
-        engine, mine, others = self.worker.engine, set(), set()
-        for rid in engine.request_ids():  # read without the worker: a snapshot is enough here
-            try:
-                (mine if rid in filling else others).update(engine.get(rid).block_ids)
-            except UnknownRequest:
-                pass
-        return len(mine - others)
+        filling = self.importer.kept_for_cache()
+        # Read without the worker: a snapshot is enough for a gauge.
+        return self.engine.blocks_held_only_by(filling) if filling else 0
 
     async def on_start(self):
         self.importer = KvImporter(self.worker, self._on_import_complete, self._on_import_open,
@@ -138,7 +130,7 @@ class DecodeService(EngineService):
                     request_id=cancel.request_id, instance_id=self.instance_id,
                     wan_kv_bytes=state.stats.bytes_received, reason=cancel.reason))
             return
-        if await self.worker.call(self.engine.free_if_held, cancel.request_id):
+        if await self.worker.call(self.engine.abort, cancel.request_id):
             self.log.info("request_dropped", request_id=cancel.request_id, kind=cancel.kind)
             self.end_span(cancel.request_id)
 
@@ -157,13 +149,12 @@ class DecodeService(EngineService):
         can arrive, even when its own import queues behind another.
         """
 
-    async def _on_import_complete(self, state: ImportState, seq: Sequence, stats: FlowStats):
+    async def _on_import_complete(self, state: ImportState, seq: RequestView, stats: FlowStats):
         """Called when a flow's KV is all in; the base emits already-known output tokens."""
         if seq.output_token_ids:
-            await self.emit(seq.request_id, 0, seq.output_token_ids,
-                            seq.finish_reason if seq.status is SequenceStatus.FINISHED else None,
-                            _logprobs_of(seq))
-            if seq.status is SequenceStatus.FINISHED:
+            await self.emit(seq.request_id, 0, list(seq.output_token_ids),
+                            seq.finish_reason if seq.finished else None, _logprobs_of(seq))
+            if seq.finished:
                 self._remember_finished(await self.worker.call(self.engine.free, seq.request_id))
                 return
         self.loop.wake()
@@ -182,12 +173,12 @@ class DecodeService(EngineService):
                       tokens=len(tokens) - resend.from_index)
 
     def _live_outputs(self, request_id: str) -> KnownOutputs | None:
-        if not self.engine.holds(request_id):
+        seq = self.engine.request(request_id)
+        if seq is None:
             return None
-        seq = self.engine.get(request_id)
         return KnownOutputs(list(seq.output_token_ids), None, _logprobs_of(seq))
 
-    def _remember_finished(self, seq: Sequence):
+    def _remember_finished(self, seq: RequestView):
         if seq.finish_reason in ("stop", "length"):
             self._finished_outputs[seq.request_id] = KnownOutputs(
                 list(seq.output_token_ids), seq.finish_reason, _logprobs_of(seq))
@@ -200,7 +191,7 @@ class DecodeService(EngineService):
         await self.publish(subjects.tokens(request_id), TokensEmitted(
             request_id=request_id, start_index=start_index, token_ids=token_ids,
             producer=self.producer, instance_id=self.instance_id,
-            final=finish_reason is not None, finish_reason=finish_reason, logprobs=logprobs))
+            finish_reason=finish_reason, logprobs=logprobs))
 
     async def _on_outputs(self, outputs: list[StepOutput]):
         for out in outputs:

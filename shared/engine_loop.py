@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 from prometheus_client import Histogram
 
-from shared.engine.engine import StepOutput
+from shared.engine.backend import StepOutput
 from shared.engine_worker import EngineWorker
 
 log = structlog.get_logger(__name__)

@@ -7,10 +7,9 @@ import nats
 
 from shared import subjects
 from shared.config import EngineConfig
-from shared.engine.engine import Engine
+from shared.engine.backend import BackendOptions, EngineBackend, create_backend
 from shared.messages import KvBlocksEvicted, KvBlocksStored, LoadReported, encode
 from shared.metrics import ACTIVE_SEQUENCES, KV_BLOCKS_USED, KV_CACHE_USAGE
-from shared.model_loader import load_model
 from shared.service import Service
 from shared.engine_worker import EngineWorker
 from shared.kv_event_stream import ensure_stream
@@ -31,25 +30,24 @@ class EngineService(Service):
         self._kv_seq = 0
 
     @property
-    def engine(self) -> Engine:
-        """The engine (call it only through ``self.worker``)."""
+    def engine(self) -> EngineBackend:
+        """The engine backend (call it only through ``self.worker``, but for ``load``)."""
         return self.worker.engine
 
     async def start(self):
         loop = asyncio.get_running_loop()
         self._kv_events = asyncio.Queue()
-        loaded = self._loaded or await loop.run_in_executor(
-            None, lambda: load_model(self.config.model, device=self.config.device,
-                                     dtype=self.config.dtype))
-
         def on_kv_event(kind: str, block_hashes: list[int]):
             # Called on the engine thread; hop to the loop.
             loop.call_soon_threadsafe(self._kv_events.put_nowait, (kind, block_hashes))
 
-        engine = Engine(loaded, kv_cache_bytes=self.config.kv_cache_mb << 20,
-                        block_size=self.config.block_size,
-                        kv_listener=on_kv_event if self.publishes_kv_events else None,
-                        enable_prefix_cache=self.config.prefix_cache)
+        config = self.config
+        options = BackendOptions(
+            model=config.model, device=config.device, dtype=config.dtype,
+            kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size,
+            enable_prefix_cache=config.prefix_cache,
+            kv_listener=on_kv_event if self.publishes_kv_events else None)
+        engine = await loop.run_in_executor(None, create_backend, config.engine, options, self._loaded)
         self.worker = EngineWorker(engine, self.instance_id, self.config.torch_threads)
         await super().start()
         await self.nc.subscribe(subjects.instance_work(
@@ -68,16 +66,16 @@ class EngineService(Service):
         return await self.worker.call(self.engine.request_ids)
 
     def load_report(self) -> LoadReported:
-        engine = self.worker.engine
-        ACTIVE_SEQUENCES.labels(self.service_name, self.instance_id).set(engine.num_sequences)
-        KV_BLOCKS_USED.labels(self.service_name, self.instance_id).set(engine.blocks.num_used_blocks)
+        load = self.engine.load()
+        ACTIVE_SEQUENCES.labels(self.service_name, self.instance_id).set(load.num_sequences)
+        KV_BLOCKS_USED.labels(self.service_name, self.instance_id).set(load.num_used_blocks)
         KV_CACHE_USAGE.labels(self.service_name, self.instance_id).set(
-            engine.blocks.num_used_blocks / max(1, engine.blocks.num_blocks))
+            load.num_used_blocks / max(1, load.num_blocks))
         return LoadReported(
             instance=self.instance_ref(), service=self.service_name,
-            active_sequences=engine.num_sequences, max_sequences=self.config.max_sequences,
-            free_blocks=engine.blocks.num_free_blocks, used_blocks=engine.blocks.num_used_blocks,
-            total_blocks=engine.blocks.num_blocks, unix_s=time.time())
+            active_sequences=load.num_sequences, max_sequences=self.config.max_sequences,
+            free_blocks=load.num_free_blocks, used_blocks=load.num_used_blocks,
+            total_blocks=load.num_blocks, unix_s=time.time())
 
     async def _publish_kv_events(self):
         subject = subjects.kv_events(self.config.site, self.instance_id)
@@ -102,7 +100,7 @@ class EngineService(Service):
             self.log.warning("kv_event_not_stored", seq=self._kv_seq, error=str(exc) or type(exc).__name__)
 
     async def _on_dump(self, msg):
-        hashes = await self.worker.call(self.engine.prefix_cache.block_hashes)
+        hashes = await self.worker.call(self.engine.cached_block_hashes)
         await msg.respond(encode(KvBlocksStored(publisher_id=self.instance_id, epoch=self.incarnation,
                                                 seq=self._kv_seq, block_hashes=hashes)))
 

@@ -1,4 +1,4 @@
-"""Runs an Engine on its own thread so a service's asyncio loop never blocks on torch."""
+"""Runs an engine backend on its own thread so a service's asyncio loop never blocks on torch."""
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
@@ -6,13 +6,13 @@ from functools import partial
 
 import torch
 
-from shared.engine.engine import Engine
+from shared.engine.backend import EngineBackend
 
 
 class EngineWorker:
     """Serialises every engine call on one thread (the engine is not thread-safe)."""
 
-    def __init__(self, engine: Engine, name: str, torch_threads: int = 0):
+    def __init__(self, engine: EngineBackend, name: str, torch_threads: int = 0):
         self.engine = engine
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{name}")
         if torch_threads:

@@ -21,7 +21,7 @@ import torch
 import xxhash
 
 from shared.block_hash import HASH_SCHEME_VERSION, hash_blocks
-from shared.engine.kv_layout import KvLayout
+from shared.kv_layout import KvLayout
 from shared.errors import (
     CorruptFrame,
     IncompatibleFrame,

@@ -10,7 +10,7 @@ from shared.bulk.auth import new_nonce, sign
 from shared.bulk.framing import control_bytes, read_message
 from shared.bulk.receiver import BulkReceiver
 from shared.bulk.sender import FlowRefused, open_flow
-from shared.engine.engine import Engine
+from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.errors import InvalidRequestState
 from shared.messages import FlowAccepted, FlowOpen, FlowRejected
@@ -23,7 +23,7 @@ SAMPLING = SamplingParams(max_tokens=4, ignore_eos=True)
 class RecordingHandler:
     """Imports into a real engine and records what the receiver told it."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: HfEngine):
         self.engine = engine
         self.events: list[tuple[str, str]] = []
         self.ended = asyncio.Event()
@@ -52,7 +52,7 @@ class RecordingHandler:
 
 @pytest.fixture
 async def channel(tiny):
-    sender, receiver_engine = Engine(tiny, num_blocks=32), Engine(tiny, num_blocks=32)
+    sender, receiver_engine = HfEngine(tiny, num_blocks=32), HfEngine(tiny, num_blocks=32)
     handler = RecordingHandler(receiver_engine)
     receiver = BulkReceiver(handler, receiver_engine.frame_expectation, SECRET, path="wan",
                             frame_timeout_s=5)

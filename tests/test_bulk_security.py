@@ -15,7 +15,7 @@ from shared.bulk.auth import sign
 from shared.bulk.framing import CONTROL_MAGIC, control_bytes
 from shared.bulk.receiver import BulkReceiver
 from shared.bulk.sender import FlowRefused, open_flow
-from shared.engine.engine import Engine
+from shared.engine.hf_engine import HfEngine
 from shared.tls import client_context, server_context
 from tests.helpers import prompt_of_length
 from tests.test_bulk_channel import SECRET, RecordingHandler, flow_open_for
@@ -27,7 +27,7 @@ def creds(tmp_path):
 
 
 async def start_receiver(tiny, creds, receiver_id="main-decode-0", incarnation="inc-1", tls=True):
-    engine = Engine(tiny, num_blocks=32)
+    engine = HfEngine(tiny, num_blocks=32)
     receiver = BulkReceiver(RecordingHandler(engine), engine.frame_expectation, SECRET, path="wan",
                             frame_timeout_s=5, receiver_id=receiver_id, incarnation=incarnation,
                             tls=server_context(str(creds.ca_file), str(creds.cert_file), str(creds.key_file))
@@ -140,7 +140,7 @@ class SlowToAccept(RecordingHandler):
 
 
 async def test_a_sender_gone_while_its_flow_waited_leaves_no_reservation(tiny, creds):
-    engine = Engine(tiny, num_blocks=32)
+    engine = HfEngine(tiny, num_blocks=32)
     handler = SlowToAccept(engine)
     receiver = BulkReceiver(handler, engine.frame_expectation, SECRET, path="wan", frame_timeout_s=60,
                             receiver_id="main-decode-0", incarnation="inc-1",

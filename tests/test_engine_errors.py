@@ -2,7 +2,7 @@
 
 import pytest
 
-from shared.engine.engine import Engine
+from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.errors import ContextLengthExceeded, InvalidRequestState, OutOfKvBlocks, UnknownRequest
 from tests.helpers import prompt_of_length
@@ -11,14 +11,14 @@ SAMPLING = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 def test_prompt_longer_than_context(tiny):
-    engine = Engine(tiny, num_blocks=8)
+    engine = HfEngine(tiny, num_blocks=8)
     with pytest.raises(ContextLengthExceeded):
         engine.add_request("r", [1] * 4090, SamplingParams(max_tokens=10))
     assert engine.num_sequences == 0
 
 
 def test_duplicate_and_unknown_request_ids(tiny):
-    engine = Engine(tiny, num_blocks=8)
+    engine = HfEngine(tiny, num_blocks=8)
     engine.add_request("r", [1, 2, 3], SAMPLING)
     with pytest.raises(InvalidRequestState):
         engine.add_request("r", [1, 2, 3], SAMPLING)
@@ -29,7 +29,7 @@ def test_duplicate_and_unknown_request_ids(tiny):
 
 
 def test_extend_requires_an_idle_running_sequence(tiny):
-    engine = Engine(tiny, num_blocks=12)
+    engine = HfEngine(tiny, num_blocks=12)
     engine.add_request("r", [1, 2, 3], SAMPLING)
     with pytest.raises(InvalidRequestState):
         engine.extend("r", [4])  # prompt still pending
@@ -56,7 +56,7 @@ def test_extend_requires_an_idle_running_sequence(tiny):
 
 
 def test_import_reserve_fails_cleanly_when_pool_is_full(tiny):
-    engine = Engine(tiny, num_blocks=4)
+    engine = HfEngine(tiny, num_blocks=4)
     with pytest.raises(OutOfKvBlocks):
         engine.begin_import("r", prompt_of_length(tiny, 100), SAMPLING)
     assert engine.num_sequences == 0
@@ -64,7 +64,7 @@ def test_import_reserve_fails_cleanly_when_pool_is_full(tiny):
 
 
 def test_request_that_can_never_fit_fails_with_error_output(tiny):
-    engine = Engine(tiny, num_blocks=2)
+    engine = HfEngine(tiny, num_blocks=2)
     engine.add_request("r", prompt_of_length(tiny, 60), SAMPLING)
     outputs = engine.step()
     assert len(outputs) == 1 and outputs[0].finish_reason == "error"
@@ -75,7 +75,7 @@ def test_request_that_can_never_fit_fails_with_error_output(tiny):
 
 
 def test_starved_request_waits_for_blocks_instead_of_failing(tiny):
-    engine = Engine(tiny, num_blocks=6)
+    engine = HfEngine(tiny, num_blocks=6)
     engine.add_request("a", prompt_of_length(tiny, 60), SAMPLING)  # 4 blocks + growth
     engine.add_request("b", prompt_of_length(tiny, 60, seed=1), SAMPLING)
     finished = {}
@@ -89,7 +89,7 @@ def test_starved_request_waits_for_blocks_instead_of_failing(tiny):
 
 
 def test_freeing_every_request_returns_every_block(tiny):
-    engine = Engine(tiny, num_blocks=40)
+    engine = HfEngine(tiny, num_blocks=40)
     for i in range(5):
         engine.add_request(f"r{i}", prompt_of_length(tiny, 30 + 7 * i, seed=i), SAMPLING)
     for _ in range(3):
@@ -105,7 +105,7 @@ def test_a_pool_that_runs_out_mid_decode_preempts_and_every_output_stays_exact(t
     from tests.helpers import prompt_of_length, reference_greedy
 
     # 12 blocks of 16 tokens: three 40-token prompts fit, their 60 outputs each do not.
-    engine = Engine(tiny, num_blocks=12, block_size=16)
+    engine = HfEngine(tiny, num_blocks=12, block_size=16)
     prompts = [prompt_of_length(tiny, 40, seed=i) for i in range(3)]
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     for i, prompt in enumerate(prompts):

@@ -8,7 +8,7 @@ are reused block by block, and continuous batching does not change anyone's toke
 import pytest
 import torch
 
-from shared.engine.engine import Engine
+from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.kv_wire import decode_frame, frame_bytes
 from shared.model_loader import load_model
@@ -17,13 +17,13 @@ from tests.helpers import prompt_of_length, reference_greedy
 GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
 
 
-def run_to_end(engine: Engine, request_id: str) -> list[int]:
+def run_to_end(engine: HfEngine, request_id: str) -> list[int]:
     while engine.has_work():
         engine.step()
     return engine.get(request_id).output_token_ids
 
 
-def ship(sender: Engine, receiver: Engine, request_id: str, first_token_index: int,
+def ship(sender: HfEngine, receiver: HfEngine, request_id: str, first_token_index: int,
          max_tokens_per_frame: int = 512) -> int:
     """Export the prompt's KV from sender, through the wire decoder, into receiver."""
     num_prompt_tokens = sender.get(request_id).num_prompt_tokens
@@ -34,9 +34,9 @@ def ship(sender: Engine, receiver: Engine, request_id: str, first_token_index: i
     return len(frames)
 
 
-def relay_with_main(loaded, prompt: list[int], sampling: SamplingParams) -> tuple[Engine, Engine]:
+def relay_with_main(loaded, prompt: list[int], sampling: SamplingParams) -> tuple[HfEngine, HfEngine]:
     """A relay that has prefilled ``prompt`` (first token out) and a main decoder holding its KV."""
-    relay, main = Engine(loaded, num_blocks=64), Engine(loaded, num_blocks=64)
+    relay, main = HfEngine(loaded, num_blocks=64), HfEngine(loaded, num_blocks=64)
     relay.add_request("r", prompt, sampling)
     main.begin_import("r", prompt, sampling)
     relay.step()
@@ -48,15 +48,15 @@ def relay_with_main(loaded, prompt: list[int], sampling: SamplingParams) -> tupl
 @pytest.mark.parametrize("prompt_len", [5, 16, 33, 200])
 def test_engine_generate_matches_transformers(tiny, prompt_len):
     prompt = prompt_of_length(tiny, prompt_len, seed=prompt_len)
-    engine = Engine(tiny, num_blocks=64)
+    engine = HfEngine(tiny, num_blocks=64)
     assert engine.generate("r", prompt, GREEDY) == reference_greedy(tiny, prompt, GREEDY.max_tokens)
 
 
 @pytest.mark.parametrize("tokens_per_frame", [16, 48, 512])
 def test_prefill_export_import_decode_on_separately_loaded_engine(tiny, tokens_per_frame):
     prompt = prompt_of_length(tiny, 150)
-    engine_a = Engine(tiny, num_blocks=64)
-    engine_b = Engine(load_model("tiny"), num_blocks=64)
+    engine_a = HfEngine(tiny, num_blocks=64)
+    engine_b = HfEngine(load_model("tiny"), num_blocks=64)
     engine_a.add_request("r", prompt, GREEDY)
     first = engine_a.step()[0].token_id
     assert engine_b.begin_import("r", prompt, GREEDY) == 0
@@ -74,7 +74,7 @@ def test_prefill_export_import_decode_on_separately_loaded_engine(tiny, tokens_p
 def test_import_with_held_back_tail_recomputes_it(tiny):
     """The sender may ship only full blocks; the receiver extends over the tail itself."""
     prompt = prompt_of_length(tiny, 70)  # 4 full blocks + 6-token tail
-    engine_a, engine_b = Engine(tiny, num_blocks=32), Engine(tiny, num_blocks=32)
+    engine_a, engine_b = HfEngine(tiny, num_blocks=32), HfEngine(tiny, num_blocks=32)
     engine_a.add_request("r", prompt, GREEDY)
     first = engine_a.step()[0].token_id
     engine_b.begin_import("r", prompt, GREEDY)
@@ -89,7 +89,7 @@ def test_import_with_held_back_tail_recomputes_it(tiny):
 def test_relay_handoff_by_token_ids(tiny, num_relay_tokens):
     prompt = prompt_of_length(tiny, 90)
     sampling = SamplingParams(max_tokens=num_relay_tokens + 24, ignore_eos=True)
-    relay, main = Engine(tiny, num_blocks=64), Engine(tiny, num_blocks=64)
+    relay, main = HfEngine(tiny, num_blocks=64), HfEngine(tiny, num_blocks=64)
     relay.add_request("r", prompt, sampling)
     main.begin_import("r", prompt, sampling)
     while len(relay.get("r").output_token_ids) < num_relay_tokens:
@@ -111,13 +111,14 @@ def test_relay_handoff_by_token_ids(tiny, num_relay_tokens):
 
 
 def test_prefix_reuse_computes_only_the_suffix(tiny):
-    engine = Engine(tiny, num_blocks=64)
+    engine = HfEngine(tiny, num_blocks=64)
     shared_prefix = prompt_of_length(tiny, 160)
     first = shared_prefix + prompt_of_length(tiny, 20, seed=1)
     second = shared_prefix + prompt_of_length(tiny, 37, seed=2)
     assert engine.generate("a", first, GREEDY) == reference_greedy(tiny, first, GREEDY.max_tokens)
     common = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y)
-    seq = engine.add_request("b", second, GREEDY)
+    engine.add_request("b", second, GREEDY)
+    seq = engine.get("b")  # the live sequence, to watch its counters
     assert seq.num_cached_tokens == common // 16 * 16 >= 160
     assert run_to_end(engine, "b") == reference_greedy(tiny, second, GREEDY.max_tokens)
     assert seq.num_computed_tokens == len(second) - seq.num_cached_tokens + GREEDY.max_tokens - 1
@@ -125,16 +126,17 @@ def test_prefix_reuse_computes_only_the_suffix(tiny):
 
 
 def test_identical_prompt_reuses_all_but_the_last_block(tiny):
-    engine = Engine(tiny, num_blocks=64)
+    engine = HfEngine(tiny, num_blocks=64)
     prompt = prompt_of_length(tiny, 64)  # exactly 4 blocks
     expected = engine.generate("a", prompt, GREEDY)
-    seq = engine.add_request("b", prompt, GREEDY)
+    engine.add_request("b", prompt, GREEDY)
+    seq = engine.get("b")  # the live sequence, to watch its counters
     assert seq.num_cached_tokens == 48  # the block with the last prompt token is recomputed
     assert run_to_end(engine, "b") == expected
 
 
 def test_eviction_under_small_capacity_keeps_outputs_correct(tiny):
-    engine = Engine(tiny, num_blocks=14)  # room for one request at a time, barely
+    engine = HfEngine(tiny, num_blocks=14)  # room for one request at a time, barely
     prompts = [prompt_of_length(tiny, 150, seed=s) for s in range(4)]
     for round_ in range(2):
         for i, prompt in enumerate(prompts):
@@ -146,7 +148,7 @@ def test_eviction_under_small_capacity_keeps_outputs_correct(tiny):
 
 
 def test_continuous_batching_joins_at_different_steps(tiny):
-    engine = Engine(tiny, num_blocks=128)
+    engine = HfEngine(tiny, num_blocks=128)
     prompts = {f"r{i}": prompt_of_length(tiny, n, seed=i) for i, n in enumerate([12, 70, 33, 140])}
     join_at_step = {"r0": 0, "r1": 0, "r2": 3, "r3": 9}
     outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
@@ -168,7 +170,7 @@ def test_continuous_batching_joins_at_different_steps(tiny):
 
 
 def test_chunked_prefill_under_token_budget_is_exact(tiny):
-    engine = Engine(tiny, num_blocks=64, max_batch_tokens=40)
+    engine = HfEngine(tiny, num_blocks=64, max_batch_tokens=40)
     prompt = prompt_of_length(tiny, 200)
     assert engine.generate("r", prompt, GREEDY) == reference_greedy(tiny, prompt, GREEDY.max_tokens)
 
@@ -178,7 +180,7 @@ def test_import_converts_dtype_between_heterogeneous_instances(tiny):
     bf16 = load_model("tiny", dtype="bfloat16")
     assert bf16.fingerprint == tiny.fingerprint
     prompt = prompt_of_length(tiny, 40)
-    sender, receiver = Engine(tiny, num_blocks=16), Engine(bf16, num_blocks=16)
+    sender, receiver = HfEngine(tiny, num_blocks=16), HfEngine(bf16, num_blocks=16)
     sender.add_request("r", prompt, GREEDY)
     sender.step()
     receiver.begin_import("r", prompt, GREEDY)
@@ -212,10 +214,11 @@ def test_catch_up_handoff_in_chunks_is_exact(tiny):
 
 
 def test_disabled_prefix_cache_recomputes_everything(tiny):
-    engine = Engine(tiny, num_blocks=64, enable_prefix_cache=False)
+    engine = HfEngine(tiny, num_blocks=64, enable_prefix_cache=False)
     prompt = prompt_of_length(tiny, 100)
     first = engine.generate("a", prompt, GREEDY)
-    seq = engine.add_request("b", prompt, GREEDY)
+    engine.add_request("b", prompt, GREEDY)
+    seq = engine.get("b")  # the live sequence, to watch its counters
     assert seq.num_cached_tokens == 0 and len(engine.prefix_cache) == 0
     assert run_to_end(engine, "b") == first
     assert engine.begin_import("c", prompt, GREEDY) == 0

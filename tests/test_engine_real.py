@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from shared.engine.engine import Engine
+from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.model_loader import load_model
 from tests.helpers import prompt_of_length, reference_greedy
@@ -27,8 +27,8 @@ def reference(smollm2, prompt):
 
 def test_long_prompt_shipped_to_separately_loaded_engine(smollm2, prompt, reference):
     sampling = SamplingParams(max_tokens=40, ignore_eos=True)
-    prefill = Engine(smollm2, num_blocks=64)
-    decode = Engine(load_model("smollm2"), num_blocks=64)
+    prefill = HfEngine(smollm2, num_blocks=64)
+    decode = HfEngine(load_model("smollm2"), num_blocks=64)
     prefill.add_request("r", prompt, sampling)
     first = prefill.step()[0].token_id
     decode.begin_import("r", prompt, sampling)
@@ -56,12 +56,13 @@ def test_relay_handoff_by_token_ids(smollm2, prompt, reference, num_relay_tokens
 def test_multi_turn_prefix_reuse(smollm2, prompt, reference):
     """A follow-up turn re-sends the first turn and its answer: only the new part is computed."""
     sampling = SamplingParams(max_tokens=24, ignore_eos=True)
-    engine = Engine(smollm2, num_blocks=96)
+    engine = HfEngine(smollm2, num_blocks=96)
     first_answer = engine.generate("t1", prompt, sampling)
     assert first_answer == reference[:24]
     follow_up = prompt + first_answer + smollm2.tokenizer.encode(
         "<|im_end|>\n<|im_start|>user\nShorter, please.<|im_end|>\n<|im_start|>assistant\n")
-    seq = engine.add_request("t2", follow_up, sampling)
+    engine.add_request("t2", follow_up, sampling)
+    seq = engine.get("t2")  # the live sequence, to watch its counters
     assert seq.num_cached_tokens >= PROMPT_LEN // 16 * 16
     assert run_to_end(engine, "t2") == reference_greedy(smollm2, follow_up, 24)
     assert seq.num_computed_tokens < len(follow_up) - PROMPT_LEN + 24
@@ -71,7 +72,7 @@ def test_stops_at_eos_like_transformers(smollm2):
     prompt = smollm2.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Say hello in three words."}], add_generation_prompt=True,
         tokenize=True, return_dict=False)
-    engine = Engine(smollm2, num_blocks=16)
+    engine = HfEngine(smollm2, num_blocks=16)
     engine.add_request("r", prompt, SamplingParams(max_tokens=64))
     outputs = []
     while engine.has_work():

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import torch
 
-from shared.engine.engine import Engine
+from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.errors import (
     CorruptFrame,
@@ -37,7 +37,7 @@ SAMPLING = SamplingParams(max_tokens=8, ignore_eos=True)
 def pair(tiny):
     """A sender that has prefilled request ``r`` and a receiver importing it."""
     prompt = prompt_of_length(tiny, 40)
-    sender, receiver = Engine(tiny, num_blocks=16), Engine(tiny, num_blocks=16)
+    sender, receiver = HfEngine(tiny, num_blocks=16), HfEngine(tiny, num_blocks=16)
     sender.add_request("r", prompt, SAMPLING)
     sender.step()
     receiver.begin_import("r", prompt, SAMPLING)
@@ -57,7 +57,7 @@ def rebuild(header: KvFrameHeader, body: bytes, **changes) -> bytearray:
     return bytearray(PREFIX.pack(b"PDKV", 1, 0, len(header_bytes), len(body)) + header_bytes + body)
 
 
-def assert_rejected(receiver: Engine, frame, error: type[KvFrameError]):
+def assert_rejected(receiver: HfEngine, frame, error: type[KvFrameError]):
     before = receiver.pool.kv.clone()
     with pytest.raises(error):
         receiver.import_frame(decode_frame(frame, receiver.frame_expectation))
@@ -91,7 +91,7 @@ def test_wire_overhead_is_small(pair):
 def test_bfloat16_frames_round_trip(tiny):
     bf16 = load_model("tiny", dtype="bfloat16")
     prompt = prompt_of_length(tiny, 20)
-    sender = Engine(bf16, num_blocks=8)
+    sender = HfEngine(bf16, num_blocks=8)
     sender.add_request("r", prompt, SAMPLING)
     sender.step()
     frame = frame_bytes(sender.export_frames("r")[0])
@@ -131,7 +131,7 @@ def test_garbage_header(pair):
 
 
 def test_oversized_body_rejected_from_prefix_alone(tiny):
-    expect = FrameExpectation("f", Engine(tiny, num_blocks=1).layout, max_body_bytes=1024)
+    expect = FrameExpectation("f", HfEngine(tiny, num_blocks=1).layout, max_body_bytes=1024)
     prefix = PREFIX.pack(b"PDKV", 1, 0, 100, 1 << 40)
     with pytest.raises(OversizedFrame):
         decode_frame(bytearray(prefix), expect)
@@ -163,7 +163,7 @@ def test_wrong_model_with_same_shape_is_refused(pair):
     other = load_model("tiny")
     object.__setattr__(other, "fingerprint", "ffffffffffffffff")
     _, _, frame = pair
-    receiver = Engine(other, num_blocks=16)
+    receiver = HfEngine(other, num_blocks=16)
     with pytest.raises(IncompatibleFrame, match="model_fingerprint"):
         decode_frame(frame, receiver.frame_expectation)
 

@@ -156,7 +156,7 @@ async def test_requests_spread_over_two_main_decoders(make_stack, tiny):
 
 async def test_seeded_sampling_is_the_same_through_both_pipelines(make_stack, tiny):
     """A seeded request samples token i from (seed, i): which instance produced it is invisible."""
-    from shared.engine.engine import Engine
+    from shared.engine.hf_engine import HfEngine
     from shared.engine.sampling import SamplingParams
 
     body = chat_body("Invent a name for a boat. " * 10, 80, temperature=0.8, top_p=0.9, seed=1234)
@@ -167,7 +167,7 @@ async def test_seeded_sampling_is_the_same_through_both_pipelines(make_stack, ti
         assert status == 200 and answer["pdd"]["pipeline"] == policy
         texts.append(answer["choices"][0]["message"]["content"])
     prompt = chat_prompt(tiny, body["messages"][0]["content"])
-    alone = Engine(tiny, num_blocks=32).generate("r", prompt, SamplingParams(
+    alone = HfEngine(tiny, num_blocks=32).generate("r", prompt, SamplingParams(
         max_tokens=80, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True))
     assert texts[0] == texts[1] == tiny.tokenizer.decode(alone, skip_special_tokens=True)
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from shared.engine.engine import Engine
+from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams, sample_token
 from tests.helpers import prompt_of_length, reference_greedy
 from tests.test_engine_exactness import ship
@@ -42,8 +42,8 @@ def test_seeded_sampling_survives_a_relay_handoff(tiny):
     """Sampled (not just greedy) output is the same whether or not a relay produced a prefix."""
     prompt = prompt_of_length(tiny, 50)
     sampling = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
-    alone = Engine(tiny, num_blocks=32).generate("r", prompt, sampling)
-    relay, main = Engine(tiny, num_blocks=32), Engine(tiny, num_blocks=32)
+    alone = HfEngine(tiny, num_blocks=32).generate("r", prompt, sampling)
+    relay, main = HfEngine(tiny, num_blocks=32), HfEngine(tiny, num_blocks=32)
     relay.add_request("r", prompt, sampling)
     for _ in range(10):
         relay.step()
@@ -56,7 +56,7 @@ def test_seeded_sampling_survives_a_relay_handoff(tiny):
 
 
 def test_max_tokens_and_finish_reasons(tiny):
-    engine = Engine(tiny, num_blocks=32)
+    engine = HfEngine(tiny, num_blocks=32)
     prompt = prompt_of_length(tiny, 30)
     engine.add_request("r", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
     outputs = []
@@ -71,10 +71,10 @@ def test_max_tokens_and_finish_reasons(tiny):
 
 def test_stop_string(tiny):
     prompt = prompt_of_length(tiny, 30)
-    free_run = Engine(tiny, num_blocks=32).generate("a", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    free_run = HfEngine(tiny, num_blocks=32).generate("a", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
     stop_text = tiny.tokenizer.decode(free_run[5:7], skip_special_tokens=True).strip()
     assert stop_text
-    engine = Engine(tiny, num_blocks=32)
+    engine = HfEngine(tiny, num_blocks=32)
     engine.add_request("b", prompt, SamplingParams(max_tokens=12, ignore_eos=True, stop=(stop_text,)))
     outputs = []
     while engine.has_work():

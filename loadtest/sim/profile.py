@@ -20,7 +20,7 @@ import torch
 
 from loadtest.engine_bench import _median_s, bench_transfer, synthetic_prompt
 from loadtest.sim.cost_model import LinearCostModel, linear_as_json, nonnegative_least_squares, step_features
-from shared.engine.engine import DEFAULT_MAX_BATCH_TOKENS, Engine
+from shared.engine.hf_engine import DEFAULT_MAX_BATCH_TOKENS, HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.model_loader import LoadedModel
 
@@ -33,7 +33,7 @@ SIZES = {
 }
 
 
-def _timed_step(engine: Engine) -> float:
+def _timed_step(engine: HfEngine) -> float:
     start = time.perf_counter()
     engine.step()
     return time.perf_counter() - start
@@ -41,7 +41,7 @@ def _timed_step(engine: Engine) -> float:
 
 def prefill_samples(loaded: LoadedModel, sizes: dict) -> list[dict]:
     """Cold prefills and prefills over a cached prefix, one step each."""
-    engine = Engine(loaded, num_blocks=4096 * 1024 // 16 // 64 + 64, max_batch_tokens=1 << 20)
+    engine = HfEngine(loaded, num_blocks=4096 * 1024 // 16 // 64 + 64, max_batch_tokens=1 << 20)
     seeds, samples = iter(range(5000, 9000)), []
 
     def prefill(new: int, cached: int) -> float:
@@ -69,7 +69,7 @@ def decode_samples(loaded: LoadedModel, sizes: dict) -> list[dict]:
     samples = []
     for batch, context in sizes["decode"]:
         steps = sizes["steps"]
-        engine = Engine(loaded, num_blocks=batch * ((context + steps + 16) // 16 + 2) + 8, max_batch_tokens=context)
+        engine = HfEngine(loaded, num_blocks=batch * ((context + steps + 16) // 16 + 2) + 8, max_batch_tokens=context)
         for i in range(batch):
             engine.add_request(f"d{i}", synthetic_prompt(loaded, context, 300 + i),
                                SamplingParams(max_tokens=steps + 4, ignore_eos=True))
@@ -84,7 +84,7 @@ def decode_samples(loaded: LoadedModel, sizes: dict) -> list[dict]:
 def extend_samples(loaded: LoadedModel, sizes: dict) -> list[dict]:
     """Main decode absorbing ``n`` handed-over tokens over a cached prompt, one step."""
     context, samples = sizes["extend_context"], []
-    engine = Engine(loaded, num_blocks=(context + 256) // 16 * 2 + 16, max_batch_tokens=4096)
+    engine = HfEngine(loaded, num_blocks=(context + 256) // 16 * 2 + 16, max_batch_tokens=4096)
     prompt = synthetic_prompt(loaded, context, 41)
     engine.add_request("warm", prompt, SamplingParams(max_tokens=1))
     engine.step()
@@ -152,7 +152,7 @@ def _contended_worker(model_name: str, index: int, kind: str, steps: int, barrie
     from shared.model_loader import load_model
 
     loaded = load_model(model_name)
-    engine = Engine(loaded, num_blocks=512, max_batch_tokens=4096)
+    engine = HfEngine(loaded, num_blocks=512, max_batch_tokens=4096)
     seeds = iter(range(20_000, 30_000))
     if kind == "decode":
         engine.add_request("d", synthetic_prompt(loaded, 512, 7),

@@ -15,9 +15,8 @@ from shared.bulk.kv_importer import ImportState
 from shared.bulk.receiver import FlowStats
 from shared.config import BulkReceiverConfig
 from shared.decode_service import DecodeService
-from shared.engine.engine import StepOutput
-from shared.engine.sequence import Sequence, SequenceStatus
-from shared.errors import HandoffRefused, InvalidRequestState, PddError
+from shared.engine.backend import RequestView, StepOutput
+from shared.errors import HandoffRefused, InvalidRequestState, PddError, UnknownRequest
 from shared.messages import HandoffAccepted, HandoffTokens, KvReady, RequestFailed, decoder, encode
 from shared.metrics import HANDOFF_CHUNKS, HANDOFFS, REFUSED_MESSAGES
 from shared.tracing import context_from, tracer
@@ -46,7 +45,7 @@ class MainDecodeService(DecodeService):
             self.config.site, self.service_name, self.instance_id, subjects.HANDOFF),
             _handoff_decoder, self._on_handoff_msg)
 
-    async def _on_import_complete(self, state: ImportState, seq: Sequence, stats: FlowStats):
+    async def _on_import_complete(self, state: ImportState, seq: RequestView, stats: FlowStats):
         rid = seq.request_id
         if state.flow_open.relay_instance_id:  # before KvReady: the relay hands over once it hears it
             self._relays[rid] = state.flow_open.relay_instance_id
@@ -100,9 +99,9 @@ class MainDecodeService(DecodeService):
             recompute.end()
             return
         HANDOFFS.labels(handoff.mode).inc()
-        if seq.status is SequenceStatus.FINISHED:
+        if seq.finished:
             recompute.end()
-            await self.worker.call(self.engine.free_if_held, rid)
+            await self.worker.call(self.engine.abort, rid)
             return
         self._recompute_spans[rid] = recompute  # ends with the first token main decode samples
         if rid not in self.spans:
@@ -110,14 +109,16 @@ class MainDecodeService(DecodeService):
         self.loop.wake()
 
     def _extend(self, handoff: HandoffTokens):
-        seq = self.engine.get(handoff.request_id)
+        seq = self.engine.request(handoff.request_id)
+        if seq is None:
+            raise UnknownRequest(f"unknown request {handoff.request_id!r}")
         relay = self._relays.get(handoff.request_id)
         if relay is None or handoff.relay_instance_id != relay:
             raise HandoffRefused(f"handoff from {handoff.relay_instance_id!r}; the request's relay is {relay!r}")
-        room = seq.sampling.max_tokens - handoff.start_index
+        room = seq.max_tokens - handoff.start_index
         if len(handoff.token_ids) > room:
             raise HandoffRefused(f"handoff of {len(handoff.token_ids)} tokens; only {room} fit max_tokens")
-        vocab = self.engine.model.config.vocab_size
+        vocab = self.engine.vocab_size
         if any(not 0 <= t < vocab for t in handoff.token_ids):
             raise HandoffRefused("handoff holds token ids outside the vocabulary")
         if handoff.start_index != len(seq.output_token_ids):

@@ -19,8 +19,7 @@ from shared.bulk.kv_importer import ImportState
 from shared.bulk.receiver import FlowStats
 from shared.config import RelayDecodeConfig
 from shared.decode_service import DecodeService
-from shared.engine.engine import StepOutput
-from shared.engine.sequence import Sequence, SequenceStatus
+from shared.engine.backend import RequestStatus, RequestView, StepOutput
 from shared.messages import (
     FlowOpen,
     HandoffAccepted,
@@ -66,14 +65,14 @@ class RelayDecodeService(DecodeService):
 
     def load(self) -> float:
         """Active sequences over capacity: what the handoff mode switch looks at."""
-        return self.engine.num_sequences / self.config.max_sequences
+        return self.engine.load().num_sequences / self.config.max_sequences
 
     async def _on_import_open(self, flow_open: FlowOpen):
         rid = flow_open.request_id
         self._traceparents[rid] = flow_open.traceparent
         self.machines[rid] = HandoffMachine(rid, self.policy)
 
-    async def _on_import_complete(self, state: ImportState, seq: Sequence, stats: FlowStats):
+    async def _on_import_complete(self, state: ImportState, seq: RequestView, stats: FlowStats):
         self.start_span(seq.request_id, "relay.decode", state.flow_open.traceparent)
         EAGER_TOKENS.inc(len(seq.output_token_ids))
         await super()._on_import_complete(state, seq, stats)
@@ -120,7 +119,7 @@ class RelayDecodeService(DecodeService):
             chunk = machine.accepted(answer.next_index, emitted or answer.next_index, self.load())
         if machine.state is HandoffState.RELEASED:
             HANDOFF_SECONDS.labels(self.config.served_model_name, machine.mode).observe(time.perf_counter() - started)
-            await self.worker.call(self.engine.free_if_held, rid)
+            await self.worker.call(self.engine.abort, rid)
             self.end_span(rid, handoff_mode=machine.mode, handoff_chunks=machine.chunks)
             self.log.info("handed_over", request_id=rid, mode=machine.mode, chunks=machine.chunks,
                           tokens=machine.handed_index, main_decode=ready.instance_id)
@@ -148,25 +147,24 @@ class RelayDecodeService(DecodeService):
 
     def _chunk_tokens(self, rid: str, chunk: HandoffChunk) -> list[int] | None:
         """The chunk's tokens; a final chunk pauses the sequence and takes all it emitted."""
-        engine = self.engine
-        if not engine.holds(rid) or engine.get(rid).status is not SequenceStatus.RUNNING:
+        seq = self.engine.request(rid)
+        if seq is None or seq.status is not RequestStatus.RUNNING:
             return None
-        outputs = engine.get(rid).output_token_ids
         if chunk.final:
-            engine.pause(rid)
-            return list(outputs[chunk.start_index:])
-        return list(outputs[chunk.start_index:chunk.end_index])
+            self.engine.pause(rid)
+            return list(seq.output_token_ids[chunk.start_index:])
+        return list(seq.output_token_ids[chunk.start_index:chunk.end_index])
 
     def _emitted(self, rid: str) -> int | None:
-        engine = self.engine
-        if not engine.holds(rid) or engine.get(rid).status is not SequenceStatus.RUNNING:
+        seq = self.engine.request(rid)
+        if seq is None or seq.status is not RequestStatus.RUNNING:
             return None
-        return len(engine.get(rid).output_token_ids)
+        return len(seq.output_token_ids)
 
     def _resume_if_paused(self, request_id: str):
-        engine = self.engine
-        if engine.holds(request_id) and engine.get(request_id).status is SequenceStatus.PAUSED:
-            engine.resume(request_id)
+        seq = self.engine.request(request_id)
+        if seq is not None and seq.status is RequestStatus.PAUSED:
+            self.engine.resume(request_id)
 
     async def _on_outputs(self, outputs: list[StepOutput]):
         EAGER_TOKENS.inc(sum(1 for o in outputs if o.token_id is not None))

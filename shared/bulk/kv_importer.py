@@ -1,15 +1,19 @@
-"""The receiving side of KV flows for an engine service (relay decode, main decode)."""
+"""The receiving side of KV flows for an engine service (relay decode, main decode).
+
+What it keeps and when a flow waits for blocks already in flight is the decode-side cache's
+policy (``shared.decode_cache``); this module runs it against the engine and the flows.
+"""
 
 import asyncio
-import itertools
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
 from shared.block_hash import hash_blocks
 from shared.bulk.receiver import FlowStats
-from shared.engine.sequence import Sequence
+from shared.decode_cache import Claim, InFlightBlocks, keeps_importing
+from shared.engine.backend import RequestView
 from shared.engine_worker import EngineWorker
 from shared.errors import InvalidRequestState, OutOfKvBlocks, RequestCancelled
 from shared.kv_wire import KvFrame
@@ -38,26 +42,7 @@ class ImportState:
     discard_when_done: bool = False
 
 
-@dataclass
-class _Claim:
-    """A flow's place in line: the blocks it brings, and when it is done bringing them.
-
-    Attributes:
-        ticket: Arrival order.
-        block_hashes: The prompt's block hashes.
-        done: Set when the flow's import ended (its blocks are cached or dropped).
-        cancelled: Set when the request was cancelled while the flow still waited in line.
-        finished_elsewhere: The cancel said the request ended elsewhere (import, then free).
-    """
-
-    ticket: int
-    block_hashes: list[int]
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
-    finished_elsewhere: bool = False
-
-
-ImportCompleted = Callable[[ImportState, Sequence, FlowStats], Awaitable[None]]
+ImportCompleted = Callable[[ImportState, RequestView, FlowStats], Awaitable[None]]
 ImportOpened = Callable[[FlowOpen], Awaitable[None]]
 ImportAborted = Callable[[str, str], Awaitable[None]]
 
@@ -76,25 +61,23 @@ class KvImporter:
         self._on_open = on_open
         self._on_abort = on_abort
         self.imports: dict[str, ImportState] = {}
-        self._claims: dict[str, _Claim] = {}  # flows waiting or importing, in arrival order
-        self._tickets = itertools.count()
+        self._in_flight = InFlightBlocks()
 
     async def open_flow(self, flow_open: FlowOpen, stats: FlowStats) -> int:
         rid = flow_open.request_id
-        if rid in self.imports or rid in self._claims:
+        if self.holds(rid):
             raise InvalidRequestState(f"a flow for {rid!r} is already open")
         engine = self._worker.engine
-        claim = self._claims[rid] = _Claim(next(self._tickets), hash_blocks(
-            flow_open.token_ids, engine.layout.block_size))
+        claim = self._in_flight.claim(rid, hash_blocks(flow_open.token_ids, engine.block_size))
         try:
             if self._on_open:
                 await self._on_open(flow_open)
             await self._wait_for_blocks_in_flight(rid, claim)
-            if claim.cancelled.is_set() and not claim.finished_elsewhere:
+            if claim.dropped:
                 raise RequestCancelled(f"request {rid!r} was cancelled while its flow waited")
             first = await self._begin_when_room(flow_open, claim)
-            if claim.cancelled.is_set() and not claim.finished_elsewhere:  # while the sequence was made
-                await self._worker.call(engine.free_if_held, rid)
+            if claim.dropped:  # while the sequence was made
+                await self._worker.call(engine.abort, rid)
                 raise RequestCancelled(f"request {rid!r} was cancelled while its import began")
         except BaseException:
             self._release(rid)
@@ -102,24 +85,25 @@ class KvImporter:
         self.imports[rid] = ImportState(flow_open, cached_tokens=first, stats=stats,
                                         discard_when_done=claim.finished_elsewhere)
         service = flow_open.role
-        PREFIX_HIT_BLOCKS.labels(service).inc(first // engine.layout.block_size)
-        PREFIX_LOOKUP_BLOCKS.labels(service).inc(len(flow_open.token_ids) // engine.layout.block_size)
+        PREFIX_HIT_BLOCKS.labels(service).inc(first // engine.block_size)
+        PREFIX_LOOKUP_BLOCKS.labels(service).inc(len(flow_open.token_ids) // engine.block_size)
         log.info("kv_import_opened", request_id=rid, cached_tokens=first,
                  prompt_tokens=len(flow_open.token_ids), role=flow_open.role)
         return first
 
-    async def _begin_when_room(self, flow_open: FlowOpen, claim: "_Claim") -> int:
+    async def _begin_when_room(self, flow_open: FlowOpen, claim: Claim) -> int:
         """Reserve the prompt's blocks once the pool has them and fewer than ``max_sequences``
         requests are held: a full instance makes the flow wait (the sender's accept timeout
         bounds it), never fail. A prompt larger than the whole pool fails at once."""
         engine, rid = self._worker.engine, flow_open.request_id
-        needed = -(-len(flow_open.token_ids) // engine.layout.block_size)
-        if needed > engine.blocks.num_blocks:
-            raise OutOfKvBlocks(f"the prompt needs {needed} KV blocks; the pool has {engine.blocks.num_blocks}")
+        needed = -(-len(flow_open.token_ids) // engine.block_size)
+        num_blocks = engine.load().num_blocks
+        if needed > num_blocks:
+            raise OutOfKvBlocks(f"the prompt needs {needed} KV blocks; the pool has {num_blocks}")
         deadline = asyncio.get_running_loop().time() + self._in_flight_wait_s
         waited = False
         while True:
-            if not self._max_sequences or engine.num_sequences < self._max_sequences:
+            if not self._max_sequences or engine.load().num_sequences < self._max_sequences:
                 try:
                     return await self._worker.call(engine.begin_import, rid, flow_open.token_ids,
                                                    flow_open.sampling, flow_open.seed)
@@ -132,14 +116,15 @@ class KvImporter:
             if not waited:
                 waited = True
                 self.num_waits_for_room += 1
+                load = engine.load()
                 log.info("kv_import_waits_for_room", request_id=rid, needed_blocks=needed,
-                         free_blocks=engine.blocks.num_free_blocks, sequences=engine.num_sequences)
+                         free_blocks=load.num_free_blocks, sequences=load.num_sequences)
             try:  # room appears as other requests finish; a cancel ends the wait at once
                 await asyncio.wait_for(claim.cancelled.wait(), ROOM_POLL_S)
             except asyncio.TimeoutError:
                 pass
 
-    async def _wait_for_blocks_in_flight(self, request_id: str, claim: "_Claim"):
+    async def _wait_for_blocks_in_flight(self, request_id: str, claim: Claim):
         """Let earlier flows that bring this prompt's blocks finish first.
 
         A follow-up turn often arrives while the previous turn's KV is still crossing the
@@ -152,14 +137,12 @@ class KvImporter:
         engine = self._worker.engine
         deadline = asyncio.get_running_loop().time() + self._in_flight_wait_s
         while True:
-            cached = await self._worker.call(engine.prefix_cache.peek, claim.block_hashes)
-            shared, behind, blocker = max(
-                ((_common_prefix(c.block_hashes, claim.block_hashes), rid, c)
-                 for rid, c in self._claims.items() if c.ticket < claim.ticket),
-                key=lambda overlap: overlap[0], default=(0, None, None))
+            cached = await self._worker.call(engine.cached_prefix_blocks, claim.block_hashes)
+            found = self._in_flight.blocker(claim, cached)
             remaining = deadline - asyncio.get_running_loop().time()
-            if shared <= cached or remaining <= 0:
+            if found is None or remaining <= 0:
                 return
+            behind, blocker = found
             log.info("kv_import_waits_for_blocks_in_flight", request_id=request_id,
                      behind=behind, cached_blocks=cached)
             # A request that ended elsewhere still imports (for the cache), so it keeps its
@@ -172,23 +155,25 @@ class KvImporter:
             finally:
                 for waiting in waits:
                     waiting.cancel()
-            if (claim.cancelled.is_set() and not claim.finished_elsewhere) or not blocker.done.is_set():
+            if claim.dropped or not blocker.done.is_set():
                 return
 
     def _release(self, request_id: str):
-        claim = self._claims.pop(request_id, None)
-        if claim is not None:
-            claim.done.set()
+        self._in_flight.release(request_id)
 
     @property
     def request_ids(self) -> set[str]:
         """Requests with a flow importing or waiting in line."""
-        return set(self.imports) | set(self._claims)
+        return set(self.imports) | set(self._in_flight.claims)
 
     @property
     def waiting(self) -> list[str]:
         """Request ids of flows still waiting for earlier flows' blocks."""
-        return [rid for rid in self._claims if rid not in self.imports]
+        return [rid for rid in self._in_flight.claims if rid not in self.imports]
+
+    def kept_for_cache(self) -> set[str]:
+        """Requests that ended elsewhere whose import goes on only to fill the cache."""
+        return {rid for rid, state in list(self.imports.items()) if state.discard_when_done}
 
     async def import_frame(self, request_id: str, frame: KvFrame) -> None:
         await self._worker.call(self._worker.engine.import_frame, frame)
@@ -213,7 +198,7 @@ class KvImporter:
         if state is None:
             return
         self._release(request_id)
-        await self._worker.call(self._worker.engine.free_if_held, request_id)
+        await self._worker.call(self._worker.engine.abort, request_id)
         log.warning("kv_import_aborted", request_id=request_id, reason=reason)
         if self._on_abort and not state.discard_when_done:
             await self._on_abort(request_id, reason)
@@ -221,7 +206,7 @@ class KvImporter:
     def holds(self, request_id: str) -> bool:
         """Whether a flow of ``request_id`` is open here (waiting, beginning or importing): its
         sequence is the importer's to free."""
-        return request_id in self.imports or request_id in self._claims
+        return request_id in self.imports or request_id in self._in_flight.claims
 
     async def cancel(self, request_id: str, finished_elsewhere: bool) -> ImportState | None:
         """Cancel an import in progress; return its state if there was one.
@@ -232,24 +217,14 @@ class KvImporter:
         """
         state = self.imports.get(request_id)
         if state is None:
-            claim = self._claims.get(request_id)
-            if claim is not None:  # still waiting in line: it must not import later and park
-                claim.finished_elsewhere = finished_elsewhere
-                claim.cancelled.set()
+            # Still waiting in line: it must not import later and park.
+            self._in_flight.cancel_waiting(request_id, finished_elsewhere)
             return None
-        if finished_elsewhere:
+        if keeps_importing(finished_elsewhere):
             state.discard_when_done = True
             return state
         del self.imports[request_id]
         self._release(request_id)
-        await self._worker.call(self._worker.engine.free_if_held, request_id)
+        await self._worker.call(self._worker.engine.abort, request_id)
         return state
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    count = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        count += 1
-    return count

@@ -7,7 +7,7 @@ makes export and import a single gather/scatter over block ids.
 
 import torch
 
-from shared.engine.kv_layout import KvLayout
+from shared.kv_layout import KvLayout
 
 
 class KvPool:

@@ -11,9 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from shared.block_hash import ROOT_PARENT_HASH
+from shared.engine.backend import KvEventListener
 
-KvEventListener = Callable[[str, list[int]], None]
-"""Called with ("stored" | "evicted", block hashes) whenever the cached set changes."""
 
 
 @dataclass(eq=False)

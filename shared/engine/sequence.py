@@ -1,19 +1,10 @@
 """Per-request state inside one engine instance."""
 
-import enum
 from dataclasses import dataclass, field
 
+from shared.engine.backend import RequestStatus, RequestView
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling import SamplingParams
-
-
-class SequenceStatus(enum.Enum):
-    """Where a sequence is in its life on this instance."""
-
-    IMPORTING = "importing"  # KV frames are landing; not schedulable yet
-    RUNNING = "running"      # schedulable whenever it has tokens without KV
-    PAUSED = "paused"        # holds its KV but is not scheduled (handoff in flight)
-    FINISHED = "finished"    # stopped (EOS, length, stop string or error); blocks still held until freed
 
 
 @dataclass(eq=False)
@@ -37,6 +28,7 @@ class Sequence:
         hold_after_compute: Compute the pending tokens' KV but sample nothing (catch-up chunk).
         output_logprobs: Per output token, its log-probabilities when the request asked for
             them and they are known here (None for a token handed over without them).
+        num_stop_checked_tokens: Output tokens already known to end no stop string.
     """
 
     request_id: str
@@ -44,7 +36,7 @@ class Sequence:
     num_prompt_tokens: int
     sampling: SamplingParams
     seed: int
-    status: SequenceStatus = SequenceStatus.RUNNING
+    status: RequestStatus = RequestStatus.RUNNING
     block_ids: list[int] = field(default_factory=list)
     num_kv_tokens: int = 0
     num_cached_tokens: int = 0
@@ -54,6 +46,7 @@ class Sequence:
     finish_reason: str | None = None
     hold_after_compute: bool = False
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    num_stop_checked_tokens: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -68,4 +61,13 @@ class Sequence:
     @property
     def schedulable(self) -> bool:
         """Whether the next step should compute something for this sequence."""
-        return self.status is SequenceStatus.RUNNING and self.num_pending_tokens > 0
+        return self.status is RequestStatus.RUNNING and self.num_pending_tokens > 0
+
+    def view(self) -> RequestView:
+        """An immutable snapshot for callers outside the engine."""
+        return RequestView(
+            request_id=self.request_id, status=self.status, num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens, num_imported_tokens=self.num_imported_tokens,
+            output_token_ids=tuple(self.token_ids[self.num_prompt_tokens:]),
+            output_logprobs=tuple(self.output_logprobs) if self.sampling.logprobs is not None else None,
+            finish_reason=self.finish_reason, max_tokens=self.sampling.max_tokens)
