@@ -1,6 +1,7 @@
-"""The ``pdd`` command line.
+"""The ``pdd`` command line: the program's entry point, above every layer.
 
-``generate`` and ``bench engine`` run the engine in-process; ``up``/``down``/``status``
+``generate`` runs an engine backend in-process; ``bench``, ``chaos`` and ``sim`` come from
+``loadtest``; ``up``/``down``/``status``
 manage a local two-site deployment; ``wan`` adjusts its link; ``serve`` runs one service;
 ``demo`` runs a short agent conversation against a fresh deployment.
 """
@@ -11,20 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+from loadtest.commands import RUN_DIR_HELP, add_model_args
 from shared.errors import PddError
 from shared.logging import configure_logging
 from shared.version import pdd_version
-
-
-def _add_model_args(parser: argparse.ArgumentParser):
-    parser.add_argument("--model", default="smollm2",
-                        help="smollm2 (default), tiny (random test model) or an HF model folder")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="weights and KV dtype")
-
-
-RUN_DIR_HELP = "the deployment's run folder (default: ~/.cache/pdd/run)"
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -55,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="run the engine in-process on one prompt")
     generate.add_argument("prompt", help="the user message (or raw text with --raw)")
-    _add_model_args(generate)
+    add_model_args(generate)
+    generate.add_argument("--engine", default="hf", help="engine backend (shared/engine/backend.py registers them)")
     generate.add_argument("--max-tokens", type=int, default=128, help="output tokens at most")
     generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
@@ -63,39 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
-    bench = commands.add_parser("bench", help="benchmarks")
-    bench_kinds = bench.add_subparsers(dest="bench", required=True)
-    engine = bench_kinds.add_parser("engine", help="engine microbenchmark, JSON on stdout")
-    _add_model_args(engine)
-    engine.add_argument("--quick", action="store_true", help="short contexts, one repeat")
-    handoff = bench_kinds.add_parser("handoff", help="main decode's worst inter-token gap during a "
-                                                     "100-token handoff, one-shot vs catch-up")
-    _add_model_args(handoff)
-    handoff.add_argument("--other-streams", type=int, default=3, help="streams decoding beside the handoff")
-    handoff.add_argument("--context", type=int, default=512, help="prompt tokens")
-    handoff.add_argument("--chunk-tokens", type=int, default=32, help="tokens per catch-up chunk")
-    from loadtest.bench import add_bench_run_parser
-
-    add_bench_run_parser(bench_kinds)
-    micro = bench_kinds.add_parser("handoff-micro", help="100-token handoff by token IDs vs by KV, "
-                                                         "over the same emulated WAN link")
-    _add_model_args(micro)
-    micro.add_argument("--trials", type=int, default=20, help="handoffs timed per kind")
-    micro.add_argument("--context", type=int, default=512, help="prompt tokens")
-    micro.add_argument("--bandwidth", default="100mbit", help="emulated WAN rate")
-    micro.add_argument("--rtt", default="40ms", help="emulated WAN round trip")
-    micro.add_argument("--jitter", default="5ms", help="emulated WAN jitter")
-    bulk = bench_kinds.add_parser("bulk", help="bulk channel throughput, plaintext vs mutual TLS, on "
-                                               "loopback and through the WAN link")
-    bulk.add_argument("--megabytes", type=int, default=256, help="per flow (default 256)")
-    bulk.add_argument("--link", default="1gbit", help="shaped rate besides unshaped loopback (default 1gbit)")
-    bulk.add_argument("--repeats", type=int, default=3, help="runs of each measurement")
-
     from infra.serve import add_serve_parsers
     from infra.wan_control import add_wan_parsers
 
+    from loadtest.commands import add_loadtest_parsers
     from loadtest.sim.commands import add_sim_parsers
 
+    add_loadtest_parsers(commands)
     add_serve_parsers(commands)
     add_wan_parsers(commands)
     add_sim_parsers(commands)
@@ -108,17 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one entry per process: pid, state, metrics URL, restarts")
     commands.add_parser("supervise", help="restart the deployment's exited processes (run by pdd up)"
                         ).add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
-    chaos = commands.add_parser("chaos", help="inject faults into the running deployment; check nothing is lost")
-    chaos.add_argument("--scenario", default="all", help="one of md-kill, relay-kill, prefill-kill, "
-                       "router-kill, nats-a-restart, nats-b-outage, partition, stalls, slow-wan, redeploy, "
-                       "a comma-separated list of them, or all (default: all)")
-    chaos.add_argument("--streams", type=int, default=4, help="greedy streams per scenario (default 4)")
-    chaos.add_argument("--max-tokens", type=int, default=96, help="tokens per stream (default 96)")
-    chaos.add_argument("--prompt-words", type=int, default=300, help="words per cold prompt (default 300)")
-    chaos.add_argument("--outage-s", type=float, default=25.0, help="length of the nats-b outage (default 25)")
-    chaos.add_argument("--partition-s", type=float, default=60.0, help="length of the partition (default 60)")
-    chaos.add_argument("--out", default=None, help="also write the Markdown table here")
-    chaos.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
     secrets = commands.add_parser("secrets", help="write a deployment's CA, certificate, NATS nkeys and bulk "
                                                   "secret into a folder (for docker-compose / Kubernetes)")
     secrets.add_argument("--out", required=True, help="folder (created 0700; files 0600; existing ones kept)")
@@ -171,7 +126,7 @@ def _add_up_args(parser: argparse.ArgumentParser):
 
 def cmd_generate(args) -> int:
     """Stream one completion to stdout; statistics go to stderr."""
-    from shared.engine.engine import Engine
+    from shared.engine.backend import BackendOptions, create_backend
     from shared.engine.sampling import SamplingParams
     from shared.model_loader import load_model
 
@@ -185,7 +140,8 @@ def cmd_generate(args) -> int:
             tokenize=True, return_dict=False))
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                               top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
-    engine = Engine(loaded)
+    engine = create_backend(args.engine, BackendOptions(model=args.model, device=args.device,
+                                                        dtype=args.dtype, kv_cache_bytes=1 << 30), loaded)
     start = time.perf_counter()
     engine.add_request("cli", prompt, sampling)
     printed, first_token_s = "", None
@@ -194,7 +150,7 @@ def cmd_generate(args) -> int:
             if out.error:
                 raise PddError(out.error)
             first_token_s = first_token_s or time.perf_counter() - start
-        text = tokenizer.decode(engine.get("cli").output_token_ids, skip_special_tokens=True)
+        text = tokenizer.decode(engine.request("cli").output_token_ids, skip_special_tokens=True)
         # Hold back a trailing replacement char: a multi-byte character may be half-decoded.
         stable = text.rstrip("\ufffd")
         sys.stdout.write(stable[len(printed):])
@@ -208,53 +164,6 @@ def cmd_generate(args) -> int:
                       "finish_reason": seq.finish_reason, "ttft_s": round(first_token_s, 3),
                       "decode_tok_s": round((num_out - 1) / max(elapsed - first_token_s, 1e-9), 1)}),
           file=sys.stderr)
-    return 0
-
-
-def cmd_bench(args) -> int:
-    """Run a microbenchmark and print its JSON."""
-    from shared.model_loader import load_model
-
-    if args.bench == "run":
-        from loadtest.bench import resolve_size, run_bench
-
-        results = run_bench(resolve_size(args))
-        print(json.dumps({m: {"ttft_ms": v["ttft_ms"], "errors": v["errors"]}
-                          for m, v in results["modes"].items()}, indent=2))
-        print(f"results in {args.out}/results.json and {args.out}/report.md")
-        return 0
-    if args.bench == "trace":
-        from loadtest.bench import write_trace
-
-        return write_trace(args)
-    if args.bench == "handoff-micro":
-        from infra.wan_link import parse_profile
-        from loadtest.handoff_microbench import run_handoff_microbench
-
-        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-        profile = parse_profile(args.bandwidth, args.rtt, args.jitter)
-        print(json.dumps(run_handoff_microbench(loaded, profile=profile, context=args.context,
-                                                trials=args.trials), indent=2))
-        return 0
-    if args.bench == "bulk":
-        from infra.wan_link import parse_rate
-        from loadtest.bulk_bench import run_bulk_bench
-
-        print(json.dumps(run_bulk_bench(load_model("tiny"), megabytes=args.megabytes,
-                                        rates=(0.0, parse_rate(args.link)), repeats=args.repeats), indent=2))
-        return 0
-    if args.bench == "handoff":
-        from loadtest.handoff_bench import run_handoff_bench
-
-        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-        print(json.dumps(run_handoff_bench(loaded, other_streams=args.other_streams,
-                                           context=args.context, chunk_tokens=args.chunk_tokens), indent=2))
-        return 0
-    from loadtest.engine_bench import run_engine_bench
-
-    model = "tiny" if args.quick and args.model == "smollm2" else args.model
-    loaded = load_model(model, device=args.device, dtype=args.dtype)
-    print(json.dumps(run_engine_bench(loaded, quick=args.quick), indent=2))
     return 0
 
 
@@ -302,46 +211,6 @@ def cmd_status(args) -> int:
 
     print(json.dumps(launcher.status(_run_dir(args), detailed=args.json), indent=2))
     return 0
-
-
-def cmd_chaos(args) -> int:
-    """Run chaos scenarios against the running deployment; print one JSON row each, then a table."""
-    import asyncio
-
-    from infra import launcher
-    from loadtest import chaos
-    from shared.model_loader import load_model
-
-    run_dir = _run_dir(args)
-    deployment = launcher.load_state(run_dir)
-    if deployment is None:
-        raise launcher.LauncherError(f"no deployment recorded in {run_dir} (pdd up first)")
-    names = list(chaos.SCENARIOS) if args.scenario == "all" else args.scenario.split(",")
-    unknown = [n for n in names if n not in chaos.SCENARIOS]
-    if unknown:
-        raise PddError(f"unknown scenario {unknown[0]!r}; choose from {', '.join(chaos.SCENARIOS)} or all")
-    model = deployment.commands["router"]["env"]["PDD_MODEL"]
-    served = _get_served_model(deployment)
-    ctx = chaos.ChaosContext(run_dir=run_dir, model_name=served, loaded=load_model(model),
-                             streams=args.streams, max_tokens=args.max_tokens,
-                             prompt_words=args.prompt_words, outage_s=args.outage_s,
-                             partition_s=args.partition_s)
-    rows = asyncio.run(chaos.run(ctx, names))
-    text = chaos.table(rows)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0
-
-
-def _get_served_model(deployment) -> str:
-    import urllib.request
-
-    from loadtest.client import auth_headers
-
-    request = urllib.request.Request(deployment.router_url + "/models", headers=auth_headers())
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())["data"][0]["id"]
 
 
 def cmd_secrets(args) -> int:
@@ -424,8 +293,6 @@ def cmd_demo(args) -> int:
 
 
 def _run_dir(args):
-    from pathlib import Path
-
     from infra.launcher import default_run_dir
 
     return Path(args.run_dir) if getattr(args, "run_dir", None) else default_run_dir()
@@ -436,9 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command != "serve":
         configure_logging(args.log_level if args.command not in ("up", "demo") else "warning")
-    handlers = {"generate": cmd_generate, "bench": cmd_bench, "up": cmd_up, "down": cmd_down,
-                "status": cmd_status, "wan": cmd_wan, "serve": cmd_serve, "demo": cmd_demo,
-                "restart": cmd_restart, "secrets": cmd_secrets, "install-tokenizer": cmd_install_tokenizer, "supervise": cmd_supervise, "chaos": cmd_chaos}
+    handlers = {"generate": cmd_generate, "up": cmd_up, "down": cmd_down, "status": cmd_status,
+                "wan": cmd_wan, "serve": cmd_serve, "demo": cmd_demo, "restart": cmd_restart,
+                "secrets": cmd_secrets, "install-tokenizer": cmd_install_tokenizer,
+                "supervise": cmd_supervise}
     try:
         return (handlers.get(args.command) or args.handler)(args)
     except (PddError, ValueError) as exc:

@@ -196,7 +196,7 @@ def _spawn(run_dir: Path, name: str, command: dict) -> int:
     """Start a recorded command with its log in the run folder; return its pid."""
     argv = command["argv"]
     if command.get("program", "pdd") == "pdd":
-        argv = [sys.executable, "-m", "shared.cli", *argv]
+        argv = [sys.executable, "-m", "infra.cli", *argv]
     log = open(run_dir / "logs" / f"{name}.log", "ab")
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                env={**os.environ, **command["env"]})

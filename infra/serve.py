@@ -1,6 +1,5 @@
 """``pdd serve <service>``: run one service as its own process."""
 
-import argparse
 import asyncio
 
 from shared.config import (
@@ -79,19 +78,3 @@ def _make_service(name: str, config):
         return MainDecodeService(config)
     from services.cache_index.service import CacheIndexService
     return CacheIndexService(config)
-
-
-def parse_route(text: str):
-    """``leafnode=127.0.0.1:17422>127.0.0.1:7422@site-b`` → Route."""
-    from infra.wan_link import Route
-
-    try:
-        name, rest = text.split("=", 1)
-        listen, rest = rest.split(">", 1)
-        target, from_site = rest.split("@", 1)
-        listen_host, listen_port = listen.rsplit(":", 1)
-        target_host, target_port = target.rsplit(":", 1)
-        return Route(name, listen_host, int(listen_port), target_host, int(target_port), from_site)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"route {text!r}: expected NAME=HOST:PORT>HOST:PORT@SITE") from None

@@ -8,6 +8,7 @@ traffic until it is lifted. Order within a connection is always preserved. Every
 adjustable at runtime through a small HTTP control API (``pdd wan``).
 """
 
+import argparse
 import asyncio
 import random
 import re
@@ -251,6 +252,24 @@ def parse_profile(bandwidth: str, rtt: str, jitter: str, seed: int = 0) -> LinkP
     """A profile from the command-line spellings (``100mbit``, ``40ms``, ``5ms``)."""
     return LinkProfile(bandwidth_bps=parse_rate(bandwidth), rtt_ms=parse_ms(rtt),
                        jitter_ms=parse_ms(jitter), seed=seed)
+
+
+def parse_route(text: str) -> "Route":
+    """``leafnode=127.0.0.1:17422>127.0.0.1:7422@site-b`` → Route.
+
+    Raises:
+        argparse.ArgumentTypeError: the text is not ``NAME=HOST:PORT>HOST:PORT@SITE``.
+    """
+    try:
+        name, rest = text.split("=", 1)
+        listen, rest = rest.split(">", 1)
+        target, from_site = rest.split("@", 1)
+        listen_host, listen_port = listen.rsplit(":", 1)
+        target_host, target_port = target.rsplit(":", 1)
+        return Route(name, listen_host, int(listen_port), target_host, int(target_port), from_site)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"route {text!r}: expected NAME=HOST:PORT>HOST:PORT@SITE") from None
 
 
 def control_app(link: WanLink) -> web.Application:

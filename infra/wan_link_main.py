@@ -2,15 +2,13 @@
 
 from aiohttp import web
 
-from infra.wan_link import WanLink, control_app, parse_profile
+from infra.wan_link import WanLink, control_app, parse_profile, parse_route
 from shared.logging import configure_logging
 from shared.service import wait_for_termination
 
 
 async def run_wan_link(args):
     """Serve the link until SIGTERM."""
-    from infra.serve import parse_route
-
     configure_logging(args.log_level)
     link = WanLink(parse_profile(args.bandwidth, args.rtt, args.jitter, args.seed))
     for text in args.route:

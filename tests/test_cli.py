@@ -78,7 +78,7 @@ def test_version_names_the_installed_package():
     import sys
     from importlib.metadata import version
 
-    result = subprocess.run([sys.executable, "-m", "shared.cli", "--version"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "infra.cli", "--version"], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == f"pdd {version('pdd')}"
 
 
@@ -95,7 +95,7 @@ def _parsers(parser, path="pdd"):
 def test_every_flag_of_every_command_has_help_and_states_its_default():
     import argparse
 
-    from shared.cli import build_parser
+    from infra.cli import build_parser
 
     missing, parsers = [], list(_parsers(build_parser()))
     assert len(parsers) > 20

@@ -15,8 +15,9 @@ import yaml
 
 from infra.launcher import SERVICE_OF, TOPOLOGY
 from infra.nats_server import nats_server_binary
-from infra.serve import SERVICE_CONFIGS, parse_route
-from shared.cli import build_parser
+from infra.serve import SERVICE_CONFIGS
+from infra.wan_link import parse_route
+from infra.cli import build_parser
 from shared.config import build_config, env_name, settings_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +45,7 @@ def resolved_env(spec, secrets_dir: Path | None = None) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def secrets_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("compose") / "secrets"
-    assert subprocess.run([sys.executable, "-m", "shared.cli", "secrets", "--out", str(out)],
+    assert subprocess.run([sys.executable, "-m", "infra.cli", "secrets", "--out", str(out)],
                           capture_output=True, text=True, cwd=ROOT).returncode == 0
     return out
 

@@ -14,7 +14,7 @@ import yaml
 from infra.launcher import SERVICE_OF, TOPOLOGY
 from infra.nats_server import nats_server_binary
 from infra.serve import SERVICE_CONFIGS
-from shared.cli import build_parser
+from infra.cli import build_parser
 from shared.config import build_config, env_name, settings_of
 from tests.test_dashboards import exported_families
 
@@ -30,7 +30,7 @@ def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     assert kubectl, "kubectl is needed to render the manifests (kubectl kustomize)"
     copy = tmp_path_factory.mktemp("k8s") / "k8s"
     shutil.copytree(ROOT / "infra/k8s", copy, ignore=shutil.ignore_patterns("secrets"))
-    secrets = subprocess.run([sys.executable, "-m", "shared.cli", "secrets", "--out", str(copy / "base/secrets")],
+    secrets = subprocess.run([sys.executable, "-m", "infra.cli", "secrets", "--out", str(copy / "base/secrets")],
                              capture_output=True, text=True, cwd=ROOT)
     assert secrets.returncode == 0, secrets.stderr
     out = {}

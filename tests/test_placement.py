@@ -2,7 +2,8 @@
 
 import time
 
-from services.router.placement import WanEstimate, place
+from services.router.placement import place
+from services.router.wan_estimate import WanEstimate
 from services.router.registry import InstanceRegistry
 from shared.messages import InstanceRef, LoadReported
 

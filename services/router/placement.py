@@ -20,6 +20,7 @@ sequences.
 from dataclasses import dataclass
 
 from services.router.registry import InstanceRegistry, InstanceState
+from services.router.wan_estimate import WanEstimate
 from shared.errors import PddError
 from shared.messages import InstanceRef, Pipeline
 
@@ -70,23 +71,6 @@ class Placement:
     def decoder_ids(self) -> frozenset[str]:
         """The instances that may write the request's token stream."""
         return frozenset(ref.instance_id for ref in (self.main_decode, self.relay_decode) if ref is not None)
-
-
-@dataclass(frozen=True)
-class WanEstimate:
-    """What the router believes about the link.
-
-    Attributes:
-        bandwidth_bps: Bits per second.
-        rtt_s: Round trip in seconds.
-    """
-
-    bandwidth_bps: float
-    rtt_s: float
-
-    def transfer_s(self, num_bytes: int) -> float:
-        """Predicted time to ship ``num_bytes`` (plus one round trip for the handshake)."""
-        return num_bytes * 8 / self.bandwidth_bps + self.rtt_s
 
 
 def placement_cost_blocks(state: InstanceState, hits: dict[str, int], num_prompt_blocks: int) -> int:

@@ -16,15 +16,32 @@ burst once made every later request look relay-worthy). Repeated slow handshakes
 raise it quickly.
 """
 
-from prometheus_client import Gauge
+from dataclasses import dataclass
 
-from services.router.placement import WanEstimate
+from prometheus_client import Gauge
 
 BANDWIDTH = Gauge("pdd_wan_estimate_bandwidth_bps", "Router's smoothed WAN bandwidth estimate")
 RTT = Gauge("pdd_wan_estimate_rtt_seconds", "Router's smoothed WAN round-trip estimate")
 MIN_SAMPLE_BYTES = 256 << 10
 DROP_FACTOR = 0.5
 RTT_MAX_RISE = 4.0
+
+
+@dataclass(frozen=True)
+class WanEstimate:
+    """What the router believes about the link.
+
+    Attributes:
+        bandwidth_bps: Bits per second.
+        rtt_s: Round trip in seconds.
+    """
+
+    bandwidth_bps: float
+    rtt_s: float
+
+    def transfer_s(self, num_bytes: int) -> float:
+        """Predicted time to ship ``num_bytes`` (plus one round trip for the handshake)."""
+        return num_bytes * 8 / self.bandwidth_bps + self.rtt_s
 
 
 class WanEstimator:

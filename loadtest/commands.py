@@ -1,0 +1,158 @@
+"""The load-test side of the ``pdd`` command line: ``bench`` and ``chaos``."""
+
+import argparse
+import json
+from pathlib import Path
+
+from shared.errors import PddError
+
+RUN_DIR_HELP = "the deployment's run folder (default: ~/.cache/pdd/run)"
+
+
+def add_model_args(parser: argparse.ArgumentParser):
+    """``--model``, ``--device`` and ``--dtype`` of a command that loads the model."""
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2 (default), tiny (random test model) or an HF model folder")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="weights and KV dtype")
+
+
+def add_loadtest_parsers(commands):
+    """Register ``bench`` and ``chaos`` on the ``pdd`` subcommand parser."""
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_kinds = bench.add_subparsers(dest="bench", required=True)
+    engine = bench_kinds.add_parser("engine", help="engine microbenchmark, JSON on stdout")
+    add_model_args(engine)
+    engine.add_argument("--quick", action="store_true", help="short contexts, one repeat")
+    handoff = bench_kinds.add_parser("handoff", help="main decode's worst inter-token gap during a "
+                                                     "100-token handoff, one-shot vs catch-up")
+    add_model_args(handoff)
+    handoff.add_argument("--other-streams", type=int, default=3, help="streams decoding beside the handoff")
+    handoff.add_argument("--context", type=int, default=512, help="prompt tokens")
+    handoff.add_argument("--chunk-tokens", type=int, default=32, help="tokens per catch-up chunk")
+    from loadtest.bench import add_bench_run_parser
+
+    add_bench_run_parser(bench_kinds)
+    micro = bench_kinds.add_parser("handoff-micro", help="100-token handoff by token IDs vs by KV, "
+                                                         "over the same emulated WAN link")
+    add_model_args(micro)
+    micro.add_argument("--trials", type=int, default=20, help="handoffs timed per kind")
+    micro.add_argument("--context", type=int, default=512, help="prompt tokens")
+    micro.add_argument("--bandwidth", default="100mbit", help="emulated WAN rate")
+    micro.add_argument("--rtt", default="40ms", help="emulated WAN round trip")
+    micro.add_argument("--jitter", default="5ms", help="emulated WAN jitter")
+    bulk = bench_kinds.add_parser("bulk", help="bulk channel throughput, plaintext vs mutual TLS, on "
+                                               "loopback and through the WAN link")
+    bulk.add_argument("--megabytes", type=int, default=256, help="per flow (default 256)")
+    bulk.add_argument("--link", default="1gbit", help="shaped rate besides unshaped loopback (default 1gbit)")
+    bulk.add_argument("--repeats", type=int, default=3, help="runs of each measurement")
+
+    bench.set_defaults(handler=cmd_bench)
+    chaos = commands.add_parser("chaos", help="inject faults into the running deployment; check nothing is lost")
+    chaos.add_argument("--scenario", default="all", help="one of md-kill, relay-kill, prefill-kill, "
+                       "router-kill, nats-a-restart, nats-b-outage, partition, stalls, slow-wan, redeploy, "
+                       "a comma-separated list of them, or all (default: all)")
+    chaos.add_argument("--streams", type=int, default=4, help="greedy streams per scenario (default 4)")
+    chaos.add_argument("--max-tokens", type=int, default=96, help="tokens per stream (default 96)")
+    chaos.add_argument("--prompt-words", type=int, default=300, help="words per cold prompt (default 300)")
+    chaos.add_argument("--outage-s", type=float, default=25.0, help="length of the nats-b outage (default 25)")
+    chaos.add_argument("--partition-s", type=float, default=60.0, help="length of the partition (default 60)")
+    chaos.add_argument("--out", default=None, help="also write the Markdown table here")
+    chaos.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
+    chaos.set_defaults(handler=cmd_chaos)
+
+
+def cmd_bench(args) -> int:
+    """Run a microbenchmark and print its JSON."""
+    from shared.model_loader import load_model
+
+    if args.bench == "run":
+        from loadtest.bench import resolve_size, run_bench
+
+        results = run_bench(resolve_size(args))
+        print(json.dumps({m: {"ttft_ms": v["ttft_ms"], "errors": v["errors"]}
+                          for m, v in results["modes"].items()}, indent=2))
+        print(f"results in {args.out}/results.json and {args.out}/report.md")
+        return 0
+    if args.bench == "trace":
+        from loadtest.bench import write_trace
+
+        return write_trace(args)
+    if args.bench == "handoff-micro":
+        from infra.wan_link import parse_profile
+        from loadtest.handoff_microbench import run_handoff_microbench
+
+        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+        profile = parse_profile(args.bandwidth, args.rtt, args.jitter)
+        print(json.dumps(run_handoff_microbench(loaded, profile=profile, context=args.context,
+                                                trials=args.trials), indent=2))
+        return 0
+    if args.bench == "bulk":
+        from infra.wan_link import parse_rate
+        from loadtest.bulk_bench import run_bulk_bench
+
+        print(json.dumps(run_bulk_bench(load_model("tiny"), megabytes=args.megabytes,
+                                        rates=(0.0, parse_rate(args.link)), repeats=args.repeats), indent=2))
+        return 0
+    if args.bench == "handoff":
+        from loadtest.handoff_bench import run_handoff_bench
+
+        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+        print(json.dumps(run_handoff_bench(loaded, other_streams=args.other_streams,
+                                           context=args.context, chunk_tokens=args.chunk_tokens), indent=2))
+        return 0
+    from loadtest.engine_bench import run_engine_bench
+
+    model = "tiny" if args.quick and args.model == "smollm2" else args.model
+    loaded = load_model(model, device=args.device, dtype=args.dtype)
+    print(json.dumps(run_engine_bench(loaded, quick=args.quick), indent=2))
+    return 0
+
+
+def cmd_chaos(args) -> int:
+    """Run chaos scenarios against the running deployment; print one JSON row each, then a table."""
+    import asyncio
+
+    from infra import launcher
+    from loadtest import chaos
+    from shared.model_loader import load_model
+
+    run_dir = _run_dir(args)
+    deployment = launcher.load_state(run_dir)
+    if deployment is None:
+        raise launcher.LauncherError(f"no deployment recorded in {run_dir} (pdd up first)")
+    names = list(chaos.SCENARIOS) if args.scenario == "all" else args.scenario.split(",")
+    unknown = [n for n in names if n not in chaos.SCENARIOS]
+    if unknown:
+        raise PddError(f"unknown scenario {unknown[0]!r}; choose from {', '.join(chaos.SCENARIOS)} or all")
+    model = deployment.commands["router"]["env"]["PDD_MODEL"]
+    served = _get_served_model(deployment)
+    ctx = chaos.ChaosContext(run_dir=run_dir, model_name=served, loaded=load_model(model),
+                             streams=args.streams, max_tokens=args.max_tokens,
+                             prompt_words=args.prompt_words, outage_s=args.outage_s,
+                             partition_s=args.partition_s)
+    rows = asyncio.run(chaos.run(ctx, names))
+    text = chaos.table(rows)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def _get_served_model(deployment) -> str:
+    import urllib.request
+
+    from loadtest.client import auth_headers
+
+    request = urllib.request.Request(deployment.router_url + "/models", headers=auth_headers())
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())["data"][0]["id"]
+
+
+
+
+def _run_dir(args) -> Path:
+    from infra.launcher import default_run_dir
+
+    return Path(args.run_dir) if args.run_dir else default_run_dir()
