@@ -138,13 +138,12 @@ class OverlapQuery(_Message, kw_only=True):
 
     Attributes:
         block_hashes: Chained hashes of the prompt's full blocks.
-        hash_scheme: Block-hash scheme version of ``block_hashes``.
-        instance_ids: Instances to answer for; empty means all known.
+        hash_scheme: Block-hash scheme version of ``block_hashes``; a cache-index hashing
+            otherwise answers no hits rather than wrong ones.
     """
 
     block_hashes: list[int]
     hash_scheme: int
-    instance_ids: list[str] = []
 
 
 class OverlapReply(_Message, kw_only=True):
@@ -169,8 +168,7 @@ class TokensEmitted(_Message, kw_only=True):
         token_ids: New output tokens, in order.
         producer: ``RLD`` or ``MD``.
         instance_id: The producing instance.
-        final: True on the producer's last message for the request.
-        finish_reason: ``stop`` or ``length`` when the request ended, else None.
+        finish_reason: ``stop`` or ``length`` on the message that ends the request, else None.
         logprobs: Per token, its log-probabilities when the request asked for them (None for
             a token this producer holds without them); None when not asked for.
     """
@@ -180,7 +178,6 @@ class TokensEmitted(_Message, kw_only=True):
     token_ids: list[int]
     producer: Producer
     instance_id: str
-    final: bool = False
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs | None] | None = None
 
@@ -356,7 +353,6 @@ class FlowOpen(_Message, kw_only=True):
 
     Attributes:
         request_id: The request.
-        attempt: Retry counter of the request.
         role: Whether the receiver acts as ``main_decode`` or ``relay_decode``.
         token_ids: The prompt (the receiver checks every frame's tokens against it).
         sampling: Sampling parameters the receiver decodes with.
@@ -374,7 +370,6 @@ class FlowOpen(_Message, kw_only=True):
     """
 
     request_id: str
-    attempt: int = 0
     role: FlowRole
     token_ids: list[int]
     sampling: SamplingParams

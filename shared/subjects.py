@@ -94,6 +94,18 @@ def kv_events(site: str, instance_id: str) -> str:
     return f"{PREFIX}.evt.{site}.kv.{instance_id}"
 
 
+def site_of_kv_events(subject: str) -> str:
+    """The site of a ``kv_events`` subject.
+
+    Raises:
+        ValueError: ``subject`` is not a KV events subject.
+    """
+    parts = subject.split(".")
+    if len(parts) != 5 or (parts[0], parts[1], parts[3]) != (PREFIX, "evt", "kv") or not all(parts):
+        raise ValueError(f"{subject!r} is not a KV events subject")
+    return parts[2]
+
+
 def dead_letters(site: str, service: str) -> str:
     """Where ``service`` at ``site`` copies messages it could not decode (JetStream, bounded)."""
     return f"{PREFIX}.dlq.{site}.{service}"

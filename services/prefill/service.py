@@ -15,13 +15,14 @@ import msgspec
 import nats
 from opentelemetry import trace
 
+from services.prefill.shipping_plan import ExportRange, ShippingPlan
 from shared import subjects
 from shared.bulk.sender import BulkFlow, open_flow
 from shared.config import PrefillConfig
-from shared.engine.engine import StepOutput
+from shared.engine.backend import StepOutput
 from shared.engine_loop import EngineLoop
 from shared.engine_service import EngineService
-from shared.errors import InvalidRequestState, PddError
+from shared.errors import PddError
 from shared.messages import (
     CancelRequest,
     FlowOpen,
@@ -95,7 +96,7 @@ class PrefillService(EngineService):
         task.add_done_callback(lambda _: self._active.pop(cmd.request_id, None))
 
     async def _serve(self, cmd: StartPrefill, msg):
-        log = self.log.bind(request_id=cmd.request_id, pipeline=cmd.pipeline)
+        log = self.log.bind(request_id=cmd.request_id, attempt=cmd.attempt, pipeline=cmd.pipeline)
         reply: PrefillCompleted | RequestFailed
         try:
             async with self._slots:  # at most max_sequences prompts held; the rest wait their turn
@@ -132,12 +133,12 @@ class PrefillService(EngineService):
         main decoder that waits for blocks already in flight never delays the relay's copy.
         """
         rid = cmd.request_id
-        paths = _paths(cmd)
-        spans = {path: _tracer.start_span(f"kv.transfer.{path}", context=parent,
-                                          attributes={"request_id": rid, "path": path})
-                 for path, _, _ in paths}
-        opens = {path: asyncio.create_task(self._open(cmd, spans[path], path, target, role))
-                 for path, target, role in paths}
+        plan = ShippingPlan(cmd)
+        spans = {p.path: _tracer.start_span(f"kv.transfer.{p.path}", context=parent,
+                                            attributes={"request_id": rid, "path": p.path})
+                 for p in plan.paths}
+        opens = {p.path: asyncio.create_task(self._open(cmd, spans[p.path], p.path, p.receiver, p.role))
+                 for p in plan.paths}
         flows: dict[str, BulkFlow] = {}
         ships: dict[str, asyncio.Task] = {}
         try:
@@ -150,11 +151,11 @@ class PrefillService(EngineService):
                 PREFILL_SECONDS.labels(self.config.served_model_name).observe(compute_s)
                 span.set_attribute("cached_tokens", cached_tokens)
             loop = asyncio.get_running_loop()
-            exports: dict[int, asyncio.Future] = {}
-            exported = {path: loop.create_future() for path, _, _ in paths}
-            ships = {path: asyncio.create_task(self._ship(
-                cmd, path, spans[path], self._end_tokens(cmd, role, first), opens[path],
-                flows, exports, exported[path])) for path, _, role in paths}
+            exports: dict[ExportRange, asyncio.Future] = {}
+            exported = {p.path: loop.create_future() for p in plan.paths}
+            ships = {p.path: asyncio.create_task(self._ship(
+                plan, rid, p.path, spans[p.path], plan.end_tokens(p.role, first.token_id, first.logprobs),
+                opens[p.path], flows, exports, exported[p.path])) for p in plan.paths}
             frames = {path: await future for path, future in exported.items()}
             await self.worker.call(self.engine.free, rid)
         except BaseException:
@@ -184,16 +185,18 @@ class PrefillService(EngineService):
 
         return completed, send_all()
 
-    async def _ship(self, cmd: StartPrefill, path: str, span, end_tokens: tuple[list, list], opening,
-                    flows: dict, exports: dict, exported: asyncio.Future):
+    async def _ship(self, plan: ShippingPlan, request_id: str, path: str, span, end_tokens: tuple[list, list],
+                    opening, flows: dict, exports: dict, exported: asyncio.Future):
         """One path: wait for its flow, export from where its receiver stands, send."""
         try:
             flow = flows[path] = await opening
-            start = flow.first_token_index
-            if start not in exports:  # both receivers may start at the same block: export once
-                exports[start] = asyncio.ensure_future(self._export_from(cmd.request_id, start,
-                                                                         len(cmd.token_ids)))
-            frames = await exports[start]
+            export = plan.export_range(flow.first_token_index)
+            if export is None:
+                frames = []
+            else:
+                if export not in exports:
+                    exports[export] = asyncio.ensure_future(self._export(request_id, export))
+                frames = await exports[export]
         except BaseException as exc:
             if not exported.done():
                 exported.set_exception(exc)
@@ -201,11 +204,9 @@ class PrefillService(EngineService):
         exported.set_result(frames)
         await self._send(flow, span, frames, end_tokens)
 
-    async def _export_from(self, request_id: str, start: int, num_prompt_tokens: int) -> list:
-        if start >= num_prompt_tokens:
-            return []
+    async def _export(self, request_id: str, export: ExportRange) -> list:
         return await self.worker.call(
-            self.engine.export_frames, request_id, start, num_prompt_tokens,
+            self.engine.export_frames, request_id, export.start, export.end,
             max_tokens_per_frame=self.config.frame_tokens, traceparent=current_traceparent())
 
     async def _abandon(self, rid, opens, flows):
@@ -213,7 +214,7 @@ class PrefillService(EngineService):
             task.cancel()
         await asyncio.gather(*(f.cancel("prefill failed or cancelled") for f in flows.values()),
                              return_exceptions=True)
-        await self.worker.call(self.engine.free_if_held, rid)
+        await self.worker.call(self.engine.abort, rid)
 
     async def _compute_first_token(self, cmd: StartPrefill) -> tuple[StepOutput, int]:
         future = asyncio.get_running_loop().create_future()
@@ -222,7 +223,7 @@ class PrefillService(EngineService):
         sampling = msgspec.structs.replace(cmd.sampling, max_tokens=1, min_tokens=min(1, cmd.sampling.min_tokens))
         seq = await self.worker.call(self.engine.add_request, cmd.request_id, cmd.token_ids,
                                      sampling, cmd.seed)
-        block_size = self.engine.layout.block_size
+        block_size = self.engine.block_size
         PREFIX_HIT_BLOCKS.labels(self.service_name).inc(seq.num_cached_tokens // block_size)
         PREFIX_LOOKUP_BLOCKS.labels(self.service_name).inc(len(cmd.token_ids) // block_size)
         self._loop.wake()
@@ -237,7 +238,7 @@ class PrefillService(EngineService):
                     role: str) -> BulkFlow:
         with trace.use_span(span, end_on_exit=False):
             flow_open = FlowOpen(
-                request_id=cmd.request_id, attempt=cmd.attempt, role=role, token_ids=cmd.token_ids,
+                request_id=cmd.request_id, role=role, token_ids=cmd.token_ids,
                 sampling=cmd.sampling, seed=cmd.seed, traceparent=current_traceparent(),
                 relay_instance_id=cmd.relay_decode.instance_id if cmd.relay_decode else None,
                 sender_id=self.instance_id, receiver_id=target.instance_id,
@@ -261,17 +262,6 @@ class PrefillService(EngineService):
             span.set_attribute("first_token_index", flow.first_token_index)
             return flow.bytes_sent
 
-    @staticmethod
-    def _end_tokens(cmd: StartPrefill, role: str, first: StepOutput) -> tuple[list[int], list]:
-        """The output tokens the receiver starts from, and their log-probabilities."""
-        # A main decoder behind a relay waits for the relay's handoff instead.
-        if role == "main_decode" and cmd.pipeline == "P-RLD-MD":
-            return [], []
-        # A recovered request goes on from what the client has (its first token is among them).
-        if cmd.resume_token_ids:
-            return list(cmd.resume_token_ids), []
-        return [first.token_id], [first.logprobs] if first.logprobs is not None else []
-
     async def _on_outputs(self, outputs: list[StepOutput]):
         for out in outputs:
             future = self._first_tokens.get(out.request_id)
@@ -281,20 +271,6 @@ class PrefillService(EngineService):
                 future.set_exception(PddError(out.error))
             else:
                 future.set_result(out)
-
-
-def _paths(cmd: StartPrefill) -> list[tuple[str, InstanceRef, str]]:
-    """(path, receiver, role) of every flow the request's pipeline needs."""
-    paths = []
-    if cmd.pipeline != "P-RLD":
-        if cmd.main_decode is None:
-            raise InvalidRequestState(f"pipeline {cmd.pipeline} needs a main decoder")
-        paths.append(("wan", cmd.main_decode, "main_decode"))
-    if cmd.pipeline != "P-MD":
-        if cmd.relay_decode is None:
-            raise InvalidRequestState(f"pipeline {cmd.pipeline} needs a relay decoder")
-        paths.append(("local", cmd.relay_decode, "relay_decode"))
-    return paths
 
 
 def _frame_size(parts: list) -> int:
