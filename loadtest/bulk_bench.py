@@ -17,6 +17,7 @@ from infra.credentials import ensure_credentials
 from infra.wan_link import LinkProfile, Route, WanLink
 from shared.bulk.receiver import BulkReceiver
 from shared.bulk.sender import open_flow
+from shared.engine.backend import RequestStatus
 from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.messages import FlowOpen
@@ -48,7 +49,7 @@ def _frames(loaded, num_tokens: int) -> tuple[list[int], list]:
     engine = HfEngine(loaded, num_blocks=num_tokens // 16 + 4)
     prompt = [(i * 7919) % 1000 + 10 for i in range(num_tokens)]
     engine.add_request("bench", prompt, SamplingParams(max_tokens=1))
-    while engine.get("bench").num_kv_tokens < num_tokens:
+    while engine.request("bench").status is RequestStatus.RUNNING:  # one prefill, one token
         engine.step()
     return prompt, [list(parts) for parts in engine.export_frames("bench", 0, num_tokens,
                                                                   max_tokens_per_frame=256)]

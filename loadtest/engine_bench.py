@@ -76,7 +76,7 @@ def bench_extend(loaded: LoadedModel, context: int, num_tokens: int, repeats: in
     if context % 16:
         raise ValueError("context must be a multiple of the block size")
     engine = _decoding_engine(loaded, 1, context, 4)
-    prompt = engine.get("d0").token_ids[:context]
+    prompt = synthetic_prompt(loaded, context, 0)  # d0's, now in the prefix cache
     engine.free("d0")
     handed = synthetic_prompt(loaded, num_tokens, 77)
     sampling = SamplingParams(max_tokens=num_tokens + 8, ignore_eos=True)

@@ -12,6 +12,7 @@ import statistics
 import time
 
 from loadtest.engine_bench import synthetic_prompt
+from shared.engine.backend import generate
 from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.model_loader import LoadedModel
@@ -53,7 +54,7 @@ def run_handoff_bench(loaded: LoadedModel, *, other_streams: int = 3, context: i
                            SamplingParams(max_tokens=390, ignore_eos=True))
         engine.step()
     prompt = synthetic_prompt(loaded, context, 99)
-    engine.generate("warm", prompt + [0], SamplingParams(max_tokens=1))  # caches the prompt's blocks
+    generate(engine, "warm", prompt + [0], SamplingParams(max_tokens=1))  # caches the prompt's blocks
     handed = synthetic_prompt(loaded, handoff_tokens, 7)
     baseline = _timed_steps(engine, 8)
     modes = {"one_shot": handoff_tokens, "catch_up": chunk_tokens}

@@ -22,6 +22,7 @@ import time
 
 from infra.wan_link import LinkProfile, Route, WanLink
 from loadtest.engine_bench import synthetic_prompt
+from shared.engine.backend import generate
 from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.block_hash import hash_blocks
@@ -42,7 +43,7 @@ class _MainDecode:
     def __init__(self, loaded: LoadedModel, prompt: list[int], handed_tokens: int):
         self.engine = HfEngine(loaded, num_blocks=(len(prompt) + handed_tokens) // 16 * 4 + 16)
         self.prompt = prompt
-        self.engine.generate("warm", prompt + [0], SamplingParams(max_tokens=1))  # prompt KV cached
+        generate(self.engine, "warm", prompt + [0], SamplingParams(max_tokens=1))  # prompt KV cached
 
     async def serve(self, reader, writer):
         while True:
