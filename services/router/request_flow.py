@@ -29,6 +29,7 @@ from services.router.odd_traffic import OddTrafficTracker
 from services.router.outcome import Recovery, RequestOutcome
 from services.router.placement import NoInstances, Placement
 from services.router.registry import InstanceRegistry
+from services.router.stream_watch import StreamWatch
 from services.router.token_log import TokenLog
 from services.router.wan_estimate import WanEstimator
 from shared import subjects
@@ -44,7 +45,6 @@ from shared.messages import (
     RequestFailed,
     ResendTokens,
     StartPrefill,
-    InstanceRef,
     decoder,
     encode,
 )
@@ -131,10 +131,8 @@ class RequestFlow:
     def _start_attempt_state(self):
         self.odd = OddTrafficTracker(self.attempt_id, self.placement.odd_traffic)
         self._wan_bytes_final = False
-        self._handed_over = False
-        self._kv_ready = False
-        self._progressed = False
-        self._last_progress = self._last_resend = time.monotonic()
+        self.watch = StreamWatch(self.placement, time.monotonic(), first_token_timeout_s=self.first_token_timeout_s,
+                                 token_timeout_s=self.token_timeout_s, resend_after_s=RESEND_AFTER_S)
 
     async def tokens(self) -> AsyncIterator[list[int]]:
         """Ordered batches of new output token IDs until the request finishes.
@@ -208,7 +206,7 @@ class RequestFlow:
         self.placement = placement
         self.outcome.place(placement)
         self._start_attempt_state()
-        recovery = Recovery(failure.instance_id, self._producer().instance_id, failure.reason,
+        recovery = Recovery(failure.instance_id, self.watch.producer().instance_id, failure.reason,
                             self.log.next_index)
         self.outcome.recoveries.append(recovery)
         RECOVERIES.labels(failure.reason).inc()
@@ -269,10 +267,10 @@ class RequestFlow:
     async def _ordered_tokens(self) -> AsyncIterator[list[int]]:
         while not self.log.complete:
             # A new attempt waits for its first token as long as a new request does.
-            timeout = self.token_timeout_s if self._progressed else self.first_token_timeout_s
-            if time.monotonic() - self._last_progress > timeout:
+            timeout = self.watch.timeout_exceeded(time.monotonic())
+            if timeout is not None:
                 raise InstanceFailed(f"no token for {timeout:.0f} s (request {self.request_id})",
-                                     self._producer().instance_id, "timeout")
+                                     self.watch.producer().instance_id, "timeout")
             await self._repair_gap()
             try:
                 kind, item = await asyncio.wait_for(self._queue.get(), LIVENESS_TICK_S)
@@ -282,7 +280,7 @@ class RequestFlow:
             if kind != "tokens":
                 self._on_event(item)
                 continue
-            if item.instance_id not in self.placement.decoder_ids:
+            if not self.watch.may_write(item.instance_id):
                 # Only the instances this attempt was placed on write its stream.
                 REFUSED_MESSAGES.labels("router", "tokens_from_unplaced_instance").inc()
                 log.warning("tokens_refused", request_id=self.request_id, instance=item.instance_id,
@@ -291,7 +289,7 @@ class RequestFlow:
             batch = self.log.add(item)
             self.outcome.finish_reason, self.outcome.finished_on = self.log.finish_reason, self.log.finished_on
             if batch:
-                self._last_progress, self._progressed = time.monotonic(), True
+                self.watch.on_tokens_released(time.monotonic())
                 if self.outcome.ttft_ms is None:
                     self.outcome.ttft_ms = round((time.perf_counter() - self.started) * 1000, 1)
                 self.outcome.output_tokens = self.log.next_index
@@ -302,10 +300,8 @@ class RequestFlow:
         """Ask the decoders to resend from the first missing index when the stream has a hole
         or went quiet (core NATS drops what is published while a server restarts, even the
         first tokens). Harmless when nothing was lost: a producer sends only what it has."""
-        now = time.monotonic()
-        if now - max(self._last_progress, self._last_resend) < RESEND_AFTER_S:
+        if not self.watch.resend_due(time.monotonic()):
             return
-        self._last_resend = now
         (log.info if self.log.has_gap else log.debug)(
             "tokens_resend_requested", request_id=self.request_id, attempt_id=self.attempt_id,
             from_index=self.log.next_index, gap=self.log.has_gap)
@@ -335,19 +331,19 @@ class RequestFlow:
             if not self._wan_bytes_final:
                 self.outcome.wan_kv_bytes = self._wan_bytes_before + event.bytes_per_path.get("wan", 0)
         elif isinstance(event, KvReady):
-            self._kv_ready = True
+            self.watch.on_kv_ready()
             self.odd.kv_landed()
             self.wan.add_throughput(event.throughput_bps, event.wan_kv_bytes)
             self.outcome.kv_transfer_ms = round(event.transfer_s * 1000, 1)
             self.outcome.cached_blocks_md = event.cached_tokens // self.block_size
         elif isinstance(event, HandoffAccepted):
-            self._handed_over = self._handed_over or event.final
+            self.watch.on_handoff_accepted(event.final)
             self.outcome.handoff_chunks = max(self.outcome.handoff_chunks, event.chunk)
             self.outcome.handoff_mode = event.mode
 
     def _on_failure(self, event: RequestFailed):
         message = f"{event.instance_id}: {event.code}: {event.message}"
-        if event.instance_id not in {ref.instance_id for ref in self._needed()}:
+        if not self.watch.failure_matters(event.instance_id):
             # E.g. main decode's import broke while the relay streams: the relay finishes.
             log.warning("failure_not_on_stream_path", request_id=self.request_id,
                         instance=event.instance_id, code=event.code)
@@ -356,22 +352,8 @@ class RequestFlow:
             raise InstanceFailed(message, event.instance_id, event.code)
         raise UpstreamFailed(message)
 
-    def _needed(self) -> list[InstanceRef]:
-        """Instances whose failure stops the stream now."""
-        p, needed = self.placement, []
-        # Prefill until the producer of the stream holds its KV.
-        if not (self._kv_ready if p.pipeline == "P-MD" else self._progressed):
-            needed.append(p.prefill)
-        needed.append(self._producer())
-        return needed
-
-    def _producer(self) -> InstanceRef:
-        p = self.placement
-        relaying = p.relay_decode is not None and not self._handed_over
-        return p.relay_decode if relaying else p.main_decode
-
     def _check_liveness(self):
-        for ref in self._needed():
+        for ref in self.watch.needed():
             if self.registry.is_dead(ref):
                 raise InstanceFailed(f"instance {ref.instance_id} stopped responding "
                                      f"(request {self.request_id})", ref.instance_id, "instance_unresponsive")

@@ -1,0 +1,47 @@
+"""The model runner's packed, paged forward pass gives transformers' own logits."""
+
+import torch
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.kv_pool import KvPool
+from shared.engine.model_runner import ModelRunner, ScheduledSequence
+from shared.engine.prefix_cache import PrefixCache
+from shared.engine.sampling import SamplingParams
+from shared.engine.sequence import Sequence
+from shared.kv_layout import KvLayout
+from tests.helpers import prompt_of_length
+
+
+def sequence_with_blocks(rid: str, prompt: list[int], blocks: BlockManager, block_size: int) -> Sequence:
+    seq = Sequence(rid, prompt, len(prompt), SamplingParams(), seed=0)
+    seq.block_ids = blocks.allocate(-(-len(prompt) // block_size))
+    return seq
+
+
+def test_two_prompts_packed_in_one_pass_match_separate_transformers_passes(tiny):
+    layout = KvLayout.from_model(tiny.model, 16)
+    pool = KvPool(layout, 32, tiny.device)
+    blocks = BlockManager(32, PrefixCache())
+    runner = ModelRunner(tiny, layout, pool)
+    prompts = [prompt_of_length(tiny, 40, seed=1), prompt_of_length(tiny, 23, seed=2)]
+    batch = [ScheduledSequence(sequence_with_blocks(f"r{i}", p, blocks, 16), len(p), samples=True)
+             for i, p in enumerate(prompts)]
+    logits = runner.run(batch)
+    for row, prompt in enumerate(prompts):
+        with torch.inference_mode():
+            reference = tiny.model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(logits[row], reference, rtol=1e-4, atol=1e-4)
+
+
+def test_a_chunk_that_does_not_sample_still_writes_the_kv_the_next_chunk_reads(tiny):
+    layout = KvLayout.from_model(tiny.model, 16)
+    pool = KvPool(layout, 16, tiny.device)
+    runner = ModelRunner(tiny, layout, pool)
+    prompt = prompt_of_length(tiny, 48, seed=3)
+    seq = sequence_with_blocks("r", prompt, BlockManager(16, PrefixCache()), 16)
+    runner.run([ScheduledSequence(seq, 32, samples=False)])
+    seq.num_kv_tokens = 32
+    logits = runner.run([ScheduledSequence(seq, 16, samples=True)])
+    with torch.inference_mode():
+        reference = tiny.model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(logits[0], reference, rtol=1e-4, atol=1e-4)

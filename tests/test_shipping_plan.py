@@ -1,0 +1,56 @@
+"""Prefill's shipping plan: receivers per pipeline, the tokens that end each flow, shared exports."""
+
+import pytest
+
+from services.prefill.shipping_plan import ExportRange, ShippingPlan
+from shared.engine.logprobs import TokenLogprobs
+from shared.engine.sampling import SamplingParams
+from shared.errors import InvalidRequestState
+from shared.messages import InstanceRef, StartPrefill
+
+RELAY = InstanceRef(instance_id="relay-decode-0", site="site-a", bulk_endpoint="127.0.0.1:1")
+MAIN = InstanceRef(instance_id="main-decode-0", site="site-b", bulk_endpoint="127.0.0.1:2")
+FIRST_LOGPROBS = TokenLogprobs(logprob=-0.5)
+
+
+def command(pipeline: str, *, main=MAIN, relay=RELAY, resume: list[int] | None = None) -> StartPrefill:
+    return StartPrefill(request_id="router-0-abc", token_ids=list(range(100)), sampling=SamplingParams(),
+                        seed=7, pipeline=pipeline, main_decode=main, relay_decode=relay,
+                        deadline_unix_s=0.0, resume_token_ids=resume or [])
+
+
+def routes(plan: ShippingPlan) -> list[tuple[str, str, str]]:
+    return [(p.path, p.receiver.instance_id, p.role) for p in plan.paths]
+
+
+def test_each_pipeline_ships_to_its_receivers():
+    assert routes(ShippingPlan(command("P-MD", relay=None))) == [("wan", "main-decode-0", "main_decode")]
+    assert routes(ShippingPlan(command("P-RLD-MD"))) == [("wan", "main-decode-0", "main_decode"),
+                                                         ("local", "relay-decode-0", "relay_decode")]
+    assert routes(ShippingPlan(command("P-RLD", main=None))) == [("local", "relay-decode-0", "relay_decode")]
+
+
+def test_a_pipeline_without_its_decoder_is_refused():
+    with pytest.raises(InvalidRequestState, match="needs a main decoder"):
+        ShippingPlan(command("P-MD", main=None, relay=None))
+    with pytest.raises(InvalidRequestState, match="needs a relay decoder"):
+        ShippingPlan(command("P-RLD-MD", relay=None))
+
+
+def test_the_first_token_rides_with_the_kv_except_to_a_main_decoder_behind_a_relay():
+    plan = ShippingPlan(command("P-RLD-MD"))
+    assert plan.end_tokens("relay_decode", 42, FIRST_LOGPROBS) == ([42], [FIRST_LOGPROBS])
+    assert plan.end_tokens("main_decode", 42, FIRST_LOGPROBS) == ([], [])
+    assert ShippingPlan(command("P-MD", relay=None)).end_tokens("main_decode", 42, None) == ([42], [])
+
+
+def test_a_recovered_request_goes_on_from_the_tokens_the_client_has():
+    plan = ShippingPlan(command("P-MD", relay=None, resume=[5, 6, 7]))
+    assert plan.end_tokens("main_decode", 5, FIRST_LOGPROBS) == ([5, 6, 7], [])
+
+
+def test_receivers_at_the_same_block_share_one_export_and_a_full_cache_needs_none():
+    plan = ShippingPlan(command("P-RLD-MD"))
+    assert plan.export_range(32) == plan.export_range(32) == ExportRange(32, 100)
+    assert plan.export_range(0) != plan.export_range(32)
+    assert plan.export_range(100) is None
