@@ -77,15 +77,14 @@ class _MainDecode:
         self.engine.free(rid)
 
 
-def _kv_frame(relay: HfEngine, context: int, kv, handed: list[int], trial: int) -> bytes:
+def _kv_frame(fingerprint: str, block_size: int, prompt: list[int], kv, handed: list[int], trial: int) -> bytes:
     """The handed tokens' KV as one frame; each trial's token IDs differ in their first token,
     so the receiver's prefix cache never already holds them (every trial ships real bytes)."""
     tokens = [(handed[0] + trial + 1) % 32000] + handed[1:]
-    parent = hash_blocks(relay.get("r").token_ids[:context], relay.layout.block_size)[-1]
     return frame_bytes(encode_frame(
-        kv=kv, model_fingerprint=relay.loaded.fingerprint, block_size=relay.layout.block_size,
-        request_id=f"kv-{trial}", first_block_index=context // relay.layout.block_size,
-        parent_hash=parent, token_ids=tokens))
+        kv=kv, model_fingerprint=fingerprint, block_size=block_size, request_id=f"kv-{trial}",
+        first_block_index=len(prompt) // block_size, parent_hash=hash_blocks(prompt, block_size)[-1],
+        token_ids=tokens))
 
 
 async def _measure(loaded: LoadedModel, profile: LinkProfile, context: int, num_tokens: int,
@@ -95,9 +94,10 @@ async def _measure(loaded: LoadedModel, profile: LinkProfile, context: int, num_
     relay.add_request("r", prompt, SamplingParams(max_tokens=num_tokens + 1, ignore_eos=True))
     while relay.has_work():
         relay.step()
-    handed = relay.get("r").output_token_ids[:num_tokens]
-    block_size = relay.layout.block_size
-    kv = relay.pool.export_tokens(relay.get("r").block_ids[context // block_size:], num_tokens)
+    handed = list(relay.request("r").output_token_ids[:num_tokens])
+    # The relay's KV of the handed tokens, as it would export it.
+    exported = relay.export_frames("r", context, context + num_tokens, max_tokens_per_frame=1 << 20)
+    kv = decode_frame(frame_bytes(exported[0]), relay.frame_expectation).kv
     main = _MainDecode(loaded, prompt, num_tokens)
     server = await asyncio.start_server(main.serve, "127.0.0.1", 0)
     link = WanLink(profile)
@@ -110,7 +110,7 @@ async def _measure(loaded: LoadedModel, profile: LinkProfile, context: int, num_
         for trial in range(WARMUP_TRIALS + trials):
             ids_payload = encode(HandoffTokens(request_id=f"ids-{trial}", start_index=0,
                                                token_ids=handed, final=True))
-            kv_payload = _kv_frame(relay, context, kv, handed, trial)
+            kv_payload = _kv_frame(loaded.fingerprint, relay.block_size, prompt, kv, handed, trial)
             for name, kind, payload in (("token_ids", 0, ids_payload), ("incremental_kv", 1, kv_payload)):
                 started = time.perf_counter()
                 writer.write(_LENGTH.pack(kind, len(payload)) + payload)

@@ -1,0 +1,122 @@
+"""The structure stays as designed: layers import downward only, no import cycles, and nothing
+outside ``shared/engine/`` reaches past the ``EngineBackend`` interface into an engine.
+
+Layers, bottom up: ``shared`` (the common library) < ``services`` < ``infra`` (runs them) <
+``loadtest`` (drives them). The ``pdd`` entry point, ``infra/cli.py``, sits above them all.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+from shared.engine.backend import EngineBackend
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ["shared", "services", "infra", "loadtest"]
+ENTRY_POINT = "infra.cli"
+PUBLIC_ENGINE_MODULES = {"shared.engine.backend", "shared.engine.sampling", "shared.engine.logprobs"}
+CONSTRUCTIBLE = {"shared.engine.hf_engine": {"HfEngine", "DEFAULT_MAX_BATCH_TOKENS"}}
+"""Benchmarks and the profiler build the HF engine themselves, then use it as a backend."""
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for layer in LAYERS:
+        for path in (ROOT / layer).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(path: Path, known: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    """(module, imported names) of every import in the file, in functions too."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [alias.name for alias in node.names]
+            submodules = [f"{node.module}.{n}" for n in names if f"{node.module}.{n}" in known]
+            found += [(node.module, names)] + [(m, []) for m in submodules]
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: {target for target, _ in imports(path, known) if target in known and target != name}
+            for name, path in known.items()}
+
+
+def layer_of(module: str) -> int:
+    return LAYERS.index(module.split(".")[0])
+
+
+def test_every_layer_imports_only_layers_below_it():
+    upward = sorted(f"{source} -> {target}" for source, targets in graph().items() for target in targets
+                    if layer_of(target) > layer_of(source) and source != ENTRY_POINT)
+    assert upward == []
+
+
+def test_no_import_cycles():
+    edges, cycles = graph(), []
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]):
+        state[node] = "open"
+        for target in sorted(edges[node]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[node] = "done"
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+def in_engine_package(module: str) -> bool:
+    return module == "shared.engine" or module.startswith("shared.engine.")
+
+
+def engine_members() -> set[str]:
+    return {name for name in dir(EngineBackend) if not name.startswith("_")} | set(EngineBackend.__annotations__)
+
+
+def engine_bound_names(tree: ast.AST) -> set[str]:
+    """Names that hold an engine in this file: ``engine``/``backend`` and what HfEngine(...) or
+    create_backend(...) is assigned to."""
+    names = {"engine", "backend"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            func = node.value.func
+            called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            if called in ("HfEngine", "create_backend"):
+                names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+                names |= {t.attr for t in node.targets if isinstance(t, ast.Attribute)}
+    return names
+
+
+def test_nothing_outside_the_engine_package_reaches_past_the_backend_interface():
+    known, members, misuse = modules(), engine_members(), []
+    for name, path in known.items():
+        if in_engine_package(name):
+            continue
+        engine_imports = [(m, names) for m, names in imports(path, known) if in_engine_package(m)]
+        for module, names in engine_imports:
+            allowed = CONSTRUCTIBLE.get(module)
+            if module not in PUBLIC_ENGINE_MODULES and (allowed is None or not set(names) <= allowed):
+                misuse.append(f"{name} imports {module} {names}")
+        if not engine_imports and not re.search(r"self\.engine\b", path.read_text()):
+            continue
+        tree = ast.parse(path.read_text())
+        holders = engine_bound_names(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr not in members:
+                base = node.value
+                held = (isinstance(base, ast.Name) and base.id in holders) or \
+                       (isinstance(base, ast.Attribute) and base.attr in holders)
+                if held:
+                    misuse.append(f"{name}:{node.lineno} uses engine member {node.attr!r}")
+    assert misuse == []
