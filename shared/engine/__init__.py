@@ -1,6 +1,8 @@
-"""The block-KV engine that prefill, relay-decode and main-decode instances all run.
+"""The engines that prefill, relay-decode and main-decode instances run.
 
-Modules: ``engine`` (scheduling and forward passes), ``kv_pool`` (tensor storage),
-``block_manager`` and ``prefix_cache`` (ownership and reuse of blocks), ``attention``
-(paged attention inside HF models), ``sampling``, ``sequence``, ``kv_layout``.
+``backend`` is the one interface services use (``EngineBackend``, its views, the registry
+behind ``--engine``). ``hf_engine`` is the transformers backend, built like nano-vllm:
+``scheduler``, ``model_runner``, ``sampler`` and ``stop_detector``, over ``block_manager``,
+``prefix_cache`` and ``kv_pool``, with ``kv_transfer`` for wire frames and ``attention`` for
+paged attention inside HF models.
 """
