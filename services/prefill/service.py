@@ -159,9 +159,7 @@ class PrefillService(EngineService):
             frames = {path: await future for path, future in exported.items()}
             await self.worker.call(self.engine.free, rid)
         except BaseException:
-            for task in ships.values():
-                task.cancel()
-            await self._abandon(rid, opens, flows)
+            await self._abandon(rid, opens, ships, flows)
             for span in spans.values():
                 span.end()
             raise
@@ -175,9 +173,7 @@ class PrefillService(EngineService):
             try:
                 await asyncio.gather(*ships.values())
             except BaseException:
-                for task in ships.values():
-                    task.cancel()
-                await self._abandon(rid, opens, flows)
+                await self._abandon(rid, opens, ships, flows)
                 raise
             finally:
                 for span in spans.values():
@@ -209,8 +205,9 @@ class PrefillService(EngineService):
             self.engine.export_frames, request_id, export.start, export.end,
             max_tokens_per_frame=self.config.frame_tokens, traceparent=current_traceparent())
 
-    async def _abandon(self, rid, opens, flows):
-        for task in opens.values():
+    async def _abandon(self, rid: str, opens: dict, ships: dict, flows: dict):
+        """Stop every flow of a failed or cancelled request and free its sequence."""
+        for task in [*opens.values(), *ships.values()]:
             task.cancel()
         await asyncio.gather(*(f.cancel("prefill failed or cancelled") for f in flows.values()),
                              return_exceptions=True)
