@@ -157,7 +157,7 @@ def run_bench(args) -> dict:
     trace = bench_trace(args)
     save_trace(trace, out / "trace.jsonl")
     started = time.perf_counter()
-    results = {"modes": {}, "config": {k: v for k, v in vars(args).items() if k not in ("func",)}}
+    results = {"modes": {}, "config": {k: v for k, v in vars(args).items() if not callable(v)}}
     records = {}
     if args.url:
         return _run_endpoint(args, trace, out, results, started)
