@@ -84,7 +84,9 @@ async def test_recoveries_are_bounded(make_stack):
     main, relay = stack.mains[0], stack.relays[0]
 
     async def kill_main_decode_then_the_relay():
-        await until(lambda: main.engine.num_sequences == 1, 15, "main decode to start")
+        # Decoding, not still importing: a crash mid-import fails the prefill's shipping instead.
+        await until(lambda: main.engine.num_sequences == 1 and not main.importer.request_ids,
+                    15, "main decode to start decoding")
         await crash(main)
         # No main decoder left: the one recovery goes to the relay, which then dies too.
         await until(lambda: relay.engine.num_sequences == 1 and not relay.importer.request_ids,
