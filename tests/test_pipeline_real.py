@@ -111,21 +111,25 @@ async def test_long_cold_prompt_with_long_output_catches_up(smol_stack, smollm2)
 async def test_penalties_min_tokens_and_logprobs_are_exact_across_a_handoff(make_stack, smollm2):
     """vLLM's penalty rules (computed by transformers with a reference logits processor) and
     the model's own log-probabilities, through the relay → main-decode handoff."""
-    stack = await make_stack(loaded=smollm2, metadata=load_metadata("smollm2"), profile=DEFAULT_WAN,
-                             engine_settings={"kv_cache_mb": 256},
-                             router_settings={"served_model_name": "smollm2", "pipeline_policy": "P-RLD-MD"})
     messages = [{"role": "user", "content": "Write the word 'tea' five times, then say why tea is good. "
                                             + long_tool_output(4)}]
     prompt = list(smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                         return_dict=False))
+    # The references first: computed while the stack runs, they would hold its event loop (and
+    # its heartbeats) for seconds, and the router would find no live decoder for the next request.
+    expected = reference_penalised(smollm2, prompt, 32, repetition=1.3, frequency=0.5, presence=0.3, min_tokens=20)
+    greedy = reference_greedy(smollm2, prompt, 32, stop_at_eos=True)
+    greedy_with_logprobs = reference_greedy_with_logprobs(smollm2, prompt, 20)
+    stack = await make_stack(loaded=smollm2, metadata=load_metadata("smollm2"), profile=DEFAULT_WAN,
+                             engine_settings={"kv_cache_mb": 256},
+                             router_settings={"served_model_name": "smollm2", "pipeline_policy": "P-RLD-MD"})
     penalties = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.3, "min_tokens": 20}
     status, answer = await post(stack, "/chat/completions", {
         "model": "smollm2", "messages": messages, "max_tokens": 32, "temperature": 0, **penalties})
     assert status == 200, answer
     assert answer["pdd"]["eager_tokens"] >= 1 and answer["pdd"]["finished_on"] == "MD", answer["pdd"]
-    expected = reference_penalised(smollm2, prompt, 32, repetition=1.3, frequency=0.5, presence=0.3, min_tokens=20)
     assert answer["choices"][0]["message"]["content"] == smollm2.tokenizer.decode(expected, skip_special_tokens=True)
-    assert expected != reference_greedy(smollm2, prompt, 32, stop_at_eos=True)  # the penalties did change it
+    assert expected != greedy  # the penalties did change it
 
     status, answer = await post(stack, "/chat/completions", {
         "model": "smollm2", "messages": messages, "max_tokens": 20, "temperature": 0, "ignore_eos": True,
@@ -133,4 +137,4 @@ async def test_penalties_min_tokens_and_logprobs_are_exact_across_a_handoff(make
     assert status == 200 and answer["pdd"]["eager_tokens"] >= 1, answer
     content = answer["choices"][0]["logprobs"]["content"]
     assert len(content) == 20
-    assert_logprobs_equal_transformers(smollm2, content, *reference_greedy_with_logprobs(smollm2, prompt, 20))
+    assert_logprobs_equal_transformers(smollm2, content, *greedy_with_logprobs)
