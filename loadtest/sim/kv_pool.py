@@ -9,6 +9,8 @@ device pool (a host-memory tier) for idle chains only.
 
 from collections import OrderedDict
 
+from shared.decode_cache import common_prefix
+
 
 class SimKvPool:
     """Capacity accounting and prefix hits of one instance."""
@@ -24,15 +26,7 @@ class SimKvPool:
 
     def hit_blocks(self, session: int, block_ids: tuple[int, ...]) -> int:
         """Leading blocks of ``block_ids`` this pool holds (no LRU touch)."""
-        chain = self._chains.get(session)
-        if not chain:
-            return 0
-        count = 0
-        for cached, wanted in zip(chain, block_ids):
-            if cached != wanted:
-                break
-            count += 1
-        return count
+        return common_prefix(self._chains.get(session) or [], block_ids)
 
     def fits(self, num_blocks: int) -> bool:
         """Whether ``num_blocks`` more can be held by running requests now."""

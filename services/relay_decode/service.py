@@ -65,7 +65,8 @@ class RelayDecodeService(DecodeService):
 
     def load(self) -> float:
         """Active sequences over capacity: what the handoff mode switch looks at."""
-        return self.engine.load().num_sequences / self.config.max_sequences
+        # Per emitted token, on the event loop: count requests only, not the pool's blocks.
+        return len(self.engine.request_ids()) / self.config.max_sequences
 
     async def _on_import_open(self, flow_open: FlowOpen):
         rid = flow_open.request_id

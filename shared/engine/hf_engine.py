@@ -18,6 +18,7 @@ from shared.engine.backend import (
     RequestStatus,
     RequestView,
     StepOutput,
+    generate,
     register_backend,
 )
 from shared.engine.block_manager import BlockManager
@@ -206,13 +207,7 @@ class HfEngine(EngineBackend):
 
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> list[int]:
         """Prefill and decode one request to the end alone; free it; return its output tokens."""
-        self.add_request(request_id, prompt_token_ids, sampling)
-        try:
-            while self.get(request_id).status is RequestStatus.RUNNING:
-                self.step()
-            return self.get(request_id).output_token_ids
-        finally:
-            self.free(request_id)
+        return generate(self, request_id, prompt_token_ids, sampling)
 
     # ----- helpers ----------------------------------------------------------------------
 
