@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from shared.bulk.link_route import route_key
 from shared.nats_roles import ROLES
 
 LEAF_ROLE = "leafnode"
@@ -39,6 +40,7 @@ class Credentials:
         cert_file: Certificate (PEM) of servers and clients of this deployment, signed by the CA.
         key_file: Its private key.
         bulk_secret_file: Key of the bulk channel's flow MACs.
+        link_route_key_file: Key the WAN link checks connections' routes with.
     """
 
     folder: Path
@@ -58,6 +60,11 @@ class Credentials:
     @property
     def bulk_secret_file(self) -> Path:
         return self.folder / "bulk.secret"
+
+    @property
+    def link_route_key_file(self) -> Path:
+        """The WAN link's route key (derived from the bulk secret; the link holds only this)."""
+        return self.folder / "link-route.key"
 
     def seed_file(self, role: str) -> Path:
         """The NATS nkey seed of ``role`` (a service role or ``leafnode``)."""
@@ -82,9 +89,19 @@ def ensure_credentials(folder: Path, extra_names: tuple[str, ...] = ()) -> Crede
             write_private(creds.seed_file(role), _new_user_seed())
     if not creds.bulk_secret_file.is_file():
         write_private(creds.bulk_secret_file, secrets.token_hex(32).encode())
+    # Always the current bulk secret's: a replaced secret must not leave a stale route key.
+    key = route_key(creds.bulk_secret_file.read_text().strip()).encode()
+    if not creds.link_route_key_file.is_file() or creds.link_route_key_file.read_bytes() != key:
+        write_private(creds.link_route_key_file, key)
     if not (creds.ca_file.is_file() and creds.cert_file.is_file() and creds.key_file.is_file()):
         _write_certificates(creds, extra_names)
     return creds
+
+
+def give_to(folder: Path, uid: int, gid: int):
+    """Hand the folder and its files to ``uid:gid`` (the user containers run as), modes kept."""
+    for path in (folder, *folder.iterdir()):
+        os.chown(path, uid, gid)
 
 
 def _new_user_seed() -> bytes:

@@ -125,15 +125,17 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
                       credentials=locked)
     deployment.processes["nats-a"] = start_nats(site_a, run_dir, run_dir / "logs" / "nats-a.log").pid
     deployment.commands["nats-a"] = _nats_command(run_dir, SITE_A)
-    leaf_port, bulk_ports = free_port(), [(free_port(), free_port()) for _ in range(args.md)]
+    leaf_port, bulk_link_port = free_port(), free_port()
+    bulk_ports = [free_port() for _ in range(args.md)]
     md_site = getattr(args, "md_site", SITE_B)
     routes = [f"leafnode=127.0.0.1:{leaf_port}>127.0.0.1:{site_a.leaf_listen_port}@{SITE_B}"]
     if md_site == SITE_B:  # main decode at site A (same-site baseline) needs no WAN path
-        routes += [f"bulk-main-decode-{i}=127.0.0.1:{wan}>127.0.0.1:{local}@{SITE_A}"
-                   for i, (local, wan) in enumerate(bulk_ports)]
+        # One routed port for every main decoder: each flow names its receiver (no per-instance route).
+        routes.append(f"bulk-main-decode=127.0.0.1:{bulk_link_port}>*@{SITE_A}")
     deployment.commands["wan-link"] = {"argv": [
         "serve", "wan_link", "--control-port", str(args.wan_control_port), "--bandwidth", args.bandwidth,
         "--rtt", args.rtt, "--jitter", args.jitter, "--seed", str(args.seed),
+        "--route-key-file", str(creds.link_route_key_file),
         *[arg for route in routes for arg in ("--route", route)]], "env": {}}
     deployment.processes["wan-link"] = _spawn(run_dir, "wan-link", deployment.commands["wan-link"])
     wait_until(lambda: _http_ok(deployment.wan_control_url + "/link"), 30, "WAN link did not start")
@@ -171,11 +173,11 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
         spawn("prefill", i)
     for i in range(args.rld):
         spawn("relay-decode", i)
-    for i, (local, wan) in enumerate(bulk_ports):
-        advertise = f"127.0.0.1:{wan if md_site == SITE_B else local}"
+    for i, local in enumerate(bulk_ports):
+        link = ["--bulk-link", f"127.0.0.1:{bulk_link_port}"] if md_site == SITE_B else []
         cache = [] if getattr(args, "md_prefix_cache", True) else ["--prefix-cache", "false"]
-        spawn("main-decode", i, "--bulk-port", str(local), "--bulk-advertise", advertise, *cache,
-              site=md_site)
+        spawn("main-decode", i, "--bulk-port", str(local), "--bulk-advertise", f"127.0.0.1:{local}", *link,
+              *cache, site=md_site)
     from infra.wan_link import parse_ms, parse_rate
 
     api_keys = getattr(args, "api_key", None) or os.environ.get("PDD_API_KEYS", "")

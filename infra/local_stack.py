@@ -28,6 +28,7 @@ from services.prefill.service import PrefillService
 from services.relay_decode.service import RelayDecodeService
 from services.router.service import RouterService
 from shared import nats_client
+from shared.bulk.link_route import route_key
 from shared.config import (
     BulkReceiverConfig,
     CacheIndexConfig,
@@ -76,7 +77,8 @@ class LocalStack:
                  secret: str = "local-stack-secret", secure: bool = True):
         self.loaded, self.metadata = loaded, metadata
         self.num_main, self.num_relay = num_main, num_relay
-        self.link = WanLink(profile or LinkProfile(bandwidth_bps=0, rtt_ms=0, jitter_ms=0))
+        self.link = WanLink(profile or LinkProfile(bandwidth_bps=0, rtt_ms=0, jitter_ms=0),
+                            route_key=route_key(secret))
         self.router_settings = router_settings or {}
         self.engine_settings = {"model": loaded.name, "kv_cache_mb": 64, **(engine_settings or {})}
         self.decode_settings = decode_settings or {}
@@ -136,15 +138,15 @@ class LocalStack:
             self.relays.append(RelayDecodeService(build_config(RelayDecodeConfig, {
                 **common, **self.security("relay_decode"), **self.engine_settings, **self.decode_settings,
                 **self.relay_settings, "site": SITE_A, "nats_url": a_url, "instance_id": f"relay-decode-{i}"}, {}), self.loaded))
+        # One routed port for every main decoder, as `pdd up` and compose run it.
+        wan_port = await self.link.add_route(Route("bulk-main-decode", "127.0.0.1", 0, "*", 0, from_site=SITE_A))
         for i in range(self.num_main):
             bulk_port = free_port()
-            wan_port = await self.link.add_route(Route(f"bulk-main-decode-{i}", "127.0.0.1", 0,
-                                                       "127.0.0.1", bulk_port, from_site=SITE_A))
             self.mains.append(MainDecodeService(build_config(BulkReceiverConfig, {
                 **common, **self.security("main_decode"), **self.engine_settings, **self.decode_settings,
                 "site": SITE_B,
                 "nats_url": b_url, "instance_id": f"main-decode-{i}", "bulk_port": bulk_port,
-                "bulk_advertise": f"127.0.0.1:{wan_port}"}, {}), self.loaded))
+                "bulk_advertise": f"127.0.0.1:{bulk_port}", "bulk_link": f"127.0.0.1:{wan_port}"}, {}), self.loaded))
         self.router = RouterService(build_config(RouterConfig, {
             **common, **self.security("router"), "site": SITE_A, "nats_url": a_url, "instance_id": "router-0",
             "model": self.loaded.name, "http_port": 0, "instance_ttl_s": 2.0,

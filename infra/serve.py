@@ -31,7 +31,10 @@ def add_serve_parsers(commands):
     wan.add_argument("--control-host", default="127.0.0.1", help="address of the control API (/link, /metrics, /health)")
     wan.add_argument("--control-port", type=int, default=8100, help="port of the control API")
     wan.add_argument("--route", action="append", default=[], metavar="NAME=HOST:PORT>HOST:PORT@SITE",
-                     help="forward NAME from listen HOST:PORT to target HOST:PORT; SITE is the connecting side's site")
+                     help="forward NAME from listen HOST:PORT to target HOST:PORT; SITE is the connecting side's site; "
+                          "target * or *:PORT: each connection names its own (signed with the route key)")
+    wan.add_argument("--route-key-file", default="",
+                     help="the route key (pdd secrets writes link-route.key): needed by routed ports")
     wan.add_argument("--bandwidth", default="100mbit", help="capacity per direction (e.g. 1gbit, unlimited)")
     wan.add_argument("--rtt", default="40ms", help="base round trip")
     wan.add_argument("--jitter", default="5ms", help="standard deviation of the one-way delay")

@@ -6,19 +6,32 @@ routes and connections (one bandwidth budget per direction), a base RTT split in
 one-way delays, seeded jitter, optional stalls, and a partition switch that freezes all
 traffic until it is lifted. Order within a connection is always preserved. Everything is
 adjustable at runtime through a small HTTP control API (``pdd wan``).
+
+A route's target may be ``*`` (a routed port): each connection then names its own target
+in a signed ``LinkRoute`` (``shared/bulk/link_route.py``), so one port reaches every main
+decoder at the far site, however many replicas run.
 """
 
 import argparse
 import asyncio
 import random
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import structlog
 from aiohttp import web
 
+from shared.bulk.framing import read_message
+from shared.bulk.link_route import RouteAuthenticator
+from shared.errors import KvFrameError
+from shared.messages import LinkRoute
+
 log = structlog.get_logger(__name__)
 CHUNK_BYTES = 64 << 10
+ROUTE_TIMEOUT_S = 5.0
+"""A connection to a routed port must name its target within this."""
+MAX_ROUTE_BYTES = 4 << 10
+ANY = "*"
 
 
 @dataclass
@@ -52,8 +65,9 @@ class Route:
         name: Label for stats (``leafnode``, ``bulk-main_decode-0``…).
         listen_host: Address the link listens on.
         listen_port: Port it listens on (0: any).
-        target_host: Where connections go.
-        target_port: Target port.
+        target_host: Where connections go; ``*``: where each connection's signed
+            ``LinkRoute`` says (a routed port).
+        target_port: Target port; for a routed port the only port a route may name (0: any).
         from_site: Site the connecting side is at (decides the direction of each byte).
     """
 
@@ -63,6 +77,11 @@ class Route:
     target_host: str
     target_port: int
     from_site: str = "site-a"
+
+    @property
+    def routed(self) -> bool:
+        """Whether each connection names its own target."""
+        return self.target_host == ANY
 
 
 @dataclass
@@ -77,13 +96,17 @@ class _RouteStats:
     connections: int = 0
     bytes_forward: int = 0
     bytes_reverse: int = 0
+    refused: int = 0
+    targets: dict = field(default_factory=dict)  # routed ports: connections per target
 
 
 class WanLink:
     """The emulated link with its routes."""
 
-    def __init__(self, profile: LinkProfile | None = None):
+    def __init__(self, profile: LinkProfile | None = None, route_key: str = ""):
         self.profile = profile or LinkProfile()
+        self._route_key = route_key
+        self._routes_auth: RouteAuthenticator | None = None
         self._rng = random.Random(self.profile.seed)
         self._directions = {"site-a->site-b": _Direction(), "site-b->site-a": _Direction()}
         self._open = asyncio.Event()
@@ -110,7 +133,13 @@ class WanLink:
         return self.profile
 
     async def add_route(self, route: Route) -> int:
-        """Start forwarding ``route``; return the port it listens on."""
+        """Start forwarding ``route``; return the port it listens on.
+
+        Raises:
+            ValueError: a routed port without a route key.
+        """
+        if route.routed and self._routes_auth is None:
+            self._routes_auth = RouteAuthenticator(self._route_key)
         server = await asyncio.start_server(lambda r, w: self._accept(route, r, w),
                                             route.listen_host, route.listen_port)
         port = server.sockets[0].getsockname()[1]
@@ -141,9 +170,17 @@ class WanLink:
         stats.connections += 1
         other = "site-b" if route.from_site == "site-a" else "site-a"
         try:
-            await self._open.wait()
-            target_reader, target_writer = await asyncio.open_connection(route.target_host, route.target_port)
-        except (OSError, asyncio.CancelledError):
+            target = await self._target(route, client_reader, stats, f"{route.from_site}->{other}")
+            if target is not None:
+                await self._open.wait()
+                target_reader, target_writer = await asyncio.open_connection(*target)
+        except KvFrameError as exc:
+            stats.refused += 1
+            log.warning("wan_route_refused", route=route.name, reason=f"no LinkRoute: {exc}")
+            target = None
+        except (OSError, asyncio.CancelledError, asyncio.TimeoutError):
+            target = None
+        if target is None:
             client_writer.close()
             self._tasks.discard(task)
             return
@@ -160,6 +197,27 @@ class WanLink:
             client_writer.close()
             target_writer.close()
             self._tasks.discard(task)
+
+    async def _target(self, route: Route, reader, stats: _RouteStats, direction: str) -> tuple[str, int] | None:
+        """Where this connection goes: the route's target, or the one its LinkRoute names."""
+        if not route.routed:
+            return route.target_host, route.target_port
+        message, size = await asyncio.wait_for(read_message(reader, None, MAX_ROUTE_BYTES), ROUTE_TIMEOUT_S)
+        # The opening crossed the link like any other byte.
+        stats.bytes_forward += size
+        self._directions[direction].bytes += size
+        if not isinstance(message, LinkRoute):
+            stats.refused += 1
+            log.warning("wan_route_refused", route=route.name, reason="first message is not a LinkRoute")
+            return None
+        problem = self._routes_auth.verify(message, allowed_port=route.target_port)
+        if problem is not None:
+            stats.refused += 1
+            log.warning("wan_route_refused", route=route.name, target=message.target, reason=problem)
+            return None
+        stats.targets[message.target] = stats.targets.get(message.target, 0) + 1
+        host, _, port = message.target.rpartition(":")
+        return host, int(port)
 
     async def _pipe(self, reader, writer, direction: str, stats: _RouteStats, forward: bool):
         """Read at the link's pace, deliver after the one-way delay, in order."""
@@ -257,6 +315,9 @@ def parse_profile(bandwidth: str, rtt: str, jitter: str, seed: int = 0) -> LinkP
 def parse_route(text: str) -> "Route":
     """``leafnode=127.0.0.1:17422>127.0.0.1:7422@site-b`` → Route.
 
+    A target of ``*`` (any port) or ``*:PORT`` makes a routed port: each connection names
+    its target (``bulk=0.0.0.0:19100>*:9100@site-a``).
+
     Raises:
         argparse.ArgumentTypeError: the text is not ``NAME=HOST:PORT>HOST:PORT@SITE``.
     """
@@ -265,11 +326,16 @@ def parse_route(text: str) -> "Route":
         listen, rest = rest.split(">", 1)
         target, from_site = rest.split("@", 1)
         listen_host, listen_port = listen.rsplit(":", 1)
-        target_host, target_port = target.rsplit(":", 1)
+        target_host, target_port = target.rsplit(":", 1) if target != ANY else (ANY, "0")
+        if target_port == ANY and target_host == ANY:
+            target_port = "0"
+        if not name or not from_site:
+            raise ValueError(text)
         return Route(name, listen_host, int(listen_port), target_host, int(target_port), from_site)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"route {text!r}: expected NAME=HOST:PORT>HOST:PORT@SITE") from None
+            f"route {text!r}: expected NAME=HOST:PORT>HOST:PORT@SITE (target * or *:PORT: "
+            "each connection names its own)") from None
 
 
 def control_app(link: WanLink) -> web.Application:

@@ -24,11 +24,14 @@ class WanLinkCollector(Collector):
                                      labels=["route", "way"])
         connections = CounterMetricFamily("pdd_wan_route_connections", "Connections accepted per route",
                                           labels=["route"])
+        refused = CounterMetricFamily("pdd_wan_route_refused", "Connections to a routed port refused "
+                                      "(no valid signed route)", labels=["route"])
         for name, stats in link.stats.items():
             routes.add_metric([name, "forward"], stats.bytes_forward)
             routes.add_metric([name, "reverse"], stats.bytes_reverse)
             connections.add_metric([name], stats.connections)
-        yield from (sent, queued, routes, connections)
+            refused.add_metric([name], stats.refused)
+        yield from (sent, queued, routes, connections, refused)
         yield GaugeMetricFamily("pdd_wan_partitioned", "1 while the link carries nothing", value=int(profile.partitioned))
         yield GaugeMetricFamily("pdd_wan_shaped_rate_bps", "Capacity per direction in bits/s (0: unlimited)",
                                 value=profile.bandwidth_bps)

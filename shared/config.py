@@ -121,7 +121,11 @@ class BulkReceiverConfig(EngineConfig):
     bulk_host: str = setting("127.0.0.1", "address the bulk KV receiver listens on")
     bulk_port: int = setting(0, "port of the bulk KV receiver (0: any free port)", non_negative)
     bulk_advertise: str = setting("", "host:port senders use to reach the bulk receiver "
-                                  "(the WAN link's address for a remote site); default listen address", host_port)
+                                  "(the WAN link's address for a remote site, unless --bulk-link is set); default: "
+                                  "the listen address, or this host's address when listening on all of them", host_port)
+    bulk_link: str = setting("", "host:port of the WAN link's routed port that senders at the other site dial; "
+                             "each connection names this receiver's advertised address, so any number of "
+                             "replicas share the port (empty: senders dial --bulk-advertise)", host_port)
     kv_timeout_s: float = setting(120.0, "longest wait for a flow's next KV frame", positive)
     handoff_timeout_s: float = setting(30.0, "longest wait for a handoff reply", positive)
 

@@ -5,6 +5,7 @@ sequence or, once the request ended here, from a short record of its output.
 """
 
 import asyncio
+import socket
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -93,7 +94,7 @@ class DecodeService(EngineService):
             incarnation=self.incarnation,
             tls=server_context(config.tls_ca_file, config.tls_cert_file, config.tls_key_file) if encrypted else None)
         host, port = await self.receiver.start()
-        self.bulk_endpoint = self.config.bulk_advertise or f"{host}:{port}"
+        self.bulk_endpoint = self.config.bulk_advertise or f"{_reachable(host)}:{port}"
         self.loop = EngineLoop(self.worker, self._on_outputs, step_seconds=ENGINE_STEP_SECONDS.labels(
             self.config.served_model_name, self.service_name))
         self.watch(self.loop.start())
@@ -117,7 +118,8 @@ class DecodeService(EngineService):
 
     def instance_ref(self) -> InstanceRef:
         return InstanceRef(instance_id=self.instance_id, site=self.config.site,
-                           bulk_endpoint=self.bulk_endpoint, incarnation=self.incarnation)
+                           bulk_endpoint=self.bulk_endpoint, bulk_link=self.config.bulk_link,
+                           incarnation=self.incarnation)
 
     async def on_cancel(self, cancel: CancelRequest):
         finished_elsewhere = cancel.kind == "finished"
@@ -225,3 +227,11 @@ class DecodeService(EngineService):
         if span is not None:
             span.set_attributes(attributes)
             span.end()
+
+
+def _reachable(host: str) -> str:
+    """An address peers can dial for a listen address: this host's own for a wildcard (a
+    container's or pod's address, so that replicas sharing one configuration differ)."""
+    if host in ("0.0.0.0", "::", ""):
+        return socket.gethostbyname(socket.gethostname())
+    return host

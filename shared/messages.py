@@ -29,8 +29,11 @@ class InstanceRef(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         instance_id: Unique instance name (a subject token).
         site: Site the instance runs at.
-        bulk_endpoint: ``host:port`` of its bulk KV receiver as reachable from the sender's
-            site (for site-B instances this is the WAN link's address).
+        bulk_endpoint: ``host:port`` of its bulk KV receiver: as reachable from the sender's
+            site, or, when ``bulk_link`` is set, as reachable from its own site.
+        bulk_link: ``host:port`` of the WAN link a sender at the other site dials instead;
+            the connection's first message (a ``LinkRoute``) names ``bulk_endpoint``, and the
+            link forwards it there. Empty: dial ``bulk_endpoint`` directly.
         incarnation: Random id of the process behind the name, new at every start. A process
             restarted under the same name is another instance: what the old one held is gone.
             It is also the epoch of the instance's KV events.
@@ -39,6 +42,7 @@ class InstanceRef(msgspec.Struct, frozen=True, kw_only=True):
     instance_id: str
     site: str
     bulk_endpoint: str = ""
+    bulk_link: str = ""
     incarnation: str = ""
 
 
@@ -441,7 +445,26 @@ class FlowCancel(_Message, kw_only=True):
     reason: str = ""
 
 
-BulkControl = FlowOpen | FlowAccepted | FlowRejected | FlowEnd | FlowCancel
+class LinkRoute(_Message, kw_only=True):
+    """Sender → WAN link, in clear before anything else on a connection to a routed link
+    port: where to forward it. The TLS handshake and the FlowOpen follow, end to end.
+
+    Attributes:
+        target: ``host:port`` of the receiver, as reachable from the link's far side.
+        unix_s: Sender's clock (freshness).
+        nonce: Random hex, unique per connection (replay protection).
+        mac: HMAC-SHA256 over the fields above with the link's route key, which is derived
+            from the deployment's bulk secret (``shared.bulk.link_route.route_key``): the
+            link can check a route without holding the secret that signs flows.
+    """
+
+    target: str
+    unix_s: float
+    nonce: str
+    mac: str = ""
+
+
+BulkControl = LinkRoute | FlowOpen | FlowAccepted | FlowRejected | FlowEnd | FlowCancel
 RequestEvent = PrefillCompleted | KvReady | KvImportAborted | HandoffAccepted | RequestFailed
 KvEvent = KvBlocksStored | KvBlocksEvicted
 HandoffReply = HandoffAccepted | RequestFailed

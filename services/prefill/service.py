@@ -243,7 +243,8 @@ class PrefillService(EngineService):
             return await open_flow(target.bulk_endpoint, flow_open, self.config.bulk_secret,
                                    path=path, timeout_s=self.config.connect_timeout_s,
                                    accept_timeout_s=self.config.accept_timeout_s,
-                                   tls=self._bulk_tls if path == "wan" or self.config.bulk_tls_local else None)
+                                   tls=self._bulk_tls if path == "wan" or self.config.bulk_tls_local else None,
+                                   link=target.bulk_link if target.site != self.config.site else "")
 
     async def _send(self, flow: BulkFlow, span, frames: list, end_tokens: tuple[list, list]) -> int:
         with trace.use_span(span, end_on_exit=False):

@@ -30,6 +30,28 @@ def new_nonce() -> str:
     return secrets.token_hex(16)
 
 
+class ReplayGuard:
+    """Freshness and single use of signed openings: a clock within ``MAX_CLOCK_SKEW_S`` of
+    ours and a nonce not seen before (remembered for twice the skew, then forgotten)."""
+
+    def __init__(self):
+        self._seen: dict[str, float] = {}
+
+    def check(self, unix_s: float, nonce: str, now: float) -> str | None:
+        """None if fresh and unseen (the nonce is then remembered), else why not."""
+        if abs(now - unix_s) > MAX_CLOCK_SKEW_S:
+            return f"stale opening: clock skew above {MAX_CLOCK_SKEW_S:.0f} s"
+        self._forget_older_than(now - 2 * MAX_CLOCK_SKEW_S)
+        if nonce in self._seen:
+            return "replayed nonce"
+        self._seen[nonce] = now
+        return None
+
+    def _forget_older_than(self, cutoff: float):
+        for nonce in [n for n, t in self._seen.items() if t < cutoff]:
+            del self._seen[nonce]
+
+
 class FlowAuthenticator:
     """Receiver-side check of signed FlowOpens, with replay protection."""
 
@@ -38,7 +60,7 @@ class FlowAuthenticator:
             raise ValueError("a bulk secret is required (--bulk-secret / PDD_BULK_SECRET)")
         self._secret = secret
         self._receiver_id, self._incarnation = receiver_id, incarnation
-        self._seen: dict[str, float] = {}
+        self._replays = ReplayGuard()
 
     def verify(self, flow_open: FlowOpen, now: float | None = None) -> str | None:
         """None if authentic and fresh, else why not."""
@@ -50,14 +72,4 @@ class FlowAuthenticator:
             return f"FlowOpen for {flow_open.receiver_id!r}, not this receiver"
         if self._incarnation and flow_open.receiver_incarnation != self._incarnation:
             return "FlowOpen for an earlier incarnation of this receiver"
-        if abs(now - flow_open.unix_s) > MAX_CLOCK_SKEW_S:
-            return f"stale FlowOpen: clock skew above {MAX_CLOCK_SKEW_S:.0f} s"
-        self._forget_older_than(now - 2 * MAX_CLOCK_SKEW_S)
-        if flow_open.nonce in self._seen:
-            return "replayed FlowOpen nonce"
-        self._seen[flow_open.nonce] = now
-        return None
-
-    def _forget_older_than(self, cutoff: float):
-        for nonce in [n for n, t in self._seen.items() if t < cutoff]:
-            del self._seen[nonce]
+        return self._replays.check(flow_open.unix_s, flow_open.nonce, now)

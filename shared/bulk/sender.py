@@ -7,7 +7,8 @@ import time
 import msgspec
 
 from shared.bulk.auth import new_nonce, sign
-from shared.bulk.framing import read_message, write_control
+from shared.bulk.framing import control_bytes, read_message, write_control
+from shared.bulk.link_route import route_key, sign_route
 from shared.errors import PddError
 from shared.messages import FlowAccepted, FlowCancel, FlowEnd, FlowOpen, FlowRejected
 from shared.metrics import KV_BYTES
@@ -71,24 +72,25 @@ class BulkFlow:
 
 async def open_flow(endpoint: str, flow_open: FlowOpen, secret: str, *, path: str,
                     timeout_s: float, accept_timeout_s: float | None = None,
-                    tls: ssl.SSLContext | None = None) -> BulkFlow:
+                    tls: ssl.SSLContext | None = None, link: str = "") -> BulkFlow:
     """Connect to ``endpoint`` (``host:port``), authenticate and wait for FlowAccepted.
 
     ``timeout_s`` bounds the connection; ``accept_timeout_s`` (default the same) bounds the
     wait for the answer, which a receiver may delay while blocks this prompt needs are still
     arriving on another flow. ``BulkFlow.handshake_s`` excludes that delay: one round trip.
     With ``tls`` the connection is mutual TLS (the receiver must present the deployment's
-    certificate, and we present ours).
+    certificate, and we present ours). With ``link`` (the WAN link's routed port) the
+    connection goes there and opens with a signed ``LinkRoute`` naming ``endpoint``; it costs
+    no round trip, and TLS then runs end to end through the link.
 
     Raises:
         FlowRefused: the receiver said no.
-        ConnectionError, asyncio.TimeoutError: it could not be reached in time.
+        ConnectionError, OSError, asyncio.TimeoutError: it could not be reached in time (a
+            link that refuses the route closes the connection: the TLS handshake or the
+            FlowOpen then fails).
     """
-    host, _, port = endpoint.rpartition(":")
     signed = sign(_stamp_fresh(flow_open), secret)
-    reader, writer = await asyncio.wait_for(
-        asyncio.open_connection(host, int(port), limit=1 << 20, ssl=tls,
-                                server_hostname=host if tls else None), timeout_s)
+    reader, writer = await asyncio.wait_for(_connect(endpoint, secret, tls, link), timeout_s)
     started = time.monotonic()
     try:
         await write_control(writer, signed)
@@ -104,6 +106,25 @@ async def open_flow(endpoint: str, flow_open: FlowOpen, secret: str, *, path: st
     if isinstance(reply, FlowRejected):
         raise FlowRefused(f"{endpoint} refused flow: {reply.code}: {reply.message}")
     raise FlowRefused(f"{endpoint} closed the flow without answering")
+
+
+async def _connect(endpoint: str, secret: str, tls: ssl.SSLContext | None, link: str):
+    if not link:
+        host, _, port = endpoint.rpartition(":")
+        return await asyncio.open_connection(host, int(port), limit=1 << 20, ssl=tls,
+                                             server_hostname=host if tls else None)
+    link_host, _, link_port = link.rpartition(":")
+    reader, writer = await asyncio.open_connection(link_host, int(link_port), limit=1 << 20)
+    try:
+        writer.write(control_bytes(sign_route(endpoint, route_key(secret))))
+        await writer.drain()
+        if tls is not None:
+            # The deployment's certificate names the link (as when it was dialled directly).
+            await writer.start_tls(tls, server_hostname=link_host)
+    except BaseException:
+        writer.close()
+        raise
+    return reader, writer
 
 
 def _stamp_fresh(flow_open: FlowOpen) -> FlowOpen:
