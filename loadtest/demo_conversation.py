@@ -36,34 +36,56 @@ def long_tool_output(num_lines: int = 24) -> str:
                      for i in range(num_lines))
 
 
-def run_demo(base_url: str, model: str, max_tokens: int = 48, first_turn_max_tokens: int = 96) -> int:
-    """Hold the conversation; print one line per turn and the answers; return an exit code."""
+def run_demo(base_url: str, model: str, max_tokens: int = 48, first_turn_max_tokens: int = 96, *,
+             reference=None, after_turn=None) -> int:
+    """Hold the conversation; print one line per turn and the answers; return an exit code.
+
+    Args:
+        base_url: The router's OpenAI base URL.
+        model: The model's name, for the header line.
+        max_tokens: Answer length of turns 2 on.
+        first_turn_max_tokens: Answer length of turn 1.
+        reference: ``reference(messages, max_tokens) -> str``, transformers' greedy answer; when
+            given, each turn says whether the served text equals it, and a mismatch fails.
+        after_turn: ``after_turn(turn)``, called after each turn (e.g. to change the link).
+    """
     client = OpenAI(base_url=base_url, api_key="not-needed")
     served = client.models.list().data[0].id
     messages = [{"role": "system", "content": "You are a careful coding agent. Answer briefly."}]
     print(f"model {served} ({model}); {len(TURNS)} turns, max {first_turn_max_tokens} then "
           f"{max_tokens} tokens\n")
     print(f"{'turn':>4} {'prompt':>7} {'TTFT ms':>8} {'pipeline':>9} {'eager':>6} {'handoff':>10} "
-          f"{'done on':>8} {'MD cached':>10} {'WAN KB':>8}")
+          f"{'done on':>8} {'MD cached':>10} {'WAN KB':>8}" + (f" {'exact':>6}" if reference else ""))
+    mismatches = 0
     for turn, template in enumerate(TURNS, 1):
         messages.append({"role": "user", "content": template.format(tool=long_tool_output())})
-        started = time.perf_counter()
-        ttft_ms, text, pdd = None, [], {}
         # A longer first answer lets the relay hand over once the WAN copy has landed.
         limit = first_turn_max_tokens if turn == 1 else max_tokens
-        stream = client.chat.completions.create(
-            model=served, messages=messages, max_tokens=limit, temperature=0, stream=True)
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                ttft_ms = ttft_ms or (time.perf_counter() - started) * 1000
-                text.append(chunk.choices[0].delta.content)
-            extra = getattr(chunk, "model_extra", None) or {}
-            pdd = extra.get("pdd", pdd)
-        answer = "".join(text)
+        answer, ttft_ms, pdd = _stream_turn(client, served, messages, limit)
+        exact = "" if reference is None else f" {'yes' if answer == reference(messages, limit) else 'NO':>6}"
+        mismatches += exact.strip() == "NO"
         messages.append({"role": "assistant", "content": answer})
         handoff = f"{pdd.get('handoff_mode')}x{pdd.get('handoff_chunks')}" if pdd.get("handoff_mode") else "-"
         print(f"{turn:>4} {pdd.get('prompt_tokens', 0):>7} {ttft_ms or 0:>8.0f} {pdd.get('pipeline', '?'):>9} "
               f"{pdd.get('eager_tokens', 0):>6} {handoff:>10} {str(pdd.get('finished_on')):>8} "
-              f"{pdd.get('cached_blocks_md', 0):>10} {pdd.get('wan_kv_bytes', 0) / 1024:>8.0f}")
-        print(f"     ↳ {json.dumps(answer)[:110]}")
-    return 0
+              f"{pdd.get('cached_blocks_md', 0):>10} {pdd.get('wan_kv_bytes', 0) / 1024:>8.0f}{exact}")
+        print(f"     ↳ {json.dumps(answer)[:110]}", flush=True)
+        if after_turn is not None:
+            after_turn(turn)
+    if mismatches:
+        print(f"{mismatches} answer(s) differ from transformers' greedy output")
+    return 1 if mismatches else 0
+
+
+def _stream_turn(client, served: str, messages: list[dict], limit: int) -> tuple[str, float | None, dict]:
+    started = time.perf_counter()
+    ttft_ms, text, pdd = None, [], {}
+    stream = client.chat.completions.create(
+        model=served, messages=messages, max_tokens=limit, temperature=0, stream=True)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            ttft_ms = ttft_ms or (time.perf_counter() - started) * 1000
+            text.append(chunk.choices[0].delta.content)
+        extra = getattr(chunk, "model_extra", None) or {}
+        pdd = extra.get("pdd", pdd)
+    return "".join(text), ttft_ms, pdd

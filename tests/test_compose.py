@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
 OBSERVABILITY = {"jaeger", "prometheus", "grafana"}
+SCALABLE = {"prefill", "relay-decode", "main-decode"}
+"""Services ``docker compose up --scale`` may run several of (no fixed name or address)."""
 
 
 def pdd_services():
@@ -84,7 +86,7 @@ def test_compose_refuses_to_start_without_its_secrets():
     text = (ROOT / "docker-compose.yml").read_text()
     assert "PDD_BULK_SECRET:" not in text and ":-change" not in text
     for name, spec in SERVICES.items():
-        if name in OBSERVABILITY | {"wan-link"}:  # the link forwards bytes it cannot read: it holds no secret
+        if name in OBSERVABILITY | {"wan-link"}:  # the link forwards bytes it cannot read (only the route key)
             continue
         mounts = [v for v in spec.get("volumes", []) if v.endswith((f":{SECRETS_MOUNT}:ro", ":/etc/nats/secrets:ro"))]
         assert len(mounts) == 1 and mounts[0].startswith("${PDD_SECRETS_DIR:?"), name
@@ -107,14 +109,34 @@ def test_nats_configs_are_valid_and_joined_through_the_wan_link(tmp_path, secret
     assert f"tls://wan-link:{leaf.listen_port}" in (ROOT / "infra/nats/site-b.conf").read_text()
 
 
-def test_bulk_paths_lead_to_the_decoders():
+def test_one_routed_link_port_leads_to_every_main_decoder_and_the_link_holds_only_the_route_key():
+    """No per-instance route: each flow names its receiver, so replicas share one port."""
     routes = {r.name: r for r in (parse_route(t) for t in _wan_routes())}
     main_env, relay_env = resolved_env(SERVICES["main-decode"]), resolved_env(SERVICES["relay-decode"])
-    bulk = routes["bulk-main-decode-0"]
-    assert (bulk.target_host, str(bulk.target_port)) == ("main-decode", main_env["PDD_BULK_PORT"])
-    assert main_env["PDD_BULK_ADVERTISE"] == f"wan-link:{bulk.listen_port}"
-    assert relay_env["PDD_BULK_ADVERTISE"] == f"relay-decode:{relay_env['PDD_BULK_PORT']}"
-    assert (ROOT / SERVICES["router"]["build"]["dockerfile"]).is_file()
+    bulk = routes["bulk-main-decode"]
+    assert bulk.routed and str(bulk.target_port) == main_env["PDD_BULK_PORT"] and bulk.from_site == "site-a"
+    assert main_env["PDD_BULK_LINK"] == f"wan-link:{bulk.listen_port}" and main_env["PDD_BULK_HOST"] == "0.0.0.0"
+    for name in SCALABLE:  # replicas share one configuration: nothing may name one instance
+        env = resolved_env(SERVICES[name])
+        assert "PDD_INSTANCE_ID" not in env and "PDD_BULK_ADVERTISE" not in env, name
+    command = SERVICES["wan-link"]["command"]
+    key = command[command.index("--route-key-file") + 1]
+    assert SERVICES["wan-link"]["volumes"] == [f"${{PDD_SECRETS_DIR:?{_SECRETS_HINT}}}/link-route.key:{key}:ro"]
+
+
+_SECRETS_HINT = "run pdd secrets --out ./secrets and export PDD_SECRETS_DIR (docs/security.md)"
+
+
+def test_the_default_profile_needs_only_our_images_and_runs_them_as_non_root():
+    for name in TOPOLOGY:
+        spec = SERVICES[name]
+        assert re.fullmatch(r"\$\{PDD_(NATS_)?IMAGE:-pdd(-nats)?:latest\}", spec["image"]), name
+        assert spec["user"] == "${PDD_UID:-10001}:${PDD_GID:-10001}", name
+        assert "profiles" not in spec, name
+    for name in OBSERVABILITY:
+        assert SERVICES[name]["profiles"] == ["observability"], name
+    for spec in SERVICES.values():
+        assert all(p.startswith("127.0.0.1:") for p in spec.get("ports", [])), spec["ports"]
 
 
 def _wan_routes() -> list[str]:
@@ -139,21 +161,26 @@ def v_in(volumes: dict, mounts: list[str]) -> bool:
 
 
 def test_prometheus_scrapes_every_process_on_the_port_it_serves_metrics():
+    """Singletons by name; scalable services through DNS, which lists every replica."""
     config = yaml.safe_load((ROOT / "infra/observability/prometheus.yml").read_text())
-    targets = {t for job in config["scrape_configs"] for group in job["static_configs"] for t in group["targets"]}
+    targets = {t for job in config["scrape_configs"] for group in job.get("static_configs", []) for t in group["targets"]}
+    replicas = {f"{name}:{sd['port']}" for job in config["scrape_configs"] for sd in job.get("dns_sd_configs", [])
+                for name in sd["names"]}
     for name in SERVICE_OF:
         env = resolved_env(SERVICES[name])
-        assert env["PDD_METRICS_HOST"] == "0.0.0.0" and f"{name}:{env['PDD_METRICS_PORT']}" in targets, name
+        wanted = f"{name}:{env['PDD_METRICS_PORT']}"
+        assert env["PDD_METRICS_HOST"] == "0.0.0.0" and wanted in (replicas if name in SCALABLE else targets), name
     assert "wan-link:8100" in targets
     assert set(SERVICES["prometheus"]["networks"]) == {"site-a", "site-b"}
 
 
 def test_the_image_resolves_the_cpu_build_of_torch_and_no_cuda_package(tmp_path):
-    """``pip install --dry-run --report`` on the image's requirements (the Dockerfile adds the
-    PyTorch CPU index; here the same wheel comes from the local wheel store)."""
+    """``pip install --dry-run --report`` on the image's requirements (the wheelhouse takes
+    torch from the PyTorch CPU index or a local wheel store; here the local one)."""
     dockerfile = (ROOT / "infra/Dockerfile").read_text()
-    assert "-r infra/requirements-image.txt" in dockerfile and "download.pytorch.org/whl/cpu" in dockerfile
+    assert "--no-index --find-links /wheelhouse" in dockerfile and "-r /wheelhouse/infra/requirements-image.txt" in dockerfile
     assert "\nUSER pdd" in dockerfile and "\nHEALTHCHECK " in dockerfile
+    assert "download.pytorch.org/whl/cpu" in (ROOT / "infra/images.py").read_text()
     report = tmp_path / "report.json"
     result = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
                              "--report", str(report), "-r", str(ROOT / "infra/requirements-image.txt")],

@@ -56,7 +56,7 @@ def test_every_object_validates_against_the_kubernetes_schema(rendered, site):
 def test_each_site_runs_the_launchers_services_there(rendered, site):
     deployments = set(objects(rendered, site, "Deployment"))
     expected = {name for name, sites in TOPOLOGY.items() if sites == (site,) and name in SERVICE_OF}
-    assert deployments == expected
+    assert deployments == expected | ({"bulk-gateway"} if site == "site-b" else set())
     assert set(objects(rendered, site, "StatefulSet")) == {f"nats-{site[-1]}"}
 
 
@@ -74,6 +74,8 @@ def container_env(rendered, site: str, deployment: dict) -> dict[str, str]:
 def test_commands_and_settings_are_the_launchers(rendered, site):
     secrets_dir = rendered["secrets_dir"]
     for name, deployment in objects(rendered, site, "Deployment").items():
+        if name == "bulk-gateway":
+            continue  # a WAN link, not a service (test_main_decode_scales_behind_the_bulk_gateway)
         container = deployment["spec"]["template"]["spec"]["containers"][0]
         args = build_parser().parse_args(container["command"][1:])
         assert container["command"][0] == "pdd" and args.command == "serve" and args.service == SERVICE_OF[name]
@@ -88,6 +90,26 @@ def test_commands_and_settings_are_the_launchers(rendered, site):
         assert config.nats_seed_file == str(secrets_dir / f"{SERVICE_OF[name]}.nk")
         assert config.bulk_secret == (secrets_dir / "bulk.secret").read_text().strip()
         assert config.metrics_port == 9090 and config.metrics_host == "0.0.0.0"
+
+
+def test_main_decode_scales_behind_the_bulk_gateway(rendered):
+    """Replicas share one address: the gateway's routed port, which forwards each flow to the
+    pod address it names, checking the route with the route key (the only secret it holds)."""
+    from infra.wan_link import parse_route
+
+    deployments = objects(rendered, "site-b", "Deployment")
+    main = deployments["main-decode"]
+    env = container_env(rendered, "site-b", main)
+    assert main["spec"]["replicas"] > 1 and env["PDD_BULK_ADVERTISE"] == "$(POD_IP):9100"
+    gateway = deployments["bulk-gateway"]["spec"]["template"]["spec"]
+    args = build_parser().parse_args(gateway["containers"][0]["command"][1:])
+    assert args.service == "wan_link" and args.route_key_file == "/run/secrets/pdd/link-route.key"
+    route = parse_route(args.route[0])
+    link_host, _, link_port = env["PDD_BULK_LINK"].rpartition(":")
+    service = objects(rendered, "site-b", "Service")[link_host.split(".")[0]]
+    assert service["spec"]["selector"] == {"app.kubernetes.io/name": "bulk-gateway"}
+    assert route.routed and route.target_port == 9100 and route.listen_port == int(link_port)
+    assert gateway["volumes"][0]["secret"]["items"] == [{"key": "link-route.key", "path": "link-route.key"}]
 
 
 @pytest.mark.parametrize("site", ["site-a", "site-b"])

@@ -1,0 +1,127 @@
+"""Driving ``docker-compose.yml`` for demos and tests: up, scale, wait, down, and what is left.
+
+Uses whichever Compose the machine has: the v2 plugin (``docker compose``) or v1
+(``docker-compose``); both talk to the engine ``DOCKER_HOST`` names (or the default socket).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTAINER_UID = 10001
+"""The user the images run as (``infra/Dockerfile``, ``infra/nats/Dockerfile``)."""
+
+
+class ComposeError(RuntimeError):
+    """A compose command failed, or the stack did not become ready in time."""
+
+
+def compose_command() -> list[str]:
+    """``docker compose`` where the plugin exists, else ``docker-compose``."""
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    raise ComposeError("neither `docker compose` nor `docker-compose` is installed")
+
+
+@dataclass
+class ComposeStack:
+    """One compose project of ``docker-compose.yml``.
+
+    Attributes:
+        project: The compose project name (containers, networks and volumes carry it).
+        secrets_dir: The mounted secrets folder (``PDD_SECRETS_DIR``).
+        router_port: Host port (on 127.0.0.1) the router is published on.
+        wan_control_port: Host port of the WAN link's control API.
+        env: Extra environment for compose (image names, user ids…).
+    """
+
+    project: str
+    secrets_dir: Path
+    router_port: int
+    wan_control_port: int
+    env: dict = field(default_factory=dict)
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}/v1"
+
+    @property
+    def wan_control_url(self) -> str:
+        return f"http://127.0.0.1:{self.wan_control_port}"
+
+    def compose(self, *args: str, check: bool = True, capture: bool = False) -> str:
+        """Run a compose command for this project."""
+        env = {**os.environ, "PDD_SECRETS_DIR": str(self.secrets_dir), "PDD_ROUTER_PORT": str(self.router_port),
+               "PDD_WAN_CONTROL_PORT": str(self.wan_control_port), **self.env}
+        argv = [*compose_command(), "-f", str(ROOT / "docker-compose.yml"), "-p", self.project, *args]
+        result = subprocess.run(argv, env=env, cwd=ROOT, text=True,
+                                stdout=subprocess.PIPE if capture else None)
+        if check and result.returncode != 0:
+            raise ComposeError(f"{' '.join(argv[-len(args):])} failed (exit {result.returncode})")
+        return result.stdout or ""
+
+    def up(self, main_decoders: int = 1):
+        """Start the default profile with ``main_decoders`` main-decode replicas."""
+        self.compose("up", "-d", "--no-build", "--scale", f"main-decode={main_decoders}")
+
+    def scale_main_decode(self, replicas: int):
+        """Change the number of main-decode replicas (the others keep running)."""
+        self.compose("up", "-d", "--no-build", "--no-recreate", "--scale", f"main-decode={replicas}",
+                     "main-decode")
+
+    def down(self):
+        """Stop and remove the project's containers, networks and volumes."""
+        self.compose("down", "-v", "--remove-orphans", "--timeout", "20")
+
+    def health(self) -> dict | None:
+        """The router's ``/health`` (instances per service), or None while it does not answer."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.router_port}/health", timeout=3) as response:
+                return json.loads(response.read())
+        except (OSError, ValueError):
+            return None
+
+    def wait_ready(self, want: dict[str, int], timeout_s: float = 420.0):
+        """Until the router sees ``want`` live instances per service (e.g. main_decode: 2)."""
+        deadline, last_report = time.monotonic() + timeout_s, 0.0
+        while True:
+            health = self.health()
+            seen = {s: len((health or {}).get("instances", {}).get(s, [])) for s in want}
+            if health and all(seen[s] == n for s, n in want.items()):
+                return health
+            if time.monotonic() > deadline:
+                self.compose("ps", check=False)
+                raise ComposeError(f"not ready after {timeout_s:.0f} s: router sees {seen}, wants {want}")
+            if time.monotonic() - last_report > 15:
+                last_report = time.monotonic()
+                print(f"waiting for the stack: {'router not answering' if not health else seen}", flush=True)
+            time.sleep(1.0)
+
+    def leftovers(self) -> dict[str, list[str]]:
+        """Containers, networks and volumes of this project that still exist."""
+        label = f"label=com.docker.compose.project={self.project}"
+        found = {}
+        for kind, args in (("containers", ["ps", "-a", "-q"]), ("networks", ["network", "ls", "-q"]),
+                           ("volumes", ["volume", "ls", "-q"])):
+            result = subprocess.run(["docker", *args, "--filter", label], capture_output=True, text=True)
+            found[kind] = result.stdout.split()
+        return found
+
+
+def container_user_env(secrets_dir: Path) -> dict[str, str]:
+    """How the containers read the secrets folder: as root we hand it to their user; otherwise
+    they run as the caller (``PDD_UID``/``PDD_GID``), who owns it."""
+    if os.geteuid() == 0:
+        from infra.credentials import give_to
+
+        give_to(secrets_dir, CONTAINER_UID, CONTAINER_UID)
+        return {}
+    return {"PDD_UID": str(os.getuid()), "PDD_GID": str(os.getgid())}
