@@ -68,14 +68,15 @@ class ComposeStack:
             raise ComposeError(f"{' '.join(argv[-len(args):])} failed (exit {result.returncode})")
         return result.stdout or ""
 
-    def up(self, main_decoders: int = 1):
-        """Start the default profile with ``main_decoders`` main-decode replicas."""
-        self.compose("up", "-d", "--no-build", "--scale", f"main-decode={main_decoders}")
+    def up(self, main_decoders: int = 1, relays: int = 1, prefills: int = 1):
+        """Start the default profile with that many replicas of each scalable service."""
+        self.compose("up", "-d", "--no-build", "--scale", f"main-decode={main_decoders}",
+                     "--scale", f"relay-decode={relays}", "--scale", f"prefill={prefills}")
 
     def scale_main_decode(self, replicas: int):
         """Change the number of main-decode replicas (the others keep running)."""
-        self.compose("up", "-d", "--no-build", "--no-recreate", "--scale", f"main-decode={replicas}",
-                     "main-decode")
+        self.compose("up", "-d", "--no-build", "--no-recreate", "--no-deps", "--scale",
+                     f"main-decode={replicas}", "main-decode")
 
     def down(self):
         """Stop and remove the project's containers, networks and volumes."""

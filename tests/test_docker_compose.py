@@ -1,5 +1,5 @@
 """docker-compose.yml for real: a private Docker engine, the images built offline, two main
-decoders behind one routed WAN-link port, greedy text equal to transformers', main decode
+decoders behind one routed WAN-link port and two relays, greedy text equal to transformers', main decode
 scaled down and up again, and nothing left at the end (containers, networks, volumes, engine).
 
 Marked ``docker`` (``make test-docker``; ``make test`` leaves it out: building the images takes
@@ -109,9 +109,9 @@ def test_compose_runs_exact_on_two_main_decoders_and_scales_main_decode(docker_e
     assert build.returncode == 0, "make images failed"
     secrets = new_secrets()
     stack = ComposeStack("pdd-test", secrets, free_port(), free_port(), env=container_user_env(secrets))
-    want = {"prefill": 1, "relay_decode": 1, "main_decode": 2, "cache_index": 1}
+    want = {"prefill": 1, "relay_decode": 2, "main_decode": 2, "cache_index": 1}
     try:
-        stack.up(main_decoders=2)
+        stack.up(main_decoders=2, relays=2)
         stack.wait_ready(want)
         client = OpenAI(base_url=stack.router_url, api_key="not-needed", timeout=300)
         # Two conversations with nothing in common: a long cold first turn each (relayed while
@@ -123,6 +123,8 @@ def test_compose_runs_exact_on_two_main_decoders_and_scales_main_decode(docker_e
         assert {f["pipeline"] for f in fields} == {"P-RLD-MD", "P-MD"}, fields
         served_by = {f["instances"]["main_decode"] for f in fields}
         assert len(served_by) == 2, fields  # both replicas, through one routed link port
+        relayed_by = {f["instances"]["relay_decode"] for f in fields if f["pipeline"] == "P-RLD-MD"}
+        assert len(relayed_by) == 2, fields  # relays scale the same way (their own addresses)
         targets = _link_targets(stack)
         assert len(targets) == 2 and all(n > 0 for n in targets.values()), targets
 
