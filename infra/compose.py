@@ -4,14 +4,14 @@ Uses whichever Compose the machine has: the v2 plugin (``docker compose``) or v1
 (``docker-compose``); both talk to the engine ``DOCKER_HOST`` names (or the default socket).
 """
 
-import json
 import os
 import shutil
 import subprocess
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from infra.http_probe import get_json
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTAINER_UID = 10001
@@ -84,11 +84,7 @@ class ComposeStack:
 
     def health(self) -> dict | None:
         """The router's ``/health`` (instances per service), or None while it does not answer."""
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.router_port}/health", timeout=3) as response:
-                return json.loads(response.read())
-        except (OSError, ValueError):
-            return None
+        return get_json(f"http://127.0.0.1:{self.router_port}/health", timeout_s=3.0)
 
     def wait_ready(self, want: dict[str, int], timeout_s: float = 420.0):
         """Until the router sees ``want`` live instances per service (e.g. main_decode: 2)."""
@@ -117,9 +113,10 @@ class ComposeStack:
         return found
 
 
-def container_user_env(secrets_dir: Path) -> dict[str, str]:
-    """How the containers read the secrets folder: as root we hand it to their user; otherwise
-    they run as the caller (``PDD_UID``/``PDD_GID``), who owns it."""
+def let_containers_read(secrets_dir: Path) -> dict[str, str]:
+    """Make the secrets folder readable in the containers; return the compose environment
+    that takes. As root the folder is handed to the containers' user; otherwise they run as
+    the caller (``PDD_UID``/``PDD_GID``), who owns it."""
     if os.geteuid() == 0:
         from infra.credentials import give_to
 

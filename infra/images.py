@@ -56,14 +56,14 @@ def has_image(name: str) -> bool:
 
 def build_wheelhouse(out: Path) -> Path:
     """Download every pinned wheel for the image's Python into ``out`` and add ours."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "infra").mkdir(exist_ok=True)
-    shutil.copy(ROOT / "requirements.txt", out / "requirements.txt")
-    shutil.copy(ROOT / "infra" / "requirements-image.txt", out / "infra" / "requirements-image.txt")
     if sys.version_info[:2] != IMAGE_PYTHON or platform.machine() != "x86_64" or sys.platform != "linux":
         # Some pins are sources only (nkeys): pip builds them into wheels for the running Python.
         raise ImageBuildError(f"the wheelhouse is built for the image's Python {IMAGE_PYTHON[0]}.{IMAGE_PYTHON[1]} on x86-64 "
                               f"Linux; run it with that Python (python3.11 -m infra.images)")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "infra").mkdir(exist_ok=True)
+    shutil.copy(ROOT / "requirements.txt", out / "requirements.txt")
+    shutil.copy(ROOT / "infra" / "requirements-image.txt", out / "infra" / "requirements-image.txt")
     pip = [sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(out)]
     # torch's CPU build first: from a wheel store pip already knows (offline), else its index.
     torch = [*pip, "--no-deps", "torch==2.13.0+cpu"]

@@ -18,11 +18,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from infra.credentials import ensure_credentials
+from infra.http_probe import get_json, http_ok
 from infra.nats_server import NatsSite, free_port, leafnode_count, nats_server_binary, start_nats, wait_until
 from shared.errors import PddError
 from shared.model_loader import model_cache_dir
@@ -138,7 +138,7 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
         "--route-key-file", str(creds.link_route_key_file),
         *[arg for route in routes for arg in ("--route", route)]], "env": {}}
     deployment.processes["wan-link"] = _spawn(run_dir, "wan-link", deployment.commands["wan-link"])
-    wait_until(lambda: _http_ok(deployment.wan_control_url + "/link"), 30, "WAN link did not start")
+    wait_until(lambda: http_ok(deployment.wan_control_url + "/link"), 30, "WAN link did not start")
     deployment.metrics_urls["wan-link"] = deployment.wan_control_url + "/metrics"
     site_b = NatsSite(SITE_B, args.nats_b_port, free_port(), run_dir / "jetstream-b",
                       leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}", credentials=locked)
@@ -235,7 +235,7 @@ def _wait_healthy(deployment: Deployment, args):
         dead = [name for name, pid in deployment.processes.items() if not process_alive(pid)]
         if dead:
             raise LauncherError(f"{', '.join(dead)} exited; see {deployment.run_dir}/logs/")
-        health = _get_json(deployment.router_url.removesuffix("/v1") + "/health")
+        health = get_json(deployment.router_url.removesuffix("/v1") + "/health")
         seen = {s: len(health["instances"].get(s, [])) if health else 0 for s in want}
         if getattr(args, "progress", True) and time.monotonic() - last_report >= PROGRESS_EVERY_S:
             last_report = time.monotonic()
@@ -301,7 +301,7 @@ def restart(run_dir: Path, name: str) -> int:
 def _wait_ready(deployment: Deployment, name: str, timeout_s: float = 30.0):
     """Until a restarted link or NATS server serves again (services report by heartbeat)."""
     if name == "wan-link":
-        wait_until(lambda: _http_ok(deployment.wan_control_url + "/link"), timeout_s,
+        wait_until(lambda: http_ok(deployment.wan_control_url + "/link"), timeout_s,
                    "WAN link did not come back")
     elif name.startswith("nats-"):
         host, port = deployment.nats_urls[TOPOLOGY[name][0]].split("://", 1)[1].rsplit(":", 1)
@@ -342,7 +342,7 @@ def status(run_dir: Path, detailed: bool = False) -> dict:
     return {"router_url": deployment.router_url, "wan_control_url": deployment.wan_control_url,
             "metrics_urls": deployment.metrics_urls, "processes": processes,
             "supervisor": "running" if process_alive(deployment.supervisor_pid) else "exited",
-            "health": _get_json(deployment.router_url.removesuffix("/v1") + "/health")}
+            "health": get_json(deployment.router_url.removesuffix("/v1") + "/health")}
 
 
 def _save(run_dir: Path, deployment: Deployment):
@@ -385,20 +385,3 @@ def _signal(pid: int, sig):
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
-
-
-def _http_ok(url: str) -> bool:
-    return _get_json(url) is not None
-
-
-def _get_json(url: str):
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            return json.loads(exc.read())
-        except ValueError:
-            return None
-    except (OSError, ValueError):
-        return None

@@ -105,8 +105,8 @@ class WanLink:
 
     def __init__(self, profile: LinkProfile | None = None, route_key: str = ""):
         self.profile = profile or LinkProfile()
-        self._route_key = route_key
-        self._routes_auth: RouteAuthenticator | None = None
+        # One for every routed port: a route's nonce is spent on all of them.
+        self._routes_auth = RouteAuthenticator(route_key) if route_key else None
         self._rng = random.Random(self.profile.seed)
         self._directions = {"site-a->site-b": _Direction(), "site-b->site-a": _Direction()}
         self._open = asyncio.Event()
@@ -139,7 +139,7 @@ class WanLink:
             ValueError: a routed port without a route key.
         """
         if route.routed and self._routes_auth is None:
-            self._routes_auth = RouteAuthenticator(self._route_key)
+            raise ValueError(f"routed port {route.name!r} needs the route key (--route-key-file)")
         server = await asyncio.start_server(lambda r, w: self._accept(route, r, w),
                                             route.listen_host, route.listen_port)
         port = server.sockets[0].getsockname()[1]
@@ -174,10 +174,6 @@ class WanLink:
             if target is not None:
                 await self._open.wait()
                 target_reader, target_writer = await asyncio.open_connection(*target)
-        except KvFrameError as exc:
-            stats.refused += 1
-            log.warning("wan_route_refused", route=route.name, reason=f"no LinkRoute: {exc}")
-            target = None
         except (OSError, asyncio.CancelledError, asyncio.TimeoutError):
             target = None
         if target is None:
@@ -202,19 +198,18 @@ class WanLink:
         """Where this connection goes: the route's target, or the one its LinkRoute names."""
         if not route.routed:
             return route.target_host, route.target_port
-        message, size = await asyncio.wait_for(read_message(reader, None, MAX_ROUTE_BYTES), ROUTE_TIMEOUT_S)
+        try:
+            message, size = await asyncio.wait_for(read_message(reader, None, MAX_ROUTE_BYTES), ROUTE_TIMEOUT_S)
+        except KvFrameError as exc:
+            return _refuse(route, stats, f"no LinkRoute: {exc}")
         # The opening crossed the link like any other byte.
         stats.bytes_forward += size
         self._directions[direction].bytes += size
         if not isinstance(message, LinkRoute):
-            stats.refused += 1
-            log.warning("wan_route_refused", route=route.name, reason="first message is not a LinkRoute")
-            return None
+            return _refuse(route, stats, "first message is not a LinkRoute")
         problem = self._routes_auth.verify(message, allowed_port=route.target_port)
         if problem is not None:
-            stats.refused += 1
-            log.warning("wan_route_refused", route=route.name, target=message.target, reason=problem)
-            return None
+            return _refuse(route, stats, problem, target=message.target)
         stats.targets[message.target] = stats.targets.get(message.target, 0) + 1
         host, _, port = message.target.rpartition(":")
         return host, int(port)
@@ -279,6 +274,12 @@ class WanLink:
                 link.queued_bytes -= len(data or b"")
 
 
+def _refuse(route: Route, stats: _RouteStats, reason: str, **fields) -> None:
+    """Count and log a connection a routed port will not forward."""
+    stats.refused += 1
+    log.warning("wan_route_refused", route=route.name, reason=reason, **fields)
+
+
 # --- units and control API ---------------------------------------------------------------
 
 _RATE = re.compile(r"^\s*([0-9.]+)\s*(bit|kbit|mbit|gbit|bps|kbps|mbps|gbps)?\s*$", re.I)
@@ -326,9 +327,9 @@ def parse_route(text: str) -> "Route":
         listen, rest = rest.split(">", 1)
         target, from_site = rest.split("@", 1)
         listen_host, listen_port = listen.rsplit(":", 1)
-        target_host, target_port = target.rsplit(":", 1) if target != ANY else (ANY, "0")
-        if target_port == ANY and target_host == ANY:
-            target_port = "0"
+        if target in (ANY, f"{ANY}:{ANY}"):
+            target = f"{ANY}:0"
+        target_host, target_port = target.rsplit(":", 1)
         if not name or not from_site:
             raise ValueError(text)
         return Route(name, listen_host, int(listen_port), target_host, int(target_port), from_site)

@@ -24,6 +24,7 @@ import aiohttp
 import torch
 
 from infra import launcher, wan_control
+from infra.http_probe import get_json
 from loadtest.client import RequestRecord, stream_chat
 
 SETTLE_S = 10.0
@@ -214,7 +215,7 @@ async def wait_healthy(ctx: ChaosContext, timeout_s: float = 180.0):
 
 
 def _health(ctx: ChaosContext) -> dict | None:
-    return launcher._get_json(ctx.deployment.router_url.removesuffix("/v1") + "/health")
+    return get_json(ctx.deployment.router_url.removesuffix("/v1") + "/health")
 
 
 def _metric_sum(url: str, name: str) -> dict[str, float]:

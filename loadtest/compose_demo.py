@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from infra.compose import ComposeError, ComposeStack, container_user_env
+from infra.compose import ComposeError, ComposeStack, let_containers_read
 from infra.credentials import ensure_credentials
 from infra.nats_server import free_port, write_config_includes
 from infra.wan_control import call
@@ -51,7 +51,7 @@ def run_compose_demo(args) -> int:
     from loadtest.demo_conversation import TURNS, run_demo
 
     secrets = new_secrets()
-    stack = ComposeStack(args.project, secrets, free_port(), free_port(), env=container_user_env(secrets))
+    stack = ComposeStack(args.project, secrets, free_port(), free_port(), env=let_containers_read(secrets))
     code = 1
     try:
         print(f"docker compose up (project {args.project}, {args.main_decoders} main decoder(s)) ...", flush=True)

@@ -61,7 +61,7 @@ def run_demo(base_url: str, model: str, max_tokens: int = 48, first_turn_max_tok
         messages.append({"role": "user", "content": template.format(tool=long_tool_output())})
         # A longer first answer lets the relay hand over once the WAN copy has landed.
         limit = first_turn_max_tokens if turn == 1 else max_tokens
-        answer, ttft_ms, pdd = _stream_turn(client, served, messages, limit)
+        answer, ttft_ms, pdd = stream_turn(client, served, messages, limit)
         exact = "" if reference is None else f" {'yes' if answer == reference(messages, limit) else 'NO':>6}"
         mismatches += exact.strip() == "NO"
         messages.append({"role": "assistant", "content": answer})
@@ -77,7 +77,8 @@ def run_demo(base_url: str, model: str, max_tokens: int = 48, first_turn_max_tok
     return 1 if mismatches else 0
 
 
-def _stream_turn(client, served: str, messages: list[dict], limit: int) -> tuple[str, float | None, dict]:
+def stream_turn(client, served: str, messages: list[dict], limit: int) -> tuple[str, float | None, dict]:
+    """One greedy streamed answer: its text, TTFT in ms (None if empty) and ``pdd`` fields."""
     started = time.perf_counter()
     ttft_ms, text, pdd = None, [], {}
     stream = client.chat.completions.create(

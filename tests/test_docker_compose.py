@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from infra.compose import ComposeStack, container_user_env
+from infra.compose import ComposeStack, let_containers_read
 from infra.nats_server import free_port
 from loadtest.chaos import prompt_ids, references
 from loadtest.compose_demo import new_secrets
-from loadtest.demo_conversation import long_tool_output
+from loadtest.demo_conversation import long_tool_output, stream_turn
 
 pytestmark = [pytest.mark.docker, pytest.mark.real_model, pytest.mark.timeout(3600)]
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,22 +85,16 @@ class Conversation:
 
     def __init__(self, client: OpenAI, loaded, name: str):
         self.client, self.loaded = client, loaded
+        self.served = client.models.list().data[0].id
         self.messages = [{"role": "system", "content": f"You are {name}, a careful coding agent. Answer briefly."}]
 
     def turn(self, text: str) -> dict:
         """Send one user message; return the ``pdd`` fields (the answer must be exact)."""
         self.messages.append({"role": "user", "content": text})
         expected = references(self.loaded, [prompt_ids(self.loaded, self.messages)], MAX_TOKENS)[0]
-        answer, pdd = [], {}
-        stream = self.client.chat.completions.create(model=self.client.models.list().data[0].id,
-                                                     messages=self.messages, max_tokens=MAX_TOKENS,
-                                                     temperature=0, stream=True)
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                answer.append(chunk.choices[0].delta.content)
-            pdd = (getattr(chunk, "model_extra", None) or {}).get("pdd", pdd)
-        self.messages.append({"role": "assistant", "content": "".join(answer)})
-        assert "".join(answer) == expected, pdd
+        answer, _, pdd = stream_turn(self.client, self.served, self.messages, MAX_TOKENS)
+        self.messages.append({"role": "assistant", "content": answer})
+        assert answer == expected, pdd
         return pdd
 
 
@@ -108,7 +102,7 @@ def test_compose_runs_exact_on_two_main_decoders_and_scales_main_decode(docker_e
     build = subprocess.run([sys.executable, "-m", "infra.cli", "images"], cwd=ROOT)
     assert build.returncode == 0, "make images failed"
     secrets = new_secrets()
-    stack = ComposeStack("pdd-test", secrets, free_port(), free_port(), env=container_user_env(secrets))
+    stack = ComposeStack("pdd-test", secrets, free_port(), free_port(), env=let_containers_read(secrets))
     want = {"prefill": 1, "relay_decode": 2, "main_decode": 2, "cache_index": 1}
     try:
         stack.up(main_decoders=2, relays=2)

@@ -127,3 +127,19 @@ async def test_a_routed_port_needs_the_route_key():
     assert parse_route("bulk=0.0.0.0:19100>*@site-a").routed
     assert parse_route("bulk=0.0.0.0:19100>*:9100@site-a").target_port == 9100
     assert not parse_route("leafnode=127.0.0.1:1>127.0.0.1:2@site-b").routed
+
+
+async def test_a_peer_that_never_names_its_target_is_dropped_after_the_route_timeout(
+        two_receivers_behind_one_port, monkeypatch):
+    import infra.wan_link
+
+    monkeypatch.setattr(infra.wan_link, "ROUTE_TIMEOUT_S", 0.2)
+    link, link_address, handlers, _ = two_receivers_behind_one_port
+    host, _, port = link_address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the link, not by us
+    finally:
+        writer.close()
+    stats = link.snapshot()["routes"]["bulk-main-decode"]
+    assert stats["targets"] == {} and all(h.events == [] for h in handlers)
