@@ -75,7 +75,7 @@ class EngineService(Service):
             instance=self.instance_ref(), service=self.service_name,
             active_sequences=load.num_sequences, max_sequences=self.config.max_sequences,
             free_blocks=load.num_free_blocks, used_blocks=load.num_used_blocks,
-            total_blocks=load.num_blocks, unix_s=time.time())
+            total_blocks=load.num_blocks, pending_tokens=load.num_pending_tokens, unix_s=time.time())
 
     async def _publish_kv_events(self):
         subject = subjects.kv_events(self.config.site, self.instance_id)

@@ -333,6 +333,8 @@ class LoadReported(_Message, kw_only=True):
         free_blocks: KV blocks on its free list now.
         used_blocks: KV blocks held by the requests it runs now (shared prefix blocks once).
         total_blocks: Size of its KV pool.
+        pending_tokens: Prompt and extend tokens it has taken on and not computed yet (a
+            prefill's queued work).
         live_request_ids: For a router: the (attempt) ids of every request it still runs.
             Its heartbeat renews their leases; engines free what a router no longer lists.
         unix_s: Sender's clock when sent.
@@ -345,6 +347,7 @@ class LoadReported(_Message, kw_only=True):
     free_blocks: int = 0
     used_blocks: int = 0
     total_blocks: int = 0
+    pending_tokens: int = 0
     live_request_ids: list[str] = []
     unix_s: float
 

@@ -175,6 +175,20 @@ def test_chunked_prefill_under_token_budget_is_exact(tiny):
     assert engine.generate("r", prompt, GREEDY) == reference_greedy(tiny, prompt, GREEDY.max_tokens)
 
 
+def test_load_reports_the_prompt_tokens_still_to_compute(tiny):
+    """The heartbeat's ``pending_tokens``: the router weighs a prefill by its queued work."""
+    engine = HfEngine(tiny, num_blocks=64, max_batch_tokens=40)
+    prompt = prompt_of_length(tiny, 200)
+    engine.add_request("r", prompt, GREEDY)
+    pending = [engine.load().num_pending_tokens]
+    while engine.get("r").num_kv_tokens < len(prompt):
+        engine.step()
+        pending.append(engine.load().num_pending_tokens)
+    assert pending == [200, 160, 120, 80, 40, 0]
+    engine.step()  # decoding: one known token at a time is not queued work
+    assert engine.load().num_pending_tokens == 0
+
+
 def test_import_converts_dtype_between_heterogeneous_instances(tiny):
     """An fp32 sender and a bf16 receiver of the same model exchange KV."""
     bf16 = load_model("tiny", dtype="bfloat16")

@@ -71,6 +71,54 @@ def test_a_heartbeat_from_before_a_request_finished_does_not_keep_its_load():
     assert route(registry, {"main-decode-0": 1}, 40) == "main-decode-0"
 
 
+def prefill_registry(prefills: int, pending_tokens: dict[str, int] | None = None) -> InstanceRegistry:
+    registry = registry_with(main_decodes=1)
+    for i in range(1, prefills):
+        registry.observe(LoadReported(instance=InstanceRef(instance_id=f"prefill-{i}", site="site-a"),
+                                      service="prefill", total_blocks=1000, unix_s=time.time()))
+    for instance_id, tokens in (pending_tokens or {}).items():
+        registry.observe(LoadReported(instance=InstanceRef(instance_id=instance_id, site="site-a"),
+                                      service="prefill", total_blocks=1000, pending_tokens=tokens,
+                                      unix_s=time.time()))
+    return registry
+
+
+def route_prefill(registry: InstanceRegistry, hits: dict[str, int], num_prompt_tokens: int) -> str:
+    placement = place(registry, hits, num_prompt_tokens=num_prompt_tokens, block_size=BLOCK_SIZE,
+                      kv_bytes_per_token=100, wan=FAST_WAN, ttft_target_s=1.0)
+    registry.assign(placement.instance_ids, placement.num_prompt_blocks, placement.compute_blocks)
+    return placement.prefill.instance_id
+
+
+def test_a_conversation_stays_on_the_prefill_that_caches_it_while_it_prefills_another():
+    # Two 64K-token conversations, both cached on prefill-0 but for their last 2 % (the blocks
+    # a turn adds). Counted by blocks held, the first one's 4,096 made prefill-0 look dearer than
+    # recomputing the whole second prompt on idle prefill-1; counted by work, it computes 80 blocks.
+    registry = prefill_registry(prefills=2)
+    assert route_prefill(registry, {"prefill-0": 4016}, 4096 * BLOCK_SIZE) == "prefill-0"
+    assert route_prefill(registry, {"prefill-0": 4016}, 4096 * BLOCK_SIZE) == "prefill-0"
+    # a cold prompt goes where no work is queued
+    assert route_prefill(registry, {}, 4096 * BLOCK_SIZE) == "prefill-1"
+
+
+def test_a_prefill_whose_heartbeat_reports_queued_work_is_avoided_for_a_cold_prompt():
+    registry = prefill_registry(prefills=2, pending_tokens={"prefill-0": 2000 * BLOCK_SIZE})
+    assert route_prefill(registry, {}, 100 * BLOCK_SIZE) == "prefill-1"
+    # a long cached prefix there still outweighs that queue
+    assert route_prefill(registry, {"prefill-0": 3000}, 3100 * BLOCK_SIZE) == "prefill-0"
+
+
+def test_prefill_work_stops_counting_when_its_prefill_completes():
+    registry = prefill_registry(prefills=2)
+    placement = place(registry, {}, num_prompt_tokens=40 * BLOCK_SIZE, block_size=BLOCK_SIZE,
+                      kv_bytes_per_token=100, wan=FAST_WAN, ttft_target_s=1.0)
+    registry.assign(placement.instance_ids, placement.num_prompt_blocks, placement.compute_blocks)
+    state = next(s for s in registry.live("prefill") if s.report.instance.instance_id == "prefill-0")
+    assert placement.prefill_compute_blocks == 40 and state.pending_compute_blocks(BLOCK_SIZE) == 40
+    registry.release(["prefill-0"], placement.num_prompt_blocks, placement.compute_blocks)
+    assert state.pending_compute_blocks(BLOCK_SIZE) == 0 and state.assigned_compute_blocks == 0
+
+
 def relay_registry(main_decodes: int) -> InstanceRegistry:
     registry = registry_with(main_decodes=main_decodes)
     registry.observe(LoadReported(instance=InstanceRef(instance_id="relay-decode-0", site="site-a"),

@@ -30,6 +30,7 @@ class RequestResult:
         prefill_done_s: Arrival to the end of its prefill.
         arrival_s: Simulated arrival time.
         room_wait_s: Per path (``md``, ``relay``), how long its flow waited for room there.
+        prefill_cached_tokens: Prompt tokens its prefill found cached (as the ``pdd`` field).
     """
 
     session: int
@@ -50,6 +51,7 @@ class RequestResult:
     prefill_done_s: float = 0.0
     arrival_s: float = 0.0
     room_wait_s: dict = field(default_factory=dict)
+    prefill_cached_tokens: int = 0
 
     def add_gap(self, gap_s: float, count: int):
         """``count`` tokens came ``gap_s`` after the one before each."""

@@ -121,7 +121,8 @@ class Simulator:
             instance=InstanceRef(instance_id=engine.name, site=engine.site), service=engine.role,
             active_sequences=busy, max_sequences=engine.max_sequences,
             free_blocks=engine.pool.capacity_blocks - engine.pool.used_blocks,
-            used_blocks=engine.pool.pinned_blocks, total_blocks=engine.pool.capacity_blocks, unix_s=0.0))
+            used_blocks=engine.pool.pinned_blocks, total_blocks=engine.pool.capacity_blocks,
+            pending_tokens=sum(work.remaining for work in engine.chunks), unix_s=0.0))
 
     def _arrive(self, request: SimRequest):
         flight = Flight(request, self.events.now)
@@ -138,7 +139,7 @@ class Simulator:
             ttft_target_s=self.ttft_target_s, policy=self.d.pipeline_policy, odd_rule=self.odd_rule,
             max_tokens=request.max_tokens)
         placement = flight.placement
-        self.registry.assign(placement.instance_ids, placement.num_prompt_blocks)
+        self.registry.assign(placement.instance_ids, placement.num_prompt_blocks, placement.compute_blocks)
         flight.result.pipeline = placement.pipeline
         flight.odd = OddTrafficTracker(f"r{request.session}.{request.turn}", placement.odd_traffic)
         flight.prefill_started_s = self.events.now + self.d.local_latency_s
@@ -160,6 +161,7 @@ class Simulator:
         blocks = request.prompt_blocks(self.d.block_size)
         cached = engine.pool.hit_blocks(request.session, blocks) * self.d.block_size
         cached = min(cached, request.prompt_tokens - 1)  # the last prompt token is always computed
+        flight.result.prefill_cached_tokens = cached
         engine.pool.pin(request.session, math.ceil(request.prompt_tokens / self.d.block_size))
         engine.add_chunked(Chunked(request.prompt_tokens - cached, cached, lambda: self._prefilled(flight, engine)))
 
@@ -172,7 +174,7 @@ class Simulator:
     def _prefilled(self, flight: Flight, engine: SimEngine):
         request = flight.request
         # the router stops counting the request on its prefill instance at PrefillCompleted
-        self.registry.release([engine.name], flight.placement.num_prompt_blocks)
+        self.registry.release([engine.name], flight.placement.num_prompt_blocks, flight.placement.compute_blocks)
         engine.pool.unpin(request.session, math.ceil(request.prompt_tokens / self.d.block_size),
                           request.prompt_blocks(self.d.block_size))
         flight.result.prefill_done_s = self.events.now - flight.arrival_s

@@ -4,9 +4,14 @@ P→RLD→MD when the WAN transfer of the blocks the chosen main decoder lacks i
 exceed the TTFT target (bytes / bandwidth + RTT); P→MD otherwise. P→RLD alone is chosen
 only while no main decoder is live (site B unreachable): serving at site A beats failing.
 
-Among prefill or main decode instances the cheapest wins, cost counted in KV blocks: the
-prompt blocks the instance lacks (to compute, or to receive over the WAN) plus the blocks
-its running requests hold. Main decoders whose missing KV would cross the WAN within the
+Among main decode instances the cheapest wins, cost counted in KV blocks: the prompt blocks
+the instance lacks (to receive) plus the blocks its running requests hold. A prefill
+instance's cost is work, also in blocks: the prompt blocks it lacks (to compute) plus the
+blocks it has queued to compute for other requests. The blocks a prefill holds say little
+about its work: a request that hits 99 % of a 64K-token prefix holds 256 blocks of 256 tokens
+and computes three; counted by blocks held, a prefill busy with one such request looked
+dearer than recomputing the whole prompt elsewhere, and the simulator saw half of all
+64K-token requests leave the prefill that cached them. Main decoders whose missing KV would cross the WAN within the
 TTFT target go first: with long contexts one running request holds as many blocks as a
 whole prompt, and sending a conversation away from the decoder that caches it would ship
 gigabytes and push the request onto the relay (the simulator showed a third of 64K-token
@@ -43,6 +48,7 @@ class Placement:
         md_cached_blocks: Leading prompt blocks the main decoder holds (cache-index).
         md_load_blocks: KV blocks the main decoder's running requests held when chosen.
         num_prompt_blocks: KV blocks the prompt fills (the load it adds where it runs).
+        prefill_compute_blocks: Prompt blocks the chosen prefill lacks (the work it adds there).
         missing_kv_bytes: KV bytes predicted to cross the WAN.
         predicted_wan_s: Their predicted transfer time.
         odd_traffic: Marked odd by the odd-traffic filter (relayed; WAN cancelled if the relay wins).
@@ -60,6 +66,7 @@ class Placement:
     predicted_wan_s: float
     odd_traffic: bool = False
     degraded_reason: str = ""
+    prefill_compute_blocks: int = 0
 
     @property
     def instance_ids(self) -> list[str]:
@@ -72,6 +79,11 @@ class Placement:
         """The instances that may write the request's token stream."""
         return frozenset(ref.instance_id for ref in (self.main_decode, self.relay_decode) if ref is not None)
 
+    @property
+    def compute_blocks(self) -> dict[str, int]:
+        """Prompt blocks each instance computes (``InstanceRegistry.assign``'s ``compute_blocks``)."""
+        return {self.prefill.instance_id: self.prefill_compute_blocks}
+
 
 def placement_cost_blocks(state: InstanceState, hits: dict[str, int], num_prompt_blocks: int) -> int:
     """Blocks the instance lacks for this prompt plus blocks its running requests hold."""
@@ -79,9 +91,21 @@ def placement_cost_blocks(state: InstanceState, hits: dict[str, int], num_prompt
     return missing + state.load_blocks
 
 
+def prefill_cost_blocks(state: InstanceState, hits: dict[str, int], num_prompt_blocks: int, block_size: int) -> int:
+    """Blocks the prefill would compute for this prompt plus blocks it has queued to compute."""
+    missing = max(0, num_prompt_blocks - hits.get(state.report.instance.instance_id, 0))
+    return missing + state.pending_compute_blocks(block_size)
+
+
 def _pick(candidates: list[InstanceState], hits: dict[str, int], num_prompt_blocks: int) -> InstanceState:
     return min(candidates, key=lambda s: (
         placement_cost_blocks(s, hits, num_prompt_blocks), s.last_placed))
+
+
+def _pick_prefill(candidates: list[InstanceState], hits: dict[str, int], num_prompt_blocks: int,
+                  block_size: int) -> InstanceState:
+    return min(candidates, key=lambda s: (
+        prefill_cost_blocks(s, hits, num_prompt_blocks, block_size), s.last_placed))
 
 
 def _live(registry: InstanceRegistry, service: str, avoid: frozenset[str]) -> list[InstanceState]:
@@ -108,9 +132,10 @@ def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens
         raise NoInstances("no live " + ("prefill" if not prefills else "main_decode or relay_decode")
                           + " instance")
     num_prompt_blocks = -(-num_prompt_tokens // block_size)
-    prefill = _pick(prefills, hits, num_prompt_blocks)
+    prefill = _pick_prefill(prefills, hits, num_prompt_blocks, block_size)
+    prefill_compute_blocks = max(0, num_prompt_blocks - hits.get(prefill.report.instance.instance_id, 0))
     if not mains:
-        return _relay_only(prefill, relays, num_prompt_blocks)
+        return _relay_only(prefill, relays, num_prompt_blocks, prefill_compute_blocks)
     def missing_bytes_at(state: InstanceState) -> int:
         cached = hits.get(state.report.instance.instance_id, 0)
         return max(0, num_prompt_tokens - cached * block_size) * kv_bytes_per_token
@@ -133,7 +158,8 @@ def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens
         relay_decode=relay.report.instance if relay else None,
         md_cached_blocks=cached_blocks, md_load_blocks=main.load_blocks,
         num_prompt_blocks=num_prompt_blocks, missing_kv_bytes=missing_bytes,
-        predicted_wan_s=predicted_s, odd_traffic=odd and relay is not None)
+        predicted_wan_s=predicted_s, odd_traffic=odd and relay is not None,
+        prefill_compute_blocks=prefill_compute_blocks)
 
 
 def _with_room(instances: list[InstanceState]) -> list[InstanceState]:
@@ -145,7 +171,8 @@ def _least_busy(relays: list[InstanceState]) -> InstanceState:
     return min(relays, key=lambda s: (s.load_sequences, s.last_placed))
 
 
-def _relay_only(prefill: InstanceState, relays: list[InstanceState], num_prompt_blocks: int) -> Placement:
+def _relay_only(prefill: InstanceState, relays: list[InstanceState], num_prompt_blocks: int,
+                prefill_compute_blocks: int) -> Placement:
     """Degraded mode: no main decoder is live, the relay finishes the request at site A.
 
     Admission is bounded by the relays' own capacity: the small relay pool must not take
@@ -158,4 +185,4 @@ def _relay_only(prefill: InstanceState, relays: list[InstanceState], num_prompt_
     return Placement(pipeline="P-RLD", prefill=prefill.report.instance, main_decode=None,
                      relay_decode=relay.report.instance, md_cached_blocks=0, md_load_blocks=0,
                      num_prompt_blocks=num_prompt_blocks, missing_kv_bytes=0, predicted_wan_s=0.0,
-                     degraded_reason="no main decoder is reachable")
+                     degraded_reason="no main decoder is reachable", prefill_compute_blocks=prefill_compute_blocks)

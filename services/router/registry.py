@@ -32,6 +32,8 @@ class InstanceState:
         seen_monotonic: Router clock when it arrived.
         assigned: Requests this router placed there and has not seen finish.
         assigned_blocks: Prompt blocks of those requests.
+        assigned_compute_blocks: Of those, the blocks it has still to compute (a prefill's
+            work, counted until ``PrefillCompleted``).
         last_placed: Serial number of this router's latest placement there (0: never).
         released_since_report: A request of this router's finished there after the heartbeat.
     """
@@ -40,6 +42,7 @@ class InstanceState:
     seen_monotonic: float
     assigned: int = 0
     assigned_blocks: int = 0
+    assigned_compute_blocks: int = 0
     last_placed: int = 0
     released_since_report: bool = False
 
@@ -56,6 +59,13 @@ class InstanceState:
         if self.released_since_report:
             return self.assigned_blocks
         return max(self.report.used_blocks, self.assigned_blocks)
+
+    def pending_compute_blocks(self, block_size: int) -> int:
+        """Blocks of prompt it has still to compute: heartbeat or this router's count, whichever
+        is larger."""
+        if self.released_since_report:
+            return self.assigned_compute_blocks
+        return max(-(-self.report.pending_tokens // block_size), self.assigned_compute_blocks)
 
 
 class InstanceRegistry:
@@ -118,19 +128,22 @@ class InstanceRegistry:
         """Sites heard from."""
         return sorted(self._site_seen)
 
-    def assign(self, instance_ids: list[str], num_blocks: int):
-        """Count a request of ``num_blocks`` prompt blocks placed on these instances."""
+    def assign(self, instance_ids: list[str], num_blocks: int, compute_blocks: dict[str, int] | None = None):
+        """Count a request of ``num_blocks`` prompt blocks placed on these instances, of which
+        ``compute_blocks[instance]`` are computed there."""
         serial = next(self._placements)
         for state in filter(None, map(self._instances.get, instance_ids)):
             state.assigned += 1
             state.assigned_blocks += num_blocks
+            state.assigned_compute_blocks += (compute_blocks or {}).get(state.report.instance.instance_id, 0)
             state.last_placed = serial
 
-    def release(self, instance_ids: list[str], num_blocks: int):
+    def release(self, instance_ids: list[str], num_blocks: int, compute_blocks: dict[str, int] | None = None):
         """Stop counting a request :meth:`assign` counted (it finished or failed)."""
         for state in filter(None, map(self._instances.get, instance_ids)):
             state.assigned -= 1
             state.assigned_blocks -= num_blocks
+            state.assigned_compute_blocks -= (compute_blocks or {}).get(state.report.instance.instance_id, 0)
             state.released_since_report = True
 
     def summary(self) -> dict[str, list[str]]:

@@ -163,11 +163,11 @@ class RequestFlow:
     def _assign(self, placement):
         """Count the request on the instances it runs on (placement weighs their load)."""
         self._counted = list(placement.instance_ids)
-        self.registry.assign(self._counted, placement.num_prompt_blocks)
+        self.registry.assign(self._counted, placement.num_prompt_blocks, placement.compute_blocks)
 
     def _release(self, instance_ids: list[str]):
         """Stop counting the request on ``instance_ids``."""
-        self.registry.release(instance_ids, self.placement.num_prompt_blocks)
+        self.registry.release(instance_ids, self.placement.num_prompt_blocks, self.placement.compute_blocks)
         self._counted = [i for i in self._counted if i not in instance_ids]
 
     async def _attempt_tokens(self) -> AsyncIterator[list[int]]:

@@ -105,12 +105,15 @@ class EngineLoad:
         num_blocks: KV blocks in the pool.
         num_free_blocks: Blocks neither in use nor cached.
         num_used_blocks: Blocks held by live requests.
+        num_pending_tokens: Prompt and extend tokens admitted and not computed yet (the work
+            queued on a prefill instance; a decoding sequence's one next token is not counted).
     """
 
     num_sequences: int
     num_blocks: int
     num_free_blocks: int
     num_used_blocks: int
+    num_pending_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -175,9 +175,11 @@ class HfEngine(EngineBackend):
         return self.prefix_cache.block_hashes()
 
     def load(self) -> EngineLoad:
-        return EngineLoad(num_sequences=len(self.scheduler.sequences), num_blocks=self.blocks.num_blocks,
+        sequences = list(self.scheduler.sequences.values())  # one atomic copy of the table
+        pending = sum(n for n in (seq.num_pending_tokens for seq in sequences) if n > 1)
+        return EngineLoad(num_sequences=len(sequences), num_blocks=self.blocks.num_blocks,
                           num_free_blocks=self.blocks.num_free_blocks,
-                          num_used_blocks=self.blocks.num_used_blocks)
+                          num_used_blocks=self.blocks.num_used_blocks, num_pending_tokens=pending)
 
     def blocks_held_only_by(self, request_ids: set[str]) -> int:
         mine, others = set(), set()
