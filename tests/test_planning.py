@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.sim.cluster import Counts, Setting, Sla, build, evaluate, preset_source
+from loadtest.sim import bathtub
+from loadtest.sim.cluster import Counts, Setting, Sla, build, evaluate, instance_chips, preset_source
 from loadtest.sim.commands import PlanInputError, parse_link, parse_sla
 from loadtest.sim.cost_model import chip, model
+from loadtest.sim.simulator import Simulator
 from loadtest.sim.workload import PRESETS, synthetic
 
 PDD = str(Path(sys.executable).parent / "pdd")
@@ -82,3 +84,62 @@ def test_sla_and_link_spellings():
     assert (link.bandwidth_bps, link.rtt_s, link.jitter_s) == (10e9, 0.03, 0.003)
     with pytest.raises(PlanInputError, match="same percentile"):
         parse_sla("ttft_p99=2s,itl_p90=50ms")
+
+
+def test_an_instance_spans_the_chips_its_model_needs_and_reads_only_the_experts_its_tokens_pick():
+    deepseek = Setting(model="deepseek-v3")
+    # 671 GB of fp8 weights: two 8-GPU H100 nodes, one H200 node; an 8B model, one chip
+    assert instance_chips(deepseek, "H100-SXM") == 16 and instance_chips(deepseek, "H200-SXM") == 8
+    assert instance_chips(Setting(), "H100-SXM") == 1
+    pool = build("same-dc-pd", Counts(1, 0, 1), deepseek).prefill
+    assert pool.chips == 16 and pool.price == 16 * chip("H100-SXM").price
+    assert pool.max_sequences >= 8
+    spec = model("deepseek-v3")
+    dense = spec.weight_bytes - spec.expert_weight_bytes
+    assert spec.weight_bytes_read(1) == pytest.approx(dense + spec.expert_weight_bytes * 8 / 256)
+    assert spec.weight_bytes_read(4096) == pytest.approx(spec.weight_bytes, rel=1e-6)
+    # a decode step attends over the latent in its absorbed form (4 x 69,632 FLOPs per pair and
+    # layer, against a prompt chunk's 4 x 20,480), over 16 chips' compute and bandwidth
+    h100, batch, context = chip("H100-SXM"), 64, 65536
+    flops = 2 * spec.params * batch + 4 * spec.num_layers * 69632 * batch * context
+    moved = spec.weight_bytes_read(batch) + spec.kv_bytes_per_token * (batch * context + batch)
+    expected = max(flops / (16 * h100.peak_flops * 0.5), moved / (16 * h100.hbm_bytes_per_s * 0.7)) + 0.003
+    assert pool.cost.step_s([], batch, batch * context) == pytest.approx(expected)
+
+
+def test_warm_64k_conversations_are_prefilled_where_their_prefix_is_cached():
+    """The router's prefill placement at cluster scale: with blocks held as its load, half of
+    these requests left the prefill that cached them to recompute 64K tokens elsewhere."""
+    setting = Setting(link=parse_link("25gbit,20ms"))
+    deployment = build("same-dc-pd", Counts(6, 0, 6), setting)
+    workload = synthetic(PRESETS["agentic"], rate_rps=3, num_requests=150, block_size=256, fixed_hit_rate=0.98)
+    result = Simulator(deployment).run(workload)
+    warm = [r for r in result.requests if r.kind == "warm"]
+    hit = sum(r.prefill_cached_tokens for r in warm) / sum(r.prompt_tokens for r in warm)
+    assert len(warm) > 100 and hit > 0.9
+
+
+def test_the_bathtub_has_its_valley_where_decode_is_cheap_beside_a_cold_prefill():
+    deepseek, llama = Setting(model="deepseek-v3"), Setting(model="llama-3.1-8b-fp8kv")
+    # the MLA/MoE model: BCR lower mid-way than at both ends
+    curve = bathtub.cost_model_bathtub(deepseek)
+    assert bathtub.has_valley(curve)
+    assert bathtub.decode_share_of_cold_prefill(deepseek) < 0.15
+    # the 8B dense model's decode reads 64 KiB per context token: BCR only falls
+    flat = bathtub.cost_model_bathtub(llama)
+    assert not bathtub.has_valley(flat)
+    assert all(a["bcr"] >= b["bcr"] for a, b in zip(flat, flat[1:]))
+
+
+def test_an_engine_that_prefills_one_request_at_a_time_pays_for_small_tail_chunks():
+    setting = Setting(model="deepseek-v3")
+    budget, prompt = setting.max_batch_tokens, 65536
+    # hit rates leaving k full chunks, and k full chunks plus a 256-token tail
+    exact = [(prompt - k * budget) / prompt for k in (1, 3, 6)]
+    with_tail = [(prompt - k * budget - 256) / prompt for k in (1, 3, 6)]
+    penalty = {p["hit_rate"]: p["cost_ratio"]
+               for p in bathtub.tail_chunk_penalty(setting, prompt, 1024, exact + with_tail)}
+    assert all(penalty[h] == pytest.approx(1.0, abs=1e-4) for h in exact)
+    assert all(penalty[h] > 1.001 for h in with_tail)
+    assert bathtub.dips([{"hit_rate": 0.1, "cost_ratio": 1.0}, {"hit_rate": 0.2, "cost_ratio": 1.02},
+                         {"hit_rate": 0.3, "cost_ratio": 1.03}, {"hit_rate": 0.4, "cost_ratio": 1.0}]) == [0.3]

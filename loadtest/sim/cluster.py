@@ -71,6 +71,11 @@ class Setting:
         price_b: Chip B's relative price (None: the catalogue's).
         request_tokens: A typical request's prompt and output: each instance's ``max_sequences``
             is what its KV pool holds of them (as an engine would be configured).
+        chips_a: Chips in one instance of chip A (0: the fewest, a power of two, whose memory
+            holds the weights and ``MIN_REQUESTS_PER_INSTANCE`` typical requests).
+        chips_b: The same for chip B.
+        max_prefill_requests: Requests whose prompt chunks share a step (0: as many as the
+            budget takes; 1: one request at a time, so a small tail chunk runs alone).
     """
 
     chip_a: str = "H100-SXM"
@@ -84,11 +89,34 @@ class Setting:
     max_batch_tokens: int = 8192
     price_b: float | None = None
     request_tokens: int = 66560
+    chips_a: int = 0
+    chips_b: int = 0
+    max_prefill_requests: int = 0
+
+
+MIN_REQUESTS_PER_INSTANCE = 8
+"""An instance too small to hold this many typical requests' KV is not deployed: a group of
+chips (tensor or expert parallel) is."""
+
+
+def instance_chips(setting: Setting, chip_name: str) -> int:
+    """Chips in one instance of ``chip_name`` (``Setting.chips_a`` / ``chips_b``, or the fewest
+    powers of two that hold the weights and ``MIN_REQUESTS_PER_INSTANCE`` typical requests)."""
+    given = setting.chips_a if chip_name == setting.chip_a else setting.chips_b
+    if given:
+        return given
+    spec, served = chip(chip_name), model(setting.model)
+    need = served.weight_bytes + MIN_REQUESTS_PER_INSTANCE * setting.request_tokens * served.kv_bytes_per_token / \
+        setting.efficiency.kv_memory_share
+    chips = 1
+    while chips * spec.hbm_bytes < need and chips < 64:
+        chips *= 2
+    return chips
 
 
 @dataclass(frozen=True)
 class Counts:
-    """Instances per service (one chip each)."""
+    """Instances per service (each of ``instance_chips`` chips)."""
 
     prefill: int
     relay_decode: int
@@ -100,11 +128,13 @@ class Counts:
 
 
 def _role(setting: Setting, chip_name: str, count: int, price: float | None) -> RolePool:
-    spec = chip(chip_name, price)
-    cost = RooflineCostModel(spec, model(setting.model), setting.efficiency, setting.max_batch_tokens)
+    spec, chips = chip(chip_name, price), instance_chips(setting, chip_name)
+    cost = RooflineCostModel(spec, model(setting.model), setting.efficiency, setting.max_batch_tokens, chips,
+                             setting.max_prefill_requests)
     pool_blocks = cost.kv_capacity_tokens // setting.block_size
     max_sequences = max(1, cost.kv_capacity_tokens // setting.request_tokens)
-    return RolePool(count, cost, pool_blocks, max_sequences=max_sequences, price=spec.price, chip=chip_name)
+    return RolePool(count, cost, pool_blocks, max_sequences=max_sequences, price=spec.price * chips,
+                    chip=chip_name, chips=chips)
 
 
 def build(design: str, counts: Counts, setting: Setting) -> Deployment:

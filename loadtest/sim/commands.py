@@ -14,6 +14,9 @@ REPO_PROFILE = Path(__file__).resolve().parents[2] / "docs" / "planning" / "prof
 WAN_SOCKET_BUFFER_BYTES = 64 << 20
 """A cancelled transfer's bytes already in socket buffers still cross: about one bandwidth-delay
 product of a 25 Gbit/s, 20 ms line."""
+PAPER_MODEL = "llama-3.1-8b-fp8kv"
+"""The designs' model: one chip per instance, so a cluster of the paper's size is sized finely
+(docs/planning.md; ``--model deepseek-v3`` runs them on 16- and 8-chip instances)."""
 
 
 class PlanInputError(PddError, ValueError):
@@ -47,6 +50,7 @@ def add_sim_parsers(commands):
     paper.add_argument("--rate", type=float, default=4.0, help="requests per second every design is sized for")
     paper.add_argument("--requests", type=int, default=480, help="simulated requests per evaluation")
     paper.add_argument("--link", default="25gbit,20ms,2ms", help="the line between the datacenters: rate,RTT[,jitter]")
+    paper.add_argument("--model", default=PAPER_MODEL, help="model from chips.json")
     paper.add_argument("--seed", type=int, default=0, help="workload seed")
     paper.add_argument("--json", action="store_true", help="print paper.json instead of the table")
     paper.set_defaults(handler=cmd_sim_paper)
@@ -94,8 +98,9 @@ def cmd_sim_paper(args) -> int:
     from loadtest.sim.cluster import Setting, Sla
     from loadtest.sim.paper import render, run_paper
 
+    _check_catalogue([], args.model)
     report = run_paper(Path(args.out), rate_rps=args.rate, num_requests=args.requests, sla=Sla(), seed=args.seed,
-                       setting=Setting(link=parse_link(args.link)))
+                       setting=Setting(model=args.model, link=parse_link(args.link)))
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
 

@@ -50,6 +50,8 @@ class LinearCostModel:
         kv_bytes_per_token: The model's KV size per token.
         max_batch_tokens: The engine's token budget per step.
         source: What was measured where (model, device, date).
+        max_prefill_requests: Requests whose prompt chunks share one step (0: as many as the
+            token budget takes, as our engine schedules them).
     """
 
     coefficients: tuple[float, ...]
@@ -58,6 +60,7 @@ class LinearCostModel:
     kv_bytes_per_token: int
     max_batch_tokens: int = 2048
     source: str = ""
+    max_prefill_requests: int = 0
 
     def step_s(self, chunks: list[tuple[int, int]], num_decode: int = 0, decode_context_tokens: int = 0) -> float:
         """Seconds for one step."""
@@ -78,12 +81,20 @@ class ModelSpec:
 
     Attributes:
         name: The model.
-        params: Parameters used per token.
-        weight_bytes: Bytes of weights read by every step.
+        params: Parameters used per token (a mixture of experts: the activated ones).
+        weight_bytes: Bytes of all weights.
         num_layers: Transformer layers.
-        attention_dim: Query heads × head dim (the attention's width).
+        attention_dim: FLOPs of one (query, key) pair in one layer of a prompt or extend chunk,
+            over 4: query heads × head dim for multi-head and grouped attention (QKᵀ and PV are
+            2 × heads × head dim each).
         kv_bytes_per_token: KV cache bytes per token (all layers, keys and values).
         source: Where the figures come from.
+        decode_attention_dim: The same for a decode step, where it differs (multi-head latent
+            attention decodes in its absorbed form, over the 512 + 64-wide latent); 0: as
+            ``attention_dim``.
+        expert_weight_bytes: Bytes of the routed experts' weights (0: a dense model).
+        num_experts: Routed experts per layer.
+        experts_per_token: Routed experts each token uses.
     """
 
     name: str
@@ -93,6 +104,19 @@ class ModelSpec:
     attention_dim: int
     kv_bytes_per_token: int
     source: str = ""
+    decode_attention_dim: int = 0
+    expert_weight_bytes: float = 0.0
+    num_experts: int = 0
+    experts_per_token: int = 0
+
+    def weight_bytes_read(self, tokens: int) -> float:
+        """Weight bytes one step over ``tokens`` tokens reads: every dense weight, and of the
+        routed experts those at least one token picks (uniform routing: each expert is missed
+        by a token with probability 1 - k/E)."""
+        if not self.expert_weight_bytes or not self.num_experts:
+            return self.weight_bytes
+        touched = 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** max(1, tokens)
+        return self.weight_bytes - self.expert_weight_bytes * (1.0 - touched)
 
 
 @dataclass(frozen=True)
@@ -140,17 +164,27 @@ class RooflineCostModel:
     """A step's time from a chip's peak compute and bandwidth: max(FLOPs / compute, bytes /
     bandwidth) plus a fixed overhead.
 
+    An instance may span ``chips`` chips (tensor or expert parallel, for a model whose weights
+    one chip cannot hold): their compute, bandwidth and memory add up; the collective
+    communication between them is not modelled, beyond what the efficiencies leave out.
+
     Attributes:
-        chip: The accelerator (one per instance).
+        chip: The accelerator.
         model: The model served.
         efficiency: Reachable share of the peaks.
         max_batch_tokens: Token budget per step (chunked prefill).
+        chips: Chips in one instance.
+        max_prefill_requests: Requests whose prompt chunks share one step (0: as many as the
+            budget takes; 1: an engine that prefills one request at a time, so a request's small
+            tail chunk runs alone).
     """
 
     chip: ChipSpec
     model: ModelSpec
     efficiency: Efficiency = Efficiency()
     max_batch_tokens: int = 8192
+    chips: int = 1
+    max_prefill_requests: int = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -160,18 +194,21 @@ class RooflineCostModel:
     @property
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV one instance holds."""
-        spare = max(0.0, self.chip.hbm_bytes - self.model.weight_bytes) * self.efficiency.kv_memory_share
+        spare = max(0.0, self.chip.hbm_bytes * self.chips - self.model.weight_bytes) * self.efficiency.kv_memory_share
         return int(spare // self.model.kv_bytes_per_token)
 
     def step_s(self, chunks: list[tuple[int, int]], num_decode: int = 0, decode_context_tokens: int = 0) -> float:
         """Seconds for one step."""
+        spec = self.model
         new = sum(n for n, _ in chunks)
-        pairs = sum(n * (context + n / 2) for n, context in chunks) + decode_context_tokens
-        flops = 2 * self.model.params * (new + num_decode) + 4 * self.model.num_layers * self.model.attention_dim * pairs
+        chunk_pairs = sum(n * (context + n / 2) for n, context in chunks)
+        flops = (2 * spec.params * (new + num_decode)
+                 + 4 * spec.num_layers * (spec.attention_dim * chunk_pairs
+                                          + (spec.decode_attention_dim or spec.attention_dim) * decode_context_tokens))
         read_tokens = sum(context for _, context in chunks) + decode_context_tokens
-        moved = self.model.weight_bytes + self.model.kv_bytes_per_token * (read_tokens + new + num_decode)
-        compute_s = flops / (self.chip.peak_flops * self.efficiency.flops)
-        memory_s = moved / (self.chip.hbm_bytes_per_s * self.efficiency.bandwidth)
+        moved = spec.weight_bytes_read(new + num_decode) + spec.kv_bytes_per_token * (read_tokens + new + num_decode)
+        compute_s = flops / (self.chip.peak_flops * self.chips * self.efficiency.flops)
+        memory_s = moved / (self.chip.hbm_bytes_per_s * self.chips * self.efficiency.bandwidth)
         return max(compute_s, memory_s) + self.efficiency.step_overhead_s
 
     def export_s(self, num_bytes: int) -> float:
@@ -205,7 +242,9 @@ def model(name: str) -> ModelSpec:
     """A model from the catalogue."""
     entry = catalogue()["models"][name]
     return ModelSpec(name, entry["params"], entry["weight_bytes"], entry["num_layers"], entry["attention_dim"],
-                     entry["kv_bytes_per_token"], entry["source"])
+                     entry["kv_bytes_per_token"], entry["source"], entry.get("decode_attention_dim", 0),
+                     entry.get("expert_weight_bytes", 0.0), entry.get("num_experts", 0),
+                     entry.get("experts_per_token", 0))
 
 
 def load_linear(path: Path) -> LinearCostModel:

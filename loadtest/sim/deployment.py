@@ -20,6 +20,7 @@ class RolePool:
         max_sequences: Requests each holds at once.
         price: Cost of one instance (the planner's unit).
         chip: The chip's name (reports).
+        chips: Chips in one instance.
     """
 
     count: int
@@ -28,6 +29,7 @@ class RolePool:
     max_sequences: int = 16
     price: float = 1.0
     chip: str = ""
+    chips: int = 1
 
 
 def router_policy() -> tuple[float, OddTrafficRule, float, float]:

@@ -180,8 +180,9 @@ class SimEngine:
         self._last_was_serial = False
         budget = max(0, self.cost.max_batch_tokens - len(decodes))
         chunks = []
+        most = self.cost.max_prefill_requests or len(self.chunks)
         for work in self.chunks:
-            if budget <= 0:
+            if budget <= 0 or len(chunks) >= most:
                 break
             take = min(work.remaining, budget)
             chunks.append((work, take))

@@ -9,6 +9,7 @@ on the simulation, never fitted to theirs. ``bathtub.png`` plots BCR against the
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import matplotlib
@@ -16,7 +17,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from loadtest.sim.cluster import DESIGNS, Setting, Sla, preset, preset_source  # noqa: E402
+from loadtest.sim import bathtub  # noqa: E402
+from loadtest.sim.cluster import DESIGNS, Setting, Sla, instance_chips, preset, preset_source  # noqa: E402
 from loadtest.sim.planner import Plan, size  # noqa: E402
 
 PAPER = {
@@ -27,44 +29,40 @@ PAPER = {
     "source": "the PDD technical report (Infinigence-AI, 2026), as summarised in the project brief",
 }
 PREMIUMS = (0.2, 0.3)
-HIT_PRICE = 0.1
-"""Hit tokens are billed at 10 % of a miss (the paper's 10-25 %, low end)."""
-OUTPUT_PRICE = 4.0
-"""An output token is billed like four input tokens (an assumption; common list prices)."""
-BATHTUB_HIT_RATES = (0.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
+BATHTUB_MODELS = ("llama-3.1-8b-fp8kv", "llama-3.1-70b-fp8", "deepseek-v3")
+PAPER_CLASS_MODEL = "deepseek-v3"
+"""The model class the paper's own figures point to (docs/planning.md): its bathtub is the one
+``paper.json`` reports."""
 
 
-def _cost(plan: Plan, design: str, premium: float) -> float:
-    counts = plan.counts
-    chips_a = counts.prefill + (counts.relay_decode if design == "pdd" else 0)
-    chips_b = counts.main_decode
-    return chips_a + chips_b * (1.0 if design == "same-dc-pd" else 1.0 + premium)
+def _chips(plan: Plan, design: str, setting: Setting) -> tuple[int, int]:
+    """Chips A and B the plan's instances take."""
+    counts, per_a = plan.counts, instance_chips(setting, setting.chip_a)
+    instances_a = counts.prefill + (counts.relay_decode if design == "pdd" else 0)
+    if design == "same-dc-pd":
+        return (instances_a + counts.main_decode) * per_a, 0
+    return instances_a * per_a, counts.main_decode * instance_chips(setting, setting.chip_b)
 
 
-def _chips(plan: Plan, design: str) -> tuple[int, int]:
-    counts = plan.counts
-    chips_a = counts.prefill + (counts.relay_decode if design == "pdd" else 0)
-    return (chips_a + counts.main_decode, 0) if design == "same-dc-pd" else (chips_a, counts.main_decode)
+def _cost(plan: Plan, design: str, premium: float, setting: Setting) -> float:
+    """In GPU-A units, GPU-B at ``premium`` over GPU-A."""
+    chips_a, chips_b = _chips(plan, design, setting)
+    return chips_a + chips_b * (1.0 + premium)
 
 
-def revenue_per_request(prompt_tokens: float, output_tokens: float, hit_rate: float) -> float:
-    """What a request pays, in input-token units, under cache-hit pricing."""
-    return prompt_tokens * ((1 - hit_rate) + hit_rate * HIT_PRICE) + output_tokens * OUTPUT_PRICE
-
-
-def design_figures(plans: dict[str, Plan]) -> dict:
+def design_figures(plans: dict[str, Plan], setting: Setting) -> dict:
     """``paper.json``'s ``designs``."""
-    base = {p: _cost(plans["same-dc-pd"], "same-dc-pd", p) for p in PREMIUMS}
+    base = {p: _cost(plans["same-dc-pd"], "same-dc-pd", p, setting) for p in PREMIUMS}
     out = {}
     for design, plan in plans.items():
         summary = plan.evaluation.summary
-        chips_a, chips_b = _chips(plan, design)
-        cost = _cost(plan, design, PREMIUMS[0])
+        chips_a, chips_b = _chips(plan, design, setting)
+        cost = _cost(plan, design, PREMIUMS[0], setting)
         out[design] = {
             "chips_a": chips_a, "chips_b": chips_b,
             "prefill": plan.counts.prefill, "relay_decode": plan.counts.relay_decode if design == "pdd" else 0,
             "main_decode": plan.counts.main_decode, "meets_sla": plan.feasible,
-            "cost_rel_same_dc": {str(p): round(_cost(plan, design, p) / base[p], 4) for p in PREMIUMS},
+            "cost_rel_same_dc": {str(p): round(_cost(plan, design, p, setting) / base[p], 4) for p in PREMIUMS},
             "ttft_p50_ms": summary["ttft_ms"]["p50"], "ttft_p99_ms": summary["ttft_ms"]["p99"],
             "ttft_mean_ms": summary["ttft_ms"]["mean"],
             "goodput_rps": summary["goodput_rps"],
@@ -74,50 +72,6 @@ def design_figures(plans: dict[str, Plan]) -> dict:
             "evaluations": plan.evaluations,
         }
     return out
-
-
-BATHTUB_DESIGN = "same-dc-pd"
-"""The bathtub is prefix caching's economics under hit pricing, so it is drawn without a WAN
-(at low hit rates every design that ships KV across 25 Gbit/s is bound by the line instead)."""
-
-
-def bathtub(setting: Setting, sla: Sla, rate_rps: float, num_requests: int, seed: int) -> list[dict]:
-    """BCR against the prefix-hit rate: at each rate every warm request hits that share, the
-    deployment is re-sized for it, and BCR is the revenue of its SLA goodput per unit of cost."""
-    workload = preset("agentic")
-    points, start = [], None
-    for hit in BATHTUB_HIT_RATES:
-        plan = size(BATHTUB_DESIGN, setting, preset_source(workload), rate_rps, sla, num_requests=num_requests,
-                    seed=seed, start=start, fixed_hit_rate=hit)
-        start = plan.counts
-        summary = plan.evaluation.summary
-        revenue = summary["goodput_rps"] * revenue_per_request(workload.context_tokens, workload.output_tokens, hit)
-        points.append({"hit_rate": hit, "bcr": revenue / _cost(plan, BATHTUB_DESIGN, PREMIUMS[0]),
-                       "prefill": plan.counts.prefill, "relay_decode": plan.counts.relay_decode,
-                       "main_decode": plan.counts.main_decode, "meets_sla": plan.feasible})
-    top = max(p["bcr"] for p in points) or 1.0
-    for point in points:
-        point["bcr"] = round(point["bcr"] / top, 4)
-    return points
-
-
-def plot_bathtub(points: list[dict], path: Path):
-    """BCR (relative to its best) against the hit rate."""
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([p["hit_rate"] for p in points], [p["bcr"] for p in points], marker="o")
-    missed = [p for p in points if not p["meets_sla"]]
-    if missed:
-        ax.plot([p["hit_rate"] for p in missed], [p["bcr"] for p in missed], "x", color="red", label="SLA missed")
-        ax.legend()
-    for x in PAPER["bathtub_dips_at_hit_rate"]:
-        ax.axvline(x, color="grey", ls=":", lw=1)
-    ax.set_xlabel("prefix-hit rate of every warm request")
-    ax.set_ylabel("BCR (revenue of SLA goodput per cost, best = 1)")
-    ax.set_title("Benefit/cost against prefix hits, same-DC PD (dotted: the paper's dips)")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def plot_designs(designs: dict, path: Path):
@@ -136,6 +90,28 @@ def plot_designs(designs: dict, path: Path):
     plt.close(fig)
 
 
+def bathtub_figures(setting: Setting, sla: Sla, rate_rps: float, num_requests: int, seed: int, png: Path) -> dict:
+    """``paper.json``'s bathtub keys, and the plot: the cost-model curve of every model in
+    ``BATHTUB_MODELS`` (``bathtub`` is the paper-class model's), the design model re-sized by the
+    simulator, and the tail chunk's price on an engine that prefills one request at a time."""
+    by_model = {name: bathtub.cost_model_bathtub(replace(setting, model=name)) for name in BATHTUB_MODELS}
+    simulated = bathtub.simulated_bathtub(setting, sla, rate_rps, num_requests, seed)
+    paper_class = replace(setting, model=PAPER_CLASS_MODEL)
+    penalty = bathtub.tail_chunk_penalty(paper_class)
+    bathtub.plot(by_model, simulated, setting.model, penalty, PAPER_CLASS_MODEL, png)
+    return {
+        "bathtub": by_model[PAPER_CLASS_MODEL], "bathtub_model": PAPER_CLASS_MODEL,
+        "bathtub_valley": {name: bathtub.has_valley(points) for name, points in by_model.items()},
+        "decode_share_of_cold_prefill": {name: round(bathtub.decode_share_of_cold_prefill(
+            replace(setting, model=name)), 4) for name in BATHTUB_MODELS},
+        "bathtub_by_model": by_model,
+        "bathtub_simulated": {"model": setting.model, "points": simulated},
+        "tail_chunk": {"model": PAPER_CLASS_MODEL, "max_batch_tokens": setting.max_batch_tokens,
+                       "worst_cost_ratio": max(p["cost_ratio"] for p in penalty),
+                       "dips_at_hit_rate": bathtub.dips(penalty, 1.005), "cost_ratio": penalty[::4]},
+    }
+
+
 def run_paper(out: Path, *, rate_rps: float, num_requests: int, sla: Sla, setting: Setting | None = None,
               seed: int = 0, bathtub_requests: int | None = None) -> dict:
     """Size the four designs, run the bathtub, write ``paper.json`` and the PNGs."""
@@ -145,16 +121,18 @@ def run_paper(out: Path, *, rate_rps: float, num_requests: int, sla: Sla, settin
     source = preset_source(preset("agentic"))
     plans = {design: size(design, setting, source, rate_rps, sla, num_requests=num_requests, seed=seed)
              for design in DESIGNS}
-    designs = design_figures(plans)
-    points = bathtub(setting, sla, rate_rps, bathtub_requests or num_requests // 2, seed)
-    report = {"designs": designs, "bathtub": points, "paper": PAPER,
+    designs = design_figures(plans, setting)
+    report = {"designs": designs, **bathtub_figures(setting, sla, rate_rps, bathtub_requests or num_requests // 2,
+                                                    seed, out / "bathtub.png"),
+              "paper": PAPER,
               "setting": {"chip_a": setting.chip_a, "chip_b": setting.chip_b, "model": setting.model,
+                          "chips_per_instance": {"a": instance_chips(setting, setting.chip_a),
+                                                 "b": instance_chips(setting, setting.chip_b)},
                           "link_gbit": setting.link.bandwidth_bps / 1e9, "link_rtt_ms": setting.link.rtt_s * 1000,
                           "rate_rps": rate_rps, "requests": num_requests, "sla": sla.__dict__,
-                          "hit_price": HIT_PRICE, "output_price": OUTPUT_PRICE,
+                          "hit_price": bathtub.HIT_PRICE, "output_price": bathtub.OUTPUT_PRICE,
                           "cache_tier_gb": setting.cache_tier_bytes / 1e9},
               "duration_s": 0.0}
-    plot_bathtub(points, out / "bathtub.png")
     plot_designs(designs, out / "designs.png")
     report["duration_s"] = round(time.perf_counter() - started, 1)
     (out / "paper.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -181,7 +159,15 @@ def render(report: dict) -> str:
               f"mean {_change(pdd['ttft_mean_ms'], cross['ttft_mean_ms'])} (paper: -51.5 %)",
               f"  BCR PDD / same-DC PD: {_change(pdd['bcr'], same['bcr'])} (paper: up to +37.5 %)",
               f"  relay token share: {pdd['rld_token_share']:.3f} (paper: 0.062)",
-              "  bathtub (hit rate: BCR): " + ", ".join(f"{p['hit_rate']}: {p['bcr']:.2f}" for p in report["bathtub"]),
+              f"  bathtub, {report['bathtub_model']} (hit rate: BCR): " + ", ".join(
+                  f"{p['hit_rate']:g}: {p['bcr']:.2f}" for p in report["bathtub"][::20]),
+              "  a valley (BCR lower mid-way than at both ends): " + ", ".join(
+                  f"{name} {'yes' if valley else 'no'} (decode {report['decode_share_of_cold_prefill'][name]:.0%} "
+                  f"of a cold prefill)" for name, valley in report["bathtub_valley"].items()),
+              f"  simulated, {report['bathtub_simulated']['model']} re-sized: " + ", ".join(
+                  f"{p['hit_rate']:g}: {p['bcr']:.2f}" for p in report["bathtub_simulated"]["points"]),
+              f"  tail chunks, one request per step: at most {report['tail_chunk']['worst_cost_ratio'] - 1:+.1%} "
+              f"cost, dips at {report['tail_chunk']['dips_at_hit_rate']} (paper: dips at 0.2, 0.4, 0.7)",
               f"{report['duration_s']} s; paper figures from {paper['source']}"]
     return "\n".join(lines)
 

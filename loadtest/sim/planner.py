@@ -19,6 +19,10 @@ LINK_BOUND_UTILISATION = 0.7
 MAX_INSTANCES = 160
 """A line busier than this (averaged over the whole run, drain included) is the bottleneck: more
 instances only queue more bytes on it."""
+PREFILL_UTILISATION = 0.6
+"""The first guess keeps prefill busy this share of the time (queueing stays short of the TTFT bound)."""
+DECODE_UTILISATION = 0.8
+"""The first guess fills this share of the decoders' slots."""
 
 
 @dataclass
@@ -64,7 +68,7 @@ def _reused_blocks(request, previous: tuple[int, ...]) -> int:
 
 
 def first_guess(design: str, setting: Setting, source: WorkloadSource, rate_rps: float, *,
-                utilisation: float = 0.6, num_requests: int = 200) -> Counts:
+                utilisation: float = PREFILL_UTILISATION, num_requests: int = 200) -> Counts:
     """Counts from the cost model alone: prefill busy ``utilisation`` of the time, decoders
     holding as many requests as their pools fit."""
     deployment = build(design, Counts(1, 1, 1), setting)
@@ -85,7 +89,7 @@ def first_guess(design: str, setting: Setting, source: WorkloadSource, rate_rps:
     mean_context = sum(r.prompt_tokens for r in workload.requests) / len(workload.requests)
     step_s = main.cost.step_s([], batch, int(batch * mean_context))
     mean_output = sum(r.output_tokens for r in workload.requests) / len(workload.requests)
-    decoders = math.ceil(rate_rps * mean_output * step_s / batch / 0.8)
+    decoders = math.ceil(rate_rps * mean_output * step_s / batch / DECODE_UTILISATION)
     return Counts(max(1, prefill), _minimum(design, "relay_decode") + (1 if design == "pdd" else 0), max(1, decoders))
 
 
