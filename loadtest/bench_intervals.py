@@ -126,6 +126,8 @@ def ratio_intervals(runs: Runs, seed: int = 0, samples: int = BOOTSTRAP_SAMPLES)
     """Each applicable ratio: median over repetitions, 90 % interval, per-repetition values, verdict."""
     rng = np.random.default_rng(seed)
     specs = [spec for spec in RATIOS if all(runs.get(mode) for mode in spec.modes)]
+    if not specs:  # e.g. --modes same-site: no ratio has both its modes
+        return {}
     draws: dict[str, list[float]] = {spec.name: [] for spec in specs}
     for _ in range(samples):
         resampled = _resample({mode: runs[mode] for spec in specs for mode in spec.modes}, rng)

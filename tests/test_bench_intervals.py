@@ -63,3 +63,10 @@ def test_repetitions_rotate_the_mode_order():
     orders = [interleaved(modes, r) for r in range(4)]
     assert orders[0] == modes and orders[1] == ["b", "c", "d", "a"]
     assert {order[0] for order in orders} == set(modes)
+
+
+def test_a_run_of_some_modes_reports_only_the_ratios_it_has_both_modes_of():
+    measured = runs(0.4)
+    assert ratio_intervals({"same-site": measured["same-site"]}, samples=50) == {}
+    only = ratio_intervals({"pdd": measured["pdd"], "same-site": measured["same-site"]}, samples=50)
+    assert set(only) == {"pdd_vs_same_site_ttft_p99", "rld_token_share"}

@@ -12,7 +12,7 @@ from loadtest.sim.simulator import Simulator
 from loadtest.sim.workload import SimRequest, Workload, from_records
 
 # a SmolLM2-like engine on a 2-core CPU: 80 ms per decode step, ~1.6 ms per prompt token
-COST = LinearCostModel((0.08, 0.0016, 1e-6, 0.004, 5e-6), 1e9, 5e9, 46080)
+COST = LinearCostModel((0.08, 0.0016, 1e-6, 0.004, 5e-6, 0.0), 1e9, 5e9, 46080)
 BLOCK = 16
 
 
@@ -147,8 +147,9 @@ def test_open_loop_sessions_run_their_turns_in_order():
 
 
 def test_profile_fit_recovers_a_linear_cost_model():
-    truth = [0.05, 0.002, 3e-7, 0.004, 6e-6]
-    samples = [step_features([(n, c)], 0, 0) for n, c in ((64, 0), (512, 0), (2048, 0), (128, 1024), (512, 2048))]
+    truth = [0.05, 0.002, 3e-7, 0.004, 6e-6, 1.2e-4]
+    samples = [step_features([(n, c)], 0, 0) for n, c in ((64, 0), (512, 0), (2048, 0), (128, 1024), (512, 2048),
+                                                          (16, 1024), (64, 512))]
     samples += [step_features([], b, b * c) for b, c in ((1, 256), (4, 1024), (8, 512), (1, 2048))]
     import numpy as np
 
