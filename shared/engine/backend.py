@@ -281,7 +281,7 @@ BackendFactory = Callable[..., EngineBackend]
 """``factory(options: BackendOptions, loaded=None)``: ``loaded`` is a model already in memory."""
 
 _FACTORIES: dict[str, BackendFactory] = {}
-_BUILT_IN = {"hf": "shared.engine.hf_engine"}
+_BUILT_IN = {"hf": "shared.engine.hf_engine", "vllm": "shared.engine.vllm.backend"}
 """Backends shipped here, imported on first use (their modules register themselves)."""
 
 

@@ -1,0 +1,154 @@
+"""vLLM behind ``EngineBackend`` (``--engine vllm``): exact against transformers and against our
+engine, KV crossing both ways as wire frames, a relay's tokens absorbed and extended, and
+vLLM's cached blocks named by PDD's hashes.
+
+Runs in the vLLM venv (``make test-vllm``); ``make test`` deselects it.
+"""
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from shared.block_hash import hash_blocks  # noqa: E402
+from shared.engine.backend import BackendOptions, RequestStatus, create_backend, generate  # noqa: E402
+from shared.engine.hf_engine import HfEngine  # noqa: E402
+from shared.engine.sampling import SamplingParams  # noqa: E402
+from shared.errors import FrameOwnershipError  # noqa: E402
+from shared.kv_wire import decode_frame, frame_bytes  # noqa: E402
+from tests.helpers import prompt_of_length, reference_greedy  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32; every instance of a deployment shares it
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+FIRST_ONLY = SamplingParams(max_tokens=1, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def events():
+    return []
+
+
+@pytest.fixture(scope="module")
+def vllm(smollm2, events):
+    backend = create_backend("vllm", BackendOptions(model="smollm2", block_size=BLOCK_SIZE, kv_cache_bytes=256 << 20,
+                                                    kv_listener=lambda kind, hashes: events.append((kind, hashes))),
+                             smollm2)
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture
+def hf(smollm2):
+    return HfEngine(smollm2, num_blocks=256, block_size=BLOCK_SIZE)
+
+
+def run(engine) -> list:
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    return outputs
+
+
+def ship(sender, receiver, request_id: str, prompt: list[int], frame_tokens: int = 64) -> int:
+    """Prompt KV from sender to receiver through the wire format; the receiver's start index."""
+    start = receiver.begin_import(request_id, prompt, GREEDY)
+    for parts in sender.export_frames(request_id, start, len(prompt), max_tokens_per_frame=frame_tokens):
+        receiver.import_frame(decode_frame(bytearray(frame_bytes(parts)), receiver.frame_expectation))
+    return start
+
+
+def prefill(engine, request_id: str, prompt: list[int]) -> int:
+    engine.add_request(request_id, prompt, FIRST_ONLY)
+    run(engine)
+    return engine.request(request_id).output_token_ids[0]
+
+
+def test_vllm_greedy_output_is_transformers_greedy_output(vllm, smollm2):
+    prompt = prompt_of_length(smollm2, 150)
+    assert generate(vllm, "alone", prompt, GREEDY) == reference_greedy(smollm2, prompt, GREEDY.max_tokens)
+    assert vllm.request_ids() == []
+
+
+def test_prefill_on_vllm_main_decode_on_our_engine_is_exact(vllm, hf, smollm2):
+    prompt = prompt_of_length(smollm2, 150, seed=1)
+    first = prefill(vllm, "p-vllm", prompt)
+    ship(vllm, hf, "p-vllm", prompt)
+    hf.finish_import("p-vllm", [first])
+    run(hf)
+    assert list(hf.request("p-vllm").output_token_ids) == reference_greedy(smollm2, prompt, GREEDY.max_tokens)
+    assert hf.get("p-vllm").num_imported_tokens == len(prompt)
+    vllm.free("p-vllm")
+    run(vllm)
+    assert vllm.bridge.held_blocks == {}  # the export's blocks went back to vLLM (still cached)
+    assert vllm.cached_prefix_blocks(hash_blocks(prompt, BLOCK_SIZE)) == len(prompt) // BLOCK_SIZE
+
+
+def test_prefill_on_our_engine_main_decode_on_vllm_is_exact(vllm, hf, smollm2):
+    prompt = prompt_of_length(smollm2, 170, seed=2)
+    first = prefill(hf, "p-hf", prompt)
+    assert ship(hf, vllm, "p-hf", prompt) == 0
+    vllm.finish_import("p-hf", [first])
+    run(vllm)
+    view = vllm.request("p-hf")
+    assert list(view.output_token_ids) == reference_greedy(smollm2, prompt, GREEDY.max_tokens)
+    assert view.num_imported_tokens == len(prompt) and view.status is RequestStatus.FINISHED
+    vllm.free("p-hf")
+    run(vllm)
+
+
+def test_a_relays_tokens_absorbed_in_chunks_then_handed_over_on_vllm_are_exact(vllm, hf, smollm2):
+    prompt = prompt_of_length(smollm2, 130, seed=3)
+    reference = reference_greedy(smollm2, prompt, GREEDY.max_tokens)
+    hf.add_request("relayed", prompt, GREEDY)
+    while len(hf.request("relayed").output_token_ids) < 10:
+        hf.step()
+    relay_tokens = list(hf.request("relayed").output_token_ids)[:10]
+    sender = HfEngine(smollm2, num_blocks=128, block_size=BLOCK_SIZE)
+    prefill(sender, "relayed", prompt)
+    ship(sender, vllm, "relayed", prompt)
+    vllm.finish_import("relayed", [])  # parked until the relay hands over
+    vllm.extend("relayed", relay_tokens[:4], sample=False)  # a catch-up chunk
+    absorbed = run(vllm)
+    assert [(o.absorbed, o.token_id, o.token_index) for o in absorbed] == [(True, None, 4)]
+    vllm.extend("relayed", relay_tokens[4:])  # the final handoff
+    run(vllm)
+    assert list(vllm.request("relayed").output_token_ids) == reference
+    vllm.free("relayed")
+    run(vllm)
+
+
+def test_a_handed_over_end_of_sequence_finishes_the_request_at_once(vllm, smollm2):
+    prompt = prompt_of_length(smollm2, 64, seed=4)
+    eos = next(iter(smollm2.eos_token_ids))
+    vllm.begin_import("ends", prompt, SamplingParams(max_tokens=8))
+    view = vllm.finish_import("ends", [eos])
+    assert view.status is RequestStatus.FINISHED and view.finish_reason == "stop"
+    assert not vllm.has_work()
+    vllm.free("ends")
+
+
+def test_frames_that_are_not_the_imports_next_are_refused(vllm, hf, smollm2):
+    prompt = prompt_of_length(smollm2, 96, seed=5)
+    prefill(hf, "framed", prompt)
+    frames = [decode_frame(bytearray(frame_bytes(parts)), vllm.frame_expectation)
+              for parts in hf.export_frames("framed", 0, len(prompt), max_tokens_per_frame=32)]
+    with pytest.raises(FrameOwnershipError):
+        vllm.import_frame(frames[0])  # no import under way
+    vllm.begin_import("framed", prompt, GREEDY)
+    with pytest.raises(FrameOwnershipError):
+        vllm.import_frame(frames[1])  # out of order
+    vllm.import_frame(frames[0])
+    vllm.free("framed")
+
+
+def test_vllms_cached_blocks_are_announced_under_pdds_hashes(vllm, smollm2, events):
+    prompt = prompt_of_length(smollm2, 200, seed=6)
+    generate(vllm, "hashed", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    run(vllm)
+    stored = {h for kind, hashes in events if kind == "stored" for h in hashes}
+    chain = hash_blocks(prompt, BLOCK_SIZE)
+    assert set(chain) <= stored
+    assert vllm.cached_prefix_blocks(chain) == len(chain)
+    dump = vllm.cached_block_hashes()
+    assert dump.index(chain[0]) < dump.index(chain[-1])  # parents before children
