@@ -107,6 +107,13 @@ def _add_up_args(parser: argparse.ArgumentParser):
     parser.add_argument("--md", type=int, default=1, help="main decode instances")
     parser.add_argument("--model", default="smollm2", help="smollm2, tiny (random test model) or an HF model folder")
     parser.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool per engine instance")
+    parser.add_argument("--engine", default="hf", help="engine backend of every engine service (hf, vllm)")
+    for role in ("prefill", "relay", "main"):
+        parser.add_argument(f"--{role}-engine", default=None,
+                            help=f"engine backend of the {role} services only (default: --engine)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per KV block, on every instance (default 16; 32 when a vLLM engine runs: "
+                             "its CPU attention takes multiples of 32)")
     parser.add_argument("--http-port", type=int, default=8000, help="the router's API port")
     parser.add_argument("--nats-a-port", type=int, default=4222, help="site A's NATS client port")
     parser.add_argument("--nats-b-port", type=int, default=4223, help="site B's NATS client port")

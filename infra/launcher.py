@@ -146,8 +146,9 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
     deployment.commands["nats-b"] = _nats_command(run_dir, SITE_B)
     wait_until(lambda: leafnode_count(site_a) >= 1, 30, "leafnode between the sites did not connect")
     deployment.nats_urls = {SITE_A: site_a.url, SITE_B: site_b.url}
+    engines = role_engines(args)
     env = {"PDD_MODEL": args.model, "PDD_LOG_LEVEL": args.log_level, "PDD_KV_CACHE_MB": str(args.kv_cache_mb),
-           "PDD_BULK_SECRET_FILE": str(creds.bulk_secret_file)}
+           "PDD_BULK_SECRET_FILE": str(creds.bulk_secret_file), "PDD_BLOCK_SIZE": str(block_size_of(args))}
     if getattr(args, "served_model_name", None):
         env["PDD_SERVED_MODEL_NAME"] = args.served_model_name
     if locked:
@@ -163,6 +164,10 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
         argv = ["serve", SERVICE_OF[kind], "--instance-id", f"{kind}-{index}",
                 "--metrics-port", str(metrics_port), *flags]
         process_env = {**env, **site_env[site or TOPOLOGY[kind][0]]}
+        if kind in ENGINE_KINDS:
+            # vLLM binds a port of its own for its (one-process) distributed group; left to the
+            # kernel, it can take a bulk port handed out here but not bound yet.
+            process_env["VLLM_PORT"] = str(free_port())
         if locked:
             process_env["PDD_NATS_SEED_FILE"] = str(creds.seed_file(SERVICE_OF[kind]))
         deployment.commands[name] = {"argv": argv, "env": process_env}
@@ -170,14 +175,14 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
 
     spawn("cache-index", 0)
     for i in range(args.prefill):
-        spawn("prefill", i)
+        spawn("prefill", i, "--engine", engines["prefill"])
     for i in range(args.rld):
-        spawn("relay-decode", i)
+        spawn("relay-decode", i, "--engine", engines["relay"])
     for i, local in enumerate(bulk_ports):
         link = ["--bulk-link", f"127.0.0.1:{bulk_link_port}"] if md_site == SITE_B else []
         cache = [] if getattr(args, "md_prefix_cache", True) else ["--prefix-cache", "false"]
         spawn("main-decode", i, "--bulk-port", str(local), "--bulk-advertise", f"127.0.0.1:{local}", *link,
-              *cache, site=md_site)
+              *cache, "--engine", engines["main"], site=md_site)
     from infra.wan_link import parse_ms, parse_rate
 
     api_keys = getattr(args, "api_key", None) or os.environ.get("PDD_API_KEYS", "")
@@ -186,6 +191,24 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
           "--wan-bandwidth-mbit", str(parse_rate(args.bandwidth) / 1e6 or 100000),
           "--wan-rtt-ms", str(parse_ms(args.rtt)),
           "--pipeline-policy", getattr(args, "pipeline_policy", "auto"))
+
+
+ENGINE_KINDS = ("prefill", "relay-decode", "main-decode")
+
+
+def role_engines(args) -> dict[str, str]:
+    """The engine backend of each engine role: its own flag, else ``--engine``, else ``hf``."""
+    default = getattr(args, "engine", None) or "hf"
+    return {role: getattr(args, f"{role}_engine", None) or default for role in ("prefill", "relay", "main")}
+
+
+def block_size_of(args) -> int:
+    """``--block-size``, else 32 when any role runs vLLM (its CPU attention takes multiples of 32),
+    else 16."""
+    given = getattr(args, "block_size", None)
+    if given:
+        return given
+    return 32 if "vllm" in role_engines(args).values() else 16
 
 
 def _nats_command(run_dir: Path, site: str) -> dict:

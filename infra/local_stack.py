@@ -74,7 +74,7 @@ class LocalStack:
                  num_relay: int = 1, profile: LinkProfile | None = None,
                  router_settings: dict | None = None, engine_settings: dict | None = None,
                  decode_settings: dict | None = None, relay_settings: dict | None = None,
-                 secret: str = "local-stack-secret", secure: bool = True):
+                 secret: str = "local-stack-secret", secure: bool = True, engines: dict[str, str] | None = None):
         self.loaded, self.metadata = loaded, metadata
         self.num_main, self.num_relay = num_main, num_relay
         self.link = WanLink(profile or LinkProfile(bandwidth_bps=0, rtt_ms=0, jitter_ms=0),
@@ -83,6 +83,9 @@ class LocalStack:
         self.engine_settings = {"model": loaded.name, "kv_cache_mb": 64, **(engine_settings or {})}
         self.decode_settings = decode_settings or {}
         self.relay_settings = relay_settings or {}
+        self.engines = engines or {}
+        """Per role (``prefill``, ``relay_decode``, ``main_decode``), a backend other than the
+        default (a mixed deployment: ``{"prefill": "vllm"}``)."""
         self.secret = secret
         self.workdir = Path(tempfile.mkdtemp(prefix="pdd-stack-"))
         self.credentials = ensure_credentials(self.workdir / "secrets") if secure else None
@@ -132,19 +135,20 @@ class LocalStack:
             **common, **self.security("cache_index"), "site": SITE_A, "nats_url": a_url,
             "instance_id": "cache-index-0"}, {}))
         self.prefill = PrefillService(build_config(PrefillConfig, {
-            **common, **self.security("prefill"), **self.engine_settings, "site": SITE_A, "nats_url": a_url,
-            "instance_id": "prefill-0"}, {}), self.loaded)
+            **common, **self.security("prefill"), **self.engine_settings, **self._engine("prefill"), "site": SITE_A,
+            "nats_url": a_url, "instance_id": "prefill-0"}, {}), self.loaded)
         for i in range(self.num_relay):
             self.relays.append(RelayDecodeService(build_config(RelayDecodeConfig, {
                 **common, **self.security("relay_decode"), **self.engine_settings, **self.decode_settings,
-                **self.relay_settings, "site": SITE_A, "nats_url": a_url, "instance_id": f"relay-decode-{i}"}, {}), self.loaded))
+                **self.relay_settings, **self._engine("relay_decode"), "site": SITE_A, "nats_url": a_url,
+                "instance_id": f"relay-decode-{i}"}, {}), self.loaded))
         # One routed port for every main decoder, as `pdd up` and compose run it.
         wan_port = await self.link.add_route(Route("bulk-main-decode", "127.0.0.1", 0, "*", 0, from_site=SITE_A))
         for i in range(self.num_main):
             bulk_port = free_port()
             self.mains.append(MainDecodeService(build_config(BulkReceiverConfig, {
                 **common, **self.security("main_decode"), **self.engine_settings, **self.decode_settings,
-                "site": SITE_B,
+                **self._engine("main_decode"), "site": SITE_B,
                 "nats_url": b_url, "instance_id": f"main-decode-{i}", "bulk_port": bulk_port,
                 "bulk_advertise": f"127.0.0.1:{bulk_port}", "bulk_link": f"127.0.0.1:{wan_port}"}, {}), self.loaded))
         self.router = RouterService(build_config(RouterConfig, {
@@ -153,6 +157,9 @@ class LocalStack:
             **self.router_settings}, {}), self.metadata)
         for service in self.services:
             await service.start()
+
+    def _engine(self, role: str) -> dict:
+        return {"engine": self.engines[role]} if role in self.engines else {}
 
     async def wait_ready(self, timeout_s: float = 20.0):
         """Until the router sees every engine instance and the cache-index is in sync."""

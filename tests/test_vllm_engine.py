@@ -152,3 +152,10 @@ def test_vllms_cached_blocks_are_announced_under_pdds_hashes(vllm, smollm2, even
     assert vllm.cached_prefix_blocks(chain) == len(chain)
     dump = vllm.cached_block_hashes()
     assert dump.index(chain[0]) < dump.index(chain[-1])  # parents before children
+
+
+def test_a_second_vllm_engine_in_one_process_is_refused_with_the_reason(vllm, smollm2):
+    from shared.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="one vLLM engine per process"):
+        create_backend("vllm", BackendOptions(model="smollm2", block_size=BLOCK_SIZE), smollm2)

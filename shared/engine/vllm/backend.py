@@ -56,6 +56,7 @@ from shared.model_loader import SMOLLM2, TINY, LoadedModel, ensure_smollm2_conve
 
 log = structlog.get_logger(__name__)
 
+_engines_in_process = 0
 CONNECTOR = "PddConnector"
 CONNECTOR_MODULE = "shared.engine.vllm.connector"
 
@@ -108,6 +109,11 @@ class VllmBackend(EngineBackend):
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        global _engines_in_process
+        if _engines_in_process:
+            raise ConfigError("--engine vllm: one vLLM engine per process (vLLM keeps its KV connector "
+                              "process-wide); run each vLLM instance as its own service process")
+        _engines_in_process += 1
         self.loaded = loaded
         self.layout = KvLayout.from_model(loaded.model, block_size)
         self.block_size = block_size
