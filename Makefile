@@ -63,16 +63,26 @@ $(BENCH_VENV)/.installed: requirements-bench.txt
 	$(BENCH_VENV)/bin/python -m pip install -q -r requirements-bench.txt
 	touch $@
 
+# ENGINE=vllm runs every engine service on vLLM, from .venv-vllm (make setup-vllm).
+ENGINE ?= hf
+ifeq ($(ENGINE),hf)
+ENGINE_SETUP := setup
+ENGINE_BIN := $(BIN)
+else
+ENGINE_SETUP := setup-vllm
+ENGINE_BIN := $(VLLM_VENV)/bin
+endif
+
 # The two-site deployment as local processes (default WAN: 100 Mbit/s, 40 ms RTT, jitter).
-up: setup
-	$(BIN)/pdd up --detach
+up: $(ENGINE_SETUP)
+	$(ENGINE_BIN)/pdd up --detach --engine $(ENGINE)
 
 down:
-	$(BIN)/pdd down
+	$(if $(wildcard $(BIN)/pdd),$(BIN)/pdd,$(VLLM_VENV)/bin/pdd) down
 
 # Fresh clone to a finished agent conversation: set-up, up, four turns, down.
-demo: setup
-	$(BIN)/pdd demo
+demo: $(ENGINE_SETUP)
+	$(ENGINE_BIN)/pdd demo --engine $(ENGINE)
 
 # The pdd and NATS images, offline: a wheelhouse (CPU torch, our wheel), a base image
 # (debian:bookworm-slim if the engine has it, else debootstrap), then docker build.

@@ -156,8 +156,9 @@ def cmd_generate(args) -> int:
             tokenize=True, return_dict=False))
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                               top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
-    engine = create_backend(args.engine, BackendOptions(model=args.model, device=args.device,
-                                                        dtype=args.dtype, kv_cache_bytes=1 << 30), loaded)
+    block_size = 32 if args.engine == "vllm" else 16  # vLLM's CPU attention takes multiples of 32
+    engine = create_backend(args.engine, BackendOptions(model=args.model, device=args.device, dtype=args.dtype,
+                                                        kv_cache_bytes=1 << 30, block_size=block_size), loaded)
     start = time.perf_counter()
     engine.add_request("cli", prompt, sampling)
     printed, first_token_s = "", None

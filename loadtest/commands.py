@@ -25,6 +25,7 @@ def add_loadtest_parsers(commands):
     engine = bench_kinds.add_parser("engine", help="engine microbenchmark, JSON on stdout")
     add_model_args(engine)
     engine.add_argument("--quick", action="store_true", help="short contexts, one repeat")
+    engine.add_argument("--engine", dest="engine_name", default="hf", help="engine backend (hf, vllm)")
     handoff = bench_kinds.add_parser("handoff", help="main decode's worst inter-token gap during a "
                                                      "100-token handoff, one-shot vs catch-up")
     add_model_args(handoff)
@@ -106,7 +107,7 @@ def cmd_bench(args) -> int:
 
     model = "tiny" if args.quick and args.model == "smollm2" else args.model
     loaded = load_model(model, device=args.device, dtype=args.dtype)
-    print(json.dumps(run_engine_bench(loaded, quick=args.quick), indent=2))
+    print(json.dumps(run_engine_bench(loaded, quick=args.quick, engine_name=args.engine_name), indent=2))
     return 0
 
 

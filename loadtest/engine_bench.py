@@ -1,16 +1,18 @@
-"""HfEngine microbenchmark: prefill, decode, extend and KV export/import speeds, printed as JSON.
+"""Engine microbenchmark: prefill, decode, extend and KV export/import speeds, printed as JSON.
 
-Every figure is measured in this one run, so ratios (batch-4 vs batch-1 throughput, extend
-vs decode step) compare like with like on a noisy machine. Run it with
-``pdd bench engine`` (``--quick`` for a smoke run on the tiny model).
+Every figure is measured in this one run, through the backend interface, so ratios (batch-4
+vs batch-1 throughput, extend vs decode step) compare like with like on a noisy machine. Run
+it with ``pdd bench engine [--engine vllm]`` (``--quick`` for a smoke run on the tiny model).
 """
 
 import statistics
 import time
 from collections.abc import Callable
 
+from shared.engine.backend import BackendOptions, EngineBackend, create_backend
 from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
+from shared.kv_layout import KvLayout
 from shared.kv_wire import decode_frame, frame_bytes
 from shared.model_loader import LoadedModel
 
@@ -29,55 +31,75 @@ def _median_s(run: Callable[[], float], repeats: int) -> float:
     return statistics.median(run() for _ in range(repeats))
 
 
-def bench_prefill(loaded: LoadedModel, num_tokens: int, repeats: int) -> float:
-    """Prompt tokens per second for a cold prefill of ``num_tokens``."""
-    engine = HfEngine(loaded, num_blocks=num_tokens // 16 + 8, max_batch_tokens=num_tokens)
+def open_engine(loaded: LoadedModel, engine_name: str = "hf", kv_cache_bytes: int = 512 << 20) -> EngineBackend:
+    """One backend for a whole benchmark (vLLM allows one engine per process)."""
+    block_size = 32 if engine_name == "vllm" else 16  # vLLM's CPU attention takes multiples of 32
+    return create_backend(engine_name, BackendOptions(model=loaded.name, device=str(loaded.device),
+                                                      dtype=str(loaded.dtype).removeprefix("torch."),
+                                                      kv_cache_bytes=kv_cache_bytes, block_size=block_size), loaded)
+
+
+def _drain(engine: EngineBackend):
+    """Step until the engine has nothing left (a freed export's blocks return in a step)."""
+    while engine.has_work():
+        engine.step()
+
+
+def _until_output(engine: EngineBackend, request_ids: list[str]):
+    """Step until each request has produced a token or absorbed its extend."""
+    waiting = set(request_ids)
+    while waiting:
+        waiting -= {out.request_id for out in engine.step()}
+
+
+def bench_prefill(engine: EngineBackend, loaded: LoadedModel, num_tokens: int, repeats: int) -> float:
+    """Prompt tokens per second for a cold prefill of ``num_tokens`` (to its first token)."""
     seeds = iter(range(1000, 2000))
 
     def once() -> float:
         prompt = synthetic_prompt(loaded, num_tokens, next(seeds))
         start = time.perf_counter()
         engine.add_request("p", prompt, SamplingParams(max_tokens=1))
-        engine.step()
+        _until_output(engine, ["p"])
         elapsed = time.perf_counter() - start
         engine.free("p")
+        _drain(engine)
         return elapsed
 
     return num_tokens / _median_s(once, repeats)
 
 
-def _decoding_engine(loaded: LoadedModel, batch: int, context: int, steps: int) -> HfEngine:
-    """An engine with ``batch`` sequences prefilled to ``context`` tokens, ready to decode."""
-    engine = HfEngine(loaded, num_blocks=batch * ((context + steps + 120) // 16 + 2),
-                    max_batch_tokens=context)
-    for i in range(batch):
-        engine.add_request(f"d{i}", synthetic_prompt(loaded, context, i),
-                           SamplingParams(max_tokens=steps + 120, ignore_eos=True))
-        engine.step()
-    return engine
-
-
-def bench_decode(loaded: LoadedModel, batch: int, context: int, steps: int) -> float:
+def bench_decode(engine: EngineBackend, loaded: LoadedModel, batch: int, context: int, steps: int) -> float:
     """Milliseconds per decode step with ``batch`` sequences at ``context`` tokens."""
-    engine = _decoding_engine(loaded, batch, context, steps)
+    ids = [f"d{batch}-{i}" for i in range(batch)]
+    for i, request_id in enumerate(ids):
+        engine.add_request(request_id, synthetic_prompt(loaded, context, 100 * batch + i),
+                           SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    _until_output(engine, ids)
     engine.step()  # warm-up
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    return (time.perf_counter() - start) / steps * 1000
+    elapsed = time.perf_counter() - start
+    for request_id in ids:
+        engine.free(request_id)
+    _drain(engine)
+    return elapsed / steps * 1000
 
 
-def bench_extend(loaded: LoadedModel, context: int, num_tokens: int, repeats: int) -> float:
+def bench_extend(engine: EngineBackend, loaded: LoadedModel, context: int, num_tokens: int, repeats: int) -> float:
     """Milliseconds for main decode to absorb ``num_tokens`` handed-over token IDs in one pass.
 
     As on a real main decoder, the prompt KV is already there (here from the prefix cache)
     and the sequence is parked until the relay's tokens arrive.
     """
-    if context % 16:
+    if context % engine.block_size:
         raise ValueError("context must be a multiple of the block size")
-    engine = _decoding_engine(loaded, 1, context, 4)
-    prompt = synthetic_prompt(loaded, context, 0)  # d0's, now in the prefix cache
-    engine.free("d0")
+    prompt = synthetic_prompt(loaded, context, 7000 + num_tokens)
+    engine.add_request("cache", prompt, SamplingParams(max_tokens=1))
+    _drain(engine)
+    engine.free("cache")
+    _drain(engine)
     handed = synthetic_prompt(loaded, num_tokens, 77)
     sampling = SamplingParams(max_tokens=num_tokens + 8, ignore_eos=True)
 
@@ -86,31 +108,42 @@ def bench_extend(loaded: LoadedModel, context: int, num_tokens: int, repeats: in
         engine.finish_import("x", [])
         engine.extend("x", handed)
         start = time.perf_counter()
-        engine.step()
+        _until_output(engine, ["x"])
         elapsed = time.perf_counter() - start
         engine.free("x")
+        _drain(engine)
         return elapsed
 
     return _median_s(once, repeats) * 1000
 
 
-def bench_transfer(loaded: LoadedModel, context: int, repeats: int) -> dict:
-    """Export (encode) and import (validate + write) throughput of a prompt's KV, GB/s."""
-    sender = _decoding_engine(loaded, 1, context, 1)
-    prompt = sender.get("d0").token_ids[:context]
-    kv_bytes = context * sender.layout.kv_bytes_per_token
+def bench_transfer(loaded: LoadedModel, context: int, repeats: int, engine: EngineBackend | None = None) -> dict:
+    """Export (encode) and import (validate + stage or write) throughput of a prompt's KV, GB/s:
+    ``engine`` exports its own prompts, and imports fresh prompts an HF engine exported."""
+    engine = engine or open_engine(loaded)
+    peer = HfEngine(loaded, num_blocks=context // engine.block_size + 8, block_size=engine.block_size)
+    kv_bytes = context * KvLayout.from_model(loaded.model).kv_bytes_per_token
     export_s, import_s = [], []
-    for _ in range(repeats):
+    for repeat in range(repeats):
+        prompt = synthetic_prompt(loaded, context, 5000 + repeat)
+        engine.add_request("out", prompt, SamplingParams(max_tokens=1))
+        _until_output(engine, ["out"])
         start = time.perf_counter()
-        frames = [frame_bytes(parts) for parts in sender.export_frames("d0")]
+        frames = [frame_bytes(parts) for parts in engine.export_frames("out", 0, context)]
         export_s.append(time.perf_counter() - start)
-        buffers = [bytearray(f) for f in frames]
-        receiver = HfEngine(loaded, num_blocks=context // 16 + 4)  # cold: every block is written
-        receiver.begin_import("d0", prompt, SamplingParams(max_tokens=1))
+        engine.free("out")
+        _drain(engine)
+        fresh = synthetic_prompt(loaded, context, 6000 + repeat)
+        peer.add_request("in", fresh, SamplingParams(max_tokens=1))
+        _drain(peer)
+        buffers = [bytearray(frame_bytes(parts)) for parts in peer.export_frames("in", 0, context)]
+        peer.free("in")
+        engine.begin_import("in", fresh, SamplingParams(max_tokens=1))
         start = time.perf_counter()
         for buffer in buffers:
-            receiver.import_frame(decode_frame(buffer, receiver.frame_expectation))
+            engine.import_frame(decode_frame(buffer, engine.frame_expectation))
         import_s.append(time.perf_counter() - start)
+        engine.free("in")
     return {
         "kv_bytes": kv_bytes,
         "export_gb_s": kv_bytes / statistics.median(export_s) / 1e9,
@@ -118,23 +151,26 @@ def bench_transfer(loaded: LoadedModel, context: int, repeats: int) -> dict:
     }
 
 
-def run_engine_bench(loaded: LoadedModel, *, quick: bool = False) -> dict:
-    """All engine figures for ``loaded``; ``quick`` shrinks contexts and repeats."""
+def run_engine_bench(loaded: LoadedModel, *, quick: bool = False, engine_name: str = "hf") -> dict:
+    """All engine figures for ``loaded`` on one ``engine_name`` backend; ``quick`` shrinks contexts
+    and repeats."""
     context = 256 if quick else 1024
     steps = 4 if quick else 16
     repeats = 1 if quick else 3
-    decode_ms = {b: bench_decode(loaded, b, context, steps) for b in (1, 4)}
+    engine = open_engine(loaded, engine_name)
+    decode_ms = {b: bench_decode(engine, loaded, b, context, steps) for b in (1, 4)}
     decode_step_ms = decode_ms[1]
-    extend_ms = {n: bench_extend(loaded, context, n, repeats) for n in (16, 64, 100)}
+    extend_ms = {n: bench_extend(engine, loaded, context, n, repeats) for n in (16, 64, 100)}
     return {
         "model": loaded.name,
+        "engine": engine_name,
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
-        "prefill_tok_s": {str(n): bench_prefill(loaded, n, repeats) for n in (256, 1024)},
+        "prefill_tok_s": {str(n): bench_prefill(engine, loaded, n, repeats) for n in (256, 1024)},
         "decode_context_tokens": context,
         "decode_ms_per_step": {f"batch_{b}": ms for b, ms in decode_ms.items()},
         "decode_throughput_ratio_batch4_vs_batch1": 4 * decode_ms[1] / decode_ms[4],
         "extend_ms": {str(n): ms for n, ms in extend_ms.items()},
         "extend_cost_in_decode_steps": {str(n): ms / decode_step_ms for n, ms in extend_ms.items()},
-        "kv_transfer": bench_transfer(loaded, context, repeats),
+        "kv_transfer": bench_transfer(loaded, context, repeats, engine),
     }

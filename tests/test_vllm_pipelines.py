@@ -1,0 +1,80 @@
+"""``pdd up --engine vllm`` as a user runs it: vLLM behind prefill, relay and main decode in
+separate processes, and the mixed deployments (prefill on vLLM with our decoders, and the
+reverse). The official openai client gets transformers' greedy answers on both pipelines, with
+eager tokens, a handoff and decode-side cache hits in the ``pdd`` fields; ``pdd down`` leaves
+no process behind.
+
+Runs in the vLLM venv (``make test-vllm``); ``make test`` deselects it.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from openai import OpenAI  # noqa: E402
+
+from infra.launcher import load_state, process_alive  # noqa: E402
+from infra.nats_server import free_port  # noqa: E402
+from loadtest.demo_conversation import long_tool_output  # noqa: E402
+from tests.helpers import reference_greedy  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+PDD = str(Path(sys.executable).parent / "pdd")
+BLOCK_SIZE = 32
+DEPLOYMENTS = {
+    "all-vllm": ["--engine", "vllm"],
+    "prefill-vllm": ["--prefill-engine", "vllm"],
+    "decoders-vllm": ["--relay-engine", "vllm", "--main-engine", "vllm"],
+}
+
+
+@pytest.fixture(params=list(DEPLOYMENTS), scope="module")
+def deployment(request, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp(request.param)
+    http_port = free_port()
+    # A slow link: the cold turn's KV takes seconds to cross, so the relay has tokens to hand over.
+    up = subprocess.run([PDD, "up", "--detach", "--run-dir", str(run_dir), "--http-port", str(http_port),
+                         "--nats-a-port", str(free_port()), "--nats-b-port", str(free_port()),
+                         "--wan-control-port", str(free_port()), "--bandwidth", "40mbit", "--kv-cache-mb", "512",
+                         "--timeout", "600", *DEPLOYMENTS[request.param]],
+                        capture_output=True, text=True, timeout=900)
+    assert up.returncode == 0, up.stderr[-3000:] + up.stdout[-2000:]
+    pids = dict(load_state(run_dir).processes)
+    yield OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0, timeout=600)
+    down = subprocess.run([PDD, "down", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=300)
+    assert down.returncode == 0, down.stderr
+    assert load_state(run_dir) is None
+    assert [name for name, pid in pids.items() if process_alive(pid)] == []
+
+
+def expected_answer(smollm2, messages: list[dict], max_tokens: int) -> str:
+    prompt = list(smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False))
+    tokens = reference_greedy(smollm2, prompt, max_tokens, stop_at_eos=True)
+    return smollm2.tokenizer.decode(tokens, skip_special_tokens=True), len(prompt)
+
+
+def test_both_pipelines_are_exact_with_a_handoff_and_decode_side_cache_hits(deployment, smollm2):
+    model = deployment.models.list().data[0].id
+    messages = [{"role": "system", "content": "You are a careful coding agent. Answer in detail."},
+                {"role": "user", "content": "Tool output:\n" + long_tool_output(30) +
+                 "\nExplain what the project does, file by file."}]
+    cold = deployment.chat.completions.create(model=model, messages=messages, max_tokens=160, temperature=0)
+    expected, prompt_len = expected_answer(smollm2, messages, 160)
+    assert cold.choices[0].message.content == expected
+    pdd = cold.model_extra["pdd"]
+    assert pdd["pipeline"] == "P-RLD-MD" and pdd["eager_tokens"] >= 1, pdd
+    assert pdd["handoff_mode"] in ("one-shot", "catch-up") and pdd["finished_on"] == "MD", pdd
+
+    messages += [{"role": "assistant", "content": cold.choices[0].message.content},
+                 {"role": "user", "content": "Name one risk of that design."}]
+    warm = deployment.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0)
+    expected, _ = expected_answer(smollm2, messages, 32)
+    assert warm.choices[0].message.content == expected
+    pdd = warm.model_extra["pdd"]
+    assert pdd["pipeline"] == "P-MD" and pdd["cached_blocks_md"] >= prompt_len // BLOCK_SIZE - 1, pdd
+    assert pdd["wan_kv_bytes"] < 0.2 * cold.model_extra["pdd"]["wan_kv_bytes"], pdd
