@@ -112,7 +112,8 @@ def run_mode(mode: str, trace, args) -> tuple[list[RequestRecord], float, int]:
         run_dir=str(run_dir), prefill=1, rld=1, md=1, model=args.model, kv_cache_mb=args.kv_cache_mb,
         http_port=free_port(), nats_a_port=free_port(), nats_b_port=free_port(),
         wan_control_port=free_port(), bandwidth=args.bandwidth, rtt=args.rtt, jitter=args.jitter,
-        seed=args.seed, log_level="warning", timeout=300.0, progress=False, **MODES[mode])
+        seed=args.seed, log_level="warning", timeout=600.0 if getattr(args, "engine", "hf") == "vllm" else 300.0,
+        progress=False, engine=getattr(args, "engine", "hf"), **MODES[mode])
     deployment = launcher.up(up_args)
     try:
         records, wall_s = asyncio.run(run_trace(deployment.router_url, trace, concurrency=args.concurrency,
@@ -251,6 +252,8 @@ def add_bench_run_parser(bench_kinds):
                      "(default: endpoint)")
     run.add_argument("--model", default=None, help="model to deploy (smollm2, tiny or an HF folder; default "
                      "smollm2); with --url the model name sent (default: the first /models lists)")
+    run.add_argument("--engine", default="hf", help="engine backend of every engine service (hf, vllm; "
+                     "vllm needs the .venv-vllm environment)")
     run.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES),
                      help=f"deployments to compare (default: {' '.join(DEFAULT_MODES)})")
     run.add_argument("--repeat", type=int, default=1, help="repetitions of every mode, interleaved; ratios "

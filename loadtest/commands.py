@@ -25,7 +25,8 @@ def add_loadtest_parsers(commands):
     engine = bench_kinds.add_parser("engine", help="engine microbenchmark, JSON on stdout")
     add_model_args(engine)
     engine.add_argument("--quick", action="store_true", help="short contexts, one repeat")
-    engine.add_argument("--engine", dest="engine_name", default="hf", help="engine backend (hf, vllm)")
+    engine.add_argument("--engine", dest="engine_name", default="hf",
+                        help="engine backend, or several side by side in one run (hf, vllm, hf,vllm)")
     handoff = bench_kinds.add_parser("handoff", help="main decode's worst inter-token gap during a "
                                                      "100-token handoff, one-shot vs catch-up")
     add_model_args(handoff)
@@ -103,11 +104,15 @@ def cmd_bench(args) -> int:
         print(json.dumps(run_handoff_bench(loaded, other_streams=args.other_streams,
                                            context=args.context, chunk_tokens=args.chunk_tokens), indent=2))
         return 0
-    from loadtest.engine_bench import run_engine_bench
+    from loadtest.engine_bench import compare_engines, run_engine_bench
 
     model = "tiny" if args.quick and args.model == "smollm2" else args.model
     loaded = load_model(model, device=args.device, dtype=args.dtype)
-    print(json.dumps(run_engine_bench(loaded, quick=args.quick, engine_name=args.engine_name), indent=2))
+    names = [n.strip() for n in args.engine_name.split(",") if n.strip()]
+    if len(names) == 1:
+        print(json.dumps(run_engine_bench(loaded, quick=args.quick, engine_name=names[0]), indent=2))
+    else:
+        print(json.dumps(compare_engines(loaded, names, quick=args.quick), indent=2))
     return 0
 
 

@@ -174,3 +174,19 @@ def run_engine_bench(loaded: LoadedModel, *, quick: bool = False, engine_name: s
         "extend_cost_in_decode_steps": {str(n): ms / decode_step_ms for n, ms in extend_ms.items()},
         "kv_transfer": bench_transfer(loaded, context, repeats, engine),
     }
+
+
+def compare_engines(loaded: LoadedModel, engine_names: list[str], *, quick: bool = False) -> dict:
+    """Each engine's figures in one run, and each figure's ratio to the first engine's (the HF
+    engine and one vLLM engine can share a process)."""
+    figures = {name: run_engine_bench(loaded, quick=quick, engine_name=name) for name in engine_names}
+    base = figures[engine_names[0]]
+    ratios = {}
+    for name in engine_names[1:]:
+        other = figures[name]
+        ratios[f"{name}/{engine_names[0]}"] = {
+            "prefill_tok_s": {k: other["prefill_tok_s"][k] / v for k, v in base["prefill_tok_s"].items()},
+            "decode_ms_per_step": {k: other["decode_ms_per_step"][k] / v for k, v in base["decode_ms_per_step"].items()},
+            "extend_ms": {k: other["extend_ms"][k] / v for k, v in base["extend_ms"].items()},
+        }
+    return {"engines": figures, "ratios": ratios}
