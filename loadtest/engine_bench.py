@@ -100,10 +100,13 @@ def bench_extend(engine: EngineBackend, loaded: LoadedModel, context: int, num_t
     _drain(engine)
     engine.free("cache")
     _drain(engine)
-    handed = synthetic_prompt(loaded, num_tokens, 77)
     sampling = SamplingParams(max_tokens=num_tokens + 8, ignore_eos=True)
+    seeds = iter(range(77, 1077))
 
     def once() -> float:
+        # Fresh tokens each time: an engine that caches the extended tokens' blocks (vLLM
+        # re-reads prompt + handed tokens through its prefix cache) must not find them there.
+        handed = synthetic_prompt(loaded, num_tokens, next(seeds))
         engine.begin_import("x", prompt, sampling)
         engine.finish_import("x", [])
         engine.extend("x", handed)

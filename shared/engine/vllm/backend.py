@@ -20,6 +20,7 @@ streams, and frequency/presence penalties restart their counts when a new vLLM r
 continues one (its earlier output becomes prompt); docs/engine.md lists the differences.
 """
 
+import logging
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -435,6 +436,10 @@ def model_folder(source: str) -> Path:
 @register_backend("vllm")
 def create_vllm_backend(options: BackendOptions, loaded: LoadedModel | None = None) -> VllmBackend:
     """The ``vllm`` backend (vLLM must be installed: ``make setup-vllm``)."""
+    # vLLM's records go through our logging (JSON on stderr, like every library's), at
+    # warning and above: its own handler would print plain text on stdout.
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    logging.getLogger("vllm").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
