@@ -8,6 +8,7 @@ Runs in the vLLM venv (``make test-vllm``); ``make test`` deselects it.
 """
 
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ decode on vLLM absorbs chunks before the final handoff; the others hand over as 
 
 @dataclass
 class Deployment:
+    name: str
+    run_dir: Path
     client: OpenAI
     catch_up: bool
 
@@ -58,8 +61,8 @@ def deployment(request, tmp_path_factory):
                         capture_output=True, text=True, timeout=900, env=env)
     assert up.returncode == 0, up.stderr[-3000:] + up.stdout[-2000:]
     pids = dict(load_state(run_dir).processes)
-    yield Deployment(OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0,
-                            timeout=600), request.param in CATCH_UP)
+    client = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0, timeout=600)
+    yield Deployment(request.param, run_dir, client, request.param in CATCH_UP)
     down = subprocess.run([PDD, "down", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=300)
     assert down.returncode == 0, down.stderr
     assert load_state(run_dir) is None
@@ -96,3 +99,28 @@ def test_both_pipelines_are_exact_with_a_handoff_and_decode_side_cache_hits(depl
     pdd = warm.model_extra["pdd"]
     assert pdd["pipeline"] == "P-MD" and pdd["cached_blocks_md"] >= prompt_len // BLOCK_SIZE - 1, pdd
     assert pdd["wan_kv_bytes"] < 0.2 * cold.model_extra["pdd"]["wan_kv_bytes"], pdd
+
+
+def test_a_relay_on_vllm_killed_mid_stream_hands_the_stream_to_main_decode_on_vllm(deployment, smollm2):
+    if deployment.name != "decoders-vllm":
+        pytest.skip("killed once, in the deployment whose relay and main decode both run vLLM")
+    client = deployment.client
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Tool output:\n" + long_tool_output(32) +
+                 "\nWrite a long essay about what this project does."}]
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=200, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    text, pdd, killed = [], None, False
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            text.append(chunk.choices[0].delta.content)
+        pdd = (chunk.model_extra or {}).get("pdd", pdd)
+        if len(text) == 12 and not killed:  # the relay is streaming eager tokens
+            os.kill(load_state(deployment.run_dir).processes["relay-decode-0"], signal.SIGKILL)
+            killed = True
+    prompt = list(smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False))
+    assert "".join(text) == smollm2.tokenizer.decode(reference_greedy(smollm2, prompt, 200),
+                                                     skip_special_tokens=True)
+    assert killed and pdd["finished_on"] == "MD", pdd
+    assert [(r["from"], r["to"]) for r in pdd["recoveries"]] == [("relay-decode-0", "main-decode-0")], pdd
