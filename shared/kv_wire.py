@@ -20,10 +20,11 @@ import msgspec
 import torch
 import xxhash
 
-from shared.block_hash import HASH_SCHEME_VERSION, hash_blocks
+from shared.block_hash import HASH_SCHEME_VERSION, ROOT_PARENT_HASH, hash_blocks
 from shared.kv_layout import KvLayout
 from shared.errors import (
     CorruptFrame,
+    FrameOwnershipError,
     IncompatibleFrame,
     OversizedFrame,
     TruncatedFrame,
@@ -241,3 +242,52 @@ def _check_consistent(header: KvFrameHeader, body_len: int):
 def frame_bytes(parts: list[bytes | memoryview]) -> bytes:
     """Join a frame's buffers (for files and tests; sockets take the parts as they are)."""
     return b"".join(parts)
+
+
+def check_next_frame(header: KvFrameHeader, importing: bool, stands_at: int, prompt_token_ids: list[int]):
+    """Whether a validated frame is the next one of an import under way.
+
+    Args:
+        header: The frame's header.
+        importing: Whether an import of ``header.request_id`` is under way.
+        stands_at: The token index the import has reached.
+        prompt_token_ids: The prompt being imported.
+
+    Raises:
+        FrameOwnershipError: no import is under way, the frame does not start where the
+            import stands, or its tokens are not the prompt's.
+    """
+    if not importing:
+        raise FrameOwnershipError(f"no KV import under way for request {header.request_id!r}")
+    start, end = header.first_token_index, header.first_token_index + header.num_tokens
+    if start != stands_at:
+        raise FrameOwnershipError(
+            f"frame starts at token {start}, import of {header.request_id!r} stands at {stands_at}")
+    if end > len(prompt_token_ids) or header.token_ids != prompt_token_ids[start:end]:
+        raise FrameOwnershipError(f"frame tokens [{start}, {end}) are not the prompt's")
+
+
+def encode_frames(read_kv, token_ids: list[int], first_token_index: int, end_token_index: int, *,
+                  block_size: int, model_fingerprint: str, request_id: str, max_tokens_per_frame: int,
+                  traceparent: str | None = None) -> list[list]:
+    """Tokens ``[first, end)`` of a request as frames of whole blocks (the last may end mid-block).
+
+    Args:
+        read_kv: ``(start, end) -> [layers, 2, end - start, kv_heads, head_dim]``, from the
+            engine's cache.
+        token_ids: The request's tokens (at least up to ``end_token_index``).
+        first_token_index: A block start.
+        end_token_index: One past the last token sent.
+    """
+    hashes = hash_blocks(token_ids[:end_token_index], block_size)
+    blocks_per_frame = max(1, max_tokens_per_frame // block_size)
+    frames = []
+    for first_block in range(first_token_index // block_size, -(-end_token_index // block_size), blocks_per_frame):
+        start = first_block * block_size
+        end = min(start + blocks_per_frame * block_size, end_token_index)
+        frames.append(encode_frame(
+            kv=read_kv(start, end), model_fingerprint=model_fingerprint, block_size=block_size,
+            request_id=request_id, first_block_index=first_block,
+            parent_hash=hashes[first_block - 1] if first_block else ROOT_PARENT_HASH,
+            token_ids=token_ids[start:end], traceparent=traceparent))
+    return frames

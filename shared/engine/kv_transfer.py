@@ -8,13 +8,12 @@ block tables and the pool's tensors.
 
 import math
 
-from shared.block_hash import ROOT_PARENT_HASH, hash_blocks
+from shared.block_hash import hash_blocks
 from shared.engine.backend import RequestStatus
 from shared.engine.kv_pool import KvPool
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence
-from shared.errors import FrameOwnershipError
-from shared.kv_wire import KvFrame, encode_frame
+from shared.kv_wire import KvFrame, check_next_frame, encode_frames
 
 
 class KvTransfer:
@@ -51,14 +50,10 @@ class KvTransfer:
         """
         header = frame.header
         seq = self._scheduler.sequences.get(header.request_id)
-        if seq is None or seq.status is not RequestStatus.IMPORTING:
-            raise FrameOwnershipError(f"no KV import under way for request {header.request_id!r}")
-        start, end = header.first_token_index, header.first_token_index + header.num_tokens
-        if start != seq.num_kv_tokens:
-            raise FrameOwnershipError(
-                f"frame starts at token {start}, import of {seq.request_id!r} stands at {seq.num_kv_tokens}")
-        if end > seq.num_prompt_tokens or header.token_ids != seq.token_ids[start:end]:
-            raise FrameOwnershipError(f"frame tokens [{start}, {end}) are not the prompt's")
+        importing = seq is not None and seq.status is RequestStatus.IMPORTING
+        check_next_frame(header, importing, seq.num_kv_tokens if importing else 0,
+                         seq.token_ids[:seq.num_prompt_tokens] if importing else [])
+        end = header.first_token_index + header.num_tokens
         first_block, last_block = header.first_block_index, math.ceil(end / self._scheduler.block_size)
         self._pool.import_tokens(seq.block_ids[first_block:last_block], frame.kv)
         seq.num_kv_tokens = end
@@ -73,19 +68,8 @@ class KvTransfer:
         if first_token_index % block_size or not 0 <= first_token_index < stop <= seq.num_kv_tokens:
             raise ValueError(f"cannot export tokens [{first_token_index}, {stop}): need a block "
                              f"start below the end, within {seq.num_kv_tokens} computed tokens")
-        hashes = hash_blocks(seq.token_ids[:stop], block_size)
-        blocks_per_frame = max(1, max_tokens_per_frame // block_size)
-        frames = []
-        for first_block in range(first_token_index // block_size,
-                                 math.ceil(stop / block_size), blocks_per_frame):
-            start = first_block * block_size
-            end = min(start + blocks_per_frame * block_size, stop)
-            block_ids = seq.block_ids[first_block:math.ceil(end / block_size)]
-            frames.append(encode_frame(
-                kv=self._pool.export_tokens(block_ids, end - start),
-                model_fingerprint=self._fingerprint, block_size=block_size,
-                request_id=seq.request_id, first_block_index=first_block,
-                parent_hash=hashes[first_block - 1] if first_block else ROOT_PARENT_HASH,
-                token_ids=seq.token_ids[start:end], traceparent=traceparent,
-            ))
-        return frames
+        return encode_frames(
+            lambda start, end: self._pool.export_tokens(seq.block_ids[start // block_size:math.ceil(end / block_size)],
+                                                        end - start),
+            seq.token_ids, first_token_index, stop, block_size=block_size, model_fingerprint=self._fingerprint,
+            request_id=seq.request_id, max_tokens_per_frame=max_tokens_per_frame, traceparent=traceparent)

@@ -29,7 +29,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from shared.block_hash import ROOT_PARENT_HASH, hash_blocks
+from shared.block_hash import hash_blocks
 from shared.engine.backend import (
     BackendOptions,
     EngineBackend,
@@ -47,12 +47,11 @@ from shared.engine.vllm.kv_blocks import VllmKvBlocks, check_layout
 from shared.errors import (
     ConfigError,
     ContextLengthExceeded,
-    FrameOwnershipError,
     InvalidRequestState,
     UnknownRequest,
 )
 from shared.kv_layout import KvLayout
-from shared.kv_wire import FrameExpectation, KvFrame, encode_frame
+from shared.kv_wire import FrameExpectation, KvFrame, check_next_frame, encode_frames
 from shared.model_loader import SMOLLM2, TINY, LoadedModel, ensure_smollm2_converted, load_model
 
 log = structlog.get_logger(__name__)
@@ -253,14 +252,9 @@ class VllmBackend(EngineBackend):
     def import_frame(self, frame: KvFrame):
         header = frame.header
         record = self._requests.get(header.request_id)
-        if record is None or record.status is not RequestStatus.IMPORTING:
-            raise FrameOwnershipError(f"no KV import under way for request {header.request_id!r}")
-        start, end = header.first_token_index, header.first_token_index + header.num_tokens
-        if start != record.import_next:
-            raise FrameOwnershipError(
-                f"frame starts at token {start}, import of {record.request_id!r} stands at {record.import_next}")
-        if end > len(record.prompt) or header.token_ids != record.prompt[start:end]:
-            raise FrameOwnershipError(f"frame tokens [{start}, {end}) are not the prompt's")
+        importing = record is not None and record.status is RequestStatus.IMPORTING
+        check_next_frame(header, importing, record.import_next if importing else 0, record.prompt if importing else [])
+        end = header.first_token_index + header.num_tokens
         record.staged.append(frame.kv.to(self.loaded.dtype, copy=True))  # the frame is a view of a receive buffer
         record.import_next = end
         record.num_imported_tokens += header.num_tokens
@@ -287,18 +281,9 @@ class VllmBackend(EngineBackend):
         if first_token_index % bs or not 0 <= first_token_index < stop <= computed:
             raise ValueError(f"cannot export tokens [{first_token_index}, {stop}): need a block "
                              f"start below the end, within {computed} computed tokens")
-        tokens = record.tokens
-        hashes = hash_blocks(tokens[:stop], bs)
-        blocks_per_frame = max(1, max_tokens_per_frame // bs)
-        frames = []
-        for first_block in range(first_token_index // bs, -(-stop // bs), blocks_per_frame):
-            start, end = first_block * bs, min((first_block + blocks_per_frame) * bs, stop)
-            frames.append(encode_frame(
-                kv=self.kv.read(block_ids, start, end), model_fingerprint=self.loaded.fingerprint,
-                block_size=bs, request_id=request_id, first_block_index=first_block,
-                parent_hash=hashes[first_block - 1] if first_block else ROOT_PARENT_HASH,
-                token_ids=tokens[start:end], traceparent=traceparent))
-        return frames
+        return encode_frames(lambda start, end: self.kv.read(block_ids, start, end), record.tokens,
+                             first_token_index, stop, block_size=bs, model_fingerprint=self.loaded.fingerprint,
+                             request_id=request_id, max_tokens_per_frame=max_tokens_per_frame, traceparent=traceparent)
 
     # ----- cache and load ---------------------------------------------------------------
 
