@@ -23,6 +23,7 @@ from openai import OpenAI  # noqa: E402
 from infra.launcher import load_state, process_alive  # noqa: E402
 from infra.nats_server import free_port  # noqa: E402
 from loadtest.demo_conversation import long_tool_output  # noqa: E402
+from shared.kv_layout import KvLayout  # noqa: E402
 from tests.helpers import reference_greedy  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -124,3 +125,18 @@ def test_a_relay_on_vllm_killed_mid_stream_hands_the_stream_to_main_decode_on_vl
                                                      skip_special_tokens=True)
     assert killed and pdd["finished_on"] == "MD", pdd
     assert [(r["from"], r["to"]) for r in pdd["recoveries"]] == [("relay-decode-0", "main-decode-0")], pdd
+
+
+def test_a_long_prompt_with_a_short_answer_finishes_on_the_relay_with_its_wan_transfer_cancelled(
+        deployment, smollm2):
+    if deployment.name != "all-vllm":
+        pytest.skip("the odd-traffic filter once, in the deployment where every engine runs vLLM")
+    client = deployment.client
+    messages = [{"role": "user", "content": "Tool output:\n" + long_tool_output(34) + "\nOne word: done?"}]
+    reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages,
+                                           max_tokens=4, temperature=0)
+    expected, prompt_len = expected_answer(smollm2, messages, 4)
+    assert reply.choices[0].message.content == expected
+    pdd = reply.model_extra["pdd"]
+    assert pdd["odd_traffic"] is True and pdd["pipeline"] == "P-RLD-MD" and pdd["finished_on"] == "RLD", pdd
+    assert pdd["wan_kv_bytes"] < 0.5 * prompt_len * KvLayout.from_model(smollm2.model).kv_bytes_per_token, pdd
