@@ -54,10 +54,11 @@ def deployment(request, tmp_path_factory):
     env = {**os.environ}
     if request.param in CATCH_UP:  # the services read their settings from PDD_* variables
         env["PDD_CATCH_UP_THRESHOLD_TOKENS"] = CATCH_UP[request.param]
-    # A slow link: the cold turn's KV takes seconds to cross, so the relay has tokens to hand over.
+    # A slow link: the cold turn's KV takes seconds (~5) to cross, so the relay has tokens to hand
+    # over; slow enough for that, fast enough that a fast relay has not finished the answer by then.
     up = subprocess.run([PDD, "up", "--detach", "--run-dir", str(run_dir), "--http-port", str(http_port),
                          "--nats-a-port", str(free_port()), "--nats-b-port", str(free_port()),
-                         "--wan-control-port", str(free_port()), "--bandwidth", "40mbit", "--kv-cache-mb", "512",
+                         "--wan-control-port", str(free_port()), "--bandwidth", "100mbit", "--kv-cache-mb", "512",
                          "--timeout", "600", *DEPLOYMENTS[request.param]],
                         capture_output=True, text=True, timeout=900, env=env)
     assert up.returncode == 0, up.stderr[-3000:] + up.stdout[-2000:]
@@ -70,10 +71,10 @@ def deployment(request, tmp_path_factory):
     assert [name for name, pid in pids.items() if process_alive(pid)] == []
 
 
-def expected_answer(smollm2, messages: list[dict], max_tokens: int) -> str:
+def expected_answer(smollm2, messages: list[dict], max_tokens: int, *, ignore_eos: bool = False) -> str:
     prompt = list(smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                         return_dict=False))
-    tokens = reference_greedy(smollm2, prompt, max_tokens, stop_at_eos=True)
+    tokens = reference_greedy(smollm2, prompt, max_tokens, stop_at_eos=not ignore_eos)
     return smollm2.tokenizer.decode(tokens, skip_special_tokens=True), len(prompt)
 
 
@@ -83,8 +84,12 @@ def test_both_pipelines_are_exact_with_a_handoff_and_decode_side_cache_hits(depl
     messages = [{"role": "system", "content": "You are a careful coding agent. Answer in detail."},
                 {"role": "user", "content": "Tool output:\n" + long_tool_output(30) +
                  "\nExplain what the project does, file by file."}]
-    cold = client.chat.completions.create(model=model, messages=messages, max_tokens=160, temperature=0)
-    expected, prompt_len = expected_answer(smollm2, messages, 160)
+    # Long enough (EOS ignored) that the relay is still decoding when main decode has the KV,
+    # whatever the machine's speed: the relay decoded 160 tokens in 11 s, before a 40 Mbit/s link
+    # had carried the KV, and finished the answer itself.
+    cold = client.chat.completions.create(model=model, messages=messages, max_tokens=320, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    expected, prompt_len = expected_answer(smollm2, messages, 320, ignore_eos=True)
     assert cold.choices[0].message.content == expected
     pdd = cold.model_extra["pdd"]
     assert pdd["pipeline"] == "P-RLD-MD" and pdd["eager_tokens"] >= 1, pdd
