@@ -30,6 +30,21 @@ def reference_greedy(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens:
     return output[0, len(prompt_ids):].tolist()
 
 
+def chat_prompt_ids(loaded: LoadedModel, messages: list[dict]) -> list[int]:
+    """The token ids the router sends for ``messages``: the chat template with the generation prompt."""
+    return list(loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False))
+
+
+def reference_chat_answer(loaded: LoadedModel, messages: list[dict], max_tokens: int, *,
+                          ignore_eos: bool = False) -> tuple[str, int]:
+    """Transformers' greedy answer to ``messages`` as the API returns its text, and the prompt's
+    length in tokens. It stops at end-of-sequence unless ``ignore_eos``, like the request."""
+    prompt = chat_prompt_ids(loaded, messages)
+    tokens = reference_greedy(loaded, prompt, max_tokens, stop_at_eos=not ignore_eos)
+    return loaded.tokenizer.decode(tokens, skip_special_tokens=True), len(prompt)
+
+
 def prompt_of_length(loaded: LoadedModel, num_tokens: int, seed: int = 0) -> list[int]:
     """A chat-formatted prompt of exactly ``num_tokens`` tokens of real text.
 

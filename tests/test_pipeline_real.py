@@ -10,18 +10,12 @@ import torch
 from infra.wan_link import LinkProfile
 from loadtest.demo_conversation import long_tool_output
 from shared.model_loader import load_metadata
-from tests.helpers import reference_greedy, reference_greedy_with_logprobs, reference_penalised, until
+from tests.helpers import (chat_prompt_ids, reference_chat_answer, reference_greedy, reference_greedy_with_logprobs,
+                           reference_penalised, until)
 from tests.test_pipeline_e2e import post
 
 pytestmark = pytest.mark.real_model
 DEFAULT_WAN = LinkProfile(bandwidth_bps=100e6, rtt_ms=40, jitter_ms=5, seed=0)
-
-
-def reference_answer(smollm2, messages, max_tokens):
-    prompt = list(smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                        tokenize=True, return_dict=False))
-    tokens = reference_greedy(smollm2, prompt, max_tokens, stop_at_eos=True)
-    return smollm2.tokenizer.decode(tokens, skip_special_tokens=True), len(prompt)
 
 
 async def test_agent_turns_through_both_pipelines_are_exact(make_stack, smollm2):
@@ -30,12 +24,10 @@ async def test_agent_turns_through_both_pipelines_are_exact(make_stack, smollm2)
     messages = [{"role": "system", "content": "You are a careful coding agent. Answer briefly."},
                 {"role": "user", "content": "Tool output:\n" + long_tool_output(30) +
                  "\nSummarise what the project does in two sentences."}]
-    first_expected, prompt_len = reference_answer(smollm2, messages, 40)
+    first_expected, prompt_len = reference_chat_answer(smollm2, messages, 40)
     follow_up = messages + [{"role": "assistant", "content": first_expected},
                             {"role": "user", "content": "Name one risk of that design."}]
-    prompt = list(smollm2.tokenizer.apply_chat_template(follow_up, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False))
-    tokens, logprobs = reference_greedy_with_logprobs(smollm2, prompt, 24)
+    tokens, logprobs = reference_greedy_with_logprobs(smollm2, chat_prompt_ids(smollm2, follow_up), 24)
     until_eos = next((i + 1 for i, t in enumerate(tokens) if t in smollm2.eos_token_ids), len(tokens))
     second_expected = smollm2.tokenizer.decode(tokens[:until_eos], skip_special_tokens=True)
 
@@ -87,7 +79,7 @@ async def test_long_prompt_short_output_is_odd_traffic(smol_stack, smollm2):
     status, body = await post(smol_stack, "/chat/completions", {
         "model": "smollm2", "messages": messages, "max_tokens": 4, "temperature": 0})
     assert status == 200, body
-    expected, prompt_len = reference_answer(smollm2, messages, 4)
+    expected, prompt_len = reference_chat_answer(smollm2, messages, 4)
     assert body["choices"][0]["message"]["content"] == expected
     pdd = body["pdd"]
     assert pdd["odd_traffic"] is True and pdd["finished_on"] == "RLD"
@@ -98,9 +90,7 @@ async def test_long_prompt_short_output_is_odd_traffic(smol_stack, smollm2):
 async def test_long_cold_prompt_with_long_output_catches_up(make_stack, smollm2):
     messages = [{"role": "user", "content": "Tool output:\n" + long_tool_output(54) +
                  "\nExplain every line of this output in detail."}]
-    prompt = list(smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                        tokenize=True, return_dict=False))
-    expected = smollm2.tokenizer.decode(reference_greedy(smollm2, prompt, 160), skip_special_tokens=True)
+    expected, _ = reference_chat_answer(smollm2, messages, 160, ignore_eos=True)
     # The backlog at handoff is the relay's tokens while the WAN copy finishes after prefill: on a
     # slow, loaded machine prefill takes longer and the WAN copy hides more of itself behind it,
     # so a threshold well below the default keeps this a catch-up whatever the machine's speed.
@@ -123,8 +113,7 @@ async def test_penalties_min_tokens_and_logprobs_are_exact_across_a_handoff(make
     the model's own log-probabilities, through the relay → main-decode handoff."""
     messages = [{"role": "user", "content": "Write the word 'tea' five times, then say why tea is good. "
                                             + long_tool_output(4)}]
-    prompt = list(smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False))
+    prompt = chat_prompt_ids(smollm2, messages)
     # The references first: computed while the stack runs, they would hold its event loop (and
     # its heartbeats) for seconds, and the router would find no live decoder for the next request.
     expected = reference_penalised(smollm2, prompt, 32, repetition=1.3, frequency=0.5, presence=0.3, min_tokens=20)

@@ -24,7 +24,7 @@ from infra.launcher import load_state, process_alive  # noqa: E402
 from infra.nats_server import free_port  # noqa: E402
 from loadtest.demo_conversation import long_tool_output  # noqa: E402
 from shared.kv_layout import KvLayout  # noqa: E402
-from tests.helpers import reference_greedy  # noqa: E402
+from tests.helpers import reference_chat_answer  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 PDD = str(Path(sys.executable).parent / "pdd")
@@ -71,13 +71,6 @@ def deployment(request, tmp_path_factory):
     assert [name for name, pid in pids.items() if process_alive(pid)] == []
 
 
-def expected_answer(smollm2, messages: list[dict], max_tokens: int, *, ignore_eos: bool = False) -> str:
-    prompt = list(smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False))
-    tokens = reference_greedy(smollm2, prompt, max_tokens, stop_at_eos=not ignore_eos)
-    return smollm2.tokenizer.decode(tokens, skip_special_tokens=True), len(prompt)
-
-
 def test_both_pipelines_are_exact_with_a_handoff_and_decode_side_cache_hits(deployment, smollm2):
     client = deployment.client
     model = client.models.list().data[0].id
@@ -89,7 +82,7 @@ def test_both_pipelines_are_exact_with_a_handoff_and_decode_side_cache_hits(depl
     # had carried the KV, and finished the answer itself.
     cold = client.chat.completions.create(model=model, messages=messages, max_tokens=320, temperature=0,
                                           extra_body={"ignore_eos": True})
-    expected, prompt_len = expected_answer(smollm2, messages, 320, ignore_eos=True)
+    expected, prompt_len = reference_chat_answer(smollm2, messages, 320, ignore_eos=True)
     assert cold.choices[0].message.content == expected
     pdd = cold.model_extra["pdd"]
     assert pdd["pipeline"] == "P-RLD-MD" and pdd["eager_tokens"] >= 1, pdd
@@ -100,7 +93,7 @@ def test_both_pipelines_are_exact_with_a_handoff_and_decode_side_cache_hits(depl
     messages += [{"role": "assistant", "content": cold.choices[0].message.content},
                  {"role": "user", "content": "Name one risk of that design."}]
     warm = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0)
-    expected, _ = expected_answer(smollm2, messages, 32)
+    expected, _ = reference_chat_answer(smollm2, messages, 32)
     assert warm.choices[0].message.content == expected
     pdd = warm.model_extra["pdd"]
     assert pdd["pipeline"] == "P-MD" and pdd["cached_blocks_md"] >= prompt_len // BLOCK_SIZE - 1, pdd
@@ -124,10 +117,7 @@ def test_a_relay_on_vllm_killed_mid_stream_hands_the_stream_to_main_decode_on_vl
         if len(text) == 12 and not killed:  # the relay is streaming eager tokens
             os.kill(load_state(deployment.run_dir).processes["relay-decode-0"], signal.SIGKILL)
             killed = True
-    prompt = list(smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False))
-    assert "".join(text) == smollm2.tokenizer.decode(reference_greedy(smollm2, prompt, 200),
-                                                     skip_special_tokens=True)
+    assert "".join(text) == reference_chat_answer(smollm2, messages, 200, ignore_eos=True)[0]
     assert killed and pdd["finished_on"] == "MD", pdd
     assert [(r["from"], r["to"]) for r in pdd["recoveries"]] == [("relay-decode-0", "main-decode-0")], pdd
 
@@ -140,7 +130,7 @@ def test_a_long_prompt_with_a_short_answer_finishes_on_the_relay_with_its_wan_tr
     messages = [{"role": "user", "content": "Tool output:\n" + long_tool_output(34) + "\nOne word: done?"}]
     reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages,
                                            max_tokens=4, temperature=0)
-    expected, prompt_len = expected_answer(smollm2, messages, 4)
+    expected, prompt_len = reference_chat_answer(smollm2, messages, 4)
     assert reply.choices[0].message.content == expected
     pdd = reply.model_extra["pdd"]
     assert pdd["odd_traffic"] is True and pdd["pipeline"] == "P-RLD-MD" and pdd["finished_on"] == "RLD", pdd
