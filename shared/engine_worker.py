@@ -18,10 +18,17 @@ class EngineWorker:
         if torch_threads:
             torch.set_num_threads(torch_threads)
 
+    def submit(self, fn, *args, **kwargs) -> asyncio.Future:
+        """Queue ``fn(*args, **kwargs)`` on the engine thread now; its result is the future's.
+
+        Calls run in the order they were submitted, so work submitted here before the engine
+        loop asks for its next step runs before that step.
+        """
+        return asyncio.get_running_loop().run_in_executor(self._executor, partial(fn, *args, **kwargs))
+
     async def call(self, fn, *args, **kwargs):
         """Run ``fn(*args, **kwargs)`` on the engine thread and await its result."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, partial(fn, *args, **kwargs))
+        return await self.submit(fn, *args, **kwargs)
 
     def shutdown(self):
         """Stop the thread after the calls already queued."""

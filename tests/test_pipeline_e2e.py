@@ -4,13 +4,14 @@ Every response is compared with transformers' greedy output for the same prompt;
 must carry every token index exactly once, in order, across the relay → main handoff.
 """
 
+import asyncio
 import json
 
 import aiohttp
 import pytest
 
 from infra.wan_link import LinkProfile
-from tests.helpers import reference_greedy, until
+from tests.helpers import prompt_of_length, reference_greedy, until
 
 SLOW_WAN = LinkProfile(bandwidth_bps=50e6, rtt_ms=40, jitter_ms=2, seed=1)
 
@@ -201,3 +202,34 @@ async def test_loaded_relay_hands_over_one_shot(make_stack, tiny):
     for (_, body), request in zip(results, bodies):
         expected = expected_text(tiny, chat_prompt(tiny, request["messages"][0]["content"]), 600)
         assert body["choices"][0]["message"]["content"] == expected
+
+
+async def test_finished_prompt_ships_before_the_next_prompt_prefills(make_stack, tiny):
+    # Two prompts that cannot share a step: the first one's KV must leave prefill before the
+    # second one's step, not wait behind it (on a real model that step takes seconds).
+    stack = await make_stack(router_settings={"pipeline_policy": "P-MD"})
+    prompts = [prompt_of_length(tiny, 96, seed) for seed in (1, 2)]
+    stack.prefill.engine.scheduler.max_batch_tokens = 96
+    calls: list[list] = []
+    submit = stack.prefill.worker.submit
+
+    def recording(fn, *args, **kwargs):
+        call = [fn.__name__, args[0] if args else None]
+        calls.append(call)
+        future = submit(fn, *args, **kwargs)
+        if fn.__name__ == "step":
+            future.add_done_callback(lambda done: call.__setitem__(1, {o.request_id for o in done.result() or []
+                                                                       if o.token_id is not None}))
+        return future
+
+    stack.prefill.worker.submit = recording
+    answers = await asyncio.gather(*(post(stack, "/completions", {
+        "model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True}) for ids in prompts))
+    for ids, (status, body) in zip(prompts, answers):
+        assert status == 200, body
+        assert body["choices"][0]["text"] == expected_text(tiny, ids, 8)
+    steps = [(index, done) for index, (name, done) in enumerate(calls) if name == "step" and done]
+    assert len(steps) == 2, calls  # one prompt per step
+    (first_step, (first_id,)), (second_step, _) = steps
+    export = next(index for index, (name, rid) in enumerate(calls) if name == "export_frames" and rid == first_id)
+    assert first_step < export < second_step, calls

@@ -45,6 +45,9 @@ from shared.tls import client_context
 from shared.tracing import context_from, current_traceparent, tracer
 
 _start_decoder = decoder(StartPrefill)
+EXPORT_QUEUE_WAIT_S = 1.0
+"""How long the engine loop holds its next step for a finished prompt to queue its exports
+(they are queued within a few event-loop turns; this only bounds a stuck one)."""
 _tracer = tracer("pdd.prefill")
 
 
@@ -57,6 +60,7 @@ class PrefillService(EngineService):
         super().__init__(config, loaded)
         self.config: PrefillConfig = config
         self._first_tokens: dict[str, asyncio.Future] = {}
+        self._exports_due: dict[str, asyncio.Event] = {}
         self._active: dict[str, asyncio.Task] = {}
         self._loop: EngineLoop | None = None
 
@@ -65,8 +69,8 @@ class PrefillService(EngineService):
         self._slots = asyncio.Semaphore(config.max_sequences)
         self._bulk_tls = client_context(config.tls_ca_file, config.tls_cert_file, config.tls_key_file) \
             if config.tls_ca_file else None
-        self._loop = EngineLoop(self.worker, self._on_outputs, step_seconds=ENGINE_STEP_SECONDS.labels(
-            config.served_model_name, self.service_name))
+        self._loop = EngineLoop(self.worker, self._on_outputs, between_steps=self._await_exports_queued,
+                                step_seconds=ENGINE_STEP_SECONDS.labels(config.served_model_name, self.service_name))
         self.watch(self._loop.start())
         site = self.config.site
         await self.subscribe(subjects.instance_work(site, self.service_name, self.instance_id,
@@ -151,7 +155,7 @@ class PrefillService(EngineService):
                 PREFILL_SECONDS.labels(self.config.served_model_name).observe(compute_s)
                 span.set_attribute("cached_tokens", cached_tokens)
             loop = asyncio.get_running_loop()
-            exports: dict[ExportRange, asyncio.Future] = {}
+            exports = self._export_open_paths(plan, rid, opens)
             exported = {p.path: loop.create_future() for p in plan.paths}
             ships = {p.path: asyncio.create_task(self._ship(
                 plan, rid, p.path, spans[p.path], plan.end_tokens(p.role, first.token_id, first.logprobs),
@@ -163,6 +167,8 @@ class PrefillService(EngineService):
             for span in spans.values():
                 span.end()
             raise
+        finally:
+            self._export_submitted(rid)
         completed = PrefillCompleted(
             request_id=rid, instance_id=self.instance_id, first_token=first_token,
             prompt_tokens=len(cmd.token_ids), cached_tokens=cached_tokens, compute_s=compute_s,
@@ -191,7 +197,7 @@ class PrefillService(EngineService):
                 frames = []
             else:
                 if export not in exports:
-                    exports[export] = asyncio.ensure_future(self._export(request_id, export))
+                    exports[export] = self._export(request_id, export)
                 frames = await exports[export]
         except BaseException as exc:
             if not exported.done():
@@ -200,10 +206,40 @@ class PrefillService(EngineService):
         exported.set_result(frames)
         await self._send(flow, span, frames, end_tokens)
 
-    async def _export(self, request_id: str, export: ExportRange) -> list:
-        return await self.worker.call(
+    def _export(self, request_id: str, export: ExportRange) -> asyncio.Future:
+        """Queue the export on the engine thread now (before any step asked for later)."""
+        return self.worker.submit(
             self.engine.export_frames, request_id, export.start, export.end,
             max_tokens_per_frame=self.config.frame_tokens, traceparent=current_traceparent())
+
+    def _export_open_paths(self, plan: ShippingPlan, request_id: str, opens: dict) -> dict:
+        """Queue the exports of the paths whose flows are already open, and let the engine
+        step again: a prompt's KV then leaves before the next prompt's prefill, instead of
+        waiting behind that whole step."""
+        exports: dict[ExportRange, asyncio.Future] = {}
+        for path, opening in opens.items():
+            if not opening.done() or opening.cancelled() or opening.exception() is not None:
+                continue
+            export = plan.export_range(opening.result().first_token_index)
+            if export is not None and export not in exports:
+                exports[export] = self._export(request_id, export)
+        self._export_submitted(request_id)
+        return exports
+
+    def _export_submitted(self, request_id: str):
+        event = self._exports_due.pop(request_id, None)
+        if event is not None:
+            event.set()
+
+    async def _await_exports_queued(self):
+        """Before the engine's next step: wait (briefly) until every prompt that has just
+        produced its first token has queued the exports it can already make."""
+        if not self._exports_due:
+            return
+        pending = [asyncio.create_task(event.wait()) for event in self._exports_due.values()]
+        _, late = await asyncio.wait(pending, timeout=EXPORT_QUEUE_WAIT_S)
+        for task in late:
+            task.cancel()
 
     async def _abandon(self, rid: str, opens: dict, ships: dict, flows: dict):
         """Stop every flow of a failed or cancelled request and free its sequence."""
@@ -268,6 +304,7 @@ class PrefillService(EngineService):
             if out.error:
                 future.set_exception(PddError(out.error))
             else:
+                self._exports_due[out.request_id] = asyncio.Event()
                 future.set_result(out)
 
 
