@@ -109,6 +109,8 @@ class EngineConfig(CommonConfig):
     kv_cache_mb: int = setting(512, "KV pool size in MiB", positive)
     max_sequences: int = setting(16, "requests held at once", positive)
     torch_threads: int = setting(0, "torch CPU threads (0: torch's default)", non_negative)
+    engine_call_log: str = setting("", "append every engine-thread call (queued, start and end times; a step's "
+                                   "batch) as JSON lines to this file; empty: off")
     prefix_cache: bool = setting(True, "reuse cached prefix blocks (off: the no-decode-side-cache baseline)")
     bulk_tls_local: bool = setting(False, "mutual TLS on the bulk channel's local path too (the WAN path "
                                    "always has it once --tls-ca-file is set); senders and relays must agree")

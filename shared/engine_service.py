@@ -48,7 +48,7 @@ class EngineService(Service):
             enable_prefix_cache=config.prefix_cache,
             kv_listener=on_kv_event if self.publishes_kv_events else None)
         engine = await loop.run_in_executor(None, create_backend, config.engine, options, self._loaded)
-        self.worker = EngineWorker(engine, self.instance_id, self.config.torch_threads)
+        self.worker = EngineWorker(engine, self.instance_id, self.config.torch_threads, self.config.engine_call_log)
         await super().start()
         await self.nc.subscribe(subjects.instance_work(
             self.config.site, self.service_name, self.instance_id, subjects.DUMP), cb=self._on_dump)

@@ -65,6 +65,8 @@ class HfEngine(EngineBackend):
         self.frame_expectation = FrameExpectation(loaded.fingerprint, self.layout)
         self.vocab_size = loaded.model.config.vocab_size
         self.max_context_len = loaded.model.config.max_position_embeddings
+        self.last_batch: list[tuple[int, int]] = []
+        """The latest step's ``(new_tokens, cached_tokens)`` per sequence (the call log's)."""
 
     # ----- requests ---------------------------------------------------------------------
 
@@ -120,6 +122,7 @@ class HfEngine(EngineBackend):
             return [self._fail(unfit, f"out of KV blocks: {len(unfit.token_ids)} tokens do not fit the pool")]
         if not batch:
             return []
+        self.last_batch = [(entry.num_tokens, entry.seq.num_kv_tokens) for entry in batch]
         logits = self.runner.run(batch)
         outputs = [StepOutput(seq.request_id, None, len(seq.output_token_ids), False, absorbed=True)
                    for seq in self.scheduler.computed(batch)]

@@ -1,0 +1,26 @@
+"""The engine-call log: every engine-thread call, when it was queued, ran and ended, and a
+step's batch, as a service writes it with ``engine_call_log`` set."""
+
+import json
+
+from shared.engine.hf_engine import HfEngine
+from shared.engine.sampling import SamplingParams
+from shared.engine_worker import EngineWorker
+from tests.helpers import prompt_of_length
+
+
+async def test_each_call_is_recorded_in_order_with_its_batch(tiny, tmp_path):
+    engine = HfEngine(tiny, num_blocks=64)
+    path = tmp_path / "calls.jsonl"
+    worker = EngineWorker(engine, "prefill-0", call_log=str(path))
+    prompt = prompt_of_length(tiny, 40)
+    await worker.call(engine.add_request, "r", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    while await worker.call(engine.has_work):
+        await worker.call(engine.step)
+    worker.shutdown()
+    calls = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [c["call"] for c in calls] == ["add_request", "step", "step"]  # has_work is not recorded
+    assert calls[1]["batch"] == [[40, 0]] and calls[2]["batch"] == [[1, 40]]
+    assert {c["instance"] for c in calls} == {"prefill-0"}
+    assert all(c["queued_s"] <= c["start_s"] <= c["end_s"] for c in calls)
+    assert all(a["end_s"] <= b["start_s"] for a, b in zip(calls, calls[1:]))  # one thread, in order
