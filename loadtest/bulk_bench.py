@@ -106,6 +106,22 @@ async def _run(loaded, megabytes: int, rates: list[float], repeats: int) -> dict
     return results
 
 
+def loopback_bytes_per_s(loaded, megabytes: int = 64, repeats: int = 3, tls: bool = False) -> float:
+    """The bulk channel's rate on unshaped loopback (median of ``repeats`` flows): what one
+    KV flow on a deployment's local path gets when nothing else competes for the machine."""
+
+    async def measure() -> float:
+        creds = ensure_credentials(Path(tempfile.mkdtemp(prefix="pdd-bulk-bench-")) / "secrets")
+        prompt, frames = _frames(loaded, 1024)
+        rates = []
+        for _ in range(repeats):
+            seconds, sent = await _one_flow(loaded, prompt, frames, megabytes << 20, tls, 0.0, creds)
+            rates.append(sent / seconds)
+        return statistics.median(rates)
+
+    return asyncio.run(measure())
+
+
 def run_bulk_bench(loaded, megabytes: int = 256, rates: tuple[float, ...] = (0.0, 1e9),
                    repeats: int = 3) -> dict:
     """Throughput per mode and link, and the TLS/plaintext ratio of the medians."""

@@ -106,6 +106,7 @@ def _check_the_simulator_replays(pdd: str, run: Path, results: dict):
     assert measured.returncode == 0, measured.stderr[-2000:]
     fit = json.loads(profile.read_text())
     assert fit["shared_host_speed"]["2"] > 0
+    assert fit["local_path"]["bytes_per_s"] > 0
     assert fit["cost_model"]["features"] == list(FEATURES)
     assert len(fit["cost_model"]["coefficients"]) == len(FEATURES)
     replay = subprocess.run([pdd, "sim", "validate", str(run), "--profile", str(profile), "--json"],

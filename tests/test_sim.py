@@ -135,6 +135,15 @@ def test_the_decode_side_cache_cuts_wan_bytes_and_the_same_site_floor_has_none()
     assert full.wan_bytes == sum(r["prompt_tokens"] for r in records) * 46080
 
 
+def test_a_slower_local_path_delays_same_site_first_tokens_by_the_kv_it_carries():
+    records = agent_records(sessions=1, turns=1)
+    _, fast = run(records, pipeline_policy="P-MD", md_site="site-a", local_bytes_per_s=2.5e9)
+    _, slow = run(records, pipeline_policy="P-MD", md_site="site-a", local_bytes_per_s=0.25e9)
+    kv_bytes = records[0]["prompt_tokens"] * 46080
+    delay_s = slow.requests[0].ttft_s - fast.requests[0].ttft_s
+    assert delay_s == pytest.approx(kv_bytes / 0.25e9 - kv_bytes / 2.5e9, rel=0.05)
+
+
 def test_open_loop_sessions_run_their_turns_in_order():
     requests = [SimRequest(0, t, "warm", 200 + 40 * t, 8, 8, tuple(range(1, (240 + 40 * t) // BLOCK + 1)), 1.0)
                 for t in range(3)]

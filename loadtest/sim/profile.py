@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loadtest.bulk_bench import loopback_bytes_per_s
 from loadtest.engine_bench import _median_s, bench_transfer, synthetic_prompt
 from loadtest.sim.cost_model import LinearCostModel, linear_as_json, nonnegative_least_squares, step_features
 from shared.engine.hf_engine import DEFAULT_MAX_BATCH_TOKENS, HfEngine
@@ -131,6 +132,7 @@ def measure_profile(loaded: LoadedModel, *, quick: bool = False, contention: boo
     source = (f"{loaded.name} on {loaded.device} ({platform.machine()}, {platform.processor() or 'cpu'}), "
               f"{datetime.now(UTC).date().isoformat()}")
     model = fit(samples, transfer, kv_bytes, source)
+    local_bytes_per_s = loopback_bytes_per_s(loaded, megabytes=16 if quick else 64, repeats=sizes["repeats"])
     for sample in samples:
         predicted = float(np.dot(model.coefficients, features_of(sample)))
         sample["predicted_seconds"] = round(predicted, 5)
@@ -138,7 +140,10 @@ def measure_profile(loaded: LoadedModel, *, quick: bool = False, contention: boo
     return {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
             "quick": quick, "host_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "shared_host_speed": (contention_samples(loaded.name, max_processes=2 if quick else 3,
-                                                     steps=sizes["steps"]) if contention else None), "cost_model": linear_as_json(model), "samples": samples, "kv_transfer": transfer}
+                                                     steps=sizes["steps"]) if contention else None), "cost_model": linear_as_json(model), "samples": samples, "kv_transfer": transfer,
+            "local_path": {"bytes_per_s": round(local_bytes_per_s),
+                           "source": "the bulk channel's sender and receiver on loopback, plaintext (as the "
+                                     "deployment's local path), median of the repeats"}}
 
 
 def write_profile(profile: dict, path: Path):

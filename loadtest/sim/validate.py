@@ -40,8 +40,9 @@ def socket_buffer_bytes() -> int:
 
 
 def bench_deployment(config: dict, mode: str, cost: LinearCostModel, host_cores: int,
-                     host_speed: dict | None = None) -> Deployment:
-    """The deployment ``pdd bench run`` started for ``mode``."""
+                     host_speed: dict | None = None, local_bytes_per_s: float | None = None) -> Deployment:
+    """The deployment ``pdd bench run`` started for ``mode`` (``local_bytes_per_s``: the
+    profile's measured local path; None: the simulator's default)."""
     link = parse_profile(config["bandwidth"], config["rtt"], config["jitter"], config.get("seed", 0))
     pool_blocks = config["kv_cache_mb"] * (1 << 20) // (BLOCK_SIZE * cost.kv_bytes_per_token)
     spec = MODES[mode]
@@ -51,15 +52,17 @@ def bench_deployment(config: dict, mode: str, cost: LinearCostModel, host_cores:
                       BLOCK_SIZE, cost.kv_bytes_per_token, md_site=spec["md_site"],
                       pipeline_policy=spec["pipeline_policy"], md_prefix_cache=spec["md_prefix_cache"],
                       host_cores=host_cores, host_speed=host_speed, engine_thread_io=True, initial_wan_bps=link.bandwidth_bps,
-                      initial_wan_rtt_s=link.rtt_ms / 1000)
+                      initial_wan_rtt_s=link.rtt_ms / 1000,
+                      **({"local_bytes_per_s": local_bytes_per_s} if local_bytes_per_s else {}))
 
 
 def predict_mode(folder: Path, config: dict, mode: str, cost: LinearCostModel, host_cores: int,
-                 host_speed: dict | None = None) -> dict:
+                 host_speed: dict | None = None, local_bytes_per_s: float | None = None) -> dict:
     """The mode's predicted figures, pooled over its repetitions."""
     results: list[SimResult] = []
     for index, workload in enumerate(load_bench_records(folder, mode, BLOCK_SIZE)):
-        simulator = Simulator(bench_deployment(config, mode, cost, host_cores, host_speed), seed=config.get("seed", 0) + index)
+        deployment = bench_deployment(config, mode, cost, host_cores, host_speed, local_bytes_per_s)
+        simulator = Simulator(deployment, seed=config.get("seed", 0) + index)
         results.append(simulator.run(workload))
     requests = [r for result in results for r in result.requests]
     pooled = SimResult(requests, sum(r.wan_bytes for r in results) // max(1, len(results)), None,
@@ -104,8 +107,9 @@ def validate(folder: Path, profile_path: Path, host_cores: int | None = None) ->
     for mode, measured in results["modes"].items():
         if mode not in MODES:
             continue
-        modes[mode] = compare(predict_mode(folder, config, mode, cost, cores, profile.get("shared_host_speed")),
-                              measured)
+        local_bytes_per_s = (profile.get("local_path") or {}).get("bytes_per_s")
+        modes[mode] = compare(predict_mode(folder, config, mode, cost, cores, profile.get("shared_host_speed"),
+                                           local_bytes_per_s), measured)
     return {"modes": modes, "profile": str(profile_path), "run": str(folder), "host_cores": cores}
 
 
