@@ -6,12 +6,13 @@ must carry every token index exactly once, in order, across the relay → main h
 
 import asyncio
 import json
+import threading
 
 import aiohttp
 import pytest
 
 from infra.wan_link import LinkProfile
-from tests.helpers import prompt_of_length, reference_greedy, until
+from tests.helpers import reference_greedy, until
 
 SLOW_WAN = LinkProfile(bandwidth_bps=50e6, rtt_ms=40, jitter_ms=2, seed=1)
 
@@ -204,32 +205,57 @@ async def test_loaded_relay_hands_over_one_shot(make_stack, tiny):
         assert body["choices"][0]["message"]["content"] == expected
 
 
-async def test_finished_prompt_ships_before_the_next_prompt_prefills(make_stack, tiny):
+async def test_finished_prompt_ships_before_the_next_prompt_prefills(make_stack, tiny, monkeypatch):
     # Two prompts that cannot share a step: the first one's KV must leave prefill before the
     # second one's step, not wait behind it (on a real model that step takes seconds).
+    import services.prefill.service as prefill_module
+
     stack = await make_stack(router_settings={"pipeline_policy": "P-MD"})
-    prompts = [prompt_of_length(tiny, 96, seed) for seed in (1, 2)]
     stack.prefill.engine.scheduler.max_batch_tokens = 96
+    both_open, opened, open_flow = threading.Event(), [], prefill_module.open_flow
+
+    async def counted_open_flow(*args, **kwargs):
+        flow = await open_flow(*args, **kwargs)
+        opened.append(flow)
+        if len(opened) % 2 == 0:
+            both_open.set()
+        return flow
+
+    monkeypatch.setattr(prefill_module, "open_flow", counted_open_flow)
     calls: list[list] = []
     submit = stack.prefill.worker.submit
 
     def recording(fn, *args, **kwargs):
         call = [fn.__name__, args[0] if args else None]
         calls.append(call)
-        future = submit(fn, *args, **kwargs)
-        if fn.__name__ == "step":
-            future.add_done_callback(lambda done: call.__setitem__(1, {o.request_id for o in done.result() or []
-                                                                       if o.token_id is not None}))
+        if fn.__name__ != "step":
+            return submit(fn, *args, **kwargs)
+
+        def step():  # a pair's first step waits for both flows, as a real model's long steps let them open
+            both_open.wait(timeout=30)
+            return fn(*args, **kwargs)
+
+        future = submit(step)
+        future.add_done_callback(lambda done: call.__setitem__(1, {o.request_id for o in done.result() or []
+                                                                   if o.token_id is not None}))
         return future
 
     stack.prefill.worker.submit = recording
-    answers = await asyncio.gather(*(post(stack, "/completions", {
-        "model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True}) for ids in prompts))
-    for ids, (status, body) in zip(prompts, answers):
-        assert status == 200, body
-        assert body["choices"][0]["text"] == expected_text(tiny, ids, 8)
-    steps = [(index, done) for index, (name, done) in enumerate(calls) if name == "step" and done]
-    assert len(steps) == 2, calls  # one prompt per step
-    (first_step, (first_id,)), (second_step, _) = steps
-    export = next(index for index, (name, rid) in enumerate(calls) if name == "export_frames" and rid == first_id)
-    assert first_step < export < second_step, calls
+    for pair in range(3):  # the old order was a race: three pairs make a pass by luck unlikely
+        both_open.clear()
+        calls.clear()
+        # No block in common: a flow bringing blocks another flow already brings would wait for it.
+        prompts = [tiny.tokenizer.encode(f"{start} {pair}: " + " ".join(f"item {i} is {i * 7 % 13}" for i in range(60)),
+                                         add_special_tokens=False)[:96] for start in ("Apples", "Rivers and roads")]
+        assert prompts[0][:16] != prompts[1][:16]
+        answers = await asyncio.gather(*(post(stack, "/completions", {
+            "model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+            for ids in prompts))
+        for ids, (status, body) in zip(prompts, answers):
+            assert status == 200, body
+            assert body["choices"][0]["text"] == expected_text(tiny, ids, 8)
+        steps = [(index, done) for index, (name, done) in enumerate(calls) if name == "step" and done]
+        assert len(steps) == 2, calls  # one prompt per step
+        (first_step, (first_id,)), (second_step, _) = steps
+        export = next(i for i, (name, rid) in enumerate(calls) if name == "export_frames" and rid == first_id)
+        assert first_step < export < second_step, calls
