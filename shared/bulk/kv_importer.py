@@ -6,7 +6,7 @@ policy (``shared.decode_cache``); this module runs it against the engine and the
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -23,6 +23,10 @@ from shared.metrics import PREFIX_HIT_BLOCKS, PREFIX_LOOKUP_BLOCKS
 log = structlog.get_logger(__name__)
 ROOM_POLL_S = 0.05
 """How often a flow waiting for room looks again."""
+MAX_QUEUED_FRAMES = 4
+"""Frames of one flow queued on the engine thread at once. The receiver queues a frame and
+reads the next without waiting for its import, so frames that arrive during a step import
+together after it, and the flow's end follows them, instead of a decode step between each."""
 
 
 @dataclass
@@ -34,12 +38,17 @@ class ImportState:
         cached_tokens: Prompt tokens the receiver's prefix cache supplied.
         stats: The flow's live byte and frame counts.
         discard_when_done: The request ended elsewhere: keep the KV for the cache, then free.
+        frames_queued: Frame imports queued on the engine thread and not yet awaited.
+        frame_error: The first frame import that failed (set on the engine thread); later
+            frames and the finish refuse with it.
     """
 
     flow_open: FlowOpen
     cached_tokens: int
     stats: FlowStats
     discard_when_done: bool = False
+    frames_queued: list[asyncio.Future] = field(default_factory=list)
+    frame_error: Exception | None = None
 
 
 ImportCompleted = Callable[[ImportState, RequestView, FlowStats], Awaitable[None]]
@@ -176,7 +185,34 @@ class KvImporter:
         return {rid for rid, state in list(self.imports.items()) if state.discard_when_done}
 
     async def import_frame(self, request_id: str, frame: KvFrame) -> None:
-        await self._worker.call(self._worker.engine.import_frame, frame)
+        """Queue the frame's import (the receiver reads on meanwhile); raise a failed import."""
+        state = self.imports.get(request_id)
+        if state is None:  # not importing here (cancelled): the engine refuses the frame
+            await self._worker.call(self._worker.engine.import_frame, frame)
+            return
+        if state.frame_error is not None:
+            raise state.frame_error
+        state.frames_queued = [f for f in state.frames_queued if not f.done()]
+        if len(state.frames_queued) >= MAX_QUEUED_FRAMES:
+            await state.frames_queued.pop(0)
+        queued = self._worker.submit(self.import_frame_intact, state, frame)
+        queued.add_done_callback(_retrieve_exception)
+        state.frames_queued.append(queued)
+
+    def import_frame_intact(self, state: ImportState, frame: KvFrame):
+        # On the engine thread: once a frame failed, no later one may land after the gap.
+        if state.frame_error is not None:
+            raise state.frame_error
+        try:
+            self._worker.engine.import_frame(frame)
+        except Exception as exc:
+            state.frame_error = exc
+            raise
+
+    def finish_import_intact(self, state: ImportState, request_id: str, end: FlowEnd) -> RequestView:
+        if state.frame_error is not None:
+            raise state.frame_error
+        return self._worker.engine.finish_import(request_id, end.output_token_ids, end.output_logprobs)
 
     async def end_flow(self, request_id: str, end: FlowEnd, stats: FlowStats) -> None:
         state = self.imports.pop(request_id, None)
@@ -184,11 +220,19 @@ class KvImporter:
             return
         self._release(request_id)
         engine = self._worker.engine
-        if state.discard_when_done:
-            await self._worker.call(engine.free, request_id)
-            log.info("kv_import_kept_for_cache", request_id=request_id)
-            return
-        seq = await self._worker.call(engine.finish_import, request_id, end.output_token_ids, end.output_logprobs)
+        try:
+            if state.discard_when_done:
+                await asyncio.gather(*state.frames_queued)
+                await self._worker.call(engine.free, request_id)
+                log.info("kv_import_kept_for_cache", request_id=request_id)
+                return
+            # Queued right behind the flow's frames, before any step the engine loop asks for later.
+            finishing = self._worker.submit(self.finish_import_intact, state, request_id, end)
+            await asyncio.gather(*state.frames_queued, return_exceptions=True)
+            seq = await finishing
+        except Exception as exc:
+            await self._abort(state, request_id, f"KV import failed: {exc}")
+            raise
         log.info("kv_import_done", request_id=request_id, frames=stats.frames,
                  kv_bytes=stats.bytes_received, transfer_s=round(stats.transfer_s, 4))
         await self._on_complete(state, seq, stats)
@@ -198,6 +242,9 @@ class KvImporter:
         if state is None:
             return
         self._release(request_id)
+        await self._abort(state, request_id, reason)
+
+    async def _abort(self, state: ImportState, request_id: str, reason: str):
         await self._worker.call(self._worker.engine.abort, request_id)
         log.warning("kv_import_aborted", request_id=request_id, reason=reason)
         if self._on_abort and not state.discard_when_done:
@@ -227,4 +274,10 @@ class KvImporter:
         self._release(request_id)
         await self._worker.call(self._worker.engine.abort, request_id)
         return state
+
+
+def _retrieve_exception(future: asyncio.Future):
+    # A frame import nobody awaits any more (its flow was cancelled) must not warn at exit.
+    if not future.cancelled():
+        future.exception()
 

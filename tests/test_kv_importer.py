@@ -1,0 +1,95 @@
+"""The receiving side of a KV flow against a real engine: frames that arrive while the engine
+is busy are queued behind its step, not imported one step at a time."""
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from shared.bulk.kv_importer import KvImporter
+from shared.bulk.receiver import FlowStats
+from shared.engine.hf_engine import HfEngine
+from shared.engine.sampling import SamplingParams
+from shared.engine_worker import EngineWorker
+from shared.errors import FrameOwnershipError
+from shared.kv_wire import decode_frame
+from shared.messages import FlowEnd, FlowOpen
+from tests.helpers import prompt_of_length, reference_greedy
+
+
+def exported_frames(tiny, prompt: list[int], frame_tokens: int) -> tuple[int, list]:
+    """A prefill's first token and its prompt KV as wire frames, decoded as a receiver sees them."""
+    prefill = HfEngine(tiny, num_blocks=64)
+    prefill.add_request("r", prompt, SamplingParams(max_tokens=1))
+    first = prefill.step()[0].token_id
+    receiver = HfEngine(tiny, num_blocks=4)
+    frames = [decode_frame(b"".join(bytes(p) for p in parts), receiver.frame_expectation)
+              for parts in prefill.export_frames("r", 0, len(prompt), max_tokens_per_frame=frame_tokens)]
+    return first, frames
+
+
+async def test_frames_queue_behind_a_busy_engine_and_the_flow_finishes_right_after(tiny, tmp_path):
+    prompt = prompt_of_length(tiny, 96)
+    first, frames = exported_frames(tiny, prompt, frame_tokens=32)
+    assert len(frames) == 3
+    engine = HfEngine(tiny, num_blocks=64)
+    log = tmp_path / "calls.jsonl"
+    worker = EngineWorker(engine, "main-decode-0", call_log=str(log))
+    done = asyncio.get_running_loop().create_future()
+
+    async def on_complete(state, seq, stats):
+        done.set_result(seq)
+
+    importer = KvImporter(worker, on_complete)
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    flow_open = FlowOpen(request_id="r", role="main_decode", token_ids=prompt, sampling=sampling, seed=0,
+                         sender_id="prefill-0", receiver_id="main-decode-0", unix_s=0.0, nonce="")
+    assert await importer.open_flow(flow_open, FlowStats()) == 0
+
+    step_running = threading.Event()
+
+    def a_long_step():  # stands for a decode step in progress when the frames arrive
+        step_running.wait(timeout=30)
+
+    busy = worker.submit(a_long_step)
+    for frame in frames:  # each returns at once: the receiver reads the next frame meanwhile
+        await asyncio.wait_for(importer.import_frame("r", frame), timeout=5)
+    ending = asyncio.create_task(importer.end_flow("r", FlowEnd(request_id="r", output_token_ids=[first]),
+                                                   FlowStats(frames=3)))
+    await asyncio.sleep(0)  # end_flow queues the finish before it awaits anything
+    assert not busy.done()
+    step_running.set()
+    await asyncio.wait_for(ending, timeout=10)
+    seq = await done
+    calls = [json.loads(line)["call"] for line in log.read_text().splitlines()]
+    assert calls[-5:] == ["a_long_step", *["import_frame_intact"] * 3, "finish_import_intact"]
+    assert seq.num_imported_tokens == len(prompt)
+    while await worker.call(engine.has_work):
+        await worker.call(engine.step)
+    assert list(engine.request("r").output_token_ids) == reference_greedy(tiny, prompt, 8)
+    worker.shutdown()
+
+
+async def test_a_frame_that_fails_to_import_aborts_the_flow_and_frees_its_blocks(tiny):
+    prompt = prompt_of_length(tiny, 96)
+    first, frames = exported_frames(tiny, prompt, frame_tokens=32)
+    engine = HfEngine(tiny, num_blocks=64)
+    worker = EngineWorker(engine, "main-decode-0")
+    aborted = []
+
+    async def on_abort(request_id, reason):
+        aborted.append(request_id)
+
+    importer = KvImporter(worker, on_complete=None, on_abort=on_abort)
+    sampling = SamplingParams(max_tokens=8)
+    flow_open = FlowOpen(request_id="r", role="main_decode", token_ids=prompt, sampling=sampling, seed=0,
+                         sender_id="prefill-0", receiver_id="main-decode-0", unix_s=0.0, nonce="")
+    await importer.open_flow(flow_open, FlowStats())
+    await importer.import_frame("r", frames[0])
+    await importer.import_frame("r", frames[2])  # a gap: the engine refuses it
+    with pytest.raises(FrameOwnershipError):  # the receiver drops the connection on it
+        await importer.end_flow("r", FlowEnd(request_id="r", output_token_ids=[first]), FlowStats())
+    assert aborted == ["r"] and not importer.holds("r")
+    assert engine.blocks.num_used_blocks == 0 and engine.request("r") is None
+    worker.shutdown()
