@@ -67,9 +67,9 @@ class Deployment:
         host_cores: Every engine shares this many cores (this machine); None: one chip each.
         threads_per_engine: Threads an engine computes with on a shared host.
         host_speed: Measured speed of an engine while k engines compute (``{"2": 0.4, ...}``).
-        engine_thread_io: KV import is our engine's: one engine-thread call per frame (and two
-            at a flow's opening), each after the step then running. False: one import per
-            transfer (a device copy beside the steps, as a GPU engine does it).
+        engine_thread_io: A flow's opening is our engine's: two engine-thread calls (the
+            prefix lookup and ``begin_import``), each after the step then running. False: the
+            opening costs no engine time (a GPU engine's scheduler does it beside the steps).
         ttft_target_s: The router's relay threshold (None: its default).
         odd_rule: The odd-traffic rule (None: the router's default).
         initial_wan_bps: The router's WAN bandwidth estimate before its first sample (None: its

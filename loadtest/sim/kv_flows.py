@@ -1,15 +1,10 @@
 """The bulk channel, simulated: flow opening, room at the receiver, in-flight dedupe, shipping
-from the first needed token, and frame-by-frame import on the receiver's engine thread."""
+from the first needed token, and the import on the receiver's engine thread."""
 
-import math
 from collections import defaultdict, deque
 
 from loadtest.sim.flight import Flight
 from loadtest.sim.instance import SimEngine
-from shared.config import PrefillConfig
-
-FRAME_TOKENS = PrefillConfig().frame_tokens
-"""Tokens per KV wire frame, as prefill sends them."""
 
 
 class KvFlows:
@@ -118,18 +113,7 @@ class KvFlows:
             wake()
 
     def import_kv(self, receiver: SimEngine, num_bytes: int, then):
-        """Frame by frame (one engine call each, ``FRAME_TOKENS`` tokens a frame), then
-        ``finish_import``: each call waits for the step running when it is made."""
-        if not self.d.engine_thread_io:
-            receiver.add_serial(receiver.cost.import_s(num_bytes), then)
-            return
-        frames = max(1, math.ceil(num_bytes / (FRAME_TOKENS * self.d.kv_bytes_per_token)))
-        per_frame_s = receiver.cost.import_s(num_bytes) / frames
-
-        def frame(left: int):
-            if left == 0:
-                receiver.add_serial(0.0, then)  # finish_import
-            else:
-                receiver.add_serial(per_frame_s, lambda: frame(left - 1))
-
-        frame(frames)
+        """The flow's frames and its ``finish_import`` queue together on the receiver's engine
+        thread (our importer does not wait for one frame before queueing the next): they run
+        once the step in progress ends, before the next one."""
+        receiver.add_serial(receiver.cost.import_s(num_bytes), then)
