@@ -17,10 +17,11 @@ async def test_each_call_is_recorded_in_order_with_its_batch(tiny, tmp_path):
     await worker.call(engine.add_request, "r", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
     while await worker.call(engine.has_work):
         await worker.call(engine.step)
+    await worker.call(engine.step)  # nothing left to run: no batch, not the last one again
     worker.shutdown()
     calls = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [c["call"] for c in calls] == ["add_request", "step", "step"]  # has_work is not recorded
-    assert calls[1]["batch"] == [[40, 0]] and calls[2]["batch"] == [[1, 40]]
+    assert [c["call"] for c in calls] == ["add_request", "step", "step", "step"]  # has_work is not recorded
+    assert calls[1]["batch"] == [[40, 0]] and calls[2]["batch"] == [[1, 40]] and calls[3]["batch"] == []
     assert {c["instance"] for c in calls} == {"prefill-0"}
     assert all(c["queued_s"] <= c["start_s"] <= c["end_s"] for c in calls)
     assert all(a["end_s"] <= b["start_s"] for a, b in zip(calls, calls[1:]))  # one thread, in order

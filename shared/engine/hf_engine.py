@@ -117,6 +117,7 @@ class HfEngine(EngineBackend):
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
+        self.last_batch = []
         batch, unfit = self.scheduler.schedule()
         if unfit is not None:
             return [self._fail(unfit, f"out of KV blocks: {len(unfit.token_ids)} tokens do not fit the pool")]
