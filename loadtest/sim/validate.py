@@ -53,7 +53,7 @@ def bench_deployment(config: dict, mode: str, cost: LinearCostModel, host_cores:
                       pipeline_policy=spec["pipeline_policy"], md_prefix_cache=spec["md_prefix_cache"],
                       host_cores=host_cores, host_speed=host_speed, engine_thread_io=True, initial_wan_bps=link.bandwidth_bps,
                       initial_wan_rtt_s=link.rtt_ms / 1000,
-                      **({"local_bytes_per_s": local_bytes_per_s} if local_bytes_per_s else {}))
+                      local_bytes_per_s=local_bytes_per_s or Deployment.local_bytes_per_s)
 
 
 def predict_mode(folder: Path, config: dict, mode: str, cost: LinearCostModel, host_cores: int,
@@ -103,11 +103,11 @@ def validate(folder: Path, profile_path: Path, host_cores: int | None = None) ->
     profile = json.loads(Path(profile_path).read_text())
     cost = load_linear(profile_path)
     cores = host_cores or profile.get("host_cores") or os.cpu_count()
+    local_bytes_per_s = (profile.get("local_path") or {}).get("bytes_per_s")
     modes = {}
     for mode, measured in results["modes"].items():
         if mode not in MODES:
             continue
-        local_bytes_per_s = (profile.get("local_path") or {}).get("bytes_per_s")
         modes[mode] = compare(predict_mode(folder, config, mode, cost, cores, profile.get("shared_host_speed"),
                                            local_bytes_per_s), measured)
     return {"modes": modes, "profile": str(profile_path), "run": str(folder), "host_cores": cores}
