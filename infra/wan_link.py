@@ -28,6 +28,10 @@ from shared.messages import LinkRoute
 
 log = structlog.get_logger(__name__)
 CHUNK_BYTES = 64 << 10
+READ_AHEAD_S = 0.010
+"""How far ahead of the link the proxy reads. A sleep on a busy machine wakes a millisecond
+or more late; reading only once the link is free would leave it idle for that long after
+every chunk (81 % of 100 Mbit/s and 34 % of 1 Gbit/s were measured that way)."""
 ROUTE_TIMEOUT_S = 5.0
 """A connection to a routed port must name its target within this."""
 MAX_ROUTE_BYTES = 4 << 10
@@ -242,8 +246,8 @@ class WanLink:
                 queue.put_nowait((last_delivery, data))
                 link.queued_bytes += len(data)
                 # Pace reading to the link: the sender feels the cap through TCP back-pressure.
-                if link.free_at > now:
-                    await asyncio.sleep(link.free_at - now)
+                if link.free_at - now > READ_AHEAD_S:
+                    await asyncio.sleep(link.free_at - now - READ_AHEAD_S)
         except (ConnectionError, OSError):
             pass
         finally:
