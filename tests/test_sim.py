@@ -85,6 +85,28 @@ def test_engine_runs_decode_as_macro_steps_and_new_work_joins_at_a_step_boundary
     assert done[0] == pytest.approx(3 * step_s + COST.step_s([(50, 100)], 1, 103), rel=1e-3)
 
 
+def test_calls_queued_by_a_steps_outputs_run_before_the_next_step_and_later_ones_after_it():
+    # As the engine worker runs them: a finished prompt's exports (one per path) go before the
+    # next prompt's step; a call queued while those run waits for that step.
+    events = EventQueue()
+    engine = SimEngine(events, "prefill-0", "prefill", "site-a", COST, SimKvPool(1000), max_sequences=4)
+    ran = []
+    export_s = 0.01
+
+    def first_prompt_done():
+        ran.append(("first", events.now))
+        engine.add_serial(export_s, lambda: ran.append(("export-md", events.now)))
+        engine.add_serial(0.0, lambda: (ran.append(("export-relay", events.now)),
+                                         engine.add_serial(0.0, lambda: ran.append(("late", events.now)))))
+
+    engine.add_chunked(Chunked(100, 0, first_prompt_done))
+    engine.add_chunked(Chunked(10, 0, lambda: ran.append(("second", events.now))))
+    events.run()
+    assert [name for name, _ in ran] == ["first", "export-md", "export-relay", "second", "late"]
+    first_s = COST.step_s([(100, 0)], 0, 0)
+    assert dict(ran)["second"] == pytest.approx(first_s + export_s + COST.step_s([(10, 0)], 0, 0))
+
+
 def test_cold_turns_are_relayed_and_warm_follow_ups_go_straight_to_main_decode():
     simulator, result = run(agent_records())
     by_turn = {(r.session, r.turn): r for r in result.requests}

@@ -20,6 +20,8 @@ class Flight:
         shipped, exported: Paths shipped; start indices exported (one export per start).
         waiters: Flows of the same prefix waiting for this one's import.
         held: Per path, the receiver whose room it holds; ``room_asked_s`` since when it waited.
+        open_arrived_s, open_queued_s: Per path, when the flow's opening reached the receiver,
+            and how long the receiver took to answer it.
         main_pinned, relay_freed: Main decode holds its blocks; the relay let go of it.
     """
 
@@ -39,4 +41,6 @@ class Flight:
         self.waiters: list = []
         self.held: dict[str, SimEngine] = {}
         self.room_asked_s: dict[str, float] = {}
+        self.open_arrived_s: dict[str, float] = {}
+        self.open_queued_s: dict[str, float] = {}
         self.main_pinned = self.relay_freed = False

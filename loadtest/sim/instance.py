@@ -1,7 +1,8 @@
 """A simulated engine instance: continuous batching with chunked prefill, as the engine does it.
 
 Each step runs one token of every decoding sequence, then prompt and extend chunks under the
-token budget; KV export and import run on the engine's thread between steps. Steps of pure
+token budget; KV export and import run on the engine's thread between steps, in the order the
+engine worker runs them (see ``_Call``). Steps of pure
 decode repeat unchanged until a sequence ends, so they run as one macro step (cut short when
 new work arrives, which joins at the next step boundary). Engines on one host share its cores
 (this machine: every process on 2 cores); on a GPU deployment each instance has its own chip.
@@ -81,6 +82,25 @@ class Chunked:
 
 
 @dataclass
+class _Call:
+    """Engine-thread work that is not a step (``EngineWorker.submit``).
+
+    Attributes:
+        seconds: Its compute time at full speed.
+        on_done: Called when it ends.
+        before_next_step: It runs before the next step. The worker runs calls in the order they
+            were submitted, and the engine loop asks for its next step only after it has handed
+            out the last step's outputs (and the prefill has queued the exports they made due).
+            So a call queued during a step, or by that step's outputs, runs before the next one;
+            a call queued once the loop has asked (while earlier calls run) waits for that step.
+    """
+
+    seconds: float
+    on_done: Callable[[], None]
+    before_next_step: bool
+
+
+@dataclass
 class _Step:
     started_s: float
     step_s: float
@@ -101,12 +121,12 @@ class SimEngine:
         self.running: list[DecodeSeq] = []
         self.waiting: deque[DecodeSeq] = deque()
         self.chunks: deque[Chunked] = deque()
-        self.serial: deque[tuple[float, Callable]] = deque()
+        self.serial: deque[_Call] = deque()
         self.requests = 0
         self.busy_s = 0.0
         self._step: _Step | None = None
         self._speed = 1.0
-        self._last_was_serial = False
+        self._ending: _Step | None = None
         self._last_s = 0.0
         self._version = 0
         if host:
@@ -132,8 +152,13 @@ class SimEngine:
 
     def add_serial(self, seconds: float, on_done: Callable[[], None]):
         """Engine-thread work that is not a step (KV export or import, a prefix lookup): it
-        runs once the current step ends, and a step runs between two such calls."""
-        self.serial.append((seconds, on_done))
+        runs once the current step ends, before or after the next step as ``_Call`` says."""
+        ending, step = self._ending, self._step
+        if ending is not None:  # queued by what just ended: a step's outputs, or a call's result
+            before = not ending.serial
+        else:  # idle, or queued while a step or a call runs
+            before = step is None or not step.serial
+        self.serial.append(_Call(seconds, on_done, before))
         self._kick()
 
     def drop(self, seq: DecodeSeq):
@@ -172,12 +197,11 @@ class SimEngine:
     def _compose(self) -> _Step | None:
         now = self.events.now
         decodes = [s for s in self.running if not s.paused and s.remaining > 0]
-        # engine-thread calls queue behind the step already asked for: one call, then a step
-        if self.serial and not (self._last_was_serial and (decodes or self.chunks)):
-            seconds, on_done = self.serial.popleft()
-            self._last_was_serial = True
-            return _Step(now, seconds, 1, [], serial=on_done)
-        self._last_was_serial = False
+        if self.serial and (self.serial[0].before_next_step or not (decodes or self.chunks)):
+            call = self.serial.popleft()
+            return _Step(now, call.seconds, 1, [], serial=call.on_done)
+        for call in self.serial:  # queued behind this step: they run before the one after it
+            call.before_next_step = True
         budget = max(0, self.cost.max_batch_tokens - len(decodes))
         chunks = []
         most = self.cost.max_prefill_requests or len(self.chunks)
@@ -282,7 +306,11 @@ class SimEngine:
         # the step is over before anyone hears of it: work they add goes into the next one
         self._step = None
         self._admit()
-        for callback in callbacks:
-            callback()
+        self._ending = step
+        try:
+            for callback in callbacks:
+                callback()
+        finally:
+            self._ending = None
         if self._step is None:
             self._start()

@@ -20,6 +20,7 @@ class KvFlows:
     def open(self, flight: Flight, receiver: SimEngine, path: str):
         """The receiver answers a flow's opening with the first token it needs, after earlier
         flows bringing this prompt's blocks have landed (the importer's in-flight dedupe)."""
+        flight.open_arrived_s[path] = self.events.now
         if path == "md":
             claims = self._claims.setdefault(receiver.name, {}).setdefault(flight.request.session, [])
             earlier = claims[-1] if claims else None
@@ -65,13 +66,16 @@ class KvFlows:
         first = receiver.pool.hit_blocks(request.session, request.prompt_blocks(self.d.block_size)) * self.d.block_size
         first = min(first, request.prompt_tokens)
         flight.opened_s = self.events.now
+        flight.open_queued_s[path] = self.events.now - flight.open_arrived_s[path]
         latency = self.sim.one_way() if path == "md" else self.d.local_latency_s
         self.events.after(latency, lambda: self._opened(flight, path, first))
 
     def _opened(self, flight: Flight, path: str, first: int):
         flight.first_needed[path] = first
         if path == "md":
-            flight.handshake_s = self.events.now - flight.prefill_started_s
+            # as the sender measures it: one round trip, without the receiver's wait for room
+            # or for blocks in flight (FlowAccepted.queued_s)
+            flight.handshake_s = self.events.now - flight.prefill_started_s - flight.open_queued_s[path]
         self.maybe_ship(flight, path)
 
     def maybe_ship(self, flight: Flight, path: str):
