@@ -9,7 +9,8 @@ from loadtest.sim.instance import Chunked, DecodeSeq, SimEngine
 from loadtest.sim.kv_pool import SimKvPool
 from loadtest.sim.network import LinkSpec, WanPipe
 from loadtest.sim.simulator import Simulator
-from loadtest.sim.workload import SimRequest, Workload, from_records
+from loadtest.sim.workload import SimRequest, Workload, from_records, shared_first_blocks
+from loadtest.trace import TraceTurn
 
 # a SmolLM2-like engine on a 2-core CPU: 80 ms per decode step, ~1.6 ms per prompt token
 COST = LinearCostModel((0.08, 0.0016, 1e-6, 0.004, 5e-6, 0.0), 1e9, 5e9, 46080)
@@ -164,6 +165,27 @@ def test_a_slower_local_path_delays_same_site_first_tokens_by_the_kv_it_carries(
     kv_bytes = records[0]["prompt_tokens"] * 46080
     delay_s = slow.requests[0].ttft_s - fast.requests[0].ttft_s
     assert delay_s == pytest.approx(kv_bytes / 0.25e9 - kv_bytes / 2.5e9, rel=0.05)
+
+
+def test_sessions_share_the_blocks_their_first_prompts_start_with_and_caches_hit_them(tiny_metadata):
+    common = "Here is the tool output you asked for, line by line, from the build: " * 3
+    trace = [TraceTurn(0, 0, common + "alpha " * 80, 8, "cold"), TraceTurn(1, 0, common + "beta " * 80, 8, "cold"),
+             TraceTurn(2, 0, "Something else entirely. " * 20, 8, "odd"), TraceTurn(0, 1, "more", 8, "warm")]
+    shared = shared_first_blocks(trace, tiny_metadata.tokenizer, BLOCK,
+                                 system_prompt="You are a careful coding agent. Answer briefly, in plain words.")
+    assert shared[0] == shared[1] and len(shared[0]) > len(shared[2]) >= 1  # the template's start at least
+    assert shared[2] == shared[0][: len(shared[2])] and all(b < 0 for b in shared[0])
+    records = [{"session": s, "turn": 0, "kind": "cold", "prompt_tokens": 300, "output_tokens": 4} for s in (0, 1)]
+    workload = from_records(records, BLOCK, 1, "t", shared)
+    first, second = workload.requests
+    cached, uncached = SimKvPool(100), SimKvPool(100, caching=False)
+    for pool in (cached, uncached):
+        pool.pin(0, 20)
+        pool.set_chain(0, first.prompt_blocks(BLOCK))
+        pool.unpin(0, 20, first.prompt_blocks(BLOCK))
+    # another session's prompt hits the blocks every session starts with, and no further
+    assert cached.hit_blocks(1, second.prompt_blocks(BLOCK)) == len(shared[1])
+    assert uncached.hit_blocks(1, second.prompt_blocks(BLOCK)) == 0
 
 
 def test_open_loop_sessions_run_their_turns_in_order():

@@ -18,7 +18,8 @@ class Flight:
         relay_done: The relay finished it; ``prefilled``: its prefill is done; ``done``: answered.
         first_needed: Per path, the first token the receiver asked for at the flow's opening.
         shipped, exported: Paths shipped; start indices exported (one export per start).
-        waiters: Flows of the same prefix waiting for this one's import.
+        waiters: Flows of the same prefix waiting for this one's import; ``claim`` its place in
+            main decode's line (``InFlightBlocks``).
         held: Per path, the receiver whose room it holds; ``room_asked_s`` since when it waited.
         open_arrived_s, open_queued_s: Per path, when the flow's opening reached the receiver,
             and how long the receiver took to answer it.
@@ -39,6 +40,7 @@ class Flight:
         self.shipped: set[str] = set()
         self.exported: set[int] = set()
         self.waiters: list = []
+        self.claim = None
         self.held: dict[str, SimEngine] = {}
         self.room_asked_s: dict[str, float] = {}
         self.open_arrived_s: dict[str, float] = {}

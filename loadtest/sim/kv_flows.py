@@ -5,6 +5,7 @@ from collections import defaultdict, deque
 
 from loadtest.sim.flight import Flight
 from loadtest.sim.instance import SimEngine
+from shared.decode_cache import InFlightBlocks
 
 
 class KvFlows:
@@ -14,21 +15,32 @@ class KvFlows:
         self.sim, self.d, self.events = sim, sim.d, sim.events
         self.by_name, self.wan, self.local = sim.by_name, sim.wan, sim.local
         self.held: dict[str, int] = defaultdict(int)
-        self._claims: dict[str, dict[int, list]] = {}
+        self._lines: dict[str, InFlightBlocks] = defaultdict(InFlightBlocks)
+        self._claimed: dict[str, dict[str, Flight]] = defaultdict(dict)
         self._room_waiters: dict[str, deque] = defaultdict(deque)
 
     def open(self, flight: Flight, receiver: SimEngine, path: str):
         """The receiver answers a flow's opening with the first token it needs, after earlier
-        flows bringing this prompt's blocks have landed (the importer's in-flight dedupe)."""
+        flows bringing more of this prompt's leading blocks than its cache holds have landed
+        (the importer's in-flight dedupe, ``shared.decode_cache.InFlightBlocks``, itself)."""
         flight.open_arrived_s[path] = self.events.now
-        if path == "md":
-            claims = self._claims.setdefault(receiver.name, {}).setdefault(flight.request.session, [])
-            earlier = claims[-1] if claims else None
-            claims.append(flight)
-            if earlier is not None:
-                earlier.waiters.append(lambda: self._when_room(flight, receiver, path))
-                return
-        self._when_room(flight, receiver, path)
+        if path != "md":
+            self._when_room(flight, receiver, path)
+            return
+        key = f"{flight.request.session}.{flight.request.turn}"
+        flight.claim = self._lines[receiver.name].claim(key, list(flight.request.prompt_blocks(self.d.block_size)))
+        self._claimed[receiver.name][key] = flight
+        self._wait_in_line(flight, receiver)
+
+    def _wait_in_line(self, flight: Flight, receiver: SimEngine):
+        request = flight.request
+        cached = receiver.pool.hit_blocks(request.session, request.prompt_blocks(self.d.block_size))
+        found = self._lines[receiver.name].blocker(flight.claim, cached)
+        if found is None:
+            self._when_room(flight, receiver, "md")
+            return
+        behind, _ = found
+        self._claimed[receiver.name][behind].waiters.append(lambda: self._wait_in_line(flight, receiver))
 
     def _when_room(self, flight: Flight, receiver: SimEngine, path: str):
         """The receiver reserves the request's blocks once it has room (the importer's wait:
@@ -107,11 +119,12 @@ class KvFlows:
             self.local.send(num_bytes, lambda bps: self.sim.md_landed(flight, num_bytes, bps))
 
     def claim_done(self, flight: Flight):
-        """The flow's import ended (landed or cancelled): flows waiting behind it may open."""
+        """The flow's import ended (landed or cancelled): flows waiting behind it look again."""
         flight.md_ready = True
-        claims = self._claims[self.sim.main_of(flight).name][flight.request.session]
-        if flight in claims:
-            claims.remove(flight)
+        main = self.sim.main_of(flight).name
+        key = f"{flight.request.session}.{flight.request.turn}"
+        if self._claimed[main].pop(key, None) is not None:
+            self._lines[main].release(key)
         waiters, flight.waiters = flight.waiters, []
         for wake in waiters:
             wake()

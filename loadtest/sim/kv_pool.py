@@ -5,6 +5,11 @@ Every chain here is one session's (the workload names blocks per session), so a 
 over them is a set of paths; trimming the least recently used path from its tail is what the
 engine's leaf-first LRU eviction does to it. ``tier_blocks`` adds cache room beyond the
 device pool (a host-memory tier) for idle chains only.
+
+The exception are blocks every session starts with (the chat template and system prompt),
+which the workload names with negative ids: once cached they hit for any session. There are a
+handful of them and every request reads them, so they are never the least recently used and
+are not counted against the pool.
 """
 
 from collections import OrderedDict
@@ -23,10 +28,22 @@ class SimKvPool:
         self._chains: OrderedDict[int, tuple[int, ...]] = OrderedDict()
         self._busy: dict[int, int] = {}
         self._idle_blocks = 0
+        self._shared_chains: set[tuple[int, ...]] = set()
 
     def hit_blocks(self, session: int, block_ids: tuple[int, ...]) -> int:
         """Leading blocks of ``block_ids`` this pool holds (no LRU touch)."""
-        return common_prefix(self._chains.get(session) or [], block_ids)
+        own = common_prefix(self._chains.get(session) or [], block_ids)
+        if not block_ids or block_ids[0] >= 0:
+            return own
+        return max([own] + [common_prefix(chain, block_ids) for chain in self._shared_chains])
+
+    def _cache_shared(self, chain: tuple[int, ...]):
+        """Remember ``chain``'s leading shared blocks (negative ids) for every session."""
+        lead = 0
+        while lead < len(chain) and chain[lead] < 0:
+            lead += 1
+        if lead:
+            self._shared_chains.add(chain[:lead])
 
     def fits(self, num_blocks: int) -> bool:
         """Whether ``num_blocks`` more can be held by running requests now."""
@@ -53,6 +70,7 @@ class SimKvPool:
         keep = chain if self.caching and chain else old
         if keep:
             self._chains[session] = keep
+            self._cache_shared(keep)
             if not still_busy:
                 self._idle_blocks += len(keep)
         self._evict()
@@ -63,6 +81,7 @@ class SimKvPool:
         if self.caching and session in self._busy:
             self._chains[session] = chain
             self._chains.move_to_end(session)
+            self._cache_shared(chain)
 
     def insert_idle(self, session: int, chain: tuple[int, ...]):
         """History that lands without a running request (a warm cluster's earlier turn)."""
@@ -71,6 +90,7 @@ class SimKvPool:
         old = self._chains.pop(session, None)
         self._idle_blocks += len(chain) - (len(old) if old else 0)
         self._chains[session] = chain
+        self._cache_shared(chain)
         self._evict()
 
     @property

@@ -6,6 +6,7 @@ session's previous context (its prompt and, for whoever decoded it, its answer) 
 fresh ids for the rest. Caches then hit exactly where the real system's chained hashes would.
 """
 
+import functools
 import itertools
 import json
 import random
@@ -75,15 +76,17 @@ class _BlockNames:
         return reused + tuple(next(self._next) for _ in range(total_blocks - len(reused)))
 
 
-def from_records(records: list[dict], block_size: int, concurrency: int, name: str) -> Workload:
+def from_records(records: list[dict], block_size: int, concurrency: int, name: str,
+                 shared: dict[int, tuple[int, ...]] | None = None) -> Workload:
     """A measured run's requests (``records.json`` of one mode): its prompt and output lengths,
-    each follow-up reusing the previous turn's prompt and answer."""
+    each follow-up reusing the previous turn's prompt and answer (and a session's first prompt
+    its ``shared`` leading blocks, see :func:`shared_first_blocks`)."""
     names, requests = _BlockNames(), []
     by_session: dict[int, list[dict]] = {}
     for record in records:
         by_session.setdefault(record["session"], []).append(record)
     for session, turns in sorted(by_session.items()):
-        context: tuple[int, ...] = ()
+        context: tuple[int, ...] = (shared or {}).get(session, ())
         for record in sorted(turns, key=lambda r: r["turn"]):
             prompt, output = record["prompt_tokens"], max(1, record["output_tokens"])
             max_tokens = 2 if record["kind"] == "odd" else max(output, record.get("max_tokens", output))
@@ -97,10 +100,54 @@ def load_bench_records(folder: Path, mode: str, block_size: int) -> list[Workloa
     """One workload per repetition of ``mode`` in a ``pdd bench run`` folder."""
     records = json.loads((Path(folder) / "records.json").read_text())[mode]
     config = json.loads((Path(folder) / "results.json").read_text())["config"]
+    shared = _run_shared_blocks(str(folder), config.get("model") or "smollm2", block_size)
     repetitions = sorted({r.get("repetition", 0) for r in records})
     return [from_records([r for r in records if r.get("repetition", 0) == rep and not r.get("error")],
-                         block_size, config.get("concurrency", 2), f"{folder}:{mode}:{rep}")
+                         block_size, config.get("concurrency", 2), f"{folder}:{mode}:{rep}", shared)
             for rep in repetitions]
+
+
+@functools.lru_cache(maxsize=8)
+def _run_shared_blocks(folder: str, model: str, block_size: int) -> dict[int, tuple[int, ...]]:
+    """:func:`shared_first_blocks` of a bench run's trace (none without one)."""
+    from loadtest.runner import SYSTEM
+    from loadtest.trace import load_trace
+    from shared.model_loader import load_metadata
+
+    path = Path(folder) / "trace.jsonl"
+    if not path.exists():
+        return {}
+    return shared_first_blocks(load_trace(path), load_metadata(model).tokenizer, block_size, system_prompt=SYSTEM)
+
+
+def shared_first_blocks(trace: list, tokenizer, block_size: int, *, system_prompt: str) -> dict[int, tuple[int, ...]]:
+    """Per session, ids of the leading full blocks of its first prompt that another session's
+    first prompt starts with too (the chat template, the system prompt, a common opening), named
+    by their tokens so that caches hit across sessions where the real chained block hashes do.
+    The ids are negative (a workload's own are positive)."""
+    prompts = {}
+    for turn in sorted(trace, key=lambda t: (t.session, t.turn)):
+        if turn.session not in prompts:
+            text = tokenizer.apply_chat_template([{"role": "system", "content": system_prompt},
+                                                  {"role": "user", "content": turn.content}],
+                                                 add_generation_prompt=True, tokenize=False)
+            prompts[turn.session] = tokenizer.encode(text, add_special_tokens=False)
+    def prefixes(tokens):
+        return [tuple(tokens[: (j + 1) * block_size]) for j in range(len(tokens) // block_size)]
+    seen: dict[tuple, int] = {}
+    for tokens in prompts.values():
+        for prefix in prefixes(tokens):
+            seen[prefix] = seen.get(prefix, 0) + 1
+    ids: dict[tuple, int] = {}
+    shared = {}
+    for session, tokens in prompts.items():
+        chain = []
+        for prefix in prefixes(tokens):
+            if seen[prefix] < 2:
+                break
+            chain.append(-ids.setdefault(prefix, len(ids) + 1))
+        shared[session] = tuple(chain)
+    return shared
 
 
 # ----- presets ---------------------------------------------------------------------------
