@@ -18,6 +18,7 @@ import asyncio
 import json
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -102,11 +103,10 @@ def settled_link_kv_bytes(wan_control_url: str, quiet_s: float = 1.0, timeout_s:
     return last
 
 
-def run_mode(mode: str, trace, args) -> tuple[list[RequestRecord], float, int]:
-    """Start a fresh deployment for ``mode``, replay the trace, stop it.
-
-    Returns the records, the wall time and the KV bytes counted on the WAN link.
-    """
+@contextmanager
+def mode_deployment(mode: str, args):
+    """A fresh deployment for ``mode`` (one instance of each service, ``args``' model, pool and
+    link), stopped on exit."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"pdd-bench-{mode}-"))
     up_args = argparse.Namespace(
         run_dir=str(run_dir), prefill=1, rld=1, md=1, model=args.model, kv_cache_mb=args.kv_cache_mb,
@@ -116,11 +116,20 @@ def run_mode(mode: str, trace, args) -> tuple[list[RequestRecord], float, int]:
         progress=False, engine=getattr(args, "engine", "hf"), **MODES[mode])
     deployment = launcher.up(up_args)
     try:
+        yield deployment
+    finally:
+        launcher.down(run_dir, quiet=True)
+
+
+def run_mode(mode: str, trace, args) -> tuple[list[RequestRecord], float, int]:
+    """Start a fresh deployment for ``mode``, replay the trace, stop it.
+
+    Returns the records, the wall time and the KV bytes counted on the WAN link.
+    """
+    with mode_deployment(mode, args) as deployment:
         records, wall_s = asyncio.run(run_trace(deployment.router_url, trace, concurrency=args.concurrency,
                                                 open_loop=args.rate > 0))
         return records, wall_s, settled_link_kv_bytes(deployment.wan_control_url)
-    finally:
-        launcher.down(run_dir, quiet=True)
 
 
 def interleaved(modes: list[str], repetition: int) -> list[str]:

@@ -107,6 +107,10 @@ def _check_the_simulator_replays(pdd: str, run: Path, results: dict):
     fit = json.loads(profile.read_text())
     assert fit["shared_host_speed"]["2"] > 0
     assert fit["local_path"]["bytes_per_s"] > 0
+    # the calibration ran its requests through a real deployment and timed its decode steps
+    calibration = fit["deployment_steps"]
+    assert calibration["requests"] >= 6
+    assert calibration["kinds"]["decode_one"]["alone"] > 0
     assert fit["cost_model"]["features"] == list(FEATURES)
     assert len(fit["cost_model"]["coefficients"]) == len(FEATURES)
     replay = subprocess.run([pdd, "sim", "validate", str(run), "--profile", str(profile), "--json"],

@@ -5,7 +5,7 @@ import pytest
 from loadtest.sim.cost_model import LinearCostModel, nonnegative_least_squares, step_features
 from loadtest.sim.deployment import Deployment, RolePool
 from loadtest.sim.events import EventQueue
-from loadtest.sim.instance import Chunked, DecodeSeq, SimEngine
+from loadtest.sim.instance import Chunked, DecodeSeq, Host, SimEngine
 from loadtest.sim.kv_pool import SimKvPool
 from loadtest.sim.network import LinkSpec, WanPipe
 from loadtest.sim.simulator import Simulator
@@ -167,6 +167,48 @@ def test_a_slower_local_path_delays_same_site_first_tokens_by_the_kv_it_carries(
     assert delay_s == pytest.approx(kv_bytes / 0.25e9 - kv_bytes / 2.5e9, rel=0.05)
 
 
+def test_steps_run_at_their_kinds_in_deployment_speed_alone_and_beside_another_engines_step():
+    speeds = {"prompt": {"alone": 1.5, "beside": 2.0}, "decode_one": {"alone": 1.2, "beside": 1.25}}
+    events = EventQueue()
+    host = Host(2, 2, {"2": 0.5}, speeds)
+    prefill = SimEngine(events, "prefill-0", "prefill", "site-a", COST, SimKvPool(1000), max_sequences=4, host=host)
+    main = SimEngine(events, "md-0", "main_decode", "site-a", COST, SimKvPool(1000), max_sequences=4, host=host)
+    done = {}
+    prefill.add_chunked(Chunked(100, 0, lambda: done.setdefault("alone", events.now)))
+    events.run()
+    prompt_s = COST.step_s([(100, 0)], 0, 0)
+    assert done["alone"] == pytest.approx(1.5 * prompt_s)
+    # a one-sequence decode on main decode for the whole prompt step: both run "beside"
+    decode = DecodeSeq(None, 1000, 100, lambda *a: None, lambda s: None)
+    main.add_decode(decode)
+    start = events.now
+
+    def beside_done():
+        done["beside"] = events.now
+        main.settle()
+        done["decoded"] = decode.emitted
+
+    prefill.add_chunked(Chunked(100, 0, beside_done))
+    events.run(until_s=start + 10 * prompt_s)
+    assert done["beside"] - start == pytest.approx(2.0 * prompt_s, rel=1e-6)
+    decode_s = COST.step_s([], 1, 100)
+    assert done["decoded"] == int(2.0 * prompt_s / (1.25 * decode_s))
+
+
+def test_step_noise_makes_replays_differ_by_seed_and_not_without_it():
+    speeds = {kind: {"alone": 1.3, "beside": 1.8, "spread": 0.2} for kind in ("prompt", "decode_one", "decode_many")}
+    records = agent_records()
+
+    def ttfts(seed, noise):
+        simulator = Simulator(deployment(LinkSpec(100e6, 0.04, 0.0), step_speeds=speeds, step_noise=noise), seed=seed)
+        return [r.ttft_s for r in sorted(simulator.run(from_records(records, BLOCK, 2, "t")).requests,
+                                         key=lambda r: (r.session, r.turn))]
+
+    assert ttfts(1, True) == ttfts(1, True)
+    assert ttfts(1, True) != ttfts(2, True)
+    assert ttfts(1, False) == ttfts(2, False)
+
+
 def test_sessions_share_the_blocks_their_first_prompts_start_with_and_caches_hit_them(tiny_metadata):
     common = "Here is the tool output you asked for, line by line, from the build: " * 3
     trace = [TraceTurn(0, 0, common + "alpha " * 80, 8, "cold"), TraceTurn(1, 0, common + "beta " * 80, 8, "cold"),
@@ -186,6 +228,23 @@ def test_sessions_share_the_blocks_their_first_prompts_start_with_and_caches_hit
     # another session's prompt hits the blocks every session starts with, and no further
     assert cached.hit_blocks(1, second.prompt_blocks(BLOCK)) == len(shared[1])
     assert uncached.hit_blocks(1, second.prompt_blocks(BLOCK)) == 0
+
+
+def test_flows_sharing_the_system_prompts_blocks_wait_in_main_decodes_line():
+    # Two cold prompts sent together, one prefill step: without a decode-side cache the second
+    # flow waits for the first one's import (they share the template's blocks), as the
+    # importer's InFlightBlocks has it; with unrelated prompts both cross at once.
+    records = [{"session": s, "turn": 0, "kind": "cold", "prompt_tokens": 850, "output_tokens": 4} for s in (0, 1)]
+    transfer_s = 850 * 46080 * 8 / 100e6
+    ttfts = {}
+    for shared in ({0: (-1, -2), 1: (-1, -2)}, None):
+        simulator = Simulator(deployment(LinkSpec(100e6, 0.04, 0.0), pipeline_policy="P-MD", md_prefix_cache=False,
+                                         engine_wake_s=0.003))
+        result = simulator.run(from_records(records, BLOCK, 2, "t", shared))
+        ttfts[shared is not None] = sorted(r.ttft_s for r in result.requests)
+    in_line, together = ttfts[True], ttfts[False]
+    assert in_line[1] - in_line[0] == pytest.approx(transfer_s, rel=0.1)
+    assert together[1] - together[0] < 0.1 * transfer_s
 
 
 def test_open_loop_sessions_run_their_turns_in_order():

@@ -34,6 +34,8 @@ def add_sim_parsers(commands):
                          help="weights and KV dtype")
     profile.add_argument("--quick", action="store_true", help="small sizes, one repeat (a smoke run)")
     profile.add_argument("--out", default="profile.json", help="where to write the profile")
+    profile.add_argument("--no-deployment", action="store_true", help="skip the calibration run through a "
+                         "real deployment on this machine (step speeds inside it; about 2 minutes)")
     profile.set_defaults(handler=cmd_profile)
 
     sim = commands.add_parser("sim", help="the discrete-event simulator")
@@ -43,6 +45,8 @@ def add_sim_parsers(commands):
     validate.add_argument("--profile", default=str(REPO_PROFILE), help="cost profile from pdd profile")
     validate.add_argument("--cores", type=int, default=None, help="cores the engines shared (default: the "
                           "profile's machine)")
+    validate.add_argument("--replays", type=int, default=None, help="replays of each repetition, step times "
+                          "drawn around the profile's in-deployment speeds (default 8; 1 without them)")
     validate.add_argument("--json", action="store_true", help="machine-readable output")
     validate.set_defaults(handler=cmd_sim_validate)
     paper = kinds.add_parser("paper", help="the paper's setting at cluster scale, four designs, the bathtub")
@@ -76,7 +80,10 @@ def cmd_profile(args) -> int:
     from loadtest.sim.profile import measure_profile, write_profile
     from shared.model_loader import load_model
 
-    profile = measure_profile(load_model(args.model, device=args.device, dtype=args.dtype), quick=args.quick)
+    # the deployment's engines run on the CPU, in float32
+    calibrate = not args.no_deployment and args.device == "cpu" and args.dtype == "float32"
+    profile = measure_profile(load_model(args.model, device=args.device, dtype=args.dtype), quick=args.quick,
+                              deployment_model=args.model if calibrate else None)
     write_profile(profile, Path(args.out))
     errors = [abs(s["rel_error"]) for s in profile["samples"]]
     print(f"{len(errors)} samples, fit error median {sorted(errors)[len(errors) // 2]:.0%}, "
@@ -88,7 +95,7 @@ def cmd_sim_validate(args) -> int:
     """Predicted vs measured for a bench run."""
     from loadtest.sim.validate import render, validate
 
-    report = validate(Path(args.dir), Path(args.profile), args.cores)
+    report = validate(Path(args.dir), Path(args.profile), args.cores, args.replays)
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
 

@@ -67,6 +67,13 @@ class Deployment:
         host_cores: Every engine shares this many cores (this machine); None: one chip each.
         threads_per_engine: Threads an engine computes with on a shared host.
         host_speed: Measured speed of an engine while k engines compute (``{"2": 0.4, ...}``).
+        step_speeds: Per kind of step, how much slower it runs inside a deployment on this host
+            than the cost model says, alone and beside another engine's step (``pdd profile``'s
+            ``deployment_steps.kinds``); None: ``host_speed`` alone.
+        step_noise: Draw each step's time around its kind's factor with the spread measured
+            (a replay is then one of many possible runs; the simulator's seed picks which).
+        engine_wake_s: On a shared host, how long an idle engine's loop takes to start a step
+            once work arrives (``deployment_steps.wake_s``).
         engine_thread_io: A flow's opening is our engine's: two engine-thread calls (the
             prefix lookup and ``begin_import``), each after the step then running. False: the
             opening costs no engine time (a GPU engine's scheduler does it beside the steps).
@@ -93,6 +100,9 @@ class Deployment:
     host_cores: int | None = None
     threads_per_engine: int = 2
     host_speed: dict | None = None
+    step_speeds: dict | None = None
+    step_noise: bool = False
+    engine_wake_s: float = 0.0
     engine_thread_io: bool = False
     ttft_target_s: float | None = None
     odd_rule: OddTrafficRule | None = None

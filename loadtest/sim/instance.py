@@ -9,6 +9,7 @@ new work arrives, which joins at the next step boundary). Engines on one host sh
 """
 
 import math
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,14 +19,43 @@ from loadtest.sim.kv_pool import SimKvPool
 
 
 class Host:
-    """Cores shared by engines. With ``busy`` engines computing, each runs at the speed
-    measured for that many (``pdd profile``'s ``shared_host_speed``), or, unmeasured, at
-    ``min(1, cores / (threads_per_engine * busy))`` of its full speed."""
+    """Cores shared by engines.
 
-    def __init__(self, cores: int, threads_per_engine: int, measured: dict | None = None):
+    With ``step_speeds`` (``pdd profile``'s ``deployment_steps``), a step runs at the speed
+    measured for its kind inside a deployment, alone or beside another engine's step, and with
+    ``rng`` each step's time is drawn around it with the spread measured there. Otherwise (and
+    for engine-thread calls that are not steps), with ``busy`` engines computing each runs at the
+    speed measured for that many (``shared_host_speed``), or, unmeasured, at
+    ``min(1, cores / (threads_per_engine * busy))`` of its full speed. An idle engine's loop
+    starts a step ``wake_s`` after work arrives (what arrives meanwhile shares the step)."""
+
+    def __init__(self, cores: int, threads_per_engine: int, measured: dict | None = None,
+                 step_speeds: dict | None = None, rng: random.Random | None = None, wake_s: float = 0.0):
         self.cores, self.threads_per_engine = cores, threads_per_engine
         self.measured = {int(k): v for k, v in (measured or {}).items()}
+        self.step_speeds = step_speeds or {}
+        self.rng = rng
+        self.wake_s = wake_s
         self.engines: list["SimEngine"] = []
+
+    def step_speed(self, engine: "SimEngine") -> float:
+        """Speed of ``engine``'s step (or call) now."""
+        row = self.step_speeds.get(engine.step_kind)
+        if row:
+            beside = any(other is not engine and other.computing for other in self.engines)
+            first, second = ("beside", "alone") if beside else ("alone", "beside")
+            factor = row.get(first) or row.get(second)  # one unmeasured: the other stands in
+            if factor:
+                return 1.0 / factor
+        return self.speed()
+
+    def step_noise(self, kind: str, count: int) -> float:
+        """A factor drawn for a (macro) step of ``count`` steps of ``kind``: 1 without ``rng``."""
+        row = self.step_speeds.get(kind) or {}
+        spread = row.get("spread") or 0.0
+        if self.rng is None or not spread:
+            return 1.0
+        return math.exp(self.rng.gauss(0.0, spread / math.sqrt(count)))
 
     def speed(self) -> float:
         """Speed of a busy engine now."""
@@ -109,6 +139,7 @@ class _Step:
     chunks: list = field(default_factory=list)
     serial: Callable | None = None
     work_done: float = 0.0
+    kind: str = ""
 
 
 class SimEngine:
@@ -127,6 +158,7 @@ class SimEngine:
         self._step: _Step | None = None
         self._speed = 1.0
         self._ending: _Step | None = None
+        self._waking = False
         self._last_s = 0.0
         self._version = 0
         if host:
@@ -134,8 +166,18 @@ class SimEngine:
 
     @property
     def busy(self) -> bool:
-        """Computing a step now."""
+        """Computing a step or running an engine-thread call now."""
         return self._step is not None
+
+    @property
+    def computing(self) -> bool:
+        """Computing a step (not a call) now."""
+        return self._step is not None and self._step.serial is None
+
+    @property
+    def step_kind(self) -> str:
+        """The kind of the step computing now (``step_speeds.KINDS``); "" for none or a call."""
+        return self._step.kind if self._step is not None else ""
 
     # ----- work in ------------------------------------------------------------------------
 
@@ -184,8 +226,16 @@ class SimEngine:
             self.running.append(seq)
 
     def _kick(self):
-        """New work: start a step if idle, else end the current macro step at its next boundary."""
+        """New work: start a step if idle (after the loop's wake-up, unless it is an engine-thread
+        call, which the worker runs at once), else end the current macro step at its next boundary."""
         if self._step is None:
+            wake_s = self.host.wake_s if self.host else 0.0
+            if self._waking:
+                return
+            if wake_s > 0 and not self.serial:
+                self._waking = True
+                self.events.after(wake_s, self._woken)
+                return
             self._start()
             return
         step = self._step
@@ -193,6 +243,11 @@ class SimEngine:
             self._progress()
             step.count = min(step.count, math.floor(step.work_done) + 1)
             self._schedule_end()
+
+    def _woken(self):
+        self._waking = False
+        if self._step is None:
+            self._start()
 
     def _compose(self) -> _Step | None:
         now = self.events.now
@@ -218,7 +273,10 @@ class SimEngine:
             count = min(s.remaining for s in decodes)
         context = sum(s.context_tokens for s in decodes) + len(decodes) * (count - 1) / 2
         step_s = self.cost.step_s([(take, w.context) for w, take in chunks], len(decodes), int(context))
-        return _Step(now, step_s, count, decodes, chunks)
+        kind = "prompt" if chunks else ("decode_one" if len(decodes) == 1 else "decode_many")
+        if self.host:
+            step_s *= self.host.step_noise(kind, count)
+        return _Step(now, step_s, count, decodes, chunks, kind=kind)
 
     def _start(self):
         self._step = self._compose()
@@ -229,7 +287,7 @@ class SimEngine:
             return
         if self.host:
             self.host.changed(self)
-            self._speed = self.host.speed()
+            self._speed = self.host.step_speed(self)
         self._schedule_end()
 
     def _progress(self):
@@ -244,7 +302,7 @@ class SimEngine:
         if self._step is None:
             return
         self._progress()
-        self._speed = self.host.speed() if self.host else 1.0
+        self._speed = self.host.step_speed(self) if self.host else 1.0
         self._schedule_end()
 
     def _schedule_end(self):

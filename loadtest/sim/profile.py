@@ -21,6 +21,7 @@ import torch
 from loadtest.bulk_bench import loopback_bytes_per_s
 from loadtest.engine_bench import _median_s, bench_transfer, synthetic_prompt
 from loadtest.sim.cost_model import LinearCostModel, linear_as_json, nonnegative_least_squares, step_features
+from loadtest.sim.step_speeds import calibrate
 from shared.engine.hf_engine import DEFAULT_MAX_BATCH_TOKENS, HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.model_loader import LoadedModel
@@ -122,9 +123,11 @@ def fit(samples: list[dict], transfer: dict, kv_bytes_per_token: int, source: st
                            transfer["import_gb_s"] * 1e9, kv_bytes_per_token, DEFAULT_MAX_BATCH_TOKENS, source)
 
 
-def measure_profile(loaded: LoadedModel, *, quick: bool = False, contention: bool = True) -> dict:
+def measure_profile(loaded: LoadedModel, *, quick: bool = False, contention: bool = True,
+                    deployment_model: str | None = None) -> dict:
     """Measure, fit, and return the profile JSON (``contention``: also how engines sharing the
-    machine slow each other, see :func:`contention_samples`)."""
+    machine slow each other, see :func:`contention_samples`; ``deployment_model``: also how fast
+    each kind of step runs inside a deployment of that model, see ``step_speeds.calibrate``)."""
     sizes = SIZES["quick" if quick else "full"]
     samples = prefill_samples(loaded, sizes) + decode_samples(loaded, sizes) + extend_samples(loaded, sizes)
     transfer = bench_transfer(loaded, sizes["transfer_context"], sizes["repeats"])
@@ -137,13 +140,15 @@ def measure_profile(loaded: LoadedModel, *, quick: bool = False, contention: boo
         predicted = float(np.dot(model.coefficients, features_of(sample)))
         sample["predicted_seconds"] = round(predicted, 5)
         sample["rel_error"] = round(predicted / sample["seconds"] - 1, 3)
+    deployment_steps = calibrate(deployment_model, model, quick=quick) if deployment_model else None
     return {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
             "quick": quick, "host_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "shared_host_speed": (contention_samples(loaded.name, max_processes=2 if quick else 3,
                                                      steps=sizes["steps"]) if contention else None), "cost_model": linear_as_json(model), "samples": samples, "kv_transfer": transfer,
             "local_path": {"bytes_per_s": round(local_bytes_per_s),
                            "source": "the bulk channel's sender and receiver on loopback, plaintext (as the "
-                                     "deployment's local path), median of the repeats"}}
+                                     "deployment's local path), median of the repeats"},
+            "deployment_steps": deployment_steps}
 
 
 def write_profile(profile: dict, path: Path):

@@ -9,6 +9,7 @@ the links, messages by their latency.
 """
 
 import math
+import random
 from collections import defaultdict
 
 import structlog
@@ -45,7 +46,9 @@ class Simulator:
                                       deployment.initial_wan_rtt_s if deployment.initial_wan_rtt_s is not None else rtt)
         self.handoff = deployment.handoff or handoff_policy()
         self.registry = InstanceRegistry(ttl_s=1e12)
-        host = (Host(deployment.host_cores, deployment.threads_per_engine, deployment.host_speed)
+        host = (Host(deployment.host_cores, deployment.threads_per_engine, deployment.host_speed,
+                     deployment.step_speeds, random.Random(seed) if deployment.step_noise else None,
+                     deployment.engine_wake_s)
                 if deployment.host_cores else None)
         self.engines: dict[str, list[SimEngine]] = {}
         for role, spec, site, caching in (

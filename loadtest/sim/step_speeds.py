@@ -1,0 +1,168 @@
+"""How fast each kind of step runs inside a running deployment, against the isolated fit.
+
+``pdd profile`` times steps of a bare engine. Inside a deployment on a shared host the same
+steps run slower, and unevenly: every service's event loop, the NATS servers, the router and
+the WAN link take turns on the same cores, and an engine's compute threads stall whenever one
+of them is descheduled. Measured here on 2026-12-03 (``docs/planning.md``): prompt chunks ran
+at 1.5× the fit alone and 1.9× beside another engine's step; two-sequence decode steps at 1.8×.
+
+So the profile also replays a short calibration workload (not the benchmark's trace) through
+a real PDD deployment with the engine-call log on, and reads, per kind of step, the median of
+measured over predicted time, alone and beside another engine's step, and how widely steps
+spread around it. The simulator slows each step by its kind's factor and, when replaying
+several times, draws each step's noise from that spread.
+"""
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+from loadtest.sim.cost_model import LinearCostModel
+
+KINDS = ("prompt", "decode_one", "decode_many")
+"""Steps computing prompt or extend chunks (with or without decodes); decode-only steps of one
+sequence; decode-only steps of several."""
+ALONE_OVERLAP = 0.05
+"""A step is alone when other engines' steps overlap less than this share of it..."""
+BESIDE_OVERLAP = 0.5
+"""...and beside another when they overlap at least this share."""
+MIN_STEPS = 5
+"""Fewer steps of a kind and condition than this: no factor (the simulator falls back to the
+profile's contention figure)."""
+CALIBRATION_SEED = 101
+"""The calibration trace's seed: not the benchmark's (0), so the validation replays requests
+the calibration never saw."""
+
+
+def step_kind(batch: list[list[int]]) -> str:
+    """A step's kind from its call-log batch (``[new_tokens, context_tokens]`` per sequence)."""
+    if any(new > 1 for new, _ in batch):
+        return "prompt"
+    return "decode_one" if len(batch) == 1 else "decode_many"
+
+
+def predicted_s(batch: list[list[int]], cost: LinearCostModel) -> float:
+    """The fit's time for a step with this batch."""
+    chunks = [(new, context) for new, context in batch if new > 1]
+    decodes = [context for new, context in batch if new == 1]
+    return cost.step_s(chunks, len(decodes), sum(decodes))
+
+
+def measure_step_speeds(calls: list[dict], cost: LinearCostModel) -> dict:
+    """Per kind, measured over predicted step time alone and beside, from an engine-call log of
+    one deployment (each instance's first step, a warm-up, left out).
+
+    Returns:
+        ``{kind: {"alone", "beside": median ratio or None, "alone_steps", "beside_steps":
+        counts, "spread": :func:`log_spread` of the steps alone}}``.
+    """
+    steps = [c for c in calls if c["call"] == "step" and c.get("batch")]
+    by_instance: dict[str, list[tuple[float, float]]] = {}
+    for call in steps:
+        by_instance.setdefault(call["instance"], []).append((call["start_s"], call["end_s"]))
+    first = {instance: min(spans) for instance, spans in by_instance.items()}
+    ratios: dict[tuple[str, str], list[float]] = {}
+    for call in steps:
+        start, end = call["start_s"], call["end_s"]
+        if (start, end) == first[call["instance"]] or end <= start:
+            continue
+        overlap = sum(max(0.0, min(end, e) - max(start, s)) for instance, spans in by_instance.items()
+                      if instance != call["instance"] for s, e in spans) / (end - start)
+        if ALONE_OVERLAP <= overlap < BESIDE_OVERLAP:
+            continue
+        condition = "alone" if overlap < ALONE_OVERLAP else "beside"
+        ratios.setdefault((step_kind(call["batch"]), condition), []).append(
+            (end - start) / predicted_s(call["batch"], cost))
+    speeds = {}
+    for kind in KINDS:
+        row = {}
+        for condition in ("alone", "beside"):
+            values = ratios.get((kind, condition), [])
+            row[condition] = round(statistics.median(values), 3) if len(values) >= MIN_STEPS else None
+            row[f"{condition}_steps"] = len(values)
+        row["spread"] = log_spread(ratios.get((kind, "alone"), []))
+        speeds[kind] = row
+    return speeds
+
+
+def measure_wake_s(calls: list[dict]) -> float:
+    """The median delay from a prompt's ``add_request`` on an idle prefill engine to the start
+    of the step that computes it: the engine loop's wake-up (prompts arriving meanwhile share
+    that step). None without such prompts."""
+    delays = []
+    for instance in {c["instance"] for c in calls if c["call"] == "add_request"}:
+        own = sorted((c for c in calls if c["instance"] == instance), key=lambda c: c["queued_s"])
+        steps = [c for c in own if c["call"] == "step"]
+        for call in own:
+            if call["call"] != "add_request":
+                continue
+            queued = call["queued_s"]
+            if any(s["queued_s"] <= queued < s["end_s"] for s in steps):
+                continue  # a step was asked for or running: not idle
+            following = [s["start_s"] for s in steps if s["start_s"] >= queued]
+            if following:
+                delays.append(min(following) - queued)
+    return round(statistics.median(delays), 4) if delays else None
+
+
+def log_spread(ratios: list[float]) -> float:
+    """The spread of ``log(ratio)``, robust to the odd step that a page fault or a garbage
+    collection stretches tenfold: the interquartile range over that of a unit normal."""
+    if len(ratios) < MIN_STEPS:
+        return 0.0
+    quartiles = statistics.quantiles([math.log(r) for r in ratios], n=4)
+    return round((quartiles[2] - quartiles[0]) / 1.349, 3)
+
+
+def calibration_workload(*, quick: bool) -> list[tuple[int, dict]]:
+    """The calibration's two phases, as ``(concurrency, trace shape)``: one session at a time
+    (steps alone), then two at once (steps beside each other)."""
+    if quick:
+        return [(1, dict(sessions=1, turns=2, cold_lines=8, max_tokens=8)),
+                (2, dict(sessions=2, turns=2, cold_lines=8, max_tokens=8))]
+    # long enough answers that two sessions often decode at once (two-sequence steps)
+    return [(1, dict(sessions=2, turns=3, cold_lines=40, max_tokens=24)),
+            (2, dict(sessions=4, turns=3, cold_lines=40, max_tokens=40))]
+
+
+def calibrate(model: str, cost: LinearCostModel, *, quick: bool = False) -> dict:
+    """Replay the calibration workload through one real PDD deployment (``pdd up``'s processes
+    on this machine, the benchmark's link and pool) with the engine-call log on; return
+    :func:`measure_step_speeds` of it."""
+    from loadtest.bench import mode_deployment
+    from loadtest.runner import run_trace
+    from loadtest.trace import generate_trace
+
+    bench = argparse.Namespace(model=model, kv_cache_mb=512, bandwidth="100mbit", rtt="40ms", jitter="5ms",
+                               seed=CALIBRATION_SEED, engine="hf")
+    phases = calibration_workload(quick=quick)
+    records = []
+    with tempfile.TemporaryDirectory(prefix="pdd-calibration-") as folder:
+        log_path = Path(folder) / "engine-calls.jsonl"
+        previous = os.environ.get("PDD_ENGINE_CALL_LOG")
+        os.environ["PDD_ENGINE_CALL_LOG"] = str(log_path)  # read once, at each service's start
+        try:
+            with mode_deployment("pdd", bench) as deployment:
+                for index, (concurrency, shape) in enumerate(phases):
+                    trace = generate_trace(CALIBRATION_SEED + index, **shape)
+                    done, _ = asyncio.run(run_trace(deployment.router_url, trace, concurrency=concurrency,
+                                                    progress=False))
+                    records += done
+        finally:
+            if previous is None:
+                os.environ.pop("PDD_ENGINE_CALL_LOG", None)
+            else:
+                os.environ["PDD_ENGINE_CALL_LOG"] = previous
+        failed = [r for r in records if r.error]
+        if failed:
+            raise RuntimeError(f"a calibration request failed: {failed[0].error}")
+        calls = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    shapes = ", ".join(f"{shape['sessions']} x {shape['turns']} turns at concurrency {c}" for c, shape in phases)
+    return {"kinds": measure_step_speeds(calls, cost), "wake_s": measure_wake_s(calls), "requests": len(records),
+            "source": f"traces of {shapes} (seeds from {CALIBRATION_SEED}) through one PDD deployment on "
+                      "this machine: the engine-call log's steps against the fit"}

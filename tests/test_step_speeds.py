@@ -1,0 +1,66 @@
+"""In-deployment step speeds read from an engine-call log: kinds, alone and beside, the spread."""
+
+import math
+
+import pytest
+
+from loadtest.sim.cost_model import LinearCostModel
+from loadtest.sim.step_speeds import MIN_STEPS, log_spread, measure_step_speeds, measure_wake_s, predicted_s, step_kind
+
+COST = LinearCostModel((0.08, 0.0016, 1e-6, 0.004, 5e-6, 0.0), 1e9, 5e9, 46080)
+
+
+def step(instance: str, start_s: float, batch: list[list[int]], ratio: float) -> dict:
+    """A call-log line of a step that took ``ratio`` times the fit's prediction."""
+    seconds = ratio * predicted_s(batch, COST)
+    return {"instance": instance, "call": "step", "queued_s": start_s, "start_s": start_s,
+            "end_s": start_s + seconds, "batch": batch}
+
+
+def test_kinds_come_from_the_batch():
+    assert step_kind([[40, 848], [1, 900]]) == "prompt"
+    assert step_kind([[1, 900]]) == "decode_one"
+    assert step_kind([[1, 900], [1, 700]]) == "decode_many"
+
+
+def test_steps_alone_and_beside_another_engines_are_told_apart_and_the_warm_up_left_out():
+    calls = [step("prefill-0", 0.0, [[800, 0]], 9.0)]  # the first step of an engine: a warm-up
+    clock = 100.0
+    for i in range(MIN_STEPS):  # prompts alone
+        calls.append(step("prefill-0", clock, [[40 + i, 848]], 1.5))
+        clock += 10
+    calls.append(step("main-decode-0", clock - 5, [[1, 500]], 1.0))  # its own warm-up
+    for i in range(MIN_STEPS):  # a prompt while main decode runs one long two-sequence step
+        prompt = step("prefill-0", clock, [[200, 848]], 2.0)
+        calls.append(prompt)
+        calls.append(step("main-decode-0", clock - 0.01, [[1, 900], [1, 950]],
+                          (prompt["end_s"] - clock + 0.02) / predicted_s([[1, 900], [1, 950]], COST)))
+        clock += 10
+    calls.append({"instance": "prefill-0", "call": "export_frames", "queued_s": 0, "start_s": 0, "end_s": 1})
+    speeds = measure_step_speeds(calls, COST)
+    assert speeds["prompt"]["alone"] == pytest.approx(1.5, abs=1e-3)
+    assert speeds["prompt"]["beside"] == pytest.approx(2.0, abs=1e-3)
+    assert speeds["prompt"]["alone_steps"] == MIN_STEPS and speeds["prompt"]["beside_steps"] == MIN_STEPS
+    assert speeds["decode_many"]["beside_steps"] == MIN_STEPS and speeds["decode_many"]["alone"] is None
+    assert speeds["decode_one"] == {"alone": None, "alone_steps": 0, "beside": None, "beside_steps": 0,
+                                    "spread": 0.0}
+    assert speeds["prompt"]["spread"] == pytest.approx(0.0, abs=1e-3)
+
+
+def test_the_spread_is_the_log_ratios_and_an_outlier_does_not_make_it():
+    ratios = [math.exp(x) for x in (-0.2, -0.1, 0.0, 0.1, 0.2)] * 4
+    assert 0.1 < log_spread(ratios) < 0.2
+    # one step stretched 30-fold (a standard deviation would be 0.75 with it)
+    assert log_spread(ratios + [30.0]) < 0.25
+    assert log_spread(ratios[: MIN_STEPS - 1]) == 0.0
+
+
+def test_the_wake_up_is_measured_from_prompts_that_found_the_prefill_idle():
+    def call(name, queued_s, start_s, end_s):
+        return {"instance": "prefill-0", "call": name, "queued_s": queued_s, "start_s": start_s, "end_s": end_s}
+
+    calls = [call("add_request", 0.0, 0.0, 0.0), call("step", 0.001, 0.003, 1.0),   # idle: 3 ms
+             call("add_request", 0.5, 1.0, 1.0), call("step", 1.0, 1.0, 2.0),      # arrived mid-step
+             call("add_request", 5.0, 5.0, 5.0), call("step", 5.004, 5.005, 6.0)]   # idle: 5 ms
+    assert measure_wake_s(calls) == pytest.approx(0.004)
+    assert measure_wake_s([c for c in calls if c["call"] == "step"]) is None
