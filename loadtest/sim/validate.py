@@ -32,14 +32,21 @@ TARGETS = {"ttft_p50_ms": ("rel", 0.25), "ttft_p90_ms": ("rel", 0.25), "wan_kv_b
 
 def socket_buffer_bytes() -> int:
     """What a sender can have handed to TCP and not yet through the WAN link on this machine:
-    its send buffer and the link's receive buffer at their autotuned maximum (Linux sysctls)."""
-    total = 0
-    for name in ("tcp_wmem", "tcp_rmem"):
-        try:
-            total += int(Path(f"/proc/sys/net/ipv4/{name}").read_text().split()[-1])
-        except (OSError, ValueError, IndexError):
-            return 0
-    return total
+    its send buffer at its autotuned maximum, and the data the link's receive buffer admits at
+    its maximum (the advertised window: half of it with ``tcp_adv_win_scale`` 1, the default).
+    Measured here: a cancelled 38.2 MB transfer carried 24.1 MB; this gives 20 MB after the
+    1.5 MB sent before the cancel."""
+    try:
+        send = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[-1])
+        receive = int(Path("/proc/sys/net/ipv4/tcp_rmem").read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return 0
+    try:
+        scale = int(Path("/proc/sys/net/ipv4/tcp_adv_win_scale").read_text())
+    except (OSError, ValueError):
+        scale = 1
+    window = receive - (receive >> scale) if scale > 0 else receive >> -scale
+    return send + window
 
 
 def bench_deployment(config: dict, mode: str, cost: LinearCostModel, host_cores: int,
