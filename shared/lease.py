@@ -67,7 +67,14 @@ class RequestLeases:
             return
         router_id, incarnation = report.instance.instance_id, report.instance.incarnation
         seen = self._routers.get(router_id)
-        since = seen.since if seen is not None and seen.incarnation == incarnation else now
+        if seen is None:
+            # First heard: it may have been running (and sending us requests) before we
+            # listened. Only a change of incarnation is a restart.
+            since = self._started
+        elif seen.incarnation == incarnation:
+            since = seen.since
+        else:
+            since = now
         self._routers[router_id] = _RouterSeen(now, incarnation, since, frozenset(report.live_request_ids),
                                                report.instance.site)
 

@@ -56,3 +56,16 @@ def test_a_whole_site_gone_silent_is_the_link_and_gets_the_cut_off_lease():
     leases.observe(prefill_heartbeat(), now=1.0)
     assert leases.expired(["router-0-a"], now=20.0) == []  # heartbeats queued on the WAN: wait
     assert [(e.request_id, e.kind) for e in leases.expired(["router-0-a"], now=31.5)] == [("router-0-a", "kill")]
+
+
+def test_a_request_held_before_the_routers_first_heartbeat_is_not_taken_for_a_restart():
+    # At a deployment's start a request can reach main decode before the router's first
+    # heartbeat does (it crosses the WAN). When that request then ends on the relay, its KV
+    # import must finish for the cache ("finished"), not be dropped as if the router had
+    # restarted ("kill"): that once cost the next turn 29 MB of KV sent again.
+    leases = RequestLeases(lease_s=8, grace_s=2.5, now=0.0)
+    assert leases.expired(["router-0-a"], now=0.5) == []
+    leases.observe(router_heartbeat("router-0-a"), now=1.0)
+    assert leases.expired(["router-0-a"], now=1.5) == []
+    leases.observe(router_heartbeat(), now=4.0)  # it ended; the cancel was lost
+    assert [(e.request_id, e.kind) for e in leases.expired(["router-0-a"], now=4.0)] == [("router-0-a", "finished")]
