@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from loadtest.sim.events import EventQueue
 from loadtest.sim.kv_pool import SimKvPool
+from loadtest.sim.step_speeds import kind_of
 
 
 class Host:
@@ -176,7 +177,7 @@ class SimEngine:
 
     @property
     def step_kind(self) -> str:
-        """The kind of the step computing now (``step_speeds.KINDS``); "" for none or a call."""
+        """The kind of the step computing now (``step_speeds.kind_of``); "" for none or a call."""
         return self._step.kind if self._step is not None else ""
 
     # ----- work in ------------------------------------------------------------------------
@@ -273,7 +274,7 @@ class SimEngine:
             count = min(s.remaining for s in decodes)
         context = sum(s.context_tokens for s in decodes) + len(decodes) * (count - 1) / 2
         step_s = self.cost.step_s([(take, w.context) for w, take in chunks], len(decodes), int(context))
-        kind = "prompt" if chunks else ("decode_one" if len(decodes) == 1 else "decode_many")
+        kind = kind_of(bool(chunks), len(decodes))
         if self.host:
             step_s *= self.host.step_noise(kind, count)
         return _Step(now, step_s, count, decodes, chunks, kind=kind)

@@ -39,11 +39,17 @@ CALIBRATION_SEED = 101
 the calibration never saw."""
 
 
+def kind_of(has_chunks: bool, num_decodes: int) -> str:
+    """A step's kind (:data:`KINDS`): any prompt or extend chunk makes it ``prompt``. The
+    calibration reads kinds with this and the simulator steps by it, so the two agree."""
+    if has_chunks:
+        return "prompt"
+    return "decode_one" if num_decodes == 1 else "decode_many"
+
+
 def step_kind(batch: list[list[int]]) -> str:
     """A step's kind from its call-log batch (``[new_tokens, context_tokens]`` per sequence)."""
-    if any(new > 1 for new, _ in batch):
-        return "prompt"
-    return "decode_one" if len(batch) == 1 else "decode_many"
+    return kind_of(any(new > 1 for new, _ in batch), len(batch))
 
 
 def predicted_s(batch: list[list[int]], cost: LinearCostModel) -> float:
