@@ -46,3 +46,8 @@ class Flight:
         self.open_arrived_s: dict[str, float] = {}
         self.open_queued_s: dict[str, float] = {}
         self.main_pinned = self.relay_freed = False
+
+    @property
+    def key(self) -> str:
+        """The request's name in main decode's in-flight line."""
+        return f"{self.request.session}.{self.request.turn}"

@@ -27,9 +27,9 @@ class KvFlows:
         if path != "md":
             self._when_room(flight, receiver, path)
             return
-        key = f"{flight.request.session}.{flight.request.turn}"
-        flight.claim = self._lines[receiver.name].claim(key, list(flight.request.prompt_blocks(self.d.block_size)))
-        self._claimed[receiver.name][key] = flight
+        flight.claim = self._lines[receiver.name].claim(flight.key,
+                                                        list(flight.request.prompt_blocks(self.d.block_size)))
+        self._claimed[receiver.name][flight.key] = flight
         self._wait_in_line(flight, receiver)
 
     def _wait_in_line(self, flight: Flight, receiver: SimEngine):
@@ -122,9 +122,8 @@ class KvFlows:
         """The flow's import ended (landed or cancelled): flows waiting behind it look again."""
         flight.md_ready = True
         main = self.sim.main_of(flight).name
-        key = f"{flight.request.session}.{flight.request.turn}"
-        if self._claimed[main].pop(key, None) is not None:
-            self._lines[main].release(key)
+        if self._claimed[main].pop(flight.key, None) is not None:
+            self._lines[main].release(flight.key)
         waiters, flight.waiters = flight.waiters, []
         for wake in waiters:
             wake()
