@@ -25,6 +25,10 @@ class RequestRecord:
         pdd: The response's ``pdd`` object.
         error: The error message, if the request failed.
         repetition: Which repetition of ``pdd bench run --repeat`` it belongs to (from 0).
+        request_id: The router's id for it (the stream chunks' ``id``), which the services'
+            logs and the engine-call log name it by.
+        sent_unix_s: When it was sent (Unix seconds; the calibration times its path to the
+            prefill engine from it).
     """
 
     session: int
@@ -39,6 +43,8 @@ class RequestRecord:
     pdd: dict = field(default_factory=dict)
     error: str | None = None
     repetition: int = 0
+    request_id: str = ""
+    sent_unix_s: float | None = None
 
 
 def auth_headers() -> dict[str, str]:
@@ -54,6 +60,7 @@ async def stream_chat(session: aiohttp.ClientSession, base_url: str, model: str,
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     started = last = time.perf_counter()
+    record.sent_unix_s = time.time()
     parts = []
     try:
         async with session.post(base_url + "/chat/completions", json=body, headers=auth_headers(),
@@ -65,6 +72,7 @@ async def stream_chat(session: aiohttp.ClientSession, base_url: str, model: str,
                 if not line.startswith(b"data: {"):
                     continue
                 chunk = json.loads(line[6:])
+                record.request_id = chunk.get("id") or record.request_id
                 if "error" in chunk:
                     record.error = chunk["error"]["message"]
                     continue

@@ -4,8 +4,9 @@ behind another prompt's whole prefill, an import waiting for decode steps), whic
 the services' own spans do not show.
 
 One line per call: ``{"instance", "call", "queued_s", "start_s", "end_s"}`` (Unix seconds),
-plus ``"batch"`` for a step on an engine that reports its last batch: ``[[new_tokens,
-cached_tokens], …]`` per scheduled sequence. Several processes may append to one file (each
+plus ``"request"`` for a call about one request (the id the router gave it), and ``"batch"``
+for a step on an engine that reports its last batch: ``[[new_tokens, cached_tokens], …]`` per
+scheduled sequence. Several processes may append to one file (each
 line is one ``write`` of an ``O_APPEND`` file).
 """
 
@@ -25,9 +26,9 @@ class EngineCallLog:
         self.instance = instance
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
-    def wrap(self, name: str, fn: Callable[[], object], engine) -> Callable[[], object]:
-        """``fn`` (the call ``name``) as the engine thread should run it: timed and recorded,
-        queued from now."""
+    def wrap(self, name: str, fn: Callable[[], object], engine, request_id: str | None = None) -> Callable[[], object]:
+        """``fn`` (the call ``name``, about ``request_id`` if one) as the engine thread should
+        run it: timed and recorded, queued from now."""
         if name in SKIPPED_CALLS:
             return fn
         queued_s = time.time()
@@ -39,6 +40,8 @@ class EngineCallLog:
             finally:
                 record = {"instance": self.instance, "call": name, "queued_s": round(queued_s, 6),
                           "start_s": round(start_s, 6), "end_s": round(time.time(), 6)}
+                if request_id is not None:
+                    record["request"] = request_id
                 if name == "step" and getattr(engine, "last_batch", None) is not None:
                     record["batch"] = engine.last_batch
                 os.write(self._fd, (json.dumps(record) + "\n").encode())

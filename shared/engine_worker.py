@@ -29,7 +29,9 @@ class EngineWorker:
         """
         call = partial(fn, *args, **kwargs)
         if self._call_log is not None:
-            call = self._call_log.wrap(getattr(fn, "__name__", type(fn).__name__), call, self.engine)
+            # the engine's per-request calls take the request id first
+            request_id = args[0] if args and isinstance(args[0], str) else None
+            call = self._call_log.wrap(getattr(fn, "__name__", type(fn).__name__), call, self.engine, request_id)
         return asyncio.get_running_loop().run_in_executor(self._executor, call)
 
     async def call(self, fn, *args, **kwargs):

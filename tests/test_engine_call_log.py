@@ -23,5 +23,6 @@ async def test_each_call_is_recorded_in_order_with_its_batch(tiny, tmp_path):
     assert [c["call"] for c in calls] == ["add_request", "step", "step", "step"]  # has_work is not recorded
     assert calls[1]["batch"] == [[40, 0]] and calls[2]["batch"] == [[1, 40]] and calls[3]["batch"] == []
     assert {c["instance"] for c in calls} == {"prefill-0"}
+    assert calls[0]["request"] == "r" and all("request" not in c for c in calls[1:])  # a step is everyone's
     assert all(c["queued_s"] <= c["start_s"] <= c["end_s"] for c in calls)
     assert all(a["end_s"] <= b["start_s"] for a, b in zip(calls, calls[1:]))  # one thread, in order

@@ -111,6 +111,9 @@ def _check_the_simulator_replays(pdd: str, run: Path, results: dict):
     calibration = fit["deployment_steps"]
     assert calibration["requests"] >= 6
     assert calibration["kinds"]["decode_one"]["alone"] > 0
+    # and timed every request's way from the client's send to the prefill engine
+    assert calibration["dispatch"]["requests"] == calibration["requests"]
+    assert 0 < calibration["dispatch"]["median_s"] < 1
     assert fit["cost_model"]["features"] == list(FEATURES)
     assert len(fit["cost_model"]["coefficients"]) == len(FEATURES)
     replay = subprocess.run([pdd, "sim", "validate", str(run), "--profile", str(profile), "--json"],

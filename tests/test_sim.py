@@ -209,6 +209,25 @@ def test_step_noise_makes_replays_differ_by_seed_and_not_without_it():
     assert ttfts(1, False) == ttfts(2, False)
 
 
+def test_the_dispatch_delays_every_first_token_and_its_spread_parts_prompts_sent_together():
+    records = [{"session": s, "turn": 0, "kind": "cold", "prompt_tokens": 850, "output_tokens": 4} for s in (0, 1)]
+
+    def prefills(seed=0, **overrides):
+        simulator = Simulator(deployment(LinkSpec(100e6, 0.04, 0.0), pipeline_policy="P-MD", md_site="site-a",
+                                         engine_wake_s=0.003, **overrides), seed=seed)
+        return sorted(simulator.run(from_records(records, BLOCK, 2, "t")).requests, key=lambda r: r.session)
+
+    base, slow = prefills(), prefills(dispatch_s=0.05)
+    assert [r.ttft_s - b.ttft_s for r, b in zip(slow, base)] == pytest.approx([0.049, 0.049], abs=1e-3)
+    # without a spread both reach the idle prefill together and share its step, every replay
+    together = [prefills(dispatch_s=0.05, dispatch_spread=0.5, step_noise=False, seed=seed) for seed in range(6)]
+    assert all(a.prefill_done_s == pytest.approx(b.prefill_done_s) for a, b in together)
+    # drawn apart by more than the wake-up, the second waits for the first one's step
+    apart = [prefills(dispatch_s=0.05, dispatch_spread=0.5, step_noise=True, seed=seed) for seed in range(6)]
+    prompt_s = COST.step_s([(850, 0)], 0, 0)
+    assert any(abs(a.prefill_done_s - b.prefill_done_s) > 0.5 * prompt_s for a, b in apart)
+
+
 def test_sessions_share_the_blocks_their_first_prompts_start_with_and_caches_hit_them(tiny_metadata):
     common = "Here is the tool output you asked for, line by line, from the build: " * 3
     trace = [TraceTurn(0, 0, common + "alpha " * 80, 8, "cold"), TraceTurn(1, 0, common + "beta " * 80, 8, "cold"),

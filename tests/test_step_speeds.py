@@ -5,7 +5,9 @@ import math
 import pytest
 
 from loadtest.sim.cost_model import LinearCostModel
-from loadtest.sim.step_speeds import MIN_STEPS, log_spread, measure_step_speeds, measure_wake_s, predicted_s, step_kind
+from loadtest.client import RequestRecord
+from loadtest.sim.step_speeds import (MIN_STEPS, log_spread, measure_dispatch, measure_step_speeds, measure_wake_s,
+                                     predicted_s, step_kind)
 
 COST = LinearCostModel((0.08, 0.0016, 1e-6, 0.004, 5e-6, 0.0), 1e9, 5e9, 46080)
 
@@ -64,3 +66,19 @@ def test_the_wake_up_is_measured_from_prompts_that_found_the_prefill_idle():
              call("add_request", 5.0, 5.0, 5.0), call("step", 5.004, 5.005, 6.0)]   # idle: 5 ms
     assert measure_wake_s(calls) == pytest.approx(0.004)
     assert measure_wake_s([c for c in calls if c["call"] == "step"]) is None
+
+
+def test_the_dispatch_is_timed_from_the_clients_send_to_the_prefills_add_request():
+    delays = [0.010, 0.012, 0.015, 0.020, 0.030, 0.014]
+    records, calls = [], []
+    for i, delay in enumerate(delays):
+        records.append(RequestRecord(i, 0, "cold", request_id=f"r{i}", sent_unix_s=100.0 + i))
+        calls.append({"instance": "prefill-0", "call": "add_request", "request": f"r{i}", "queued_s": 100.0 + i + delay,
+                      "start_s": 100.0 + i + delay, "end_s": 100.0 + i + delay})
+    calls.append({"instance": "prefill-0", "call": "free", "request": "r0", "queued_s": 99.0, "start_s": 99, "end_s": 99})
+    records.append(RequestRecord(9, 0, "cold", request_id="lost", sent_unix_s=50.0))  # never reached the engine
+    dispatch = measure_dispatch(calls, records)
+    assert dispatch["requests"] == len(delays)
+    assert dispatch["median_s"] == pytest.approx(sorted(delays)[2] / 2 + sorted(delays)[3] / 2, abs=1e-4)
+    assert dispatch["spread"] == log_spread(delays) > 0
+    assert measure_dispatch([c for c in calls if c["call"] != "add_request"], records) is None

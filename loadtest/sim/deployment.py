@@ -74,6 +74,12 @@ class Deployment:
             (a replay is then one of many possible runs; the simulator's seed picks which).
         engine_wake_s: On a shared host, how long an idle engine's loop takes to start a step
             once work arrives (``deployment_steps.wake_s``).
+        dispatch_s: How long a request takes from the client to the prefill engine (the
+            router's intake and the hops; ``deployment_steps.dispatch``); None: one local
+            message's latency.
+        dispatch_spread: With ``step_noise``, each request's dispatch is drawn log-normally
+            around ``dispatch_s`` with this spread (two prompts sent at once then reach the
+            engine apart, as they do).
         engine_thread_io: A flow's opening is our engine's: two engine-thread calls (the
             prefix lookup and ``begin_import``), each after the step then running. False: the
             opening costs no engine time (a GPU engine's scheduler does it beside the steps).
@@ -103,6 +109,8 @@ class Deployment:
     step_speeds: dict | None = None
     step_noise: bool = False
     engine_wake_s: float = 0.0
+    dispatch_s: float | None = None
+    dispatch_spread: float = 0.0
     engine_thread_io: bool = False
     ttft_target_s: float | None = None
     odd_rule: OddTrafficRule | None = None

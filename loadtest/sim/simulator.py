@@ -65,6 +65,7 @@ class Simulator:
         self._sessions: dict[int, list[SimRequest]] = defaultdict(list)
         self.flows = KvFlows(self)
         self.relay = RelayPath(self)
+        self._dispatch_rng = random.Random(seed + 1) if deployment.step_noise and deployment.dispatch_spread else None
 
     # ----- workload ------------------------------------------------------------------------
 
@@ -145,8 +146,16 @@ class Simulator:
         self.registry.assign(placement.instance_ids, placement.num_prompt_blocks, placement.compute_blocks)
         flight.result.pipeline = placement.pipeline
         flight.odd = OddTrafficTracker(f"r{request.session}.{request.turn}", placement.odd_traffic)
-        flight.prefill_started_s = self.events.now + self.d.local_latency_s
-        self.events.after(self.d.local_latency_s, lambda: self._start_prefill(flight))
+        dispatch_s = self.dispatch_s()
+        flight.prefill_started_s = self.events.now + dispatch_s
+        self.events.after(dispatch_s, lambda: self._start_prefill(flight))
+
+    def dispatch_s(self) -> float:
+        """A request's way from the client to its prefill engine (``Deployment.dispatch_s``)."""
+        median = self.d.local_latency_s if self.d.dispatch_s is None else self.d.dispatch_s
+        if self._dispatch_rng is None:
+            return median
+        return median * math.exp(self._dispatch_rng.gauss(0.0, self.d.dispatch_spread))
 
     # ----- prefill -------------------------------------------------------------------------
 

@@ -116,8 +116,33 @@ def measure_wake_s(calls: list[dict]) -> float:
     return round(statistics.median(delays), 4) if delays else None
 
 
+def measure_dispatch(calls: list[dict], records: list) -> dict | None:
+    """How long a request takes from the client's send to its ``add_request`` at the prefill
+    engine: the router's intake (parsing, tokenizing, placement) and the message hops. Two
+    prompts sent at once reach the engine this far apart, which decides whether they share a
+    step.
+
+    Args:
+        calls: The engine-call log (its ``add_request`` lines name their request).
+        records: The client's ``RequestRecord``s (``request_id`` and ``sent_unix_s``).
+
+    Returns:
+        ``{"median_s", "spread" (:func:`log_spread` of the delays), "requests"}``; None when no
+        request can be matched.
+    """
+    queued = {}
+    for call in calls:
+        if call["call"] == "add_request" and call.get("request"):
+            queued.setdefault(call["request"], call["queued_s"])
+    delays = [queued[r.request_id] - r.sent_unix_s for r in records
+              if r.request_id in queued and r.sent_unix_s is not None and queued[r.request_id] > r.sent_unix_s]
+    if not delays:
+        return None
+    return {"median_s": round(statistics.median(delays), 4), "spread": log_spread(delays), "requests": len(delays)}
+
+
 def log_spread(ratios: list[float]) -> float:
-    """The spread of ``log(ratio)``, robust to the odd step that a page fault or a garbage
+    """The spread of ``log(ratio)`` (of any positive values: step ratios, delays), robust to the odd step that a page fault or a garbage
     collection stretches tenfold: the interquartile range over that of a unit normal."""
     if len(ratios) < MIN_STEPS:
         return 0.0
@@ -132,14 +157,15 @@ def calibration_workload(*, quick: bool) -> list[tuple[int, dict]]:
         return [(1, dict(sessions=1, turns=2, cold_lines=8, max_tokens=8)),
                 (2, dict(sessions=2, turns=2, cold_lines=8, max_tokens=8))]
     # long enough answers that two sessions often decode at once (two-sequence steps)
-    return [(1, dict(sessions=2, turns=3, cold_lines=40, max_tokens=24)),
+    # four cold prompts alone: the prompt factor's steps are the fewest and spread the most
+    return [(1, dict(sessions=4, turns=3, cold_lines=40, max_tokens=24)),
             (2, dict(sessions=4, turns=3, cold_lines=40, max_tokens=40))]
 
 
 def calibrate(model: str, cost: LinearCostModel, *, quick: bool = False) -> dict:
     """Replay the calibration workload through one real PDD deployment (``pdd up``'s processes
     on this machine, the benchmark's link and pool) with the engine-call log on; return
-    :func:`measure_step_speeds` of it."""
+    :func:`measure_step_speeds`, :func:`measure_wake_s` and :func:`measure_dispatch` of it."""
     from loadtest.bench import mode_deployment
     from loadtest.runner import run_trace
     from loadtest.trace import generate_trace
@@ -169,6 +195,7 @@ def calibrate(model: str, cost: LinearCostModel, *, quick: bool = False) -> dict
             raise RuntimeError(f"a calibration request failed: {failed[0].error}")
         calls = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     shapes = ", ".join(f"{shape['sessions']} x {shape['turns']} turns at concurrency {c}" for c, shape in phases)
-    return {"kinds": measure_step_speeds(calls, cost), "wake_s": measure_wake_s(calls), "requests": len(records),
+    return {"kinds": measure_step_speeds(calls, cost), "wake_s": measure_wake_s(calls),
+            "dispatch": measure_dispatch(calls, records), "requests": len(records),
             "source": f"traces of {shapes} (seeds from {CALIBRATION_SEED}) through one PDD deployment on "
                       "this machine: the engine-call log's steps against the fit"}

@@ -52,9 +52,10 @@ def socket_buffer_bytes() -> int:
 def bench_deployment(config: dict, mode: str, cost: LinearCostModel, host_cores: int,
                      host_speed: dict | None = None, local_bytes_per_s: float | None = None,
                      step_speeds: dict | None = None, step_noise: bool = False,
-                     engine_wake_s: float = 0.0) -> Deployment:
+                     engine_wake_s: float = 0.0, dispatch: dict | None = None) -> Deployment:
     """The deployment ``pdd bench run`` started for ``mode`` (``local_bytes_per_s``: the
-    profile's measured local path; None: the simulator's default)."""
+    profile's measured local path; None: the simulator's default; ``dispatch``: the profile's
+    measured client-to-prefill path, ``deployment_steps.dispatch``)."""
     link = parse_profile(config["bandwidth"], config["rtt"], config["jitter"], config.get("seed", 0))
     pool_blocks = config["kv_cache_mb"] * (1 << 20) // (BLOCK_SIZE * cost.kv_bytes_per_token)
     spec = MODES[mode]
@@ -65,6 +66,8 @@ def bench_deployment(config: dict, mode: str, cost: LinearCostModel, host_cores:
                       pipeline_policy=spec["pipeline_policy"], md_prefix_cache=spec["md_prefix_cache"],
                       host_cores=host_cores, host_speed=host_speed, step_speeds=step_speeds, step_noise=step_noise,
                       engine_wake_s=engine_wake_s,
+                      dispatch_s=dispatch["median_s"] if dispatch else None,
+                      dispatch_spread=dispatch["spread"] if dispatch else 0.0,
                       engine_thread_io=True, initial_wan_bps=link.bandwidth_bps,
                       initial_wan_rtt_s=link.rtt_ms / 1000,
                       local_bytes_per_s=local_bytes_per_s or Deployment.local_bytes_per_s)
@@ -147,7 +150,8 @@ def validate(folder: Path, profile_path: Path, host_cores: int | None = None, re
 
     def make_deployment(mode: str) -> Deployment:
         return bench_deployment(config, mode, cost, cores, profile.get("shared_host_speed"), local_bytes_per_s,
-                                step_speeds, step_noise=replays > 1, engine_wake_s=calibration.get("wake_s") or 0.0)
+                                step_speeds, step_noise=replays > 1, engine_wake_s=calibration.get("wake_s") or 0.0,
+                                dispatch=calibration.get("dispatch"))
 
     modes = {}
     for mode, measured in results["modes"].items():
@@ -156,13 +160,17 @@ def validate(folder: Path, profile_path: Path, host_cores: int | None = None, re
         predicted, each = predict_mode(folder, config, mode, make_deployment, replays)
         modes[mode] = compare(predicted, measured, each)
     return {"modes": modes, "profile": str(profile_path), "run": str(folder), "host_cores": cores,
-            "replays": replays, "step_speeds": "in-deployment" if step_speeds else "isolated, host contention"}
+            "replays": replays, "step_speeds": "in-deployment" if step_speeds else "isolated, host contention",
+            "dispatch": calibration.get("dispatch")}
 
 
 def render(report: dict) -> str:
     """The comparison as a table."""
+    dispatch = report.get("dispatch")
+    dispatch = (f", dispatch {dispatch['median_s'] * 1000:.1f} ms (spread {dispatch['spread']:.2f})" if dispatch
+                else "")
     lines = [f"run {report['run']}, profile {report['profile']}, {report['host_cores']} cores, "
-             f"step speeds {report['step_speeds']}, {report['replays']} replay(s) per repetition", "",
+             f"step speeds {report['step_speeds']}{dispatch}, {report['replays']} replay(s) per repetition", "",
              f"{'mode':<18} {'metric':<16} {'predicted':>14} {'measured':>14} {'error':>9}  {'target':<7} "
              f"{'replays range':>25}"]
     for mode, metrics in report["modes"].items():
