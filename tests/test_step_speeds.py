@@ -1,13 +1,15 @@
 """In-deployment step speeds read from an engine-call log: kinds, alone and beside, the spread."""
 
+import json
 import math
 
 import pytest
 
 from loadtest.sim.cost_model import LinearCostModel
+from loadtest.sim.validate import ValidateInputError, run_step_speeds
 from loadtest.client import RequestRecord
-from loadtest.sim.step_speeds import (MIN_STEPS, log_spread, measure_dispatch, measure_step_speeds, measure_wake_s,
-                                     predicted_s, step_kind)
+from loadtest.sim.step_speeds import (KINDS, MIN_STEPS, combine_runs, log_spread, measure_dispatch,
+                                     measure_step_speeds, measure_wake_s, predicted_s, step_kind)
 
 COST = LinearCostModel((0.08, 0.0016, 1e-6, 0.004, 5e-6, 0.0), 1e9, 5e9, 46080)
 
@@ -82,3 +84,31 @@ def test_the_dispatch_is_timed_from_the_clients_send_to_the_prefills_add_request
     assert dispatch["median_s"] == pytest.approx(sorted(delays)[2] / 2 + sorted(delays)[3] / 2, abs=1e-4)
     assert dispatch["spread"] == log_spread(delays) > 0
     assert measure_dispatch([c for c in calls if c["call"] != "add_request"], records) is None
+
+
+def test_runs_combine_by_their_median_so_one_slow_run_does_not_set_the_factors():
+    def run(scale: float, beside: float | None, dispatch: dict | None) -> dict:
+        kinds = {kind: {"alone": 1.2 * scale, "alone_steps": 10, "beside": beside, "beside_steps": 6 if beside else 0,
+                        "spread": 0.1 * scale} for kind in KINDS}
+        return {"kinds": kinds, "wake_s": 0.003 * scale, "dispatch": dispatch, "requests": 24}
+
+    runs = [run(1.0, 1.6, {"median_s": 0.008, "spread": 0.2, "requests": 24}), run(1.45, None, None),
+            run(1.05, 1.7, {"median_s": 0.009, "spread": 0.3, "requests": 24})]
+    combined = combine_runs(runs)
+    prompt = combined["kinds"]["prompt"]
+    assert prompt["alone"] == pytest.approx(1.2 * 1.05)  # the slow run (1.45) is outvoted
+    assert prompt["beside"] == pytest.approx(1.65)  # the run that measured none is left out
+    assert prompt["alone_steps"] == 30 and prompt["beside_steps"] == 12
+    assert combined["wake_s"] == pytest.approx(0.003 * 1.05, abs=1e-4)
+    assert combined["dispatch"] == {"median_s": pytest.approx(0.0085), "spread": pytest.approx(0.25), "requests": 48}
+    assert combined["requests"] == 72
+    assert combine_runs([run(1.0, None, None)])["dispatch"] is None
+
+
+def test_a_runs_own_call_log_gives_its_step_speeds_and_a_run_without_one_a_clear_error(tmp_path):
+    calls = [step("prefill-0", 0.0, [[800, 0]], 9.0)] + [step("prefill-0", 10.0 * i, [[60, 848]], 1.7)
+                                                         for i in range(1, MIN_STEPS + 1)]
+    with pytest.raises(ValidateInputError, match="engine-calls.jsonl is missing"):
+        run_step_speeds(tmp_path, COST)
+    (tmp_path / "engine-calls.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
+    assert run_step_speeds(tmp_path, COST)["prompt"]["alone"] == pytest.approx(1.7, abs=1e-3)

@@ -20,7 +20,7 @@ PAPER_MODEL = "llama-3.1-8b-fp8kv"
 
 
 class PlanInputError(PddError, ValueError):
-    """A ``pdd plan`` argument that cannot be read."""
+    """A ``pdd plan``, ``sim`` or ``profile`` argument that cannot be read."""
 
     code = "invalid_plan_input"
 
@@ -34,8 +34,11 @@ def add_sim_parsers(commands):
                          help="weights and KV dtype")
     profile.add_argument("--quick", action="store_true", help="small sizes, one repeat (a smoke run)")
     profile.add_argument("--out", default="profile.json", help="where to write the profile")
-    profile.add_argument("--no-deployment", action="store_true", help="skip the calibration run through a "
-                         "real deployment on this machine (step speeds inside it; about 2 minutes)")
+    profile.add_argument("--no-deployment", action="store_true", help="skip the calibration runs through a "
+                         "real deployment on this machine (step speeds inside it; 1.5 minutes a run)")
+    profile.add_argument("--calibration-runs", type=int, default=None,
+                         help="fresh deployments the calibration replays its workload through; the median "
+                              "over them is kept (default 3, and 1 with --quick)")
     profile.set_defaults(handler=cmd_profile)
 
     sim = commands.add_parser("sim", help="the discrete-event simulator")
@@ -47,6 +50,10 @@ def add_sim_parsers(commands):
                           "profile's machine)")
     validate.add_argument("--replays", type=int, default=None, help="replays of each repetition, step times "
                           "drawn around the profile's in-deployment speeds (default 8; 1 without them)")
+    validate.add_argument("--step-speeds", choices=["profile", "run"], default="profile",
+                          help="in-deployment step speeds from the profile's calibration (the validation), or "
+                               "from the run's own engine-call log, DIR/engine-calls.jsonl (a diagnostic: the "
+                               "machine's speed as it was during the run)")
     validate.add_argument("--json", action="store_true", help="machine-readable output")
     validate.set_defaults(handler=cmd_sim_validate)
     paper = kinds.add_parser("paper", help="the paper's setting at cluster scale, four designs, the bathtub")
@@ -80,10 +87,13 @@ def cmd_profile(args) -> int:
     from loadtest.sim.profile import measure_profile, write_profile
     from shared.model_loader import load_model
 
+    if args.calibration_runs is not None and args.calibration_runs < 1:
+        raise PlanInputError(f"--calibration-runs: {args.calibration_runs} (at least 1; --no-deployment skips them)")
     # the deployment's engines run on the CPU, in float32
     calibrate = not args.no_deployment and args.device == "cpu" and args.dtype == "float32"
     profile = measure_profile(load_model(args.model, device=args.device, dtype=args.dtype), quick=args.quick,
-                              deployment_model=args.model if calibrate else None)
+                              deployment_model=args.model if calibrate else None,
+                              calibration_runs=args.calibration_runs)
     write_profile(profile, Path(args.out))
     errors = [abs(s["rel_error"]) for s in profile["samples"]]
     print(f"{len(errors)} samples, fit error median {sorted(errors)[len(errors) // 2]:.0%}, "
@@ -95,7 +105,7 @@ def cmd_sim_validate(args) -> int:
     """Predicted vs measured for a bench run."""
     from loadtest.sim.validate import render, validate
 
-    report = validate(Path(args.dir), Path(args.profile), args.cores, args.replays)
+    report = validate(Path(args.dir), Path(args.profile), args.cores, args.replays, args.step_speeds)
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
 

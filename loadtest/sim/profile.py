@@ -124,10 +124,11 @@ def fit(samples: list[dict], transfer: dict, kv_bytes_per_token: int, source: st
 
 
 def measure_profile(loaded: LoadedModel, *, quick: bool = False, contention: bool = True,
-                    deployment_model: str | None = None) -> dict:
+                    deployment_model: str | None = None, calibration_runs: int | None = None) -> dict:
     """Measure, fit, and return the profile JSON (``contention``: also how engines sharing the
     machine slow each other, see :func:`contention_samples`; ``deployment_model``: also how fast
-    each kind of step runs inside a deployment of that model, see ``step_speeds.calibrate``)."""
+    each kind of step runs inside a deployment of that model, over ``calibration_runs`` fresh
+    deployments, see ``step_speeds.calibrate``)."""
     sizes = SIZES["quick" if quick else "full"]
     samples = prefill_samples(loaded, sizes) + decode_samples(loaded, sizes) + extend_samples(loaded, sizes)
     transfer = bench_transfer(loaded, sizes["transfer_context"], sizes["repeats"])
@@ -140,7 +141,8 @@ def measure_profile(loaded: LoadedModel, *, quick: bool = False, contention: boo
         predicted = float(np.dot(model.coefficients, features_of(sample)))
         sample["predicted_seconds"] = round(predicted, 5)
         sample["rel_error"] = round(predicted / sample["seconds"] - 1, 3)
-    deployment_steps = calibrate(deployment_model, model, quick=quick) if deployment_model else None
+    deployment_steps = (calibrate(deployment_model, model, quick=quick, runs=calibration_runs)
+                        if deployment_model else None)
     return {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
             "quick": quick, "host_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "shared_host_speed": (contention_samples(loaded.name, max_processes=2 if quick else 3,

@@ -162,17 +162,58 @@ def calibration_workload(*, quick: bool) -> list[tuple[int, dict]]:
             (2, dict(sessions=4, turns=3, cold_lines=40, max_tokens=40))]
 
 
-def calibrate(model: str, cost: LinearCostModel, *, quick: bool = False) -> dict:
-    """Replay the calibration workload through one real PDD deployment (``pdd up``'s processes
-    on this machine, the benchmark's link and pool) with the engine-call log on; return
-    :func:`measure_step_speeds`, :func:`measure_wake_s` and :func:`measure_dispatch` of it."""
+CALIBRATION_RUNS = 3
+"""Fresh deployments the calibration replays its workload through. One run is a minute and a
+half of a machine whose speed wanders: of three single runs within half an hour, two put
+one-sequence decode within 10 % of the benchmark's own steps and one 45 % slower. The median
+of three runs stands when one of them lands in a slow minute."""
+
+
+def calibrate(model: str, cost: LinearCostModel, *, quick: bool = False, runs: int | None = None) -> dict:
+    """Replay the calibration workload ``runs`` times (default :data:`CALIBRATION_RUNS`, one when
+    ``quick``), each through a fresh real PDD deployment (``pdd up``'s processes on this
+    machine, the benchmark's link and pool) with the engine-call log on, and combine the runs'
+    :func:`measure_step_speeds`, :func:`measure_wake_s` and :func:`measure_dispatch`
+    (:func:`combine_runs`)."""
+    phases = calibration_workload(quick=quick)
+    each = [_calibration_run(model, cost, phases) for _ in range(runs or (1 if quick else CALIBRATION_RUNS))]
+    shapes = ", ".join(f"{shape['sessions']} x {shape['turns']} turns at concurrency {c}" for c, shape in phases)
+    return {**combine_runs(each), "runs": each,
+            "source": f"traces of {shapes} (seeds from {CALIBRATION_SEED}) through {len(each)} fresh PDD "
+                      "deployment(s) on this machine: the engine-call log's steps against the fit, the median "
+                      "over the runs"}
+
+
+def combine_runs(runs: list[dict]) -> dict:
+    """Per figure, the median over calibration runs of what each measured (a run that measured
+    nothing for it is left out); step counts and requests add up."""
+
+    def median(values):
+        values = [v for v in values if v is not None]
+        return round(statistics.median(values), 4) if values else None
+
+    kinds = {}
+    for kind in KINDS:
+        rows = [run["kinds"][kind] for run in runs]
+        kinds[kind] = {"alone": median(r["alone"] for r in rows), "alone_steps": sum(r["alone_steps"] for r in rows),
+                       "beside": median(r["beside"] for r in rows),
+                       "beside_steps": sum(r["beside_steps"] for r in rows),
+                       "spread": median(r["spread"] for r in rows)}
+    dispatches = [run["dispatch"] for run in runs if run.get("dispatch")]
+    dispatch = ({"median_s": median(d["median_s"] for d in dispatches), "spread": median(d["spread"] for d in dispatches),
+                 "requests": sum(d["requests"] for d in dispatches)} if dispatches else None)
+    return {"kinds": kinds, "wake_s": median(run["wake_s"] for run in runs), "dispatch": dispatch,
+            "requests": sum(run["requests"] for run in runs)}
+
+
+def _calibration_run(model: str, cost: LinearCostModel, phases: list[tuple[int, dict]]) -> dict:
+    """One replay of the calibration phases through a fresh deployment, measured."""
     from loadtest.bench import mode_deployment
     from loadtest.runner import run_trace
     from loadtest.trace import generate_trace
 
     bench = argparse.Namespace(model=model, kv_cache_mb=512, bandwidth="100mbit", rtt="40ms", jitter="5ms",
                                seed=CALIBRATION_SEED, engine="hf")
-    phases = calibration_workload(quick=quick)
     records = []
     with tempfile.TemporaryDirectory(prefix="pdd-calibration-") as folder:
         log_path = Path(folder) / "engine-calls.jsonl"
@@ -194,8 +235,5 @@ def calibrate(model: str, cost: LinearCostModel, *, quick: bool = False) -> dict
         if failed:
             raise RuntimeError(f"a calibration request failed: {failed[0].error}")
         calls = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
-    shapes = ", ".join(f"{shape['sessions']} x {shape['turns']} turns at concurrency {c}" for c, shape in phases)
     return {"kinds": measure_step_speeds(calls, cost), "wake_s": measure_wake_s(calls),
-            "dispatch": measure_dispatch(calls, records), "requests": len(records),
-            "source": f"traces of {shapes} (seeds from {CALIBRATION_SEED}) through one PDD deployment on "
-                      "this machine: the engine-call log's steps against the fit"}
+            "dispatch": measure_dispatch(calls, records), "requests": len(records)}

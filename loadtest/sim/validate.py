@@ -18,8 +18,10 @@ from loadtest.sim.deployment import Deployment, RolePool
 from loadtest.sim.network import LinkSpec
 from loadtest.sim.results import SimResult
 from loadtest.sim.simulator import Simulator
+from loadtest.sim.step_speeds import measure_step_speeds
 from loadtest.sim.workload import load_bench_records
 from infra.wan_link import parse_profile
+from shared.errors import PddError
 
 BLOCK_SIZE = 16
 REPLAYS = 8
@@ -71,6 +73,22 @@ def bench_deployment(config: dict, mode: str, cost: LinearCostModel, host_cores:
                       engine_thread_io=True, initial_wan_bps=link.bandwidth_bps,
                       initial_wan_rtt_s=link.rtt_ms / 1000,
                       local_bytes_per_s=local_bytes_per_s or Deployment.local_bytes_per_s)
+
+
+class ValidateInputError(PddError, ValueError):
+    """A ``pdd sim validate`` input that is missing or cannot be read."""
+
+    code = "invalid_validate_input"
+
+
+def run_step_speeds(folder: Path, cost: LinearCostModel) -> dict:
+    """``measure_step_speeds`` of the run's own engine-call log (every mode's deployments)."""
+    path = folder / "engine-calls.jsonl"
+    if not path.exists():
+        raise ValidateInputError(f"--step-speeds run: {path} is missing (run pdd bench run with "
+                                 f"PDD_ENGINE_CALL_LOG=<its --out folder>/engine-calls.jsonl)")
+    calls = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return measure_step_speeds(calls, cost)
 
 
 def predict_mode(folder: Path, config: dict, mode: str, make_deployment, replays: int = 1) -> tuple[dict, list[dict]]:
@@ -130,12 +148,15 @@ def compare(predicted: dict, measured: dict, replays: list[dict] = ()) -> dict:
     return out
 
 
-def validate(folder: Path, profile_path: Path, host_cores: int | None = None, replays: int | None = None) -> dict:
+def validate(folder: Path, profile_path: Path, host_cores: int | None = None, replays: int | None = None,
+             step_speeds_from: str = "profile") -> dict:
     """Every mode of the run in ``folder``: ``{"modes": {mode: {metric: {...}}}}``.
 
-    With the profile's in-deployment step speeds, each repetition is replayed ``replays`` times
-    (default :data:`REPLAYS`) with step times drawn around them, and the prediction pools the
-    replays; without them, once.
+    With in-deployment step speeds, each repetition is replayed ``replays`` times (default
+    :data:`REPLAYS`) with step times drawn around them, and the prediction pools the replays;
+    without them, once. ``step_speeds_from``: ``profile`` (its calibration) or ``run`` (the
+    run's own ``engine-calls.jsonl``, against the profile's fit: how fast the machine was while
+    the run ran, which takes its drift since the profile out of the comparison).
     """
     folder = Path(folder)
     results = json.loads((folder / "results.json").read_text())
@@ -146,6 +167,8 @@ def validate(folder: Path, profile_path: Path, host_cores: int | None = None, re
     local_bytes_per_s = (profile.get("local_path") or {}).get("bytes_per_s")
     calibration = profile.get("deployment_steps") or {}
     step_speeds = calibration.get("kinds")
+    if step_speeds_from == "run":
+        step_speeds = run_step_speeds(folder, cost)
     replays = (replays or REPLAYS) if step_speeds else 1
 
     def make_deployment(mode: str) -> Deployment:
@@ -160,7 +183,9 @@ def validate(folder: Path, profile_path: Path, host_cores: int | None = None, re
         predicted, each = predict_mode(folder, config, mode, make_deployment, replays)
         modes[mode] = compare(predicted, measured, each)
     return {"modes": modes, "profile": str(profile_path), "run": str(folder), "host_cores": cores,
-            "replays": replays, "step_speeds": "in-deployment" if step_speeds else "isolated, host contention",
+            "replays": replays,
+            "step_speeds": ("the run's own call log" if step_speeds_from == "run" else
+                            "in-deployment" if step_speeds else "isolated, host contention"),
             "dispatch": calibration.get("dispatch")}
 
 
