@@ -142,8 +142,9 @@ def measure_dispatch(calls: list[dict], records: list) -> dict | None:
 
 
 def log_spread(ratios: list[float]) -> float:
-    """The spread of ``log(ratio)`` (of any positive values: step ratios, delays), robust to the odd step that a page fault or a garbage
-    collection stretches tenfold: the interquartile range over that of a unit normal."""
+    """The spread of ``log(ratio)`` (of any positive values: step ratios, delays), robust to the
+    odd step that a page fault or a garbage collection stretches tenfold: the interquartile
+    range over that of a unit normal."""
     if len(ratios) < MIN_STEPS:
         return 0.0
     quartiles = statistics.quantiles([math.log(r) for r in ratios], n=4)
@@ -164,9 +165,10 @@ def calibration_workload(*, quick: bool) -> list[tuple[int, dict]]:
 
 CALIBRATION_RUNS = 3
 """Fresh deployments the calibration replays its workload through. One run is a minute and a
-half of a machine whose speed wanders: of three single runs within half an hour, two put
-one-sequence decode within 10 % of the benchmark's own steps and one 45 % slower. The median
-of three runs stands when one of them lands in a slow minute."""
+half of a machine whose speed wanders: eight single runs within an hour put a one-sequence
+decode step at 81–127 ms where the bench runs took 90. The median of three stands when one
+lands in a slow minute; it cannot follow a machine that stays slower for longer
+(``docs/planning.md``)."""
 
 
 def calibrate(model: str, cost: LinearCostModel, *, quick: bool = False, runs: int | None = None) -> dict:
