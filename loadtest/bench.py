@@ -184,6 +184,12 @@ def run_bench(args) -> dict:
             summary["wan_link_kv_bytes"] = link_bytes
             results.setdefault("repetitions", [{} for _ in range(args.repeat)])[repetition][mode] = summary
             print(f"  {json.dumps(summary['ttft_ms'])} errors={summary['errors']}", flush=True)
+        if getattr(args, "calibrate", False):
+            from loadtest.sim.step_speeds import calibrate_during_bench
+
+            print(f"calibration (repetition {repetition + 1}/{args.repeat})", flush=True)
+            # the tiny model's test runs take the smoke workload
+            calibrate_during_bench(args.model, out, repetition, quick=args.model == "tiny")
     for mode in args.modes:
         results["modes"][mode] = pooled_summary(mode, results["repetitions"], runs[mode], args)
         records[mode] = [r for run in runs[mode] for r in run.records]
@@ -267,6 +273,9 @@ def add_bench_run_parser(bench_kinds):
                      help=f"deployments to compare (default: {' '.join(DEFAULT_MODES)})")
     run.add_argument("--repeat", type=int, default=1, help="repetitions of every mode, interleaved; ratios "
                      "are reported as a median with a 90%% bootstrap interval (default 1)")
+    run.add_argument("--calibrate", action="store_true", help="after each repetition, replay pdd profile's "
+                     "calibration workload through a fresh PDD deployment (OUT/calibration/, about 1.5 minutes "
+                     "each): pdd sim validate then times steps as the machine ran them in the run's minutes")
     run.add_argument("--trace", default=None, help="replay a JSONL trace instead of generating one")
     run.add_argument("--sessions", type=int, default=None, help="sessions in the generated trace")
     run.add_argument("--turns", type=int, default=None, help="turns per session in the generated trace")

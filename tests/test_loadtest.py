@@ -68,7 +68,7 @@ def test_bench_run_writes_results_report_and_plots_and_the_simulator_replays_it(
     pdd = str(Path(sys.executable).parent / "pdd")
     result = subprocess.run([pdd, "bench", "run", "--out", str(tmp_path), "--model", "tiny",
                              "--sessions", "2", "--turns", "2", "--cold-lines", "12",
-                             "--handoff-trials", "2", "--modes", "cross-site-pd", "pdd"],
+                             "--handoff-trials", "2", "--modes", "cross-site-pd", "pdd", "--calibrate"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((tmp_path / "results.json").read_text())
@@ -119,7 +119,12 @@ def _check_the_simulator_replays(pdd: str, run: Path, results: dict):
     replay = subprocess.run([pdd, "sim", "validate", str(run), "--profile", str(profile), "--json"],
                             capture_output=True, text=True, timeout=300)
     assert replay.returncode == 0, replay.stderr[-2000:]
-    modes = json.loads(replay.stdout)["modes"]
+    report = json.loads(replay.stdout)
+    modes = report["modes"]
+    # the run's own calibration (--calibrate) times the steps, measured against the profile's fit
+    assert report["step_speeds"] == "the run's own calibration (1 run(s))"
+    assert report["dispatch"]["requests"] == len(json.loads((run / "calibration" / "after-repetition-0" /
+                                                             "records.json").read_text()))
     assert set(modes) == {"cross-site-pd", "pdd"}
     metrics = {"ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "wan_kv_bytes", "rld_token_share", "goodput_rps"}
     for figures in modes.values():

@@ -6,10 +6,10 @@ import math
 import pytest
 
 from loadtest.sim.cost_model import LinearCostModel
-from loadtest.sim.validate import ValidateInputError, run_step_speeds
+from loadtest.sim.validate import ValidateInputError, run_step_speeds, validate
 from loadtest.client import RequestRecord
 from loadtest.sim.step_speeds import (KINDS, MIN_STEPS, combine_runs, log_spread, measure_dispatch,
-                                     measure_step_speeds, measure_wake_s, predicted_s, step_kind)
+                                     measure_step_speeds, measure_wake_s, predicted_s, run_calibration, step_kind)
 
 COST = LinearCostModel((0.08, 0.0016, 1e-6, 0.004, 5e-6, 0.0), 1e9, 5e9, 46080)
 
@@ -112,3 +112,31 @@ def test_a_runs_own_call_log_gives_its_step_speeds_and_a_run_without_one_a_clear
         run_step_speeds(tmp_path, COST)
     (tmp_path / "engine-calls.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
     assert run_step_speeds(tmp_path, COST)["prompt"]["alone"] == pytest.approx(1.7, abs=1e-3)
+
+
+def test_a_bench_runs_own_calibration_runs_are_measured_against_the_fit_and_combined(tmp_path):
+    for repetition, ratio in enumerate((1.4, 2.2, 1.5)):
+        folder = tmp_path / "calibration" / f"after-repetition-{repetition}"
+        folder.mkdir(parents=True)
+        calls = [step("prefill-0", 0.0, [[800, 0]], 9.0)] + [step("prefill-0", 10.0 * i, [[60, 848]], ratio)
+                                                             for i in range(1, MIN_STEPS + 1)]
+        calls.append({"instance": "prefill-0", "call": "add_request", "request": "r0", "queued_s": 100.01,
+                      "start_s": 100.01, "end_s": 100.01})
+        (folder / "engine-calls.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
+        record = RequestRecord(0, 0, "cold", request_id="r0", sent_unix_s=100.0)
+        (folder / "records.json").write_text(json.dumps([record.__dict__]))
+    combined = run_calibration(tmp_path, COST)
+    assert len(combined["runs"]) == 3
+    assert combined["kinds"]["prompt"]["alone"] == pytest.approx(1.5, abs=1e-3)  # the median run
+    assert combined["dispatch"]["median_s"] == pytest.approx(0.01, abs=1e-4)
+    assert run_calibration(tmp_path / "elsewhere", COST) is None
+
+
+def test_validating_with_a_runs_calibration_it_does_not_have_is_a_clear_error(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps({"config": {}, "modes": {}}))
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"cost_model": {"coefficients": list(COST.coefficients),
+                                                  "export_bytes_per_s": 1e9, "import_bytes_per_s": 5e9,
+                                                  "kv_bytes_per_token": 46080, "max_batch_tokens": 2048}}))
+    with pytest.raises(ValidateInputError, match="run pdd bench run with --calibrate"):
+        validate(tmp_path, profile, host_cores=2, step_speeds_from="calibration")

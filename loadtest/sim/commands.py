@@ -50,10 +50,12 @@ def add_sim_parsers(commands):
                           "profile's machine)")
     validate.add_argument("--replays", type=int, default=None, help="replays of each repetition, step times "
                           "drawn around the profile's in-deployment speeds (default 8; 1 without them)")
-    validate.add_argument("--step-speeds", choices=["profile", "run"], default="profile",
-                          help="in-deployment step speeds from the profile's calibration (the validation), or "
-                               "from the run's own engine-call log, DIR/engine-calls.jsonl (a diagnostic: the "
-                               "machine's speed as it was during the run)")
+    validate.add_argument("--step-speeds", choices=["auto", "profile", "calibration", "run"], default="auto",
+                          help="in-deployment step speeds from: the run's own calibration runs (pdd bench run "
+                               "--calibrate; DIR/calibration), the profile's calibration, or the run's own "
+                               "engine-call log (DIR/engine-calls.jsonl; a diagnostic); the run's or its own "
+                               "timed against the profile's fit. auto (default): the run's calibration if it has "
+                               "one, else the profile's")
     validate.add_argument("--json", action="store_true", help="machine-readable output")
     validate.set_defaults(handler=cmd_sim_validate)
     paper = kinds.add_parser("paper", help="the paper's setting at cluster scale, four designs, the bathtub")

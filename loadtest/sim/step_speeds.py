@@ -15,6 +15,7 @@ several times, draws each step's noise from that spread.
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -210,6 +211,27 @@ def combine_runs(runs: list[dict]) -> dict:
 
 def _calibration_run(model: str, cost: LinearCostModel, phases: list[tuple[int, dict]]) -> dict:
     """One replay of the calibration phases through a fresh deployment, measured."""
+    with tempfile.TemporaryDirectory(prefix="pdd-calibration-") as folder:
+        log_path = Path(folder) / "engine-calls.jsonl"
+        records = record_calibration(model, phases, log_path)
+        return measure_run(read_call_log(log_path), records, cost)
+
+
+def measure_run(calls: list[dict], records: list, cost: LinearCostModel) -> dict:
+    """One calibration run's figures: step speeds, wake-up, dispatch and its request count."""
+    return {"kinds": measure_step_speeds(calls, cost), "wake_s": measure_wake_s(calls),
+            "dispatch": measure_dispatch(calls, records), "requests": len(records)}
+
+
+def read_call_log(path: Path) -> list[dict]:
+    """An engine-call log's lines."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def record_calibration(model: str, phases: list[tuple[int, dict]], log_path: Path) -> list:
+    """Replay the calibration ``phases`` through a fresh PDD deployment of ``model`` (``pdd up``'s
+    processes on this machine, the benchmark's link and pool) with the engine-call log written
+    to ``log_path``; return the client's records (a failed request raises)."""
     from loadtest.bench import mode_deployment
     from loadtest.runner import run_trace
     from loadtest.trace import generate_trace
@@ -217,25 +239,52 @@ def _calibration_run(model: str, cost: LinearCostModel, phases: list[tuple[int, 
     bench = argparse.Namespace(model=model, kv_cache_mb=512, bandwidth="100mbit", rtt="40ms", jitter="5ms",
                                seed=CALIBRATION_SEED, engine="hf")
     records = []
-    with tempfile.TemporaryDirectory(prefix="pdd-calibration-") as folder:
-        log_path = Path(folder) / "engine-calls.jsonl"
-        previous = os.environ.get("PDD_ENGINE_CALL_LOG")
-        os.environ["PDD_ENGINE_CALL_LOG"] = str(log_path)  # read once, at each service's start
-        try:
-            with mode_deployment("pdd", bench) as deployment:
-                for index, (concurrency, shape) in enumerate(phases):
-                    trace = generate_trace(CALIBRATION_SEED + index, **shape)
-                    done, _ = asyncio.run(run_trace(deployment.router_url, trace, concurrency=concurrency,
-                                                    progress=False))
-                    records += done
-        finally:
-            if previous is None:
-                os.environ.pop("PDD_ENGINE_CALL_LOG", None)
-            else:
-                os.environ["PDD_ENGINE_CALL_LOG"] = previous
-        failed = [r for r in records if r.error]
-        if failed:
-            raise RuntimeError(f"a calibration request failed: {failed[0].error}")
-        calls = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
-    return {"kinds": measure_step_speeds(calls, cost), "wake_s": measure_wake_s(calls),
-            "dispatch": measure_dispatch(calls, records), "requests": len(records)}
+    previous = os.environ.get("PDD_ENGINE_CALL_LOG")
+    os.environ["PDD_ENGINE_CALL_LOG"] = str(log_path)  # read once, at each service's start
+    try:
+        with mode_deployment("pdd", bench) as deployment:
+            for index, (concurrency, shape) in enumerate(phases):
+                trace = generate_trace(CALIBRATION_SEED + index, **shape)
+                done, _ = asyncio.run(run_trace(deployment.router_url, trace, concurrency=concurrency,
+                                                progress=False))
+                records += done
+    finally:
+        if previous is None:
+            os.environ.pop("PDD_ENGINE_CALL_LOG", None)
+        else:
+            os.environ["PDD_ENGINE_CALL_LOG"] = previous
+    failed = [r for r in records if r.error]
+    if failed:
+        raise RuntimeError(f"a calibration request failed: {failed[0].error}")
+    return records
+
+
+RUN_CALIBRATION_FOLDER = "calibration"
+"""Where ``pdd bench run --calibrate`` keeps its calibration runs: one folder per repetition
+holding ``engine-calls.jsonl`` and ``records.json``."""
+
+
+def calibrate_during_bench(model: str, out: Path, repetition: int, *, quick: bool) -> Path:
+    """One calibration run between a bench run's repetitions, its log and records kept under
+    ``out``/:data:`RUN_CALIBRATION_FOLDER` for ``pdd sim validate`` to measure against its
+    profile's fit."""
+    folder = Path(out) / RUN_CALIBRATION_FOLDER / f"after-repetition-{repetition}"
+    folder.mkdir(parents=True, exist_ok=True)
+    log_path = folder / "engine-calls.jsonl"
+    log_path.unlink(missing_ok=True)
+    records = record_calibration(model, calibration_workload(quick=quick), log_path)
+    (folder / "records.json").write_text(json.dumps([dataclasses.asdict(r) for r in records]))
+    return folder
+
+
+def run_calibration(out: Path, cost: LinearCostModel) -> dict | None:
+    """A bench run's own calibration runs (``--calibrate``), measured against ``cost`` and
+    combined (:func:`combine_runs`); None when it has none."""
+    from loadtest.client import RequestRecord
+
+    folders = sorted((Path(out) / RUN_CALIBRATION_FOLDER).glob("after-repetition-*"))
+    runs = []
+    for folder in folders:
+        records = [RequestRecord(**r) for r in json.loads((folder / "records.json").read_text())]
+        runs.append(measure_run(read_call_log(folder / "engine-calls.jsonl"), records, cost))
+    return {**combine_runs(runs), "runs": runs} if runs else None

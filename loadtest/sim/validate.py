@@ -18,7 +18,7 @@ from loadtest.sim.deployment import Deployment, RolePool
 from loadtest.sim.network import LinkSpec
 from loadtest.sim.results import SimResult
 from loadtest.sim.simulator import Simulator
-from loadtest.sim.step_speeds import measure_step_speeds
+from loadtest.sim.step_speeds import RUN_CALIBRATION_FOLDER, measure_step_speeds, run_calibration
 from loadtest.sim.workload import load_bench_records
 from infra.wan_link import parse_profile
 from shared.errors import PddError
@@ -148,15 +148,23 @@ def compare(predicted: dict, measured: dict, replays: list[dict] = ()) -> dict:
     return out
 
 
+STEP_SPEED_SOURCES = ("auto", "profile", "calibration", "run")
+"""Where in-deployment step speeds come from: ``profile`` (its calibration), ``calibration``
+(the bench run's own calibration runs, ``pdd bench run --calibrate``), ``run`` (the run's own
+engine-call log, a diagnostic), ``auto`` (the run's calibration if it has one, else the
+profile's)."""
+
+
 def validate(folder: Path, profile_path: Path, host_cores: int | None = None, replays: int | None = None,
-             step_speeds_from: str = "profile") -> dict:
+             step_speeds_from: str = "auto") -> dict:
     """Every mode of the run in ``folder``: ``{"modes": {mode: {metric: {...}}}}``.
 
     With in-deployment step speeds, each repetition is replayed ``replays`` times (default
     :data:`REPLAYS`) with step times drawn around them, and the prediction pools the replays;
-    without them, once. ``step_speeds_from``: ``profile`` (its calibration) or ``run`` (the
-    run's own ``engine-calls.jsonl``, against the profile's fit: how fast the machine was while
-    the run ran, which takes its drift since the profile out of the comparison).
+    without them, once. ``step_speeds_from`` (:data:`STEP_SPEED_SOURCES`): the run's own
+    calibration or call log is measured against the profile's fit; either takes the machine's
+    drift between the run and the profile out of the comparison, and only the calibration
+    does so without the validated requests' own steps.
     """
     folder = Path(folder)
     results = json.loads((folder / "results.json").read_text())
@@ -166,9 +174,17 @@ def validate(folder: Path, profile_path: Path, host_cores: int | None = None, re
     cores = host_cores or profile.get("host_cores") or os.cpu_count()
     local_bytes_per_s = (profile.get("local_path") or {}).get("bytes_per_s")
     calibration = profile.get("deployment_steps") or {}
+    source = "in-deployment, the profile's calibration" if calibration.get("kinds") else "isolated, host contention"
+    if step_speeds_from in ("auto", "calibration"):
+        own = run_calibration(folder, cost)
+        if own is not None:
+            calibration, source = own, f"the run's own calibration ({len(own['runs'])} run(s))"
+        elif step_speeds_from == "calibration":
+            raise ValidateInputError(f"--step-speeds calibration: {folder / RUN_CALIBRATION_FOLDER} is missing "
+                                     f"(run pdd bench run with --calibrate)")
     step_speeds = calibration.get("kinds")
     if step_speeds_from == "run":
-        step_speeds = run_step_speeds(folder, cost)
+        step_speeds, source = run_step_speeds(folder, cost), "the run's own call log"
     replays = (replays or REPLAYS) if step_speeds else 1
 
     def make_deployment(mode: str) -> Deployment:
@@ -183,9 +199,7 @@ def validate(folder: Path, profile_path: Path, host_cores: int | None = None, re
         predicted, each = predict_mode(folder, config, mode, make_deployment, replays)
         modes[mode] = compare(predicted, measured, each)
     return {"modes": modes, "profile": str(profile_path), "run": str(folder), "host_cores": cores,
-            "replays": replays,
-            "step_speeds": ("the run's own call log" if step_speeds_from == "run" else
-                            "in-deployment" if step_speeds else "isolated, host contention"),
+            "replays": replays, "step_speeds": source,
             "dispatch": calibration.get("dispatch")}
 
 
