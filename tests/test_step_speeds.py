@@ -140,3 +140,5 @@ def test_validating_with_a_runs_calibration_it_does_not_have_is_a_clear_error(tm
                                                   "kv_bytes_per_token": 46080, "max_batch_tokens": 2048}}))
     with pytest.raises(ValidateInputError, match="run pdd bench run with --calibrate"):
         validate(tmp_path, profile, host_cores=2, step_speeds_from="calibration")
+    with pytest.raises(ValidateInputError, match="one of auto, profile, calibration, run"):
+        validate(tmp_path, profile, host_cores=2, step_speeds_from="fastest")

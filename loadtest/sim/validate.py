@@ -166,6 +166,8 @@ def validate(folder: Path, profile_path: Path, host_cores: int | None = None, re
     drift between the run and the profile out of the comparison, and only the calibration
     does so without the validated requests' own steps.
     """
+    if step_speeds_from not in STEP_SPEED_SOURCES:
+        raise ValidateInputError(f"--step-speeds: {step_speeds_from!r} (one of {', '.join(STEP_SPEED_SOURCES)})")
     folder = Path(folder)
     results = json.loads((folder / "results.json").read_text())
     config = results["config"]
