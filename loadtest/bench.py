@@ -13,33 +13,18 @@ Dynamo, or a PDD deployment already running) and writes the same ``results.json`
 mode named by ``--label``, so runs against other systems compare side by side.
 """
 
-import argparse
 import asyncio
 import json
-import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from infra import launcher
-from infra.nats_server import free_port
 from loadtest.bench_intervals import ModeRun, Runs, ratio_intervals
+from loadtest.bench_modes import DEFAULT_MODES, MODES, mode_deployment
 from loadtest.client import RequestRecord
 from loadtest.runner import run_trace
 from loadtest.trace import generate_trace, load_trace, save_trace
-
-MODES = {
-    "same-site": {"md_site": "site-a", "pipeline_policy": "P-MD", "md_prefix_cache": True},
-    "cross-site-pd": {"md_site": "site-b", "pipeline_policy": "P-MD", "md_prefix_cache": False},
-    "cross-site-pd-drc": {"md_site": "site-b", "pipeline_policy": "P-MD", "md_prefix_cache": True},
-    "pdd": {"md_site": "site-b", "pipeline_policy": "auto", "md_prefix_cache": True},
-    "pdd-plaintext": {"md_site": "site-b", "pipeline_policy": "auto", "md_prefix_cache": True, "insecure": True},
-}
-DEFAULT_MODES = ["same-site", "cross-site-pd", "cross-site-pd-drc", "pdd"]
-"""The paper's comparison; ``pdd-plaintext`` (PDD without TLS or NATS identities) is run on
-request, beside ``pdd``, to measure what encryption costs."""
 
 
 def percentiles(values: list[float]) -> dict:
@@ -101,24 +86,6 @@ def settled_link_kv_bytes(wan_control_url: str, quiet_s: float = 1.0, timeout_s:
             break
         last = now
     return last
-
-
-@contextmanager
-def mode_deployment(mode: str, args):
-    """A fresh deployment for ``mode`` (one instance of each service, ``args``' model, pool and
-    link), stopped on exit."""
-    run_dir = Path(tempfile.mkdtemp(prefix=f"pdd-bench-{mode}-"))
-    up_args = argparse.Namespace(
-        run_dir=str(run_dir), prefill=1, rld=1, md=1, model=args.model, kv_cache_mb=args.kv_cache_mb,
-        http_port=free_port(), nats_a_port=free_port(), nats_b_port=free_port(),
-        wan_control_port=free_port(), bandwidth=args.bandwidth, rtt=args.rtt, jitter=args.jitter,
-        seed=args.seed, log_level="warning", timeout=600.0 if getattr(args, "engine", "hf") == "vllm" else 300.0,
-        progress=False, engine=getattr(args, "engine", "hf"), **MODES[mode])
-    deployment = launcher.up(up_args)
-    try:
-        yield deployment
-    finally:
-        launcher.down(run_dir, quiet=True)
 
 
 def run_mode(mode: str, trace, args) -> tuple[list[RequestRecord], float, int]:

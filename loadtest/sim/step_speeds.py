@@ -232,7 +232,7 @@ def record_calibration(model: str, phases: list[tuple[int, dict]], log_path: Pat
     """Replay the calibration ``phases`` through a fresh PDD deployment of ``model`` (``pdd up``'s
     processes on this machine, the benchmark's link and pool) with the engine-call log written
     to ``log_path``; return the client's records (a failed request raises)."""
-    from loadtest.bench import mode_deployment
+    from loadtest.bench_modes import mode_deployment
     from loadtest.runner import run_trace
     from loadtest.trace import generate_trace
 
