@@ -18,7 +18,7 @@ from loadtest.sim.deployment import Deployment, RolePool
 from loadtest.sim.network import LinkSpec
 from loadtest.sim.results import SimResult
 from loadtest.sim.simulator import Simulator
-from loadtest.sim.step_speeds import RUN_CALIBRATION_FOLDER, measure_step_speeds, run_calibration
+from loadtest.sim.step_speeds import RUN_CALIBRATION_FOLDER, measure_step_speeds, read_call_log, run_calibration
 from loadtest.sim.workload import load_bench_records
 from infra.wan_link import parse_profile
 from shared.errors import PddError
@@ -87,8 +87,7 @@ def run_step_speeds(folder: Path, cost: LinearCostModel) -> dict:
     if not path.exists():
         raise ValidateInputError(f"--step-speeds run: {path} is missing (run pdd bench run with "
                                  f"PDD_ENGINE_CALL_LOG=<its --out folder>/engine-calls.jsonl)")
-    calls = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return measure_step_speeds(calls, cost)
+    return measure_step_speeds(read_call_log(path), cost)
 
 
 def predict_mode(folder: Path, config: dict, mode: str, make_deployment, replays: int = 1) -> tuple[dict, list[dict]]:
