@@ -51,11 +51,11 @@ def add_sim_parsers(commands):
     validate.add_argument("--replays", type=int, default=None, help="replays of each repetition, step times "
                           "drawn around the profile's in-deployment speeds (default 8; 1 without them)")
     validate.add_argument("--step-speeds", choices=["auto", "profile", "calibration", "run"], default="auto",
-                          help="in-deployment step speeds from: the run's own calibration runs (pdd bench run "
-                               "--calibrate; DIR/calibration), the profile's calibration, or the run's own "
-                               "engine-call log (DIR/engine-calls.jsonl; a diagnostic); the run's or its own "
-                               "timed against the profile's fit. auto (default): the run's calibration if it has "
-                               "one, else the profile's")
+                          help="how fast each kind of step runs inside a deployment, as a factor on the "
+                               "profile's fit: calibration = measured in the run's own calibration runs "
+                               "(pdd bench run --calibrate; DIR/calibration), profile = the profile's "
+                               "calibration, run = the run's own engine-call log (DIR/engine-calls.jsonl; a "
+                               "diagnostic). auto (default): calibration if DIR has it, else profile")
     validate.add_argument("--json", action="store_true", help="machine-readable output")
     validate.set_defaults(handler=cmd_sim_validate)
     paper = kinds.add_parser("paper", help="the paper's setting at cluster scale, four designs, the bathtub")
