@@ -5,7 +5,7 @@ transformers (``generate(do_sample=False)``), runs the streams against the route
 its fault into the real processes while they run (or before, for a partition), and reports
 one row: requests, identical to the reference, recovered, failed with a clear error, lost or
 duplicated tokens, the longest stall a client saw, and the KV blocks every engine still
-holds 10 s after the streams ended. Killed processes are brought back by ``pdd up``'s
+holds 10 s after the streams ended (read sooner once every engine holds none). Killed processes are brought back by ``pdd up``'s
 supervisor; each scenario starts once the router sees every instance again.
 """
 
@@ -18,6 +18,7 @@ import time
 import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 from pathlib import Path
 
 import aiohttp
@@ -28,6 +29,7 @@ from infra.http_probe import get_json
 from loadtest.client import RequestRecord, stream_chat
 
 SETTLE_S = 10.0
+"""How long after the streams end the engines must have freed their blocks (a leak is what is held then)."""
 HEARTBEAT_S = 1.0
 """The services' heartbeat (``--heartbeat-s`` default): how often an engine's gauges are refreshed."""
 SCENARIOS = ("md-kill", "relay-kill", "prefill-kill", "router-kill", "nats-a-restart",
@@ -137,18 +139,33 @@ async def run_scenario(ctx: ChaosContext, scenario: str) -> ChaosRow:
         if probe is not None:
             await _cache_fills_landed(ctx)
             await stream_chat(session, url, ctx.model_name, chats[0], 16, probe)
-    await asyncio.sleep(SETTLE_S)  # the measurement's definition: what is still held 10 s later
-    held, filling = held_blocks(ctx)
+    ended_s = time.monotonic()
+    held, filling = await _settled_blocks(ctx)
     if filling:  # imports kept for the cache may still be crossing: say when they are done
-        started_s = time.monotonic()
-        while held_blocks(ctx)[1] and time.monotonic() - started_s < 120:
+        while held_blocks(ctx).cache_fill and time.monotonic() - ended_s < SETTLE_S + 120:
             await asyncio.sleep(1.0)
         notes = "; ".join(filter(None, [notes, f"{filling} blocks of cache fills crossing at 10 s, "
-                                               f"landed {SETTLE_S + time.monotonic() - started_s:.0f} s later"]))
+                                               f"landed {time.monotonic() - ended_s:.0f} s later"]))
     row = _row(scenario, records, expected, held, notes)
     row.cache_fill_blocks_after_10s = filling
     row.pipeline_after = probe.pdd.get("pipeline", probe.error or "none") if probe else ""
     return row
+
+
+async def _settled_blocks(ctx: ChaosContext) -> tuple[int, int]:
+    """KV blocks (for requests, for cache fills) the engines still hold SETTLE_S after the streams
+    ended, or sooner: once every engine answers and holds none of either, nothing is left running
+    that could take blocks again, so the rest of the wait could only confirm the zero.
+
+    The gauges are refreshed with each heartbeat, so the first reading is taken two heartbeats
+    after the streams ended (an earlier one may predate the frees, or the fills)."""
+    deadline = time.monotonic() + SETTLE_S
+    await asyncio.sleep(2 * HEARTBEAT_S)
+    while True:
+        held = held_blocks(ctx)
+        if time.monotonic() >= deadline or held == HeldBlocks(0, 0, 0):
+            return held.for_requests, held.cache_fill
+        await asyncio.sleep(0.5)
 
 
 async def _cache_fills_landed(ctx: ChaosContext, timeout_s: float = 60.0):
@@ -159,7 +176,7 @@ async def _cache_fills_landed(ctx: ChaosContext, timeout_s: float = 60.0):
     streams ended (an earlier reading may predate the fill)."""
     await asyncio.sleep(2 * HEARTBEAT_S)
     deadline = time.monotonic() + timeout_s
-    while held_blocks(ctx)[1] and time.monotonic() < deadline:
+    while held_blocks(ctx).cache_fill and time.monotonic() < deadline:
         await asyncio.sleep(0.5)
 
 
@@ -224,21 +241,34 @@ def _metric_sum(url: str, name: str) -> dict[str, float]:
             for line in text.splitlines() if line.startswith(name + "{")}
 
 
-def held_blocks(ctx: ChaosContext) -> tuple[int, int]:
-    """KV blocks every engine process holds now: (for requests, for cache fills still crossing).
+class HeldBlocks(NamedTuple):
+    """KV blocks every engine process holds now.
 
-    A cache fill is the import of a request that ended elsewhere: no request holds its
-    blocks, they land in the prefix cache when the transfer ends.
+    Attributes:
+        for_requests: Blocks that requests hold.
+        cache_fill: Blocks of cache fills still crossing. A cache fill is the import of a
+            request that ended elsewhere: no request holds its blocks, they land in the
+            prefix cache when the transfer ends.
+        unanswered: Engine processes whose metrics did not answer (being restarted: a new
+            process holds nothing yet).
     """
-    used = filling = 0
+
+    for_requests: int
+    cache_fill: int
+    unanswered: int
+
+
+def held_blocks(ctx: ChaosContext) -> HeldBlocks:
+    """Read every engine process's KV gauges now."""
+    used = filling = unanswered = 0
     for name, url in ctx.deployment.metrics_urls.items():
         if name.startswith(("prefill", "relay-decode", "main-decode")):
             try:
                 used += int(sum(_metric_sum(url, "pdd_kv_blocks_used").values()))
                 filling += int(sum(_metric_sum(url, "pdd_kv_blocks_cache_fill").values()))
             except OSError:
-                pass  # being restarted: it holds nothing
-    return used - filling, filling
+                unanswered += 1
+    return HeldBlocks(used - filling, filling, unanswered)
 
 
 def _kill(ctx: ChaosContext, name: str) -> str:
