@@ -113,8 +113,10 @@ class DecodeService(EngineService):
         await self.loop.stop()
 
     async def held_request_ids(self) -> list[str]:
-        held = await super().held_request_ids()
-        return list(set(held) | self.importer.request_ids)
+        held = set(await super().held_request_ids()) | self.importer.request_ids
+        # An import kept for the cache belongs to a request that ended elsewhere: its router
+        # rightly no longer lists it, and no lease must take that for a lost cancel.
+        return list(held - self.importer.kept_for_cache())
 
     def instance_ref(self) -> InstanceRef:
         return InstanceRef(instance_id=self.instance_id, site=self.config.site,
@@ -135,6 +137,8 @@ class DecodeService(EngineService):
         if await self.worker.call(self.engine.abort, cancel.request_id):
             self.log.info("request_dropped", request_id=cancel.request_id, kind=cancel.kind)
             self.end_span(cancel.request_id)
+        else:  # its flow may not be here yet
+            await self.importer.cancel(cancel.request_id, finished_elsewhere)
 
     async def _on_import_aborted(self, request_id: str, reason: str):
         """A flow broke before its KV was complete: tell the router, which may resume elsewhere."""

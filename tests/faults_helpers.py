@@ -18,3 +18,12 @@ async def crash(service):
     receiver = getattr(service, "receiver", None)
     if receiver is not None:
         await receiver.stop()
+
+
+def lost_cancels() -> dict[str, float]:
+    """Per engine service, the requests its lease freed as ``finished``: their router no longer
+    ran them and no cancel had freed them (what tells an operator cancels go missing)."""
+    from shared.metrics import LEASES_EXPIRED
+
+    return {service: LEASES_EXPIRED.labels(service, "finished")._value.get()
+            for service in ("prefill", "relay_decode", "main_decode")}

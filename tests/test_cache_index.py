@@ -117,22 +117,27 @@ async def test_turns_queued_behind_a_shared_prefix_still_wait_for_each_other(mak
 
 async def test_a_request_finished_while_its_import_waits_in_line_is_not_parked(make_stack, tiny):
     """The relay finishes a request whose WAN flow still waits behind another import: main
-    decode imports it for its cache and frees it, instead of parking it for a handoff."""
-    from tests.faults_helpers import engines_idle
+    decode imports it for its cache and frees it, instead of parking it for a handoff. Neither
+    the prefill, whose sending waits for the flow's acceptance meanwhile, nor main decode takes
+    it for a request whose cancel was lost."""
+    from tests.faults_helpers import engines_idle, lost_cancels
 
     stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-RLD-MD"})
     encode = lambda text: tiny.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     shared = encode("You are a careful agent who logs ships. " * 8)
-    first_ids = shared + encode("Session one reads the tide tables. " * 40)
+    # ~3 s of KV at 1 Mbit/s: the second flow waits in line longer than the lease's 1 s grace.
+    first_ids = shared + encode("Session one reads the tide tables. " * 80)
     second_ids = shared + encode("Session two counts the cranes. " * 4)
     body = {"model": "tiny", "temperature": 0, "ignore_eos": True}
     main = stack.mains[0]
+    before = lost_cancels()
     first = asyncio.create_task(post(stack, "/completions", {**body, "prompt": first_ids, "max_tokens": 200}))
     await until(lambda: main.importer.imports, 10, "the first import to be under way")
     status, second = await post(stack, "/completions", {**body, "prompt": second_ids, "max_tokens": 2})
     assert status == 200 and second["pdd"]["finished_on"] == "RLD"
     assert (await first)[0] == 200
     await until(lambda: engines_idle(stack), 20, "main decode to free both requests")
+    assert lost_cancels() == before
 
 
 async def test_a_restarted_decoder_is_credited_only_with_blocks_it_announces(make_stack, tiny):

@@ -7,12 +7,13 @@ import threading
 
 import pytest
 
+from shared.block_hash import hash_blocks
 from shared.bulk.kv_importer import KvImporter
 from shared.bulk.receiver import FlowStats
 from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.engine_worker import EngineWorker
-from shared.errors import FrameOwnershipError
+from shared.errors import FrameOwnershipError, RequestCancelled
 from shared.kv_wire import decode_frame
 from shared.messages import FlowEnd, FlowOpen
 from tests.helpers import prompt_of_length, reference_greedy
@@ -92,4 +93,43 @@ async def test_a_frame_that_fails_to_import_aborts_the_flow_and_frees_its_blocks
         await importer.end_flow("r", FlowEnd(request_id="r", output_token_ids=[first]), FlowStats())
     assert aborted == ["r"] and not importer.holds("r")
     assert engine.blocks.num_used_blocks == 0 and engine.request("r") is None
+    worker.shutdown()
+
+
+async def test_a_flow_arriving_after_its_request_ended_fills_the_cache_or_is_refused(tiny):
+    """On a congested WAN a flow's opening can reach main decode after the request's cancel
+    (it queued behind other KV): it must not import and park a sequence nobody will use."""
+    prompt = prompt_of_length(tiny, 96)
+    first, frames = exported_frames(tiny, prompt, frame_tokens=32)
+    engine = HfEngine(tiny, num_blocks=64)
+    worker = EngineWorker(engine, "main-decode-0")
+    completed = []
+
+    async def on_complete(state, seq, stats):
+        completed.append(seq.request_id)
+
+    importer = KvImporter(worker, on_complete)
+
+    def flow_open(request_id: str) -> FlowOpen:
+        return FlowOpen(request_id=request_id, role="main_decode", token_ids=prompt,
+                        sampling=SamplingParams(max_tokens=8), seed=0, sender_id="prefill-0",
+                        receiver_id="main-decode-0", unix_s=0.0, nonce="")
+
+    # Ended on the relay first: the KV still lands, for the cache, and nothing stays held.
+    # (The frames carry their request's id, "r".)
+    assert await importer.cancel("r", finished_elsewhere=True) is None
+    await importer.open_flow(flow_open("r"), FlowStats())
+    assert importer.kept_for_cache() == {"r"}
+    for frame in frames:
+        await importer.import_frame("r", frame)
+    await importer.end_flow("r", FlowEnd(request_id="r", output_token_ids=[first]), FlowStats())
+    assert completed == [] and engine.request("r") is None and engine.num_sequences == 0
+    cached = await worker.call(engine.cached_prefix_blocks, hash_blocks(prompt, engine.block_size))
+    assert cached == len(prompt) // engine.block_size
+
+    # The client went away first: the flow is refused before it takes a block.
+    await importer.cancel("stopped", finished_elsewhere=False)
+    with pytest.raises(RequestCancelled):
+        await importer.open_flow(flow_open("stopped"), FlowStats())
+    assert not importer.holds("stopped") and engine.request("stopped") is None
     worker.shutdown()

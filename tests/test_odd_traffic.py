@@ -46,6 +46,28 @@ async def test_non_odd_request_the_relay_finishes_still_completes_its_transfer(m
     await until(lambda: engines_idle(stack), 10, "the finished import to be freed")
 
 
+async def test_a_transfer_kept_for_the_cache_is_not_taken_for_a_lost_cancel(make_stack, tiny):
+    """The relay finishes a request whose KV crosses for seconds more: the router's "finished"
+    cancel reaches prefill and main decode, which ship and import on for the cache. Their
+    leases must not then free it as a request whose cancel was lost: that counter is what
+    tells an operator cancels go missing."""
+    from tests.faults_helpers import lost_cancels
+
+    stack = await make_stack(profile=NARROW_WAN, router_settings={**ROUTER, "odd_traffic_filter": False,
+                                                                    "pipeline_policy": "P-RLD-MD"})
+    before = lost_cancels()
+    prompt = chat_prompt(tiny, LONG * 2)
+    status, body = await post(stack, "/chat/completions", chat_body(LONG * 2, 4))
+    assert status == 200 and body["pdd"]["finished_on"] == "RLD", body
+    # Several heartbeats and the lease's grace pass while the KV crosses (1 Mbit/s, 0.25 s beats).
+    kv_s = len(prompt) * stack.prefill.engine.layout.kv_bytes_per_token * 8 / NARROW_WAN.bandwidth_bps
+    assert kv_s > 2, kv_s  # the grace is two beats and a half: 1 s
+    index = stack.cache_index.instances["main-decode-0"]
+    await until(lambda: len(index.block_hashes) >= len(prompt) // 16, 30, "main decode to cache every block")
+    await until(lambda: engines_idle(stack), 10, "the finished import to be freed")
+    assert lost_cancels() == before
+
+
 async def test_a_finished_cancel_arriving_while_main_decode_begins_the_import_keeps_it(make_stack, tiny):
     """The router's "finished" cancel can reach main decode while its engine thread is creating
     the import's sequence. The import must go on (it fills the cache), not be freed under the

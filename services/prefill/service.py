@@ -62,6 +62,7 @@ class PrefillService(EngineService):
         self._first_tokens: dict[str, asyncio.Future] = {}
         self._exports_due: dict[str, asyncio.Event] = {}
         self._active: dict[str, asyncio.Task] = {}
+        self._shipping_for_cache: set[str] = set()
         self._loop: EngineLoop | None = None
 
     async def on_start(self):
@@ -85,19 +86,29 @@ class PrefillService(EngineService):
             await self._loop.stop()
 
     async def held_request_ids(self) -> list[str]:
-        return list(set(await super().held_request_ids()) | set(self._active))
+        # A request that ended elsewhere ships on for main decode's cache: its router rightly no
+        # longer lists it, and no lease must take that for a lost cancel.
+        return list((set(await super().held_request_ids()) | set(self._active)) - self._shipping_for_cache)
 
     async def on_cancel(self, cancel: CancelRequest):
         task = self._active.get(cancel.request_id)
-        if task and cancel.kind != "finished":
-            self.log.info("prefill_cancelled", request_id=cancel.request_id, reason=cancel.reason)
-            task.cancel()
+        if task is None:
+            return
+        if cancel.kind == "finished":
+            self._shipping_for_cache.add(cancel.request_id)
+            return
+        self.log.info("prefill_cancelled", request_id=cancel.request_id, reason=cancel.reason)
+        task.cancel()
 
     async def _on_start_msg(self, cmd: StartPrefill, msg):
         # NATS runs one callback at a time per subscription: hand the request to a task.
         task = asyncio.create_task(self._serve(cmd, msg))
         self._active[cmd.request_id] = task
-        task.add_done_callback(lambda _: self._active.pop(cmd.request_id, None))
+        task.add_done_callback(lambda _: self._forget(cmd.request_id))
+
+    def _forget(self, request_id: str):
+        self._active.pop(request_id, None)
+        self._shipping_for_cache.discard(request_id)
 
     async def _serve(self, cmd: StartPrefill, msg):
         log = self.log.bind(request_id=cmd.request_id, attempt=cmd.attempt, pipeline=cmd.pipeline)

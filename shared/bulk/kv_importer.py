@@ -5,6 +5,7 @@ policy (``shared.decode_cache``); this module runs it against the engine and the
 """
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ from shared.metrics import PREFIX_HIT_BLOCKS, PREFIX_LOOKUP_BLOCKS
 log = structlog.get_logger(__name__)
 ROOM_POLL_S = 0.05
 """How often a flow waiting for room looks again."""
+MAX_EARLY_CANCELS = 4096
+"""Cancels remembered for requests whose flow has not arrived (see ``KvImporter.cancel``)."""
 MAX_QUEUED_FRAMES = 4
 """Frames of one flow queued on the engine thread at once. The receiver queues a frame and
 reads the next without waiting for its import, so frames that arrive during a step import
@@ -71,6 +74,7 @@ class KvImporter:
         self._on_abort = on_abort
         self.imports: dict[str, ImportState] = {}
         self._in_flight = InFlightBlocks()
+        self._cancelled_before_flow: OrderedDict[str, tuple[bool, float]] = OrderedDict()
 
     async def open_flow(self, flow_open: FlowOpen, stats: FlowStats) -> int:
         rid = flow_open.request_id
@@ -78,8 +82,13 @@ class KvImporter:
             raise InvalidRequestState(f"a flow for {rid!r} is already open")
         engine = self._worker.engine
         claim = self._in_flight.claim(rid, hash_blocks(flow_open.token_ids, engine.block_size))
+        early = self._cancelled_before_flow.pop(rid, None)
         try:
-            if self._on_open:
+            if early is not None:  # the request ended before its flow got here
+                self._in_flight.cancel_waiting(rid, finished_elsewhere=early[0])
+                if claim.dropped:
+                    raise RequestCancelled(f"request {rid!r} was cancelled before its flow arrived")
+            elif self._on_open:
                 await self._on_open(flow_open)
             await self._wait_for_blocks_in_flight(rid, claim)
             if claim.dropped:
@@ -181,8 +190,10 @@ class KvImporter:
         return [rid for rid in self._in_flight.claims if rid not in self.imports]
 
     def kept_for_cache(self) -> set[str]:
-        """Requests that ended elsewhere whose import goes on only to fill the cache."""
-        return {rid for rid, state in list(self.imports.items()) if state.discard_when_done}
+        """Requests that ended elsewhere whose import goes on (or waits in line) only to fill the cache."""
+        return ({rid for rid, state in list(self.imports.items()) if state.discard_when_done}
+                | {rid for rid, claim in list(self._in_flight.claims.items())
+                   if claim.finished_elsewhere and rid not in self.imports})
 
     async def import_frame(self, request_id: str, frame: KvFrame) -> None:
         """Queue the frame's import (the receiver reads on meanwhile); raise a failed import."""
@@ -260,12 +271,15 @@ class KvImporter:
 
         A request that finished elsewhere keeps importing (its blocks keep this instance's
         cache aligned with the prefill's); any other cancel drops the KV now (complete
-        blocks already cached stay valid), and the sender's next frame is refused.
+        blocks already cached stay valid), and the sender's next frame is refused. A cancel
+        for a flow not here yet is kept: the flow imports for the cache only, or is refused.
         """
         state = self.imports.get(request_id)
         if state is None:
-            # Still waiting in line: it must not import later and park.
-            self._in_flight.cancel_waiting(request_id, finished_elsewhere)
+            # Still waiting in line: it must not import later and park. Or not here yet: a
+            # flow queued on the WAN behind other KV can arrive after its request ended.
+            if not self._in_flight.cancel_waiting(request_id, finished_elsewhere):
+                self._remember_cancel(request_id, finished_elsewhere)
             return None
         if keeps_importing(finished_elsewhere):
             state.discard_when_done = True
@@ -274,6 +288,16 @@ class KvImporter:
         self._release(request_id)
         await self._worker.call(self._worker.engine.abort, request_id)
         return state
+
+    def _remember_cancel(self, request_id: str, finished_elsewhere: bool):
+        """Keep a cancel for a flow that may still come, for as long as a flow may wait."""
+        now = asyncio.get_running_loop().time()
+        self._cancelled_before_flow[request_id] = (finished_elsewhere, now)
+        self._cancelled_before_flow.move_to_end(request_id)
+        oldest = self._cancelled_before_flow
+        while oldest and (len(oldest) > MAX_EARLY_CANCELS
+                          or next(iter(oldest.values()))[1] < now - self._in_flight_wait_s):
+            oldest.popitem(last=False)
 
 
 def _retrieve_exception(future: asyncio.Future):
