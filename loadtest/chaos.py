@@ -5,8 +5,9 @@ transformers (``generate(do_sample=False)``), runs the streams against the route
 its fault into the real processes while they run (or before, for a partition), and reports
 one row: requests, identical to the reference, recovered, failed with a clear error, lost or
 duplicated tokens, the longest stall a client saw, and the KV blocks every engine still
-holds 10 s after the streams ended (read sooner once every engine holds none). Killed processes are brought back by ``pdd up``'s
-supervisor; each scenario starts once the router sees every instance again.
+holds 10 s after the streams ended (read sooner once every engine holds none). Killed
+processes are brought back by ``pdd up``'s supervisor; each scenario starts once the router
+sees every instance again.
 """
 
 import argparse
@@ -18,8 +19,8 @@ import time
 import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import aiohttp
 import torch
@@ -142,8 +143,7 @@ async def run_scenario(ctx: ChaosContext, scenario: str) -> ChaosRow:
     ended_s = time.monotonic()
     held, filling = await _settled_blocks(ctx)
     if filling:  # imports kept for the cache may still be crossing: say when they are done
-        while held_blocks(ctx).cache_fill and time.monotonic() - ended_s < SETTLE_S + 120:
-            await asyncio.sleep(1.0)
+        await _gauges_until(ctx, lambda held: not held.cache_fill, ended_s + SETTLE_S + 120, poll_s=1.0)
         notes = "; ".join(filter(None, [notes, f"{filling} blocks of cache fills crossing at 10 s, "
                                                f"landed {time.monotonic() - ended_s:.0f} s later"]))
     row = _row(scenario, records, expected, held, notes)
@@ -159,13 +159,10 @@ async def _settled_blocks(ctx: ChaosContext) -> tuple[int, int]:
 
     The gauges are refreshed with each heartbeat, so the first reading is taken two heartbeats
     after the streams ended (an earlier one may predate the frees, or the fills)."""
-    deadline = time.monotonic() + SETTLE_S
+    deadline_s = time.monotonic() + SETTLE_S
     await asyncio.sleep(2 * HEARTBEAT_S)
-    while True:
-        held = held_blocks(ctx)
-        if time.monotonic() >= deadline or held == HeldBlocks(0, 0, 0):
-            return held.for_requests, held.cache_fill
-        await asyncio.sleep(0.5)
+    held = await _gauges_until(ctx, lambda held: held == HeldBlocks(0, 0, 0), deadline_s)
+    return held.for_requests, held.cache_fill
 
 
 async def _cache_fills_landed(ctx: ChaosContext, timeout_s: float = 60.0):
@@ -175,9 +172,18 @@ async def _cache_fills_landed(ctx: ChaosContext, timeout_s: float = 60.0):
     The gauge is refreshed with each heartbeat, so the wait starts two heartbeats after the
     streams ended (an earlier reading may predate the fill)."""
     await asyncio.sleep(2 * HEARTBEAT_S)
-    deadline = time.monotonic() + timeout_s
-    while held_blocks(ctx).cache_fill and time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
+    await _gauges_until(ctx, lambda held: not held.cache_fill, time.monotonic() + timeout_s)
+
+
+async def _gauges_until(ctx: ChaosContext, done: Callable[["HeldBlocks"], bool], deadline_s: float,
+                        poll_s: float = 0.5) -> "HeldBlocks":
+    """Read the engines' KV gauges until ``done`` says so or ``deadline_s`` (monotonic) has
+    passed; return the last reading."""
+    while True:
+        held = held_blocks(ctx)
+        if done(held) or time.monotonic() >= deadline_s:
+            return held
+        await asyncio.sleep(poll_s)
 
 
 async def _warm(session, url: str, ctx: ChaosContext, chat: list[dict], timeout_s: float = 120.0):
