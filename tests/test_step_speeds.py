@@ -142,3 +142,15 @@ def test_validating_with_a_runs_calibration_it_does_not_have_is_a_clear_error(tm
         validate(tmp_path, profile, host_cores=2, step_speeds_from="calibration")
     with pytest.raises(ValidateInputError, match="one of auto, profile, calibration, run"):
         validate(tmp_path, profile, host_cores=2, step_speeds_from="fastest")
+
+
+def test_the_cli_offers_every_step_speed_source_validate_takes():
+    from infra.cli import build_parser
+    from loadtest.sim.validate import STEP_SPEED_SOURCES
+
+    args = build_parser().parse_args(["sim", "validate", "some-run"])
+    assert args.step_speeds == "auto"
+    for source in STEP_SPEED_SOURCES:
+        assert build_parser().parse_args(["sim", "validate", "x", "--step-speeds", source]).step_speeds == source
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["sim", "validate", "x", "--step-speeds", "fastest"])

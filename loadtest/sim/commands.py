@@ -50,6 +50,8 @@ def add_sim_parsers(commands):
                           "profile's machine)")
     validate.add_argument("--replays", type=int, default=None, help="replays of each repetition, step times "
                           "drawn around the profile's in-deployment speeds (default 8; 1 without them)")
+    # validate.STEP_SPEED_SOURCES, spelled out: importing it costs every pdd command 1.6 s
+    # (tests/test_step_speeds.py keeps the two equal)
     validate.add_argument("--step-speeds", choices=["auto", "profile", "calibration", "run"], default="auto",
                           help="how fast each kind of step runs inside a deployment, as a factor on the "
                                "profile's fit: calibration = measured in the run's own calibration runs "
