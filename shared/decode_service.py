@@ -204,7 +204,7 @@ class DecodeService(EngineService):
             if out.error:
                 await self.publish(subjects.request_events(out.request_id), RequestFailed(
                     request_id=out.request_id, instance_id=self.instance_id,
-                    code="out_of_kv_blocks", message=out.error))
+                    code=out.error_code or "engine_error", message=out.error))
             else:
                 await self.emit(out.request_id, out.token_index, [out.token_id],
                                 out.finish_reason if out.finished else None,

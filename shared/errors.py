@@ -11,6 +11,13 @@ class PddError(Exception):
     code = "pdd_error"
 
 
+def error_with_code(code: str, message: str) -> PddError:
+    """A ``PddError`` carrying ``code`` (one reported by an engine or a peer)."""
+    error = PddError(message)
+    error.code = code
+    return error
+
+
 class ConfigError(PddError):
     """A setting is missing or invalid; the message names the setting."""
 
@@ -94,3 +101,32 @@ class FrameOwnershipError(KvFrameError):
     """The frame belongs to another request, or to tokens the request does not have."""
 
     code = "kv_frame_wrong_request"
+
+
+class InvalidSampling(PddError, ValueError):
+    """A sampling parameter is out of its range; ``field`` names it."""
+
+    code = "invalid_sampling"
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class InvalidPrompt(PddError, ValueError):
+    """A prompt is empty or holds a token id outside the model's vocabulary."""
+
+    code = "invalid_prompt"
+
+
+class SamplingFailed(PddError):
+    """One sequence's next token could not be drawn (a non-finite logits row); the sequence
+    ends, the engine carries on."""
+
+    code = "sampling_failed"
+
+
+class StepFailed(PddError):
+    """The forward pass of a step raised; the step's sequences end, the engine carries on."""
+
+    code = "step_failed"

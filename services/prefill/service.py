@@ -22,7 +22,7 @@ from shared.config import PrefillConfig
 from shared.engine.backend import StepOutput
 from shared.engine_loop import EngineLoop
 from shared.engine_service import EngineService
-from shared.errors import PddError
+from shared.errors import PddError, error_with_code
 from shared.messages import (
     CancelRequest,
     FlowOpen,
@@ -122,6 +122,9 @@ class PrefillService(EngineService):
             code = getattr(exc, "code", "timeout" if isinstance(exc, asyncio.TimeoutError) else "bulk_unreachable")
             log.warning("prefill_failed", code=code, error=str(exc) or type(exc).__name__)
             reply, sending = self._failure(cmd, code, str(exc) or type(exc).__name__), None
+        except Exception as exc:  # noqa: BLE001 - a bug met by one request fails that request only
+            log.exception("prefill_crashed")
+            reply, sending = self._failure(cmd, "internal_error", repr(exc)), None
         # The router learns the KV plan now; the frames keep streaming meanwhile.
         try:
             await msg.respond(encode(reply))
@@ -313,7 +316,7 @@ class PrefillService(EngineService):
             if future is None or future.done():
                 continue
             if out.error:
-                future.set_exception(PddError(out.error))
+                future.set_exception(error_with_code(out.error_code or "engine_error", out.error))
             else:
                 self._exports_due[out.request_id] = asyncio.Event()
                 future.set_result(out)

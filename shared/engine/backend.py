@@ -82,6 +82,8 @@ class StepOutput:
         finished: Whether the request stopped with this output.
         finish_reason: ``stop``, ``length`` or ``error`` when finished.
         error: What went wrong, when ``finish_reason`` is ``error``.
+        error_code: Its stable code (``PddError.code``: ``out_of_kv_blocks``,
+            ``sampling_failed``, ``step_failed``), when ``finish_reason`` is ``error``.
         absorbed: True when a held extend (``extend(..., sample=False)``) has been computed.
         logprobs: The sampled token's log-probabilities, when the request asked for them.
     """
@@ -94,6 +96,7 @@ class StepOutput:
     error: str | None = None
     absorbed: bool = False
     logprobs: TokenLogprobs | None = None
+    error_code: str | None = None
 
 
 @dataclass(frozen=True)

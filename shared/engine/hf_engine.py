@@ -32,7 +32,15 @@ from shared.engine.sampling import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence
 from shared.engine.stop_detector import StopDetector
-from shared.errors import ContextLengthExceeded, InvalidRequestState
+from shared.errors import (
+    ContextLengthExceeded,
+    InvalidPrompt,
+    InvalidRequestState,
+    OutOfKvBlocks,
+    PddError,
+    SamplingFailed,
+    StepFailed,
+)
 from shared.kv_layout import DEFAULT_BLOCK_SIZE, KvLayout
 from shared.kv_wire import FrameExpectation, KvFrame
 from shared.model_loader import LoadedModel, load_model
@@ -117,14 +125,21 @@ class HfEngine(EngineBackend):
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
+        """One scheduled step. A failure of one sequence (its sampling, its stop check) ends that
+        sequence with ``finish_reason="error"``; a failed forward pass ends the step's sequences;
+        neither raises, so the engine carries on with the rest."""
         self.last_batch = []
         batch, unfit = self.scheduler.schedule()
         if unfit is not None:
-            return [self._fail(unfit, f"out of KV blocks: {len(unfit.token_ids)} tokens do not fit the pool")]
+            return [self._fail(unfit, OutOfKvBlocks(
+                f"out of KV blocks: {len(unfit.token_ids)} tokens do not fit the pool"))]
         if not batch:
             return []
         self.last_batch = [(entry.num_tokens, entry.seq.num_kv_tokens) for entry in batch]
-        logits = self.runner.run(batch)
+        try:
+            logits = self.runner.run(batch)
+        except Exception as exc:  # noqa: BLE001 - whatever broke, the batch ends, the engine lives
+            return [self._fail(entry.seq, StepFailed(f"forward pass failed: {exc!r}")) for entry in batch]
         outputs = [StepOutput(seq.request_id, None, len(seq.output_token_ids), False, absorbed=True)
                    for seq in self.scheduler.computed(batch)]
         samplers = [entry.seq for entry in batch if entry.samples]
@@ -133,17 +148,23 @@ class HfEngine(EngineBackend):
 
     def _sample(self, seq: Sequence, logits) -> StepOutput:
         index = len(seq.output_token_ids)
-        token, logprobs = self.sampler.sample(seq, logits)
-        seq.token_ids.append(token)
-        seq.output_logprobs.append(logprobs)
-        reason = self.stop_detector.finish_reason(seq)
+        try:
+            token, logprobs = self.sampler.sample(seq, logits)
+            seq.token_ids.append(token)
+            seq.output_logprobs.append(logprobs)
+            reason = self.stop_detector.finish_reason(seq)
+        except PddError as exc:
+            return self._fail(seq, exc)
+        except Exception as exc:  # noqa: BLE001 - one sequence's failure must not end the engine
+            return self._fail(seq, SamplingFailed(f"sampling failed: {exc!r}"))
         if reason:
             seq.status, seq.finish_reason = RequestStatus.FINISHED, reason
         return StepOutput(seq.request_id, token, index, reason is not None, reason, logprobs=logprobs)
 
-    def _fail(self, seq: Sequence, error: str) -> StepOutput:
+    def _fail(self, seq: Sequence, error: PddError) -> StepOutput:
         seq.status, seq.finish_reason = RequestStatus.FINISHED, "error"
-        return StepOutput(seq.request_id, None, len(seq.output_token_ids), True, "error", error)
+        return StepOutput(seq.request_id, None, len(seq.output_token_ids), True, "error", str(error),
+                          error_code=error.code)
 
     # ----- KV over the wire -------------------------------------------------------------
 
@@ -221,7 +242,9 @@ class HfEngine(EngineBackend):
         if request_id in self.scheduler.sequences:
             raise InvalidRequestState(f"request {request_id!r} is already live")
         if not prompt_token_ids:
-            raise ValueError("prompt must hold at least one token")
+            raise InvalidPrompt("prompt must hold at least one token")
+        if not all(0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise InvalidPrompt(f"prompt token ids must lie in [0, {self.vocab_size})")
         sampling.validate()
         if len(prompt_token_ids) + sampling.max_tokens > self.max_context_len:
             raise ContextLengthExceeded(

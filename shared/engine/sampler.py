@@ -11,6 +11,7 @@ from shared.engine import logits_processing
 from shared.engine.logprobs import TokenLogprobs, token_logprobs
 from shared.engine.sampling import sample_token
 from shared.engine.sequence import Sequence
+from shared.errors import SamplingFailed
 
 
 class Sampler:
@@ -20,7 +21,13 @@ class Sampler:
         self._eos_ids = eos_token_ids
 
     def sample(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, TokenLogprobs | None]:
-        """The next token of ``seq`` and, when the request asked for them, its log-probabilities."""
+        """The next token of ``seq`` and, when the request asked for them, its log-probabilities.
+
+        Raises:
+            SamplingFailed: The model's row is not finite, or no token can be drawn from it.
+        """
+        if not bool(torch.isfinite(logits).all()):
+            raise SamplingFailed("the model produced non-finite logits")
         params = seq.sampling
         processed = logits_processing.apply(logits, params, seq.token_ids, seq.num_prompt_tokens, self._eos_ids)
         token = sample_token(processed, params, seq.seed, len(seq.output_token_ids))

@@ -9,9 +9,20 @@ import msgspec
 import torch
 import xxhash
 
+from shared.errors import InvalidSampling, SamplingFailed
+
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
 """Most alternatives a request may ask for per token (vLLM's default ``max_logprobs``)."""
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 2.0
+"""A temperature is 0 (greedy) or in this range (vLLM raises smaller ones to 0.01): logits
+divided by it stay finite in fp32."""
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 2.0
+"""A repetition penalty divides positive logits: at most a factor of 100."""
+MAX_ABS_PENALTY = 2.0
+"""Frequency and presence penalties lie in ``[-2, 2]`` (OpenAI's range)."""
+MAX_TOP_K = 2 ** 31 - 1
+"""``top_k`` past the vocabulary means "all tokens"; larger values are refused, not wrapped."""
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,25 +60,25 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None
 
     def validate(self):
-        """Raise ValueError naming the first field out of range."""
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
-            raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not (-2 <= self.frequency_penalty <= 2 and -2 <= self.presence_penalty <= 2):
-            raise ValueError("frequency_penalty and presence_penalty must be in [-2, 2]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        """Raise ``InvalidSampling`` naming the first field out of range (NaN is out of every range)."""
+        _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check(self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE,
+               "temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                              f"got {self.temperature}")
+        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(len(self.stop) <= MAX_STOP_STRINGS and all(self.stop), "stop",
+               f"takes up to {MAX_STOP_STRINGS} non-empty strings")
+        _check(0 <= self.top_k <= MAX_TOP_K, "top_k", f"must be in [0, {MAX_TOP_K}], got {self.top_k}")
+        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be in [0, max_tokens], got {self.min_tokens}")
+        _check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+               f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(-MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY, name,
+                   f"must be in [{-MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}], got {value}")
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+               f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -81,6 +92,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                 or self.presence_penalty != 0.0)
 
 
+def _check(holds: bool, field: str, message: str):
+    # Comparisons with NaN are False, so a NaN fails every check.
+    if not holds:
+        raise InvalidSampling(field, f"{field} {message}")
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, token_index: int) -> int:
     """Pick one token from a 1-D logits row (after ``logits_processing.apply``).
 
@@ -89,8 +106,13 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, token_
         params: The request's sampling parameters.
         seed: The request's effective seed (``params.seed`` or one the engine chose).
         token_index: Index of the token being sampled among the request's outputs.
+
+    Raises:
+        SamplingFailed: The row holds no finite logit to draw from.
     """
     if params.greedy:
+        if not bool(torch.isfinite(logits).any()):
+            raise SamplingFailed("no finite logit to choose from")
         return int(torch.argmax(logits))
     logits = logits.float() / params.temperature
     if 0 < params.top_k < logits.numel():
@@ -101,8 +123,11 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, token_
         sorted_probs, sorted_ids = torch.sort(probs, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+        outside[0] = False  # a top_p below float32's resolution still keeps the top token
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, sorted_ids, sorted_probs)
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+        raise SamplingFailed("the sampling distribution is not finite")
     generator = torch.Generator(device="cpu")
     generator.manual_seed(xxhash.xxh3_64_intdigest(f"{seed}:{token_index}".encode()) >> 1)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))

@@ -47,6 +47,7 @@ from shared.engine.vllm.kv_blocks import VllmKvBlocks, check_layout
 from shared.errors import (
     ConfigError,
     ContextLengthExceeded,
+    InvalidPrompt,
     InvalidRequestState,
     UnknownRequest,
 )
@@ -317,7 +318,7 @@ class VllmBackend(EngineBackend):
         if request_id in self._requests:
             raise InvalidRequestState(f"request {request_id!r} is already live")
         if not prompt_token_ids:
-            raise ValueError("prompt must hold at least one token")
+            raise InvalidPrompt("prompt must hold at least one token")
         sampling.validate()
         if len(prompt_token_ids) + sampling.max_tokens > self.max_context_len:
             raise ContextLengthExceeded(f"{len(prompt_token_ids)} prompt + {sampling.max_tokens} output "
