@@ -182,6 +182,8 @@ class RouterConfig(CommonConfig):
     relay_step_ms: float = setting(80.0, "relay decode step estimate (is the relay done before the KV lands?)", positive)
     first_token_timeout_s: float = setting(120.0, "longest wait for a request's first token", positive)
     token_timeout_s: float = setting(60.0, "longest wait between two tokens", positive)
+    sse_write_timeout_s: float = setting(15.0, "a streaming client that takes longer than this to accept "
+                                         "one event is dropped and its request cancelled", positive)
     instance_ttl_s: float = setting(5.0, "an instance silent this long is considered gone", positive)
     partition_tolerance_s: float = setting(15.0, "how long in-flight requests wait for a remote site that "
                                            "went silent as a whole (a stall or partition) before they "

@@ -64,6 +64,8 @@ LEASES_EXPIRED = Counter("pdd_request_leases_expired_total",
                          "Requests freed because their router died or no longer ran them", ["service", "kind"])
 QUEUE_SECONDS = Histogram("pdd_queue_seconds", "Time a request waited at the router for a slot",
                           ["model_name"], buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32))
+SLOW_CLIENTS = Counter("pdd_slow_clients_dropped_total", "Streaming clients dropped because one event "
+                       "waited longer than --sse-write-timeout-s to be accepted")
 REJECTED = Counter("pdd_requests_rejected_total", "Requests answered 429 (no slot, wait line full or "
                    "waited too long)", ["reason"])
 TTFT_SECONDS = Histogram("pdd_ttft_seconds", "Time to first token at the router", ["model_name", "pipeline"],

@@ -185,11 +185,14 @@ class ModelMetadata:
         tokenizer: The model's tokenizer (with chat template).
         max_context_tokens: Prompt plus output limit.
         kv_bytes_per_token: KV bytes per token in float32 (for WAN predictions).
+        vocab_size: Token ids a prompt may hold: ``[0, vocab_size)``, the smaller of the
+            tokenizer's and the model's embedding table.
     """
 
     tokenizer: object
     max_context_tokens: int
     kv_bytes_per_token: int
+    vocab_size: int
 
 
 def load_metadata(source: str = SMOLLM2) -> ModelMetadata:
@@ -206,7 +209,8 @@ def load_metadata(source: str = SMOLLM2) -> ModelMetadata:
         tokenizer, config = AutoTokenizer.from_pretrained(folder), AutoConfig.from_pretrained(folder)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
-    return ModelMetadata(tokenizer, config.max_position_embeddings, kv_bytes)
+    return ModelMetadata(tokenizer, config.max_position_embeddings, kv_bytes,
+                         min(len(tokenizer), config.vocab_size))
 
 
 def tiny_config(tokenizer):

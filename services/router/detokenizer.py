@@ -1,11 +1,16 @@
 """Incremental detokenization with stop strings, for streaming text deltas."""
 
+REPLACEMENT_CHAR = "\ufffd"
+
 
 class Detokenizer:
-    """Turns a growing list of token IDs into text deltas.
+    """Turns a growing list of token IDs into text deltas, in time linear in the tokens.
 
-    Holds back a trailing incomplete character and any tail that could still become a stop
-    string; text at and after a stop string is never emitted (OpenAI semantics).
+    Each ``add`` decodes only the tokens of the previous batch (as context) and the new ones,
+    so a long stream costs O(new tokens) per batch, not a re-decode of the whole output. Holds
+    back a trailing incomplete character and any tail that could still become a stop string;
+    text at and after a stop string is never emitted (OpenAI semantics). The concatenated
+    deltas plus ``flush()`` equal ``tokenizer.decode(all tokens)`` cut at the first stop string.
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
@@ -13,32 +18,59 @@ class Detokenizer:
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []
-        self.emitted = ""
+        self._prefix_offset = 0  # the decode window starts here: [prefix, read) is context
+        self._read_offset = 0    # tokens past this are new since the last clean boundary
+        self._num_window_chars = 0  # chars of the window's text passed on already (past the context)
+        self._pending = ""       # decoded, not emitted yet (a possible stop string's start)
+        self._emitted: list[str] = []
         self.stopped = False
+
+    @property
+    def emitted(self) -> str:
+        """The text emitted so far."""
+        return "".join(self._emitted)
 
     def add(self, token_ids: list[int]) -> str:
         """Add tokens; return the new text safe to emit."""
+        if self.stopped:
+            return ""
         self.token_ids.extend(token_ids)
-        text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        self._pending += self._decode_new(final=False)
+        cut = min((i for i in (self._pending.find(s) for s in self._stop) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
-            return self._advance(text[:cut])
-        stable = text.rstrip("\ufffd")
-        if self._hold:
-            stable = stable[:max(len(self.emitted), len(stable) - self._hold)]
-        return self._advance(stable)
+            return self._emit(self._pending[:cut])
+        return self._emit(self._pending[:max(0, len(self._pending) - self._hold)])
 
     def flush(self) -> str:
         """The held-back rest, at the end of generation."""
         if self.stopped:
             return ""
-        text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        return self._advance(text)
+        self._pending += self._decode_new(final=True)
+        return self._emit(self._pending)
 
-    def _advance(self, text: str) -> str:
-        if not text.startswith(self.emitted):
-            return ""  # a re-tokenised prefix changed; never retract emitted text
-        delta = text[len(self.emitted):]
-        self.emitted = text
-        return delta
+    def _decode_new(self, final: bool) -> str:
+        """Text not passed on yet, decoded with the previous batch as context (a token's text
+        may depend on its neighbours), without a trailing incomplete character unless ``final``.
+
+        The window moves on at every clean boundary, so it spans the last batches only; it
+        grows while batches keep ending inside a character (at most 3 tokens for UTF-8 text).
+        """
+        decode = self._tokenizer.decode
+        context = decode(self.token_ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
+        text = decode(self.token_ids[self._prefix_offset:], skip_special_tokens=True)
+        incomplete = text.endswith(REPLACEMENT_CHAR) and not final
+        stable = text.rstrip(REPLACEMENT_CHAR) if incomplete else text
+        start = len(context) + self._num_window_chars
+        new = stable[start:]
+        if incomplete:
+            self._num_window_chars += len(new)
+        else:
+            self._prefix_offset, self._read_offset, self._num_window_chars = self._read_offset, len(self.token_ids), 0
+        return new
+
+    def _emit(self, text: str) -> str:
+        self._pending = self._pending[len(text):]
+        if text:
+            self._emitted.append(text)
+        return text

@@ -5,17 +5,74 @@ streaming with usage) and refuses the rest by name. Errors use OpenAI's error ob
 fitting HTTP status.
 """
 
+import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.router.api_error import ApiError
 from services.router.request_fields import check_fields
-from shared.engine.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from shared.engine.sampling import (
+    MAX_ABS_PENALTY,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    SamplingParams,
+)
+from shared.errors import InvalidSampling
 
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
 """Seeds are 64-bit signed integers, as in vLLM (they travel as msgpack integers)."""
 MAX_STOP_CHARS = 512
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects a request body may have."""
+
+
+def parse_json_body(text: str) -> dict:
+    """A request body as a JSON object: strict JSON (no ``NaN``/``Infinity``), at most
+    ``MAX_JSON_DEPTH`` deep, every string valid Unicode; else ApiError(400)."""
+    try:
+        body = json.loads(text, parse_constant=_refuse_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "request body is not valid JSON") from None
+    except RecursionError:
+        raise ApiError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    _check_json_value(body, "", 0)
+    return body
+
+
+def _refuse_constant(name: str):
+    raise ApiError(400, f"request body is not valid JSON: {name} is not a JSON number")
+
+
+def _check_json_value(value, path: str, depth: int):
+    if depth > MAX_JSON_DEPTH:
+        raise ApiError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, str):
+        _check_unicode(value, path)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, path)
+            _check_json_value(item, f"{path}.{key}" if path else key, depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_json_value(item, f"{path}[{i}]", depth + 1)
+
+
+def _check_unicode(text: str, path: str):
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, f"'{path or 'body'}' holds a lone surrogate (not valid Unicode)",
+                           param=path.split(".")[0].split("[")[0] or None) from None
 
 
 @dataclass
@@ -46,8 +103,10 @@ def _number(body: dict, name: str, kind, default, low=None, high=None, low_open=
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise ApiError(400, f"'{name}' must be {'a number' if kind is float else 'an integer'}", param=name)
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) \
+            or (isinstance(value, float) and not math.isfinite(value)):
+        raise ApiError(400, f"'{name}' must be {'a finite number' if kind is float else 'an integer'}",
+                       param=name)
     if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
         bounds = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high is not None else "")
         raise ApiError(400, f"'{name}' must be {bounds}, got {value}", param=name)
@@ -63,20 +122,37 @@ def parse_sampling(body: dict, default_max_tokens: int, chat: bool) -> SamplingP
     if body.get("n", 1) not in (1, None):
         raise ApiError(400, "only n=1 is supported", param="n")
     params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=_number(body, "temperature", float, 1.0, low=0, high=2),
+        max_tokens=max_tokens, temperature=_temperature(body),
         top_p=_number(body, "top_p", float, 1.0, low=0, high=1, low_open=True),
         top_k=_top_k(body), seed=_seed(body), stop=_stop(body), ignore_eos=_flag(body, "ignore_eos"),
         min_tokens=_number(body, "min_tokens", int, 0, low=0, high=max_tokens),
-        repetition_penalty=_number(body, "repetition_penalty", float, 1.0, low=0, high=2, low_open=True),
-        frequency_penalty=_number(body, "frequency_penalty", float, 0.0, low=-2, high=2),
-        presence_penalty=_number(body, "presence_penalty", float, 0.0, low=-2, high=2),
+        repetition_penalty=_number(body, "repetition_penalty", float, 1.0,
+                                   low=MIN_REPETITION_PENALTY, high=MAX_REPETITION_PENALTY),
+        frequency_penalty=_number(body, "frequency_penalty", float, 0.0, low=-MAX_ABS_PENALTY, high=MAX_ABS_PENALTY),
+        presence_penalty=_number(body, "presence_penalty", float, 0.0, low=-MAX_ABS_PENALTY, high=MAX_ABS_PENALTY),
         logprobs=_logprobs(body, chat))
+    return checked(params)
+
+
+def checked(params: SamplingParams) -> SamplingParams:
+    """``params`` after the engines' own range check, so router and engines never disagree."""
+    try:
+        params.validate()
+    except InvalidSampling as exc:
+        raise ApiError(400, str(exc), param=exc.field) from None
     return params
 
 
+def _temperature(body: dict) -> float:
+    temperature = _number(body, "temperature", float, 1.0, low=0, high=MAX_TEMPERATURE)
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ApiError(400, f"'temperature' must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}",
+                       param="temperature")
+    return temperature
+
+
 def _top_k(body: dict) -> int:
-    top_k = _number(body, "top_k", int, 0, low=-1)
+    top_k = _number(body, "top_k", int, 0, low=-1, high=MAX_TOP_K)
     return 0 if top_k == -1 else top_k  # vLLM spells "off" -1
 
 

@@ -20,6 +20,7 @@ class RequestMetrics:
         self.model_name, self.started_s = model_name, started_s
         self._last_delivery_s: float | None = None
         self._pipeline = "none"
+        self._finished = False
 
     def delivered(self, pipeline: str):
         """A batch of tokens went to the client now."""
@@ -30,7 +31,10 @@ class RequestMetrics:
         self._last_delivery_s = now
 
     def finish(self, outcome: RequestOutcome, result: str):
-        """Count the request (``result``: ok or error) and its tokens."""
+        """Count the request (``result``: ok or error) and its tokens; only the first call counts."""
+        if self._finished:
+            return
+        self._finished = True
         name, pipeline = self.model_name, outcome.pipeline
         REQUESTS.labels(name, pipeline, outcome.finished_on or "none", outcome.finish_reason or "none", result).inc()
         PROMPT_TOKENS.labels(name).inc(outcome.prompt_tokens)

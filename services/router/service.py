@@ -6,12 +6,14 @@ streams the ordered tokens back as SSE or one JSON body with a ``pdd`` extension
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jinja2
 import msgspec
 import nats
 from aiohttp import web
@@ -39,6 +41,7 @@ from shared.metrics import (
     REJECTED,
     REQUESTS_RUNNING,
     REQUESTS_WAITING,
+    SLOW_CLIENTS,
     exposition,
 )
 from shared.model_loader import ModelMetadata, load_metadata
@@ -50,8 +53,14 @@ _overlap_decoder = decoder(OverlapReply)
 _load_decoder = decoder(LoadReported)
 _tracer = tracer("pdd.router")
 OVERLAP_TIMEOUT_S = 0.25
+HEAVY_DETOKENIZE_TOKENS = 64
+"""Token batches at least this long are detokenized on the tokenizer thread, not the event loop."""
 SITE_TICK_S = 0.5
 SITE_PROBE_TIMEOUT_S = 1.0
+
+
+class SlowClient(Exception):
+    """A streaming client did not accept an event within ``sse_write_timeout_s``."""
 
 
 class RouterService(Service):
@@ -168,11 +177,8 @@ class RouterService(Service):
 
     def _tokenize_body(self, body: dict) -> list[int]:
         if "messages" in body:
-            messages = openai_api.chat_messages(body)
-            self._check_length(sum(len(m["content"]) for m in messages), "messages")
-            return list(self.metadata.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.get("add_generation_prompt", True) is not False,
-                tokenize=True, return_dict=False))
+            return self._render_chat(openai_api.chat_messages(body),
+                                     add_generation_prompt=body.get("add_generation_prompt", True) is not False)
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise ApiError(400, "'prompt' (a string) or 'messages' is required", param="prompt")
@@ -183,7 +189,7 @@ class RouterService(Service):
         """vLLM's ``/detokenize``: token ids → text."""
         body = await self._json_body(request)
         self._check_model(body.get("model", self.config.served_model_name))
-        tokens, vocab = body.get("tokens"), len(self.metadata.tokenizer)
+        tokens, vocab = body.get("tokens"), self.metadata.vocab_size
         if not isinstance(tokens, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
             raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
@@ -242,12 +248,10 @@ class RouterService(Service):
 
     async def _json_body(self, request) -> dict:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "request body must be a JSON object")
-        return body
+            text = await request.text()
+        except UnicodeDecodeError:
+            raise ApiError(400, "request body is not valid UTF-8") from None
+        return openai_api.parse_json_body(text)
 
     def _check_model(self, model):
         if model != self.config.served_model_name:
@@ -259,16 +263,14 @@ class RouterService(Service):
         self._check_model(model)
         sampling = openai_api.parse_sampling(body, self.config.default_max_tokens, chat)
         stream, include_usage = openai_api.stream_flags(body)
-        tokenizer, limit = self.metadata.tokenizer, self.metadata.max_context_tokens
+        limit = self.metadata.max_context_tokens
         if chat:
-            messages = openai_api.chat_messages(body)
-            self._check_length(sum(len(m["content"]) for m in messages), "messages")
-            prompt = list(tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+            prompt = self._render_chat(openai_api.chat_messages(body), add_generation_prompt=True)
         else:
             prompt = self._completion_prompt(body.get("prompt"))
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-            sampling = msgspec.structs.replace(sampling, max_tokens=max(1, min(sampling.max_tokens, limit - len(prompt))))
+            sampling = openai_api.checked(msgspec.structs.replace(
+                sampling, max_tokens=max(1, min(sampling.max_tokens, limit - len(prompt)))))
         if len(prompt) + sampling.max_tokens > limit:
             raise ApiError(400, f"prompt ({len(prompt)} tokens) plus max_tokens ({sampling.max_tokens}) "
                                 f"exceeds the model's context of {limit} tokens",
@@ -277,13 +279,23 @@ class RouterService(Service):
                              stream=stream, include_usage=include_usage,
                              system_fingerprint=self.system_fingerprint)
 
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """The chat template's token ids for ``messages``; 400 when the template cannot render them."""
+        self._check_length(sum(len(m["content"]) for m in messages), "messages")
+        try:
+            return list(self.metadata.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise ApiError(400, f"the chat template cannot render these messages: {exc}",
+                           param="messages") from None
+
     def _completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
             self._check_length(len(prompt), "prompt")
             return self.metadata.tokenizer.encode(prompt, add_special_tokens=False)
-        vocab = len(self.metadata.tokenizer)
+        vocab = self.metadata.vocab_size
         if isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
             return prompt
@@ -398,11 +410,17 @@ class RouterService(Service):
             self.log.warning("cache_index_unavailable")
             return {}
 
+    async def _detokenize_batch(self, detok: Detokenizer, batch: list[int]) -> str:
+        if len(batch) < HEAVY_DETOKENIZE_TOKENS:
+            return detok.add(batch)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, detok.add, batch)
+
     async def _collect(self, req: ParsedRequest, flow: RequestFlow, metrics: RequestMetrics):
         detok = Detokenizer(self.metadata.tokenizer, req.sampling.stop)
         try:
-            async for batch in flow.tokens():
-                detok.add(batch)
+            async with contextlib.aclosing(flow.tokens()) as batches:
+                async for batch in batches:
+                    await self._detokenize_batch(detok, batch)
         except (UpstreamFailed, UpstreamTimeout) as exc:
             metrics.finish(flow.outcome, "error")
             raise self._upstream_error(exc) from None
@@ -427,39 +445,59 @@ class RouterService(Service):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
-        detok, first = Detokenizer(self.metadata.tokenizer, req.sampling.stop), True
-        num_sent, num_chars = 0, 0
         try:
-            async for batch in flow.tokens():
-                delta = detok.add(batch)
-                logprobs = self._logprobs(req, flow, num_sent, num_sent + len(batch), num_chars)
-                num_sent += len(batch)
-                if logprobs is not None and not req.chat:
-                    num_chars += sum(map(len, logprobs["tokens"]))
-                if delta or first or logprobs is not None:
-                    await self._sse(response, openai_api.chunk_body(req, flow.request_id, delta, first=first,
-                                                                    logprobs=logprobs))
-                    first = False
-                    metrics.delivered(flow.outcome.pipeline)
-            rest = detok.flush()
-            if rest:
-                await self._sse(response, openai_api.chunk_body(req, flow.request_id, rest))
-            await self._sse(response, openai_api.chunk_body(
-                req, flow.request_id, None, flow.outcome.finish_reason, pdd=flow.outcome.as_pdd()))
-            if req.include_usage:
-                await self._sse(response, openai_api.usage_chunk(req, flow.request_id, flow.outcome.output_tokens,
-                                                                 flow.outcome.prefill_cached_tokens))
-            metrics.finish(flow.outcome, "ok")
-        except (UpstreamFailed, UpstreamTimeout) as exc:
+            try:
+                async with contextlib.aclosing(flow.tokens()) as batches:
+                    await self._stream_events(response, req, flow, metrics, batches)
+                metrics.finish(flow.outcome, "ok")
+            except (UpstreamFailed, UpstreamTimeout) as exc:
+                metrics.finish(flow.outcome, "error")
+                await self._sse(response, self._upstream_error(exc).body())
+            await self._write(response, b"data: [DONE]\n\n")
+            await asyncio.wait_for(response.write_eof(), self.config.sse_write_timeout_s)
+        except (SlowClient, asyncio.TimeoutError):
+            # The flow is closed (its request cancelled, its KV freed); so is the connection.
+            SLOW_CLIENTS.inc()
             metrics.finish(flow.outcome, "error")
-            await self._sse(response, self._upstream_error(exc).body())
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+            self.log.warning("slow_client_dropped", request_id=flow.request_id,
+                             timeout_s=self.config.sse_write_timeout_s)
+            if request.transport is not None:
+                request.transport.abort()
         return response
 
-    @staticmethod
-    async def _sse(response: web.StreamResponse, body: dict):
-        await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+    async def _stream_events(self, response: web.StreamResponse, req: ParsedRequest, flow: RequestFlow,
+                             metrics: RequestMetrics, batches):
+        detok, first = Detokenizer(self.metadata.tokenizer, req.sampling.stop), True
+        num_sent, num_chars = 0, 0
+        async for batch in batches:
+            delta = await self._detokenize_batch(detok, batch)
+            logprobs = self._logprobs(req, flow, num_sent, num_sent + len(batch), num_chars)
+            num_sent += len(batch)
+            if logprobs is not None and not req.chat:
+                num_chars += sum(map(len, logprobs["tokens"]))
+            if delta or first or logprobs is not None:
+                await self._sse(response, openai_api.chunk_body(req, flow.request_id, delta, first=first,
+                                                                logprobs=logprobs))
+                first = False
+                metrics.delivered(flow.outcome.pipeline)
+        rest = detok.flush()
+        if rest:
+            await self._sse(response, openai_api.chunk_body(req, flow.request_id, rest))
+        await self._sse(response, openai_api.chunk_body(
+            req, flow.request_id, None, flow.outcome.finish_reason, pdd=flow.outcome.as_pdd()))
+        if req.include_usage:
+            await self._sse(response, openai_api.usage_chunk(req, flow.request_id, flow.outcome.output_tokens,
+                                                             flow.outcome.prefill_cached_tokens))
+
+    async def _sse(self, response: web.StreamResponse, body: dict):
+        """Write one event; raise SlowClient when the client does not take it in time."""
+        await self._write(response, b"data: " + json.dumps(body).encode() + b"\n\n")
+
+    async def _write(self, response: web.StreamResponse, data: bytes):
+        try:
+            await asyncio.wait_for(response.write(data), self.config.sse_write_timeout_s)
+        except asyncio.TimeoutError:
+            raise SlowClient() from None
 
     @staticmethod
     def _upstream_error(exc) -> ApiError:
