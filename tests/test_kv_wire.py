@@ -8,6 +8,7 @@ import struct
 import msgspec
 import pytest
 import torch
+import xxhash
 
 from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
@@ -204,3 +205,14 @@ def test_frame_out_of_order(pair):
     sender, receiver, _ = pair
     second = frame_bytes(sender.export_frames("r", 16, max_tokens_per_frame=16)[0])
     assert_rejected(receiver, bytearray(second), FrameOwnershipError)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_frame_with_a_non_finite_value_is_refused_even_with_a_valid_checksum(pair, value):
+    """A peer that can authenticate must still not plant NaN or inf KV in a decoder's cache."""
+    _, receiver, frame = pair
+    header, body = split(frame)
+    values = torch.frombuffer(bytearray(body), dtype=torch.float32)
+    values[values.numel() // 2] = value
+    poisoned = values.numpy().tobytes()
+    assert_rejected(receiver, rebuild(header, poisoned, body_xxh3=xxhash.xxh3_64_intdigest(poisoned)), CorruptFrame)

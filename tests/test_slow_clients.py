@@ -1,0 +1,51 @@
+"""A streaming client that stops reading is dropped within ``--sse-write-timeout-s`` and every
+engine frees its request; other clients are served meanwhile."""
+
+import asyncio
+import json
+import socket
+import time
+from urllib.parse import urlparse
+
+import aiohttp
+
+from shared.metrics import SLOW_CLIENTS
+from tests.faults_helpers import engines_idle
+from tests.helpers import until
+
+WRITE_TIMEOUT_S = 1.0
+
+
+async def open_stream_and_never_read(base_url: str, body: dict) -> socket.socket:
+    """Send a streaming request on a socket with a tiny receive window, and read nothing."""
+    url = urlparse(base_url)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (url.hostname, url.port))
+    payload = json.dumps(body).encode()
+    request = (f"POST {url.path}/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
+    await asyncio.get_running_loop().sock_sendall(sock, request)
+    return sock
+
+
+async def test_a_client_that_stops_reading_is_dropped_and_its_kv_freed(make_stack):
+    stack = await make_stack(router_settings={"sse_write_timeout_s": WRITE_TIMEOUT_S, "pipeline_policy": "P-MD"})
+    dropped_before = SLOW_CLIENTS._value.get()
+    # Log-probabilities make every event ~2 KB, so the socket buffers fill within ~100 tokens.
+    sock = await open_stream_and_never_read(stack.base_url, {
+        "model": "tiny", "stream": True, "max_tokens": 3000, "ignore_eos": True, "logprobs": True,
+        "top_logprobs": 20, "messages": [{"role": "user", "content": "Talk for a long time."}]})
+    try:
+        await until(lambda: stack.mains[0].engine.num_sequences == 1, 15, "main decode to start")
+        started = time.monotonic()
+        await until(lambda: SLOW_CLIENTS._value.get() == dropped_before + 1, 30, "the router to drop the client")
+        await until(lambda: engines_idle(stack), 15, "every engine to free the request")
+        assert time.monotonic() - started < 30
+        async with aiohttp.ClientSession() as session:
+            async with session.post(stack.base_url + "/chat/completions", json={
+                    "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}) as reply:
+                assert reply.status == 200 and (await reply.json())["usage"]["completion_tokens"] == 4
+    finally:
+        sock.close()
