@@ -282,14 +282,17 @@ def cmd_wan(args) -> int:
     """Show or change the WAN link."""
     from infra import launcher, wan_control
 
-    url = args.control_url
-    if url is None:
+    url, key = args.control_url, ""
+    if args.control_key_file:
+        key = Path(args.control_key_file).read_text().strip()
+    if url is None or not args.control_key_file:
         deployment = launcher.load_state(launcher.default_run_dir())
-        if deployment is None:
+        if deployment is None and url is None:
             raise wan_control.WanControlError("no running deployment; pass --control-url")
-        url = deployment.wan_control_url
+        if deployment is not None:
+            url, key = url or deployment.wan_control_url, key or deployment.control_key()
     changes = None if args.wan_action == "show" else wan_control.profile_changes(args)
-    print(json.dumps(wan_control.call(url, changes), indent=2))
+    print(json.dumps(wan_control.call(url, changes, key), indent=2))
     return 0
 
 

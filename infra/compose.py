@@ -57,6 +57,13 @@ class ComposeStack:
     def wan_control_url(self) -> str:
         return f"http://127.0.0.1:{self.wan_control_port}"
 
+    @property
+    def control_key(self) -> str:
+        """The WAN link control API's key (``control.key`` of the mounted secrets)."""
+        from infra.wan_control import control_key_in
+
+        return control_key_in(self.secrets_dir)
+
     def compose(self, *args: str, check: bool = True, capture: bool = False) -> str:
         """Run a compose command for this project."""
         env = {**os.environ, "PDD_SECRETS_DIR": str(self.secrets_dir), "PDD_ROUTER_PORT": str(self.router_port),

@@ -41,6 +41,7 @@ class Credentials:
         key_file: Its private key.
         bulk_secret_file: Key of the bulk channel's flow MACs.
         link_route_key_file: Key the WAN link checks connections' routes with.
+        control_key_file: Bearer key of the WAN link's control API (``/link``).
     """
 
     folder: Path
@@ -66,6 +67,11 @@ class Credentials:
         """The WAN link's route key (derived from the bulk secret; the link holds only this)."""
         return self.folder / "link-route.key"
 
+    @property
+    def control_key_file(self) -> Path:
+        """The WAN link control API's bearer key (``pdd wan`` and the chaos tool send it)."""
+        return self.folder / "control.key"
+
     def seed_file(self, role: str) -> Path:
         """The NATS nkey seed of ``role`` (a service role or ``leafnode``)."""
         return self.folder / f"{role}.nk"
@@ -87,8 +93,9 @@ def ensure_credentials(folder: Path, extra_names: tuple[str, ...] = ()) -> Crede
     for role in (*ROLES, LEAF_ROLE):
         if not creds.seed_file(role).is_file():
             write_private(creds.seed_file(role), _new_user_seed())
-    if not creds.bulk_secret_file.is_file():
-        write_private(creds.bulk_secret_file, secrets.token_hex(32).encode())
+    for key_file in (creds.bulk_secret_file, creds.control_key_file):
+        if not key_file.is_file():
+            write_private(key_file, secrets.token_hex(32).encode())
     # Always the current bulk secret's: a replaced secret must not leave a stale route key.
     key = route_key(creds.bulk_secret_file.read_text().strip()).encode()
     if not creds.link_route_key_file.is_file() or creds.link_route_key_file.read_bytes() != key:

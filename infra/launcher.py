@@ -81,6 +81,13 @@ class Deployment:
     up_args: dict = field(default_factory=dict)
 
 
+    def control_key(self) -> str:
+        """The WAN link control API's key ("" for a deployment without one)."""
+        from infra.wan_control import control_key_in
+
+        return control_key_in(Path(self.run_dir) / "secrets")
+
+
 def default_run_dir() -> Path:
     """``$PDD_RUN_DIR`` or ``<model cache>/run``."""
     return Path(os.environ.get("PDD_RUN_DIR", model_cache_dir() / "run"))
@@ -135,10 +142,10 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
     deployment.commands["wan-link"] = {"argv": [
         "serve", "wan_link", "--control-port", str(args.wan_control_port), "--bandwidth", args.bandwidth,
         "--rtt", args.rtt, "--jitter", args.jitter, "--seed", str(args.seed),
-        "--route-key-file", str(creds.link_route_key_file),
+        "--route-key-file", str(creds.link_route_key_file), "--control-key-file", str(creds.control_key_file),
         *[arg for route in routes for arg in ("--route", route)]], "env": {}}
     deployment.processes["wan-link"] = _spawn(run_dir, "wan-link", deployment.commands["wan-link"])
-    wait_until(lambda: http_ok(deployment.wan_control_url + "/link"), 30, "WAN link did not start")
+    wait_until(lambda: http_ok(deployment.wan_control_url + "/health"), 30, "WAN link did not start")
     deployment.metrics_urls["wan-link"] = deployment.wan_control_url + "/metrics"
     site_b = NatsSite(SITE_B, args.nats_b_port, free_port(), run_dir / "jetstream-b",
                       leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}", credentials=locked)
@@ -324,7 +331,7 @@ def restart(run_dir: Path, name: str) -> int:
 def _wait_ready(deployment: Deployment, name: str, timeout_s: float = 30.0):
     """Until a restarted link or NATS server serves again (services report by heartbeat)."""
     if name == "wan-link":
-        wait_until(lambda: http_ok(deployment.wan_control_url + "/link"), timeout_s,
+        wait_until(lambda: http_ok(deployment.wan_control_url + "/health"), timeout_s,
                    "WAN link did not come back")
     elif name.startswith("nats-"):
         host, port = deployment.nats_urls[TOPOLOGY[name][0]].split("://", 1)[1].rsplit(":", 1)

@@ -33,6 +33,9 @@ def add_serve_parsers(commands):
     wan.add_argument("--route", action="append", default=[], metavar="NAME=HOST:PORT>HOST:PORT@SITE",
                      help="forward NAME from listen HOST:PORT to target HOST:PORT; SITE is the connecting side's site; "
                           "target * or *:PORT: each connection names its own (signed with the route key)")
+    wan.add_argument("--control-key-file", default="",
+                     help="bearer key /link requires (pdd secrets writes control.key); needed when "
+                          "--control-host is not a loopback address")
     wan.add_argument("--route-key-file", default="",
                      help="the route key (pdd secrets writes link-route.key): needed by routed ports")
     wan.add_argument("--bandwidth", default="100mbit", help="capacity per direction (e.g. 1gbit, unlimited)")

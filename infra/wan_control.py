@@ -2,6 +2,7 @@
 
 import json
 import urllib.request
+from pathlib import Path
 
 from infra.wan_link import parse_ms, parse_rate
 from shared.errors import PddError
@@ -17,6 +18,9 @@ def add_wan_parsers(commands):
     """The ``pdd wan`` subcommands."""
     wan = commands.add_parser("wan", help="show or change the WAN link of a running deployment")
     wan.add_argument("--control-url", default=None, help="default: from the running deployment")
+    wan.add_argument("--control-key-file", default=None,
+                     help="the control API's key (control.key of the secrets folder); default: the running "
+                          "deployment's")
     actions = wan.add_subparsers(dest="wan_action", required=True)
     actions.add_parser("show", help="profile and byte counters")
     change = actions.add_parser("set", help="change bandwidth, RTT, jitter or stalls")
@@ -52,12 +56,19 @@ def profile_changes(args) -> dict:
     return changes
 
 
-def call(control_url: str, changes: dict | None) -> dict:
-    """GET (``changes`` None) or PUT the link profile; return the link's snapshot."""
+def control_key_in(secrets_folder: Path) -> str:
+    """The control API key of a secrets folder (``control.key``); "" when it has none."""
+    path = Path(secrets_folder) / "control.key"
+    return path.read_text().strip() if path.is_file() else ""
+
+
+def call(control_url: str, changes: dict | None, key: str = "") -> dict:
+    """GET (``changes`` None) or PUT the link profile, with the control ``key``; return the
+    link's snapshot."""
     data = json.dumps(changes).encode() if changes is not None else None
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     request = urllib.request.Request(control_url.rstrip("/") + "/link", data=data,
-                                     method="PUT" if data else "GET",
-                                     headers={"Content-Type": "application/json"})
+                                     method="PUT" if data else "GET", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=5) as response:
             return json.loads(response.read())

@@ -14,6 +14,7 @@ decoder at the far site, however many replicas run.
 
 import argparse
 import asyncio
+import hmac
 import random
 import re
 from dataclasses import asdict, dataclass, field
@@ -343,10 +344,24 @@ def parse_route(text: str) -> "Route":
             "each connection names its own)") from None
 
 
-def control_app(link: WanLink) -> web.Application:
+def control_app(link: WanLink, control_key: str = "") -> web.Application:
     """``GET /link`` shows the profile and counters; ``PUT /link`` changes the profile;
-    ``GET /metrics`` is the link's Prometheus exposition."""
+    ``GET /metrics`` is the link's Prometheus exposition, ``GET /health`` its probe.
+
+    With ``control_key``, ``/link`` answers only requests that carry
+    ``Authorization: Bearer <control_key>`` (401 otherwise); ``/metrics`` and ``/health`` stay
+    open to scrapers and probes (they change nothing).
+    """
     from infra.wan_link_metrics import metrics_handler
+
+    @web.middleware
+    async def require_key(request, handler):
+        if control_key and request.path == "/link":
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), control_key.encode()):
+                return web.json_response({"error": "missing or incorrect control key (send Authorization: "
+                                                   "Bearer <control.key>)"}, status=401)
+        return await handler(request)
 
     async def show(request):
         return web.json_response(link.snapshot())
@@ -358,7 +373,8 @@ def control_app(link: WanLink) -> web.Application:
             return web.json_response({"error": str(exc)}, status=400)
         return web.json_response(link.snapshot())
 
-    app = web.Application()
+    app = web.Application(middlewares=[require_key])
+
     async def health(request):
         return web.json_response({"status": "ok", "partitioned": link.profile.partitioned})
 

@@ -61,16 +61,16 @@ def summarise(records: list[RequestRecord], wall_s: float, ttft_slo_ms: float, i
     }
 
 
-def link_kv_bytes(wan_control_url: str) -> int:
+def link_kv_bytes(wan_control_url: str, control_key: str) -> int:
     """KV bytes that crossed the WAN link's bulk routes (site A → site B), as counted on the link."""
-    import urllib.request
+    from infra.wan_control import call
 
-    with urllib.request.urlopen(wan_control_url + "/link", timeout=5) as response:
-        routes = json.loads(response.read())["routes"]
+    routes = call(wan_control_url, None, control_key)["routes"]
     return sum(r["bytes_forward"] for name, r in routes.items() if name.startswith("bulk-"))
 
 
-def settled_link_kv_bytes(wan_control_url: str, quiet_s: float = 1.0, timeout_s: float = 120.0) -> int:
+def settled_link_kv_bytes(wan_control_url: str, control_key: str, quiet_s: float = 1.0,
+                          timeout_s: float = 120.0) -> int:
     """The link's KV byte count once transfers still running after the last answer are done.
 
     A request the relay finished keeps shipping its KV to main decode (so main decode's cache
@@ -78,10 +78,10 @@ def settled_link_kv_bytes(wan_control_url: str, quiet_s: float = 1.0, timeout_s:
     not moved for ``quiet_s`` (at most ``timeout_s``).
     """
     deadline = time.monotonic() + timeout_s
-    last = link_kv_bytes(wan_control_url)
+    last = link_kv_bytes(wan_control_url, control_key)
     while time.monotonic() < deadline:
         time.sleep(quiet_s)
-        now = link_kv_bytes(wan_control_url)
+        now = link_kv_bytes(wan_control_url, control_key)
         if now == last:
             break
         last = now
@@ -96,7 +96,7 @@ def run_mode(mode: str, trace, args) -> tuple[list[RequestRecord], float, int]:
     with mode_deployment(mode, args) as deployment:
         records, wall_s = asyncio.run(run_trace(deployment.router_url, trace, concurrency=args.concurrency,
                                                 open_loop=args.rate > 0))
-        return records, wall_s, settled_link_kv_bytes(deployment.wan_control_url)
+        return records, wall_s, settled_link_kv_bytes(deployment.wan_control_url, deployment.control_key())
 
 
 def interleaved(modes: list[str], repetition: int) -> list[str]:

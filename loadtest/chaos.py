@@ -290,7 +290,7 @@ def _busiest(ctx: ChaosContext, prefix: str) -> str:
 
 
 def _wan(ctx: ChaosContext, **changes) -> dict:
-    return wan_control.call(ctx.deployment.wan_control_url, changes)
+    return wan_control.call(ctx.deployment.wan_control_url, changes, ctx.deployment.control_key())
 
 
 async def _md_kill(ctx):

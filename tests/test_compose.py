@@ -121,7 +121,9 @@ def test_one_routed_link_port_leads_to_every_main_decoder_and_the_link_holds_onl
         assert "PDD_INSTANCE_ID" not in env and "PDD_BULK_ADVERTISE" not in env, name
     command = SERVICES["wan-link"]["command"]
     key = command[command.index("--route-key-file") + 1]
-    assert SERVICES["wan-link"]["volumes"] == [f"${{PDD_SECRETS_DIR:?{_SECRETS_HINT}}}/link-route.key:{key}:ro"]
+    control_key = command[command.index("--control-key-file") + 1]
+    assert SERVICES["wan-link"]["volumes"] == [f"${{PDD_SECRETS_DIR:?{_SECRETS_HINT}}}/link-route.key:{key}:ro",
+                                               f"${{PDD_SECRETS_DIR:?{_SECRETS_HINT}}}/control.key:{control_key}:ro"]
 
 
 _SECRETS_HINT = "run pdd secrets --out ./secrets and export PDD_SECRETS_DIR (docs/security.md)"

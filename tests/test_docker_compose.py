@@ -143,4 +143,4 @@ def test_compose_runs_exact_on_two_main_decoders_and_scales_main_decode(docker_e
 def _link_targets(stack: ComposeStack) -> dict[str, int]:
     from infra.wan_control import call
 
-    return call(stack.wan_control_url, None)["routes"]["bulk-main-decode"]["targets"]
+    return call(stack.wan_control_url, None, stack.control_key)["routes"]["bulk-main-decode"]["targets"]

@@ -104,12 +104,14 @@ def test_main_decode_scales_behind_the_bulk_gateway(rendered):
     gateway = deployments["bulk-gateway"]["spec"]["template"]["spec"]
     args = build_parser().parse_args(gateway["containers"][0]["command"][1:])
     assert args.service == "wan_link" and args.route_key_file == "/run/secrets/pdd/link-route.key"
+    assert args.control_host == "0.0.0.0" and args.control_key_file == "/run/secrets/pdd/control.key"
     route = parse_route(args.route[0])
     link_host, _, link_port = env["PDD_BULK_LINK"].rpartition(":")
     service = objects(rendered, "site-b", "Service")[link_host.split(".")[0]]
     assert service["spec"]["selector"] == {"app.kubernetes.io/name": "bulk-gateway"}
     assert route.routed and route.target_port == 9100 and route.listen_port == int(link_port)
-    assert gateway["volumes"][0]["secret"]["items"] == [{"key": "link-route.key", "path": "link-route.key"}]
+    assert gateway["volumes"][0]["secret"]["items"] == [{"key": "link-route.key", "path": "link-route.key"},
+                                                        {"key": "control.key", "path": "control.key"}]
 
 
 @pytest.mark.parametrize("site", ["site-a", "site-b"])

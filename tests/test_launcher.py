@@ -74,13 +74,16 @@ def test_status_and_wan_control(deployment):
     assert set(status["processes"].values()) == {"running"}
     assert len(status["health"]["instances"]["main_decode"]) == 2
     control = f"http://127.0.0.1:{ports['--wan-control-port']}"
-    changed = pdd("wan", "--control-url", control, "set", "--bandwidth", "1gbit", "--rtt", "10ms")
+    keyless = pdd("wan", "--control-url", control, "--control-key-file", os.devnull, "set", "--rtt", "900ms")
+    assert keyless.returncode != 0 and "control key" in keyless.stderr + keyless.stdout
+    key = ["--control-key-file", str(run_dir / "secrets" / "control.key")]
+    changed = pdd("wan", "--control-url", control, *key, "set", "--bandwidth", "1gbit", "--rtt", "10ms")
     assert changed.returncode == 0, changed.stderr
     profile = json.loads(changed.stdout)["profile"]
     assert profile["bandwidth_bps"] == 1e9 and profile["rtt_ms"] == 10
-    shown = json.loads(pdd("wan", "--control-url", control, "show").stdout)
+    shown = json.loads(pdd("wan", "--control-url", control, *key, "show").stdout)
     assert shown["routes"]["leafnode"]["bytes_forward"] > 0
-    bad = pdd("wan", "--control-url", control, "set", "--bandwidth", "fast")
+    bad = pdd("wan", "--control-url", control, *key, "set", "--bandwidth", "fast")
     assert bad.returncode == 2 and "bandwidth 'fast'" in bad.stderr
 
 
