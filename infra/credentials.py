@@ -1,4 +1,5 @@
-"""A deployment's secrets: a CA, TLS certificates, one NATS nkey per role, the bulk secret.
+"""A deployment's secrets: a CA, TLS certificates, NATS nkeys (one per instance, and one per
+role for replicas that share a credential), the bulk secret, the WAN link's keys.
 
 ``pdd up`` (and the in-process stack) write them into ``<run dir>/secrets`` (folder 0700,
 every private file 0600) once, and reuse them on the next start from the same folder;
@@ -72,27 +73,29 @@ class Credentials:
         """The WAN link control API's bearer key (``pdd wan`` and the chaos tool send it)."""
         return self.folder / "control.key"
 
-    def seed_file(self, role: str) -> Path:
-        """The NATS nkey seed of ``role`` (a service role or ``leafnode``)."""
-        return self.folder / f"{role}.nk"
+    def seed_file(self, name: str) -> Path:
+        """The NATS nkey seed of ``name``: an instance id, a service role or ``leafnode``."""
+        return self.folder / f"{name}.nk"
 
-    def public_key(self, role: str) -> str:
-        """The public nkey of ``role`` (servers list these)."""
-        return nkeys.from_seed(bytearray(self.seed_file(role).read_bytes().strip())).public_key.decode()
+    def public_key(self, name: str) -> str:
+        """The public nkey of ``name`` (servers list these)."""
+        return nkeys.from_seed(bytearray(self.seed_file(name).read_bytes().strip())).public_key.decode()
 
 
-def ensure_credentials(folder: Path, extra_names: tuple[str, ...] = ()) -> Credentials:
+def ensure_credentials(folder: Path, extra_names: tuple[str, ...] = (), instance_ids: tuple[str, ...] = ()
+                       ) -> Credentials:
     """The secrets in ``folder``, generating whatever is missing (nothing is overwritten).
 
     ``extra_names``: DNS names the certificate also covers (the addresses one site dials the
-    other's at, across clusters); they apply when the certificate is made.
+    other's at, across clusters); they apply when the certificate is made. ``instance_ids``:
+    instances that get an nkey of their own (``<instance>.nk``).
     """
     folder.mkdir(parents=True, exist_ok=True)
     os.chmod(folder, 0o700)
     creds = Credentials(folder)
-    for role in (*ROLES, LEAF_ROLE):
-        if not creds.seed_file(role).is_file():
-            write_private(creds.seed_file(role), _new_user_seed())
+    for name in (*ROLES, LEAF_ROLE, *instance_ids):
+        if not creds.seed_file(name).is_file():
+            write_private(creds.seed_file(name), _new_user_seed())
     for key_file in (creds.bulk_secret_file, creds.control_key_file):
         if not key_file.is_file():
             write_private(key_file, secrets.token_hex(32).encode())

@@ -124,12 +124,20 @@ def up(args) -> Deployment:
     return deployment
 
 
+def identities(args) -> tuple[tuple[str, str], ...]:
+    """``(role, instance_id)`` of every service process ``pdd up`` starts with ``args``."""
+    counts = {"cache-index": 1, "prefill": args.prefill, "relay-decode": args.rld, "main-decode": args.md,
+              "router": 1}
+    return tuple((SERVICE_OF[kind], f"{kind}-{i}") for kind, count in counts.items() for i in range(count))
+
+
 def _start_all(args, run_dir: Path, deployment: Deployment):
-    creds = ensure_credentials(run_dir / "secrets")
+    instances = identities(args)
+    creds = ensure_credentials(run_dir / "secrets", instance_ids=tuple(i for _, i in instances))
     # --insecure (measuring what encryption costs, nothing else): no NATS identities, no TLS.
     locked = None if getattr(args, "insecure", False) else creds
     site_a = NatsSite(SITE_A, args.nats_a_port, free_port(), run_dir / "jetstream-a", leaf_listen_port=free_port(),
-                      credentials=locked)
+                      credentials=locked, identities=instances)
     deployment.processes["nats-a"] = start_nats(site_a, run_dir, run_dir / "logs" / "nats-a.log").pid
     deployment.commands["nats-a"] = _nats_command(run_dir, SITE_A)
     leaf_port, bulk_link_port = free_port(), free_port()
@@ -148,7 +156,8 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
     wait_until(lambda: http_ok(deployment.wan_control_url + "/health"), 30, "WAN link did not start")
     deployment.metrics_urls["wan-link"] = deployment.wan_control_url + "/metrics"
     site_b = NatsSite(SITE_B, args.nats_b_port, free_port(), run_dir / "jetstream-b",
-                      leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}", credentials=locked)
+                      leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}", credentials=locked,
+                      identities=instances)
     deployment.processes["nats-b"] = start_nats(site_b, run_dir, run_dir / "logs" / "nats-b.log").pid
     deployment.commands["nats-b"] = _nats_command(run_dir, SITE_B)
     wait_until(lambda: leafnode_count(site_a) >= 1, 30, "leafnode between the sites did not connect")
@@ -176,7 +185,7 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
             # kernel, it can take a bulk port handed out here but not bound yet.
             process_env["VLLM_PORT"] = str(free_port())
         if locked:
-            process_env["PDD_NATS_SEED_FILE"] = str(creds.seed_file(SERVICE_OF[kind]))
+            process_env["PDD_NATS_SEED_FILE"] = str(creds.seed_file(f"{kind}-{index}"))  # its own identity
         deployment.commands[name] = {"argv": argv, "env": process_env}
         deployment.processes[name] = _spawn(run_dir, name, deployment.commands[name])
 

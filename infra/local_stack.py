@@ -43,7 +43,8 @@ SITE_A, SITE_B = "site-a", "site-b"
 
 
 async def start_site_pair(link: WanLink, workdir: Path, processes: list,
-                          credentials: Credentials | None = None) -> dict[str, NatsSite]:
+                          credentials: Credentials | None = None,
+                          identities: tuple[tuple[str, str], ...] = ()) -> dict[str, NatsSite]:
     """Start site A's and site B's nats-servers, the leafnode crossing ``link``.
 
     Started processes are appended to ``processes`` (also when a later step fails), for the
@@ -53,13 +54,14 @@ async def start_site_pair(link: WanLink, workdir: Path, processes: list,
     loop = asyncio.get_running_loop()
     site_a, process = await loop.run_in_executor(None, start_nats_on_free_ports, lambda: NatsSite(
         SITE_A, free_port(), free_port(), workdir / "js-a", leaf_listen_port=free_port(),
-        credentials=credentials), workdir)
+        credentials=credentials, identities=identities), workdir)
     processes.append(process)
     leaf_port = await link.add_route(Route("leafnode", "127.0.0.1", 0, "127.0.0.1",
                                            site_a.leaf_listen_port, from_site=SITE_B))
     site_b, process = await loop.run_in_executor(None, start_nats_on_free_ports, lambda: NatsSite(
         SITE_B, free_port(), free_port(), workdir / "js-b",
-        leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}", credentials=credentials), workdir)
+        leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}", credentials=credentials,
+        identities=identities), workdir)
     processes.append(process)
     # JetStream behind a leafnode answers cross-domain API calls once both servers are up.
     await loop.run_in_executor(None, wait_until, lambda: leafnode_count(site_a) >= 1, 15,
@@ -88,7 +90,8 @@ class LocalStack:
         default (a mixed deployment: ``{"prefill": "vllm"}``)."""
         self.secret = secret
         self.workdir = Path(tempfile.mkdtemp(prefix="pdd-stack-"))
-        self.credentials = ensure_credentials(self.workdir / "secrets") if secure else None
+        self.credentials = ensure_credentials(self.workdir / "secrets", instance_ids=tuple(
+            instance for _, instance in self.identities)) if secure else None
         self.nats_processes = []
         self.sites: dict[str, NatsSite] = {}
         self.router: RouterService | None = None
@@ -109,37 +112,48 @@ class LocalStack:
 
     async def start(self) -> "LocalStack":
         """Start NATS, the link and every service; return once the router sees them all."""
-        self.sites = await start_site_pair(self.link, self.workdir, self.nats_processes, self.credentials)
+        self.sites = await start_site_pair(self.link, self.workdir, self.nats_processes, self.credentials,
+                                           self.identities)
         await self._start_services()
         await self.wait_ready()
         return self
 
-    def security(self, role: str) -> dict:
-        """The settings a service of ``role`` needs to join this stack's NATS."""
+    @property
+    def identities(self) -> tuple[tuple[str, str], ...]:
+        """``(role, instance_id)`` of every service instance, each with its own NATS identity."""
+        return (("cache_index", "cache-index-0"), ("prefill", "prefill-0"),
+                *(("relay_decode", f"relay-decode-{i}") for i in range(self.num_relay)),
+                *(("main_decode", f"main-decode-{i}") for i in range(self.num_main)), ("router", "router-0"))
+
+    def security(self, instance_id: str) -> dict:
+        """The settings instance ``instance_id`` needs to join this stack's NATS as itself."""
         if self.credentials is None:
             return {}
         creds = self.credentials
-        return {"nats_seed_file": str(creds.seed_file(role)), "tls_ca_file": str(creds.ca_file),
+        return {"nats_seed_file": str(creds.seed_file(instance_id)), "tls_ca_file": str(creds.ca_file),
                 "tls_cert_file": str(creds.cert_file), "tls_key_file": str(creds.key_file)}
 
-    async def connect(self, site: str, role: str) -> nats.NATS:
-        """A NATS client at ``site`` holding ``role``'s credentials (for tests)."""
-        creds = self.security(role)
-        return await nats_client.connect(self.sites[site].url, role=role, seed_file=creds.get("nats_seed_file", ""),
+    async def connect(self, site: str, instance_id: str) -> nats.NATS:
+        """A NATS client at ``site`` holding instance ``instance_id``'s credentials (for tests:
+        e.g. a stolen credential)."""
+        role = {i: r for r, i in self.identities}[instance_id]
+        creds = self.security(instance_id)
+        return await nats_client.connect(self.sites[site].url, role=role, instance_id=instance_id,
+                                         seed_file=creds.get("nats_seed_file", ""),
                                          ca_file=creds.get("tls_ca_file", ""))
 
     async def _start_services(self):
         common = {"bulk_secret": self.secret, "heartbeat_s": 0.25}
         a_url, b_url = self.sites[SITE_A].url, self.sites[SITE_B].url
         self.cache_index = CacheIndexService(build_config(CacheIndexConfig, {
-            **common, **self.security("cache_index"), "site": SITE_A, "nats_url": a_url,
+            **common, **self.security("cache-index-0"), "site": SITE_A, "nats_url": a_url,
             "instance_id": "cache-index-0"}, {}))
         self.prefill = PrefillService(build_config(PrefillConfig, {
-            **common, **self.security("prefill"), **self.engine_settings, **self._engine("prefill"), "site": SITE_A,
+            **common, **self.security("prefill-0"), **self.engine_settings, **self._engine("prefill"), "site": SITE_A,
             "nats_url": a_url, "instance_id": "prefill-0"}, {}), self.loaded)
         for i in range(self.num_relay):
             self.relays.append(RelayDecodeService(build_config(RelayDecodeConfig, {
-                **common, **self.security("relay_decode"), **self.engine_settings, **self.decode_settings,
+                **common, **self.security(f"relay-decode-{i}"), **self.engine_settings, **self.decode_settings,
                 **self.relay_settings, **self._engine("relay_decode"), "site": SITE_A, "nats_url": a_url,
                 "instance_id": f"relay-decode-{i}"}, {}), self.loaded))
         # One routed port for every main decoder, as `pdd up` and compose run it.
@@ -147,12 +161,12 @@ class LocalStack:
         for i in range(self.num_main):
             bulk_port = free_port()
             self.mains.append(MainDecodeService(build_config(BulkReceiverConfig, {
-                **common, **self.security("main_decode"), **self.engine_settings, **self.decode_settings,
+                **common, **self.security(f"main-decode-{i}"), **self.engine_settings, **self.decode_settings,
                 **self._engine("main_decode"), "site": SITE_B,
                 "nats_url": b_url, "instance_id": f"main-decode-{i}", "bulk_port": bulk_port,
                 "bulk_advertise": f"127.0.0.1:{bulk_port}", "bulk_link": f"127.0.0.1:{wan_port}"}, {}), self.loaded))
         self.router = RouterService(build_config(RouterConfig, {
-            **common, **self.security("router"), "site": SITE_A, "nats_url": a_url, "instance_id": "router-0",
+            **common, **self.security("router-0"), "site": SITE_A, "nats_url": a_url, "instance_id": "router-0",
             "model": self.loaded.name, "http_port": 0, "instance_ttl_s": 2.0,
             **self.router_settings}, {}), self.metadata)
         for service in self.services:

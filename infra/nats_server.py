@@ -15,7 +15,7 @@ from pathlib import Path
 
 from infra.credentials import LEAF_ROLE, Credentials, write_private
 from shared.errors import PddError
-from shared.nats_roles import ROLES, permissions
+from shared.nats_roles import ANY, ROLES, permissions
 
 
 class NatsStartError(PddError):
@@ -36,8 +36,10 @@ class NatsSite:
         leaf_listen_port: Port accepting leafnodes (the hub site), or None.
         leaf_remote_url: Leafnode URL to dial (the spoke site), or None.
         credentials: The deployment's secrets: with them the server takes only TLS clients
-            that sign with a role's nkey, each held to its role's subjects, and the leafnode
-            runs over mutual TLS; without them (tests of NATS itself only) anyone may connect.
+            that sign with a known nkey, each held to its subjects, and the leafnode runs over
+            mutual TLS; without them (tests of NATS itself only) anyone may connect.
+        identities: ``(role, instance_id)`` of every instance, each signing with its own nkey
+            and held to subjects of its own; empty: one nkey per role, shared by its instances.
     """
 
     site: str
@@ -47,6 +49,7 @@ class NatsSite:
     leaf_listen_port: int | None = None
     leaf_remote_url: str | None = None
     credentials: Credentials | None = None
+    identities: tuple[tuple[str, str], ...] = ()
 
     @property
     def url(self) -> str:
@@ -64,7 +67,7 @@ class NatsSite:
         ]
         creds, hub_lock, remote_lock, url = self.credentials, "", "", self.leaf_remote_url
         if creds:
-            lines += [f"tls {{ {_tls_block(creds)}, timeout: 5 }}", _authorization(creds)]
+            lines += [f"tls {{ {_tls_block(creds)}, timeout: 5 }}", _authorization(creds, self.identities)]
             leaf_tls = f"tls {{ {_tls_block(creds)}, verify: true, timeout: 5 }}"
             hub_lock = f", {leaf_tls}, {leaf_hub_authorization(creds)}"
             remote_lock = f", {leaf_remote_nkey(creds)}, {leaf_tls}"
@@ -101,11 +104,13 @@ def write_config_includes(creds: Credentials):
         write_private(creds.folder / name, (text + "\n").encode())
 
 
-def _authorization(creds: Credentials) -> str:
+def _authorization(creds: Credentials, identities: tuple[tuple[str, str], ...] = ()) -> str:
+    """One user per instance of ``identities`` (its own nkey and subjects), or one per role."""
     users = []
-    for role in ROLES:
-        allowed = permissions(role)
-        users.append(f'{{ nkey: "{creds.public_key(role)}", permissions: {{ '
+    for role, instance_id in identities or ((role, ANY) for role in ROLES):
+        allowed = permissions(role, instance_id)
+        key = creds.public_key(role if instance_id == ANY else instance_id)
+        users.append(f'{{ nkey: "{key}", permissions: {{ '
                      f"publish: {{ allow: {_quoted(allowed.publish)} }}, "
                      f"subscribe: {{ allow: {_quoted(allowed.subscribe)} }}, allow_responses: true }} }}")
     return "authorization { timeout: 5, users: [\n  " + ",\n  ".join(users) + "\n] }"

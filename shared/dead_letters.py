@@ -17,6 +17,8 @@ from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from prometheus_client import Counter
 
 from shared import subjects
+from shared.messages import LoadReported, claimed_sender
+from shared.metrics import REFUSED_MESSAGES
 
 log = structlog.get_logger(__name__)
 STREAM_NAME = "PDD_DEAD_LETTERS"
@@ -47,19 +49,46 @@ async def ensure_stream(nc: nats.NATS, site: str, timeout_s: float = 5.0) -> boo
         return False
 
 
+def sender_problem(message: msgspec.Struct, subject: str) -> str | None:
+    """Why ``message`` cannot have been sent by the instance ``subject`` proves, or None.
+
+    The servers let an instance publish only on subjects that end in its own id; a body that
+    names another sender (a forged ``instance_id``, ``publisher_id``, relay, router or
+    service) is therefore a lie.
+    """
+    sender = subjects.sender_of(subject)
+    if sender is None:
+        return None
+    claimed = claimed_sender(message)
+    if claimed is not None and claimed != sender:
+        return f"names {claimed!r} as its sender on {sender!r}'s subject"
+    if isinstance(message, LoadReported) and message.service != subjects.service_of_load(subject):
+        return f"claims service {message.service!r} on a {subjects.service_of_load(subject)!r} subject"
+    return None
+
+
 class BadMessageSink:
     """Where one service reports the messages it could not decode."""
 
-    def __init__(self, nc: nats.NATS, site: str, service: str):
-        self._nc, self._subject, self._service = nc, subjects.dead_letters(site, service), service
+    def __init__(self, nc: nats.NATS, site: str, service: str, instance_id: str):
+        self._nc, self._service = nc, service
+        self._subject = subjects.dead_letters(site, service, instance_id)
 
     def decode(self, decoder: msgspec.msgpack.Decoder, msg, subscribed: str):
-        """``msg`` decoded, or None when it is bad (then reported)."""
+        """``msg`` decoded, or None when it is bad (then reported) or names a sender other than
+        the one its subject proves (then refused and counted)."""
         try:
-            return decoder.decode(msg.data)
+            message = decoder.decode(msg.data)
         except msgspec.DecodeError as exc:
             self.report(msg, subscribed, exc)
             return None
+        problem = sender_problem(message, msg.subject)
+        if problem is not None:
+            REFUSED_MESSAGES.labels(self._service, "sender_mismatch").inc()
+            log.warning("message_refused", service=self._service, subject=msg.subject,
+                        message=type(message).__name__, reason=problem)
+            return None
+        return message
 
     def report(self, msg, subscribed: str, error: Exception):
         """Count, log and dead-letter one bad message."""

@@ -130,7 +130,7 @@ class DecodeService(EngineService):
             # freeing it here would leave the flow's frames no import to land in.
             state = await self.importer.cancel(cancel.request_id, finished_elsewhere)
             if state is not None and not finished_elsewhere:
-                await self.publish(subjects.request_events(cancel.request_id), KvImportAborted(
+                await self.publish(subjects.request_events(cancel.request_id, self.instance_id), KvImportAborted(
                     request_id=cancel.request_id, instance_id=self.instance_id,
                     wan_kv_bytes=state.stats.bytes_received, reason=cancel.reason))
             return
@@ -142,7 +142,7 @@ class DecodeService(EngineService):
 
     async def _on_import_aborted(self, request_id: str, reason: str):
         """A flow broke before its KV was complete: tell the router, which may resume elsewhere."""
-        await self.publish(subjects.request_events(request_id), RequestFailed(
+        await self.publish(subjects.request_events(request_id, self.instance_id), RequestFailed(
             request_id=request_id, instance_id=self.instance_id, code="kv_flow_broken",
             message=f"KV flow broke before the prompt was complete: {reason}", retryable=True))
 
@@ -194,7 +194,7 @@ class DecodeService(EngineService):
     async def emit(self, request_id: str, start_index: int, token_ids: list[int],
                    finish_reason: str | None, logprobs: list[TokenLogprobs | None] | None = None):
         """Publish tokens (and their log-probabilities, if asked for) on the request's stream."""
-        await self.publish(subjects.tokens(request_id), TokensEmitted(
+        await self.publish(subjects.tokens(request_id, self.instance_id), TokensEmitted(
             request_id=request_id, start_index=start_index, token_ids=token_ids,
             producer=self.producer, instance_id=self.instance_id,
             finish_reason=finish_reason, logprobs=logprobs))
@@ -202,7 +202,7 @@ class DecodeService(EngineService):
     async def _on_outputs(self, outputs: list[StepOutput]):
         for out in outputs:
             if out.error:
-                await self.publish(subjects.request_events(out.request_id), RequestFailed(
+                await self.publish(subjects.request_events(out.request_id, self.instance_id), RequestFailed(
                     request_id=out.request_id, instance_id=self.instance_id,
                     code=out.error_code or "engine_error", message=out.error))
             else:

@@ -365,6 +365,8 @@ class FlowOpen(_Message, kw_only=True):
         sampling: Sampling parameters the receiver decodes with.
         seed: Effective sampling seed.
         relay_instance_id: For a main decoder in ``P-RLD-MD``: the relay that will hand over.
+        main_decode_instance_id: For a relay in ``P-RLD-MD``: the main decoder it hands over to
+            (only that instance's ``KvReady`` starts the handoff).
         traceparent: W3C trace context of the sender's transfer span.
         sender_id: Sending instance.
         receiver_id: The instance this flow is for; another one refuses it.
@@ -382,6 +384,7 @@ class FlowOpen(_Message, kw_only=True):
     sampling: SamplingParams
     seed: int
     relay_instance_id: str | None = None
+    main_decode_instance_id: str | None = None
     traceparent: str | None = None
     sender_id: str
     receiver_id: str = ""
@@ -484,3 +487,20 @@ def encode(message: msgspec.Struct) -> bytes:
 def decoder(kind) -> msgspec.msgpack.Decoder:
     """A typed decoder for one message type or tagged union (make one per subject)."""
     return msgspec.msgpack.Decoder(kind)
+
+
+def claimed_sender(message: msgspec.Struct) -> str | None:
+    """The instance a message names as its sender (None: it names none).
+
+    A receiver compares it with the subject's sender (``subjects.sender_of``), which the
+    servers' permissions pin, and refuses the message when they differ.
+    """
+    if isinstance(message, LoadReported):
+        return message.instance.instance_id
+    if isinstance(message, (KvBlocksStored, KvBlocksEvicted)):
+        return message.publisher_id
+    if isinstance(message, HandoffTokens):
+        return message.relay_instance_id
+    if isinstance(message, CancelRequest):
+        return message.request_id.rsplit("-", 1)[0]  # the router that minted the request
+    return getattr(message, "instance_id", None)

@@ -89,13 +89,14 @@ class Service:
     async def start(self):
         """Connect to this site's NATS server and start serving."""
         self.nc = await nats_client.connect(
-            self.config.nats_url, role=self.service_name, seed_file=self.config.nats_seed_file,
+            self.config.nats_url, role=self.service_name, instance_id=self.instance_id,
+            seed_file=self.config.nats_seed_file,
             ca_file=self.config.tls_ca_file, name=self.instance_id, max_reconnect_attempts=-1,
             reconnect_time_wait=0.5, connect_timeout=5,
         )
-        self.bad_messages = BadMessageSink(self.nc, self.config.site, self.service_name)
+        self.bad_messages = BadMessageSink(self.nc, self.config.site, self.service_name, self.instance_id)
         await dead_letters.ensure_stream(self.nc, self.config.site)
-        await self.subscribe(subjects.CANCEL, _cancel_decoder, self._on_cancel_msg)
+        await self.subscribe(subjects.CANCEL_ALL, _cancel_decoder, self._on_cancel_msg)
         if self.config.metrics_port:
             self._ops = await start_ops_server(self.config.metrics_host, self.config.metrics_port, self.health)
             self.log.info("metrics_listening", url=f"http://{self.config.metrics_host}:{self._ops.port}/metrics")
@@ -114,7 +115,8 @@ class Service:
     async def subscribe(self, subject: str, message_decoder, handler, queue: str = ""):
         """Call ``handler(message, msg)`` for each message on ``subject`` that decodes.
 
-        A message that does not decode is counted, logged and dead-lettered, never passed on.
+        A message that does not decode is counted, logged and dead-lettered, never passed on;
+        one whose body names another sender than its subject proves is refused and counted.
         """
         async def callback(msg):
             message = self.bad_messages.decode(message_decoder, msg, subject)
@@ -169,7 +171,7 @@ class Service:
             return False
 
     async def _heartbeat(self):
-        subject = subjects.load(self.config.site, self.instance_id)
+        subject = subjects.load(self.config.site, self.service_name, self.instance_id)
         while True:
             await self.publish(subject, self.load_report())
             await asyncio.sleep(self.config.heartbeat_s)

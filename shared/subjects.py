@@ -2,19 +2,30 @@
 
 Shapes (DESIGN §4b): ``pdd.<site>.<service>.<verb>`` for work shared by a queue group,
 ``pdd.<site>.<service>.<instance>.<verb>`` for a chosen instance,
-``pdd.tokens.<origin>.<request>`` for a request's token stream and ``pdd.req.<origin>.<request>``
-for its lifecycle events (``<origin>`` is the router that minted the request id),
-``pdd.evt.<site>.kv.<instance>`` and ``pdd.evt.<site>.load.<instance>`` for KV and load
-events. Request and instance ids must be single subject tokens.
+``pdd.tokens.<origin>.<request>.<sender>`` for a request's token stream and
+``pdd.req.<origin>.<request>.<sender>`` for its lifecycle events (``<origin>`` is the router
+that minted the request id), ``pdd.evt.<site>.kv.<instance>`` and
+``pdd.evt.<site>.load.<service>.<instance>`` for KV and load events, ``pdd.cancel.<router>``
+for cancels. Request and instance ids must be single subject tokens.
+
+Every subject a message's sender matters on ends in that sender (``sender_of``): the NATS
+servers let each instance publish only on subjects ending in its own id (``nats_roles``), so
+the subject proves who sent a message, and a receiver refuses a message whose body names
+another sender (``messages.claimed_sender``).
 """
 
 import re
 
 PREFIX = "pdd"
-CANCEL = f"{PREFIX}.cancel"
-"""Broadcast: every service drops the named request (both sites, through the leafnode)."""
-LOAD_ALL = f"{PREFIX}.evt.*.load.*"
+CANCEL_ALL = f"{PREFIX}.cancel.*"
+"""Every router's cancels: every service drops the named request (both sites, through the leafnode)."""
+LOAD_ALL = f"{PREFIX}.evt.*.load.*.*"
 KV_EVENTS_ALL = f"{PREFIX}.evt.*.kv.*"
+
+
+def cancel(router_id: str) -> str:
+    """Where router ``router_id`` cancels the requests it minted (``CancelRequest``)."""
+    return f"{PREFIX}.cancel.{router_id}"
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -65,28 +76,63 @@ def origin_of(request_id: str) -> str:
     return request_id.rsplit("-", 1)[0]
 
 
-def tokens(request_id: str) -> str:
-    """The request's token stream (``TokensEmitted``)."""
-    return f"{PREFIX}.tokens.{origin_of(request_id)}.{request_id}"
+def tokens(request_id: str, sender: str) -> str:
+    """The request's token stream (``TokensEmitted``) as written by instance ``sender``."""
+    return f"{PREFIX}.tokens.{origin_of(request_id)}.{request_id}.{sender}"
 
 
-def request_events(request_id: str) -> str:
-    """The request's lifecycle events (``KvReady``, ``PrefillCompleted``, ``RequestFailed``…)."""
-    return f"{PREFIX}.req.{origin_of(request_id)}.{request_id}"
+def request_events(request_id: str, sender: str) -> str:
+    """The request's lifecycle events (``KvReady``, ``RequestFailed``…) as sent by ``sender``."""
+    return f"{PREFIX}.req.{origin_of(request_id)}.{request_id}.{sender}"
 
 
 def tokens_of_origin(origin: str) -> str:
     """Every token stream of the requests ``origin`` minted (a router's one subscription)."""
-    return f"{PREFIX}.tokens.{origin}.*"
+    return f"{PREFIX}.tokens.{origin}.*.*"
 
 
 def request_events_of_origin(origin: str) -> str:
     """Every lifecycle event of the requests ``origin`` minted."""
-    return f"{PREFIX}.req.{origin}.*"
+    return f"{PREFIX}.req.{origin}.*.*"
 
 
-REQUEST_EVENTS_ALL = f"{PREFIX}.req.*.*"
+def tokens_by(sender: str) -> str:
+    """Every token stream instance ``sender`` writes (what its permissions allow)."""
+    return f"{PREFIX}.tokens.*.*.{sender}"
+
+
+def request_events_by(sender: str) -> str:
+    """Every request event instance ``sender`` sends (what its permissions allow)."""
+    return f"{PREFIX}.req.*.*.{sender}"
+
+
+def request_of(subject: str) -> str:
+    """The request id of a ``tokens`` or ``request_events`` subject."""
+    return subject.split(".")[3]
+
+
+REQUEST_EVENTS_ALL = f"{PREFIX}.req.*.*.*"
 """Every request's lifecycle events (the relay follows the main decoder's ``KvReady``)."""
+
+
+def sender_of(subject: str) -> str | None:
+    """The instance a subject says published on it (its last token), for the subjects whose
+    publishers the servers pin (tokens, request events, load, KV events, handoffs, cancels);
+    None for any other subject."""
+    parts = subject.split(".")
+    if len(parts) < 3 or parts[0] != PREFIX:
+        return None
+    shapes = {("tokens", 5), ("req", 5), ("cancel", 3)}
+    if (parts[1], len(parts)) in shapes or (len(parts) == 5 and parts[1] == "evt" and parts[3] == "kv") \
+            or (len(parts) == 6 and parts[1] == "evt" and parts[3] == "load") \
+            or (len(parts) == 6 and parts[4] == HANDOFF):
+        return parts[-1]
+    return None
+
+
+def service_of_load(subject: str) -> str:
+    """The service a ``load`` subject names (pinned by the servers like its sender)."""
+    return subject.split(".")[4]
 
 
 def kv_events(site: str, instance_id: str) -> str:
@@ -106,19 +152,25 @@ def site_of_kv_events(subject: str) -> str:
     return parts[2]
 
 
-def dead_letters(site: str, service: str) -> str:
-    """Where ``service`` at ``site`` copies messages it could not decode (JetStream, bounded)."""
-    return f"{PREFIX}.dlq.{site}.{service}"
+def dead_letters(site: str, service: str, instance_id: str) -> str:
+    """Where instance ``instance_id`` of ``service`` at ``site`` copies messages it could not
+    decode (JetStream, bounded)."""
+    return f"{PREFIX}.dlq.{site}.{service}.{instance_id}"
 
 
 def dead_letters_of_site(site: str) -> str:
     """Every dead letter of a site (its dead-letter stream's subjects)."""
-    return f"{PREFIX}.dlq.{site}.*"
+    return f"{PREFIX}.dlq.{site}.*.*"
 
 
-def load(site: str, instance_id: str) -> str:
-    """Heartbeat and load of one instance (``LoadReported``)."""
-    return f"{PREFIX}.evt.{site}.load.{instance_id}"
+def load(site: str, service: str, instance_id: str) -> str:
+    """Heartbeat and load of one instance of ``service`` (``LoadReported``)."""
+    return f"{PREFIX}.evt.{site}.load.{service}.{instance_id}"
+
+
+def handoff(site: str, main_decode_id: str, relay_id: str) -> str:
+    """Handoffs from relay ``relay_id`` to main decoder ``main_decode_id`` (``HandoffTokens``)."""
+    return f"{instance_work(site, 'main_decode', main_decode_id, HANDOFF)}.{relay_id}"
 
 
 # Verbs.

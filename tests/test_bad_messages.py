@@ -27,19 +27,18 @@ async def test_garbage_on_every_subject_leaves_a_running_request_exact(make_stac
     wrong_type = encode(TokensEmitted(request_id=rid, start_index=0, token_ids=[1], producer="MD",
                                       instance_id="forger"))
     # Garbage from peers holding the role each subject needs (a buggy peer, not a forger).
-    nc = await stack.connect("site-a", "router")
-    nc_b = await stack.connect("site-b", "main_decode")
-    nc_relay = await stack.connect("site-a", "relay_decode")
+    nc = await stack.connect("site-a", "router-0")
+    nc_b = await stack.connect("site-b", "main-decode-0")
+    nc_relay = await stack.connect("site-a", "relay-decode-0")
     try:
         for payload in (b"\xc1garbage", wrong_type):
-            await nc.publish(subjects.CANCEL, payload)
+            await nc.publish(subjects.cancel("router-0"), payload)
             await nc.publish(subjects.shared_work("site-a", "prefill", subjects.START_PREFILL), payload)
-            await nc_b.publish(subjects.request_events(rid), payload)
-            await nc_b.publish(subjects.load("site-a", "forger"), payload)
+            await nc_b.publish(subjects.request_events(rid, "main-decode-0"), payload)
+            await nc_b.publish(subjects.load("site-b", "main_decode", "main-decode-0"), payload)
             await nc.publish(subjects.shared_work("site-a", "cache_index", subjects.OVERLAP), payload)
-            await nc_relay.publish(subjects.instance_work("site-b", "main_decode", "main-decode-0",
-                                                          subjects.HANDOFF), payload)
-        await nc_b.publish(subjects.tokens(rid), b"\xc1garbage")
+            await nc_relay.publish(subjects.handoff("site-b", "main-decode-0", "relay-decode-0"), payload)
+        await nc_b.publish(subjects.tokens(rid, "main-decode-0"), b"\xc1garbage")
         for client in (nc, nc_b, nc_relay):
             await client.flush()
         status, body = await request

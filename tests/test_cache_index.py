@@ -59,7 +59,7 @@ async def test_kv_events_are_kept_in_each_sites_jetstream_domain(make_stack):
 
     stack = await make_stack(profile=FAST_WAN, router_settings={"pipeline_policy": "P-MD"})
     assert (await post(stack, "/chat/completions", chat_body("Tides and moons. " * 30, 4)))[0] == 200
-    nc = await stack.connect("site-a", "cache_index")
+    nc = await stack.connect("site-a", "cache-index-0")
     try:
         counts = {}
         for site in ("site-a", "site-b"):

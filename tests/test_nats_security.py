@@ -1,28 +1,70 @@
-"""The locked-down NATS of a deployment: no anonymous or plaintext client, each role held to
-its own subjects, a leafnode that takes only our certificate. Each forged message an
-outsider used to get into answers (injected tokens, a cancel, a handoff, a StartPrefill) is
-refused by the server while a real request runs, and that request's text stays exact."""
+"""The locked-down NATS of a deployment, attacked from inside: no anonymous or plaintext
+client, a leafnode that takes only our certificate, and every instance held to subjects of its
+own. Each attack uses a *valid* credential of another instance or role (a stolen one) against
+a request that runs meanwhile: what the server's permissions do not refuse, the receivers drop
+and count, and the victim's greedy answer stays equal to transformers'."""
 
 import asyncio
 import socket
 import ssl
 import time
 
+import aiohttp
 import nats
 import pytest
 
 from infra.credentials import ensure_credentials
 from shared import nats_client, subjects
 from shared.tls import client_context
-from shared.messages import CancelRequest, HandoffTokens, StartPrefill, TokensEmitted, encode
+from infra.wan_link import LinkProfile
 from shared.engine.sampling import SamplingParams
-from tests.helpers import until
-from tests.test_pipeline_e2e import SLOW_WAN, chat_body, chat_prompt, expected_text, post
+from shared.messages import (
+    CancelRequest,
+    HandoffTokens,
+    InstanceRef,
+    KvBlocksStored,
+    KvReady,
+    LoadReported,
+    RequestFailed,
+    StartPrefill,
+    TokensEmitted,
+    decoder,
+    encode,
+)
+from shared.metrics import REFUSED_MESSAGES
+from tests.helpers import chat_prompt_ids, reference_greedy, until
+
+SLOW_WAN = LinkProfile(bandwidth_bps=50e6, rtt_ms=40, jitter_ms=2, seed=1)
+MAX_TOKENS = 160
 
 
 @pytest.fixture
 async def stack(make_stack):
-    return await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-RLD-MD"})
+    return await make_stack(profile=SLOW_WAN, num_main=2, router_settings={"pipeline_policy": "P-RLD-MD"})
+
+
+async def start_victim(stack, content: str) -> tuple[asyncio.Task, str, str]:
+    """A long greedy request; returns (its task, its request id, the main decoder it was placed on)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True}
+    request = asyncio.create_task(post(stack, body))
+    await until(lambda: stack.router.mailbox.open_request_ids, 15, "the request to be dispatched")
+    rid = next(iter(stack.router.mailbox.open_request_ids))
+    await until(lambda: any(rid in m._relays for m in stack.mains), 15, "a main decoder to hold the request")
+    return request, rid, next(m.instance_id for m in stack.mains if rid in m._relays)
+
+
+async def post(stack, body: dict):
+    async with aiohttp.ClientSession() as session:
+        async with session.post(stack.base_url + "/chat/completions", json=body) as response:
+            return response.status, await response.json()
+
+
+async def assert_exact(request: asyncio.Task, tiny, content: str):
+    status, body = await request
+    expected = tiny.tokenizer.decode(reference_greedy(
+        tiny, chat_prompt_ids(tiny, [{"role": "user", "content": content}]), MAX_TOKENS), skip_special_tokens=True)
+    assert status == 200 and body["choices"][0]["message"]["content"] == expected, body
 
 
 @pytest.mark.parametrize("site", ["site-a", "site-b"])
@@ -69,7 +111,7 @@ async def test_the_leafnode_port_takes_neither_plaintext_nor_a_foreign_certifica
 
 
 class Violations:
-    """A client as ``role``, collecting the permission violations the server reports."""
+    """A client's error callback, collecting the permission violations the server reports."""
 
     def __init__(self):
         self.errors: list[str] = []
@@ -81,12 +123,19 @@ class Violations:
             self.seen.set()
 
 
-async def forge(stack, site: str, role: str, subject: str, payload: bytes) -> list[str]:
-    """Publish as ``role``; return the server's complaints."""
+async def connect_as(stack, instance_id: str, **options) -> nats.NATS:
+    """A client holding instance ``instance_id``'s credential, at that instance's site."""
+    site = "site-b" if instance_id.startswith("main-decode") else "site-a"
+    role = {i: r for r, i in stack.identities}[instance_id]
+    creds = stack.security(instance_id)
+    return await nats_client.connect(stack.sites[site].url, role=role, instance_id=instance_id,
+                                     seed_file=creds["nats_seed_file"], ca_file=creds["tls_ca_file"], **options)
+
+
+async def forge(stack, instance_id: str, subject: str, payload: bytes) -> list[str]:
+    """Publish with ``instance_id``'s credential; return the server's complaints."""
     violations = Violations()
-    creds = stack.security(role)
-    nc = await nats_client.connect(stack.sites[site].url, role=role, seed_file=creds["nats_seed_file"],
-                                   ca_file=creds["tls_ca_file"], error_cb=violations.error_cb)
+    nc = await connect_as(stack, instance_id, error_cb=violations.error_cb)
     try:
         await nc.publish(subject, payload)
         await nc.flush()
@@ -96,43 +145,98 @@ async def forge(stack, site: str, role: str, subject: str, payload: bytes) -> li
     return violations.errors
 
 
-async def test_forged_messages_from_the_wrong_role_are_refused_and_the_answer_stays_exact(stack, tiny):
-    content = "Name the rivers of the north. " * 12
-    request = asyncio.create_task(post(stack, "/chat/completions", chat_body(content, 160)))
-    await until(lambda: stack.router.mailbox.open_request_ids, 15, "the request to be dispatched")
-    rid = next(iter(stack.router.mailbox.open_request_ids))
-    main = stack.mains[0]
-    forgeries = [
-        # (who, where, subject, message): each role lacks the right to that subject.
-        ("prefill", "site-a", subjects.tokens(rid), TokensEmitted(
-            request_id=rid, start_index=0, token_ids=[1] * 50, producer="MD", instance_id="main-decode-0")),
-        ("main_decode", "site-b", subjects.CANCEL, CancelRequest(request_id=rid, kind="stop", reason="forged")),
-        ("router", "site-a", subjects.instance_work("site-b", "main_decode", main.instance_id, subjects.HANDOFF),
-         HandoffTokens(request_id=rid, start_index=0, token_ids=[1] * 1000)),
-        ("relay_decode", "site-a", subjects.shared_work("site-a", "prefill", subjects.START_PREFILL),
-         StartPrefill(request_id=rid + "x", token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=2),
-                      seed=1, pipeline="P-MD", main_decode=main.instance_ref(), deadline_unix_s=time.time() + 60)),
-        ("cache_index", "site-a", subjects.request_events(rid), CancelRequest(request_id=rid, kind="kill")),
+def server_refused_forgeries(rid: str, victim: str, thief: str) -> list[tuple[str, str, object]]:
+    """(credential, subject, message): each publishes as someone else, which its permissions forbid."""
+    victim_ref = InstanceRef(instance_id=victim, site="site-b")
+    return [
+        (thief, subjects.tokens(rid, victim), TokensEmitted(  # tokens under the placed decoder's name
+            request_id=rid, start_index=0, token_ids=[1] * 50, producer="MD", instance_id=victim)),
+        (thief, subjects.tokens(rid, victim), TokensEmitted(  # a finish_reason for it
+            request_id=rid, start_index=1, token_ids=[2], producer="MD", instance_id=victim, finish_reason="stop")),
+        (thief, subjects.request_events(rid, victim), RequestFailed(
+            request_id=rid, instance_id=victim, code="forged", message="forged")),
+        (thief, subjects.load("site-a", "router", "router-0"), LoadReported(  # a router heartbeat
+            instance=InstanceRef(instance_id="router-0", site="site-a"), service="router", unix_s=time.time())),
+        (thief, subjects.load("site-b", "main_decode", victim), LoadReported(  # the victim's heartbeat
+            instance=victim_ref, service="main_decode", unix_s=time.time(), total_blocks=0)),
+        (thief, subjects.kv_events("site-b", victim), KvBlocksStored(  # the victim's KV events
+            publisher_id=victim, epoch="x", seq=1, block_hashes=[1, 2, 3])),
+        (thief, subjects.cancel("router-0"), CancelRequest(request_id=rid, kind="kill", reason="forged")),
+        (thief, subjects.handoff("site-b", victim, "relay-decode-0"), HandoffTokens(
+            request_id=rid, start_index=0, token_ids=[1] * 10, relay_instance_id="relay-decode-0")),
+        ("prefill-0", subjects.shared_work("site-a", "prefill", subjects.START_PREFILL), StartPrefill(
+            request_id=rid + "x", token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=2), seed=1,
+            pipeline="P-MD", main_decode=victim_ref, deadline_unix_s=time.time() + 60)),
+        ("relay-decode-0", subjects.tokens(rid, "main-decode-0"), TokensEmitted(  # a relay as a main decoder
+            request_id=rid, start_index=0, token_ids=[1], producer="MD", instance_id="main-decode-0")),
+        ("cache-index-0", subjects.request_events(rid, victim), CancelRequest(request_id=rid, kind="kill")),
     ]
-    for role, site, subject, message in forgeries:
-        errors = await forge(stack, site, role, subject, encode(message))
-        assert any("permissions violation" in e.lower() for e in errors), (role, subject, errors)
-    status, body = await request
-    assert status == 200, body
-    assert body["choices"][0]["message"]["content"] == expected_text(tiny, chat_prompt(tiny, content), 160)
 
 
-@pytest.mark.parametrize("role,subject", [
-    ("main_decode", subjects.tokens_of_origin("router-0")),  # reading another role's replies
-    ("prefill", subjects.instance_work("site-b", "main_decode", "main-decode-0", subjects.HANDOFF)),
-    ("router", "_INBOX.prefill.>"),
+async def test_a_stolen_instance_credential_cannot_speak_for_another_and_the_answer_stays_exact(stack, tiny):
+    content = "Name the rivers of the north. " * 12
+    request, rid, victim = await start_victim(stack, content)
+    thief = next(m.instance_id for m in stack.mains if m.instance_id != victim)
+    for credential, subject, message in server_refused_forgeries(rid, victim, thief):
+        errors = await forge(stack, credential, subject, encode(message))
+        assert any("permissions violation" in e.lower() for e in errors), (credential, subject, errors)
+    await assert_exact(request, tiny, content)
+
+
+async def test_lies_on_a_credential_own_subjects_are_dropped_and_counted(stack, tiny):
+    """What a thief may publish (its own heartbeat, tokens, events) cannot claim another sender,
+    and tokens from an instance the request was not placed on are refused."""
+    mismatch = REFUSED_MESSAGES.labels("router", "sender_mismatch")
+    unplaced = REFUSED_MESSAGES.labels("router", "tokens_from_unplaced_instance")
+    other_ready = REFUSED_MESSAGES.labels("relay_decode", "kv_ready_from_another_main_decode")
+    before = mismatch._value.get(), unplaced._value.get(), other_ready._value.get()
+    content = "Describe the lighthouse keeper. " * 12
+    request, rid, victim = await start_victim(stack, content)
+    thief = next(m.instance_id for m in stack.mains if m.instance_id != victim)
+    lies = [
+        (subjects.tokens(rid, thief), TokensEmitted(request_id=rid, start_index=0, token_ids=[7] * 100,
+                                                    producer="MD", instance_id=victim)),
+        (subjects.request_events(rid, thief), RequestFailed(request_id=rid, instance_id=victim,
+                                                            code="forged", message="forged", retryable=True)),
+        (subjects.load("site-b", "main_decode", thief), LoadReported(  # claims to be the victim
+            instance=InstanceRef(instance_id=victim, site="site-b", bulk_endpoint="127.0.0.1:1"),
+            service="main_decode", unix_s=time.time())),
+        (subjects.load("site-b", "main_decode", thief), LoadReported(  # claims to be a router
+            instance=InstanceRef(instance_id=thief, site="site-b"), service="router", unix_s=time.time())),
+    ]
+    nc = await connect_as(stack, thief)
+    try:
+        for subject, message in lies:
+            await nc.publish(subject, encode(message))
+        # Honest about itself, for a request it was not placed on: its tokens, and a KvReady
+        # that would make the relay hand the request over to it.
+        await nc.publish(subjects.tokens(rid, thief), encode(TokensEmitted(
+            request_id=rid, start_index=0, token_ids=[7] * 100, producer="MD", instance_id=thief)))
+        await nc.publish(subjects.request_events(rid, thief), encode(KvReady(
+            request_id=rid, instance_id=thief, site="site-b", cached_tokens=0, imported_tokens=0,
+            wan_kv_bytes=0, transfer_s=0.0, throughput_bps=0.0)))
+        await nc.flush()
+        await until(lambda: (mismatch._value.get() >= before[0] + 4 and unplaced._value.get() > before[1]
+                             and other_ready._value.get() > before[2]), 10, "every lie to be refused")
+    finally:
+        await nc.close()
+    await assert_exact(request, tiny, content)
+    assert stack.router.registry.live("main_decode")  # the victim's endpoint was not redirected
+    victim_report = next(s.report for s in stack.router.registry.live("main_decode")
+                         if s.report.instance.instance_id == victim)
+    assert victim_report.instance.bulk_endpoint != "127.0.0.1:1"
+
+
+@pytest.mark.parametrize("instance_id,subject", [
+    ("main-decode-0", subjects.tokens_of_origin("router-0")),  # reading a router's streams
+    ("prefill-0", subjects.handoff("site-b", "main-decode-0", "*")),
+    ("main-decode-1", subjects.handoff("site-b", "main-decode-0", "*")),  # another decoder's handoffs
+    ("router-0", "_INBOX.prefill.>"),
+    ("relay-decode-0", "_INBOX.relay_decode.relay-decode-1.>"),
 ])
-async def test_a_role_cannot_subscribe_to_what_is_not_its_own(stack, role, subject):
+async def test_an_instance_cannot_subscribe_to_what_is_not_its_own(stack, instance_id, subject):
     violations = Violations()
-    creds = stack.security(role)
-    site = "site-b" if role == "main_decode" else "site-a"
-    nc = await nats_client.connect(stack.sites[site].url, role=role, seed_file=creds["nats_seed_file"],
-                                   ca_file=creds["tls_ca_file"], error_cb=violations.error_cb)
+    nc = await connect_as(stack, instance_id, error_cb=violations.error_cb)
     try:
         await nc.subscribe(subject)
         await nc.flush()
@@ -141,51 +245,15 @@ async def test_a_role_cannot_subscribe_to_what_is_not_its_own(stack, role, subje
         await nc.close()
 
 
-async def test_a_decoder_role_still_cannot_write_a_stream_it_was_not_placed_on(stack, tiny):
-    from shared.metrics import REFUSED_MESSAGES
-
-    refused = REFUSED_MESSAGES.labels("router", "tokens_from_unplaced_instance")
-    before = refused._value.get()
-    content = "Describe the lighthouse keeper. " * 12
-    request = asyncio.create_task(post(stack, "/chat/completions", chat_body(content, 160)))
-    await until(lambda: stack.router.mailbox.open_request_ids, 15, "the request to be dispatched")
-    rid = next(iter(stack.router.mailbox.open_request_ids))
-    nc = await stack.connect("site-b", "main_decode")  # allowed to publish tokens, as some decoder
-    try:
-        await nc.publish(subjects.tokens(rid), encode(TokensEmitted(
-            request_id=rid, start_index=0, token_ids=[7] * 100, producer="MD", instance_id="main-decode-7")))
-        await nc.flush()
-        await until(lambda: refused._value.get() > before, 10, "the router to refuse the tokens")
-    finally:
-        await nc.close()
-    status, body = await request
-    assert status == 200 and body["choices"][0]["message"]["content"] == expected_text(
-        tiny, chat_prompt(tiny, content), 160)
-
-
-@pytest.mark.parametrize("relay_id,num_tokens,why", [
-    ("relay-decode-9", 3, "the request's relay is"),   # another relay (or someone holding relay credentials)
-    ("relay-decode-0", 1000, "fit max_tokens"),        # the right relay's name, an impossible length
-])
-async def test_main_decode_takes_a_handoff_only_from_the_requests_relay_and_of_a_possible_length(
-        stack, tiny, relay_id, num_tokens, why):
-    from shared.messages import RequestFailed, decoder
-
+async def test_main_decode_takes_a_handoff_only_of_a_possible_length(stack, tiny):
     content = "Explain how tides work, in detail. " * 12
-    request = asyncio.create_task(post(stack, "/chat/completions", chat_body(content, 160)))
-    await until(lambda: stack.router.mailbox.open_request_ids, 15, "the request to be dispatched")
-    rid = next(iter(stack.router.mailbox.open_request_ids))
-    main = stack.mains[0]
-    await until(lambda: rid in main._relays, 15, "main decode to hold the request's KV")
-    nc = await stack.connect("site-a", "relay_decode")
+    request, rid, victim = await start_victim(stack, content)
+    nc = await connect_as(stack, "relay-decode-0")
     try:
-        reply = await nc.request(subjects.instance_work("site-b", "main_decode", main.instance_id, subjects.HANDOFF),
-                                 encode(HandoffTokens(request_id=rid, start_index=0, token_ids=[5] * num_tokens,
-                                                      relay_instance_id=relay_id)), timeout=10)
+        reply = await nc.request(subjects.handoff("site-b", victim, "relay-decode-0"), encode(HandoffTokens(
+            request_id=rid, start_index=0, token_ids=[5] * 1000, relay_instance_id="relay-decode-0")), timeout=10)
     finally:
         await nc.close()
     answer = decoder(RequestFailed).decode(reply.data)
-    assert answer.code == "handoff_refused" and why in answer.message, answer
-    status, body = await request
-    assert status == 200 and body["choices"][0]["message"]["content"] == expected_text(
-        tiny, chat_prompt(tiny, content), 160)
+    assert answer.code == "handoff_refused" and "fit max_tokens" in answer.message, answer
+    await assert_exact(request, tiny, content)

@@ -39,12 +39,12 @@ async def two_sites(tmp_path):
 
 async def started_mailbox(router_nc, main_nc) -> RequestMailbox:
     """A router's mailbox whose standing interest has reached site B (as at router start-up)."""
-    mailbox = RequestMailbox(router_nc, "router-0", BadMessageSink(router_nc, SITE_A, "router"))
+    mailbox = RequestMailbox(router_nc, "router-0", BadMessageSink(router_nc, SITE_A, "router", "router-0"))
     await mailbox.start()
     probe_id = subjects.new_request_id("router-0", "probe")
     probe = mailbox.open(probe_id)
     while probe.empty():
-        await main_nc.publish(subjects.request_events(probe_id), encode(KvReady(
+        await main_nc.publish(subjects.request_events(probe_id, "main-decode-0"), encode(KvReady(
             request_id=probe_id, instance_id="main-decode-0", site=SITE_B, cached_tokens=0,
             imported_tokens=0, wan_kv_bytes=0, transfer_s=0.0, throughput_bps=0.0)))
         try:
@@ -61,7 +61,7 @@ async def test_first_token_published_at_once_by_the_other_site_arrives(two_sites
     mailbox = await started_mailbox(router_nc, main_nc)
     request_id = subjects.new_request_id("router-0", "abc123")
     queue = mailbox.open(request_id)
-    await main_nc.publish(subjects.tokens(request_id), encode(TokensEmitted(
+    await main_nc.publish(subjects.tokens(request_id, "main-decode-0"), encode(TokensEmitted(
         request_id=request_id, start_index=0, token_ids=[7], producer="MD",
         instance_id="main-decode-0")))
     kind, message = await asyncio.wait_for(queue.get(), 5 * RTT_MS / 1000)
@@ -75,7 +75,7 @@ async def test_messages_go_only_to_their_own_request(two_sites):
     queues = {rid: mailbox.open(rid) for rid in (first, second)}
     mailbox.close(second)
     for rid, index in ((second, 5), (first, 0)):
-        await main_nc.publish(subjects.tokens(rid), encode(TokensEmitted(
+        await main_nc.publish(subjects.tokens(rid, "main-decode-0"), encode(TokensEmitted(
             request_id=rid, start_index=index, token_ids=[index], producer="MD",
             instance_id="main-decode-0")))
     _, message = await asyncio.wait_for(queues[first].get(), 5 * RTT_MS / 1000)
@@ -92,8 +92,8 @@ async def test_a_message_that_does_not_decode_is_counted_and_never_queued(two_si
     queue = mailbox.open(request_id)
     label = BAD_MESSAGES.labels("router", subjects.tokens_of_origin("router-0"))
     before = label._value.get()
-    await main_nc.publish(subjects.tokens(request_id), b"\xc1 not msgpack")
-    await main_nc.publish(subjects.tokens(request_id), encode(TokensEmitted(
+    await main_nc.publish(subjects.tokens(request_id, "main-decode-0"), b"\xc1 not msgpack")
+    await main_nc.publish(subjects.tokens(request_id, "main-decode-0"), encode(TokensEmitted(
         request_id=request_id, start_index=0, token_ids=[3], producer="MD", instance_id="main-decode-0")))
     _, message = await asyncio.wait_for(queue.get(), 5 * RTT_MS / 1000)
     assert message.token_ids == [3] and queue.empty()
@@ -103,4 +103,6 @@ async def test_a_message_that_does_not_decode_is_counted_and_never_queued(two_si
 def test_request_ids_name_their_router():
     request_id = subjects.new_request_id("router-1", "00ff")
     assert subjects.origin_of(request_id) == "router-1"
-    assert subjects.tokens(request_id) == f"pdd.tokens.router-1.{request_id}"
+    assert subjects.tokens(request_id, "main-decode-0") == f"pdd.tokens.router-1.{request_id}.main-decode-0"
+    assert subjects.sender_of(subjects.tokens(request_id, "main-decode-0")) == "main-decode-0"
+    assert subjects.request_of(subjects.tokens(request_id, "main-decode-0")) == request_id

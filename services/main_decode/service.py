@@ -41,15 +41,14 @@ class MainDecodeService(DecodeService):
 
     async def on_start(self):
         await super().on_start()
-        await self.subscribe(subjects.instance_work(
-            self.config.site, self.service_name, self.instance_id, subjects.HANDOFF),
-            _handoff_decoder, self._on_handoff_msg)
+        await self.subscribe(subjects.handoff(self.config.site, self.instance_id, "*"),
+                             _handoff_decoder, self._on_handoff_msg)
 
     async def _on_import_complete(self, state: ImportState, seq: RequestView, stats: FlowStats):
         rid = seq.request_id
         if state.flow_open.relay_instance_id:  # before KvReady: the relay hands over once it hears it
             self._relays[rid] = state.flow_open.relay_instance_id
-        await self.publish(subjects.request_events(rid), KvReady(
+        await self.publish(subjects.request_events(rid, self.instance_id), KvReady(
             request_id=rid, instance_id=self.instance_id, site=self.config.site,
             cached_tokens=state.cached_tokens, imported_tokens=seq.num_imported_tokens,
             wan_kv_bytes=stats.bytes_received, transfer_s=stats.transfer_s,
@@ -91,7 +90,7 @@ class MainDecodeService(DecodeService):
                                    next_index=len(seq.output_token_ids), chunk=handoff.chunk,
                                    mode=handoff.mode, final=handoff.final)
         await msg.respond(encode(accepted))
-        await self.publish(subjects.request_events(rid), accepted)
+        await self.publish(subjects.request_events(rid, self.instance_id), accepted)
         self.log.info("handoff_accepted", request_id=rid, tokens=len(handoff.token_ids),
                       chunk=handoff.chunk, mode=handoff.mode, final=handoff.final)
         HANDOFF_CHUNKS.labels(handoff.mode).inc()

@@ -137,7 +137,7 @@ class PrefillService(EngineService):
                          cached_tokens=reply.cached_tokens)
             except (PddError, ConnectionError, asyncio.TimeoutError, OSError) as exc:
                 log.warning("kv_shipping_failed", error=str(exc) or type(exc).__name__)
-                await self.publish(subjects.request_events(cmd.request_id), self._failure(
+                await self.publish(subjects.request_events(cmd.request_id, self.instance_id), self._failure(
                     cmd, "kv_transfer_failed", f"KV transfer failed: {exc or type(exc).__name__}"))
 
     def _failure(self, cmd: StartPrefill, code: str, message: str) -> RequestFailed:
@@ -288,6 +288,7 @@ class PrefillService(EngineService):
                 request_id=cmd.request_id, role=role, token_ids=cmd.token_ids,
                 sampling=cmd.sampling, seed=cmd.seed, traceparent=current_traceparent(),
                 relay_instance_id=cmd.relay_decode.instance_id if cmd.relay_decode else None,
+                main_decode_instance_id=cmd.main_decode.instance_id if cmd.main_decode else None,
                 sender_id=self.instance_id, receiver_id=target.instance_id,
                 receiver_incarnation=target.incarnation, unix_s=0.0, nonce="")
             return await open_flow(target.bulk_endpoint, flow_open, self.config.bulk_secret,

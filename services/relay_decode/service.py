@@ -30,7 +30,7 @@ from shared.messages import (
     decoder,
     encode,
 )
-from shared.metrics import EAGER_TOKENS, HANDOFF_SECONDS
+from shared.metrics import EAGER_TOKENS, HANDOFF_SECONDS, REFUSED_MESSAGES
 from shared.tracing import context_from, trace_headers, tracer
 
 _event_decoder = decoder(RequestEvent)
@@ -54,6 +54,7 @@ class RelayDecodeService(DecodeService):
                                     config.max_chunk_tokens)
         self.machines: dict[str, HandoffMachine] = {}
         self._main: dict[str, KvReady] = {}
+        self._main_decoders: dict[str, str | None] = {}  # the main decoder each FlowOpen named
         self._traceparents: dict[str, str | None] = {}
         self._handoffs: dict[str, asyncio.Task] = {}
 
@@ -71,6 +72,7 @@ class RelayDecodeService(DecodeService):
     async def _on_import_open(self, flow_open: FlowOpen):
         rid = flow_open.request_id
         self._traceparents[rid] = flow_open.traceparent
+        self._main_decoders[rid] = flow_open.main_decode_instance_id
         self.machines[rid] = HandoffMachine(rid, self.policy)
 
     async def _on_import_complete(self, state: ImportState, seq: RequestView, stats: FlowStats):
@@ -83,6 +85,10 @@ class RelayDecodeService(DecodeService):
 
     async def _on_request_event(self, event, msg):
         if isinstance(event, KvReady) and event.request_id in self.machines:
+            if event.instance_id != self._main_decoders.get(event.request_id):
+                REFUSED_MESSAGES.labels(self.service_name, "kv_ready_from_another_main_decode").inc()
+                self.log.warning("kv_ready_refused", request_id=event.request_id, instance=event.instance_id)
+                return
             self._main[event.request_id] = event
             await self._main_decode_ready(event)
 
@@ -103,7 +109,7 @@ class RelayDecodeService(DecodeService):
 
     async def _hand_over(self, rid: str, chunk: HandoffChunk | None):
         machine, ready = self.machines[rid], self._main[rid]
-        subject = subjects.instance_work(ready.site, "main_decode", ready.instance_id, subjects.HANDOFF)
+        subject = subjects.handoff(ready.site, ready.instance_id, self.instance_id)
         started = time.perf_counter()
         while chunk is not None:
             tokens = await self.worker.call(self._chunk_tokens, rid, chunk)
@@ -191,4 +197,5 @@ class RelayDecodeService(DecodeService):
     async def _forget(self, request_id: str):
         self._traceparents.pop(request_id, None)
         self._main.pop(request_id, None)
+        self._main_decoders.pop(request_id, None)
         self.machines.pop(request_id, None)

@@ -55,7 +55,7 @@ class RequestMailbox:
 
     def _deliver(self, kind: str, subscribed: str, message_decoder):
         async def callback(msg):
-            queue = self._queues.get(msg.subject.rsplit(".", 1)[-1])
+            queue = self._queues.get(subjects.request_of(msg.subject))
             if queue is None:
                 return
             message = self._bad_messages.decode(message_decoder, msg, subscribed)

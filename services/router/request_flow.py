@@ -181,7 +181,7 @@ class RequestFlow:
 
     async def _cancel(self, attempt_id: str, kind: str, reason: str):
         try:
-            await self.nc.publish(subjects.CANCEL, encode(CancelRequest(
+            await self.nc.publish(subjects.cancel(subjects.origin_of(attempt_id)), encode(CancelRequest(
                 request_id=attempt_id, kind=kind, reason=reason)))
         except nats.errors.Error:
             log.warning("cancel_not_sent", request_id=self.request_id, attempt_id=attempt_id)
