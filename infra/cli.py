@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     secrets.add_argument("--owner", default=None, metavar="UID[:GID]",
                          help="hand the folder to this user (the containers' user, 10001, when compose runs "
                               "them as it; needs root)")
+    streams = commands.add_parser("streams", help="create one site's JetStream streams as the admin identity "
+                                                  "(the deployment step of compose and Kubernetes)")
+    streams.add_argument("--site", required=True, help="the site (its JetStream domain)")
+    streams.add_argument("--nats-url", required=True, help="that site's NATS server")
+    streams.add_argument("--seed-file", default="", help="admin.nk of the secrets folder (no service holds it)")
+    streams.add_argument("--ca-file", default="", help="the deployment's CA certificate")
     hf = commands.add_parser("install-tokenizer", help="put SmolLM2's tokenizer in the Hugging Face cache under "
                                                        "its hub id (for aiperf, guidellm, eval harnesses; make setup runs it)")
     hf.add_argument("--hub-cache", default=None, help="hub cache folder (default: $HF_HUB_CACHE, else "
@@ -230,6 +236,17 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_streams(args) -> int:
+    """Create a site's streams (KV events, dead letters) as ``admin``."""
+    import asyncio
+
+    from infra.streams import create_site_streams
+
+    names = asyncio.run(create_site_streams(args.nats_url, args.site, args.seed_file, args.ca_file))
+    print(f"streams of {args.site}: {', '.join(names)}")
+    return 0
+
+
 def cmd_secrets(args) -> int:
     """Generate (or complete) a secrets folder that compose and Kubernetes mount."""
     from infra.credentials import ensure_credentials
@@ -333,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(args.log_level if args.command not in ("up", "demo") else "warning")
     handlers = {"generate": cmd_generate, "up": cmd_up, "down": cmd_down, "status": cmd_status,
                 "wan": cmd_wan, "serve": cmd_serve, "demo": cmd_demo, "restart": cmd_restart,
-                "secrets": cmd_secrets, "install-tokenizer": cmd_install_tokenizer,
+                "secrets": cmd_secrets, "streams": cmd_streams, "install-tokenizer": cmd_install_tokenizer,
                 "supervise": cmd_supervise}
     try:
         return (handlers.get(args.command) or args.handler)(args)

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from shared.bulk.link_route import route_key
-from shared.nats_roles import ROLES
+from shared.nats_roles import ADMIN, ROLES
 
 LEAF_ROLE = "leafnode"
 """The identity site B's server uses to join site A's (not a service role)."""
@@ -93,7 +93,7 @@ def ensure_credentials(folder: Path, extra_names: tuple[str, ...] = (), instance
     folder.mkdir(parents=True, exist_ok=True)
     os.chmod(folder, 0o700)
     creds = Credentials(folder)
-    for name in (*ROLES, LEAF_ROLE, *instance_ids):
+    for name in (*ROLES, ADMIN, LEAF_ROLE, *instance_ids):
         if not creds.seed_file(name).is_file():
             write_private(creds.seed_file(name), _new_user_seed())
     for key_file in (creds.bulk_secret_file, creds.control_key_file):

@@ -9,6 +9,7 @@ that exits, with back-off; ``pdd restart NAME`` restarts one by hand (the NATS s
 WAN link included).
 """
 
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -21,10 +22,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from infra.credentials import ensure_credentials
+from infra.credentials import Credentials, ensure_credentials
 from infra.http_probe import get_json, http_ok
 from infra.nats_server import NatsSite, free_port, leafnode_count, nats_server_binary, start_nats, wait_until
+from infra.streams import create_site_streams
 from shared.errors import PddError
+from shared.nats_roles import ADMIN
 from shared.model_loader import model_cache_dir
 
 SITE_A, SITE_B = "site-a", "site-b"
@@ -124,6 +127,13 @@ def up(args) -> Deployment:
     return deployment
 
 
+def _admin_login(creds: Credentials | None) -> dict:
+    """How the deployment step signs in: as ``admin`` (none without credentials: --insecure)."""
+    if creds is None:
+        return {}
+    return {"seed_file": str(creds.seed_file(ADMIN)), "ca_file": str(creds.ca_file)}
+
+
 def identities(args) -> tuple[tuple[str, str], ...]:
     """``(role, instance_id)`` of every service process ``pdd up`` starts with ``args``."""
     counts = {"cache-index": 1, "prefill": args.prefill, "relay-decode": args.rld, "main-decode": args.md,
@@ -162,6 +172,8 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
     deployment.commands["nats-b"] = _nats_command(run_dir, SITE_B)
     wait_until(lambda: leafnode_count(site_a) >= 1, 30, "leafnode between the sites did not connect")
     deployment.nats_urls = {SITE_A: site_a.url, SITE_B: site_b.url}
+    for site in (site_a, site_b):  # the deployment step: streams, made by the admin identity alone
+        asyncio.run(create_site_streams(site.url, site.site, **_admin_login(locked)))
     engines = role_engines(args)
     env = {"PDD_MODEL": args.model, "PDD_LOG_LEVEL": args.log_level, "PDD_KV_CACHE_MB": str(args.kv_cache_mb),
            "PDD_BULK_SECRET_FILE": str(creds.bulk_secret_file), "PDD_BLOCK_SIZE": str(block_size_of(args))}

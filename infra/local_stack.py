@@ -21,6 +21,7 @@ from infra.nats_server import (
     start_nats_on_free_ports,
     wait_until,
 )
+from infra.streams import create_site_streams
 from infra.wan_link import LinkProfile, Route, WanLink
 from services.cache_index.service import CacheIndexService
 from services.main_decode.service import MainDecodeService
@@ -38,6 +39,7 @@ from shared.config import (
     build_config,
 )
 from shared.model_loader import LoadedModel, ModelMetadata
+from shared.nats_roles import ADMIN
 
 SITE_A, SITE_B = "site-a", "site-b"
 
@@ -66,6 +68,10 @@ async def start_site_pair(link: WanLink, workdir: Path, processes: list,
     # JetStream behind a leafnode answers cross-domain API calls once both servers are up.
     await loop.run_in_executor(None, wait_until, lambda: leafnode_count(site_a) >= 1, 15,
                                "leafnode between the sites did not connect")
+    login = {"seed_file": str(credentials.seed_file(ADMIN)), "ca_file": str(credentials.ca_file)} \
+        if credentials else {}
+    for site in (site_a, site_b):  # the deployment step: streams, made by the admin identity alone
+        await create_site_streams(site.url, site.site, **login)
     return {SITE_A: site_a, SITE_B: site_b}
 
 
@@ -134,9 +140,9 @@ class LocalStack:
                 "tls_cert_file": str(creds.cert_file), "tls_key_file": str(creds.key_file)}
 
     async def connect(self, site: str, instance_id: str) -> nats.NATS:
-        """A NATS client at ``site`` holding instance ``instance_id``'s credentials (for tests:
-        e.g. a stolen credential)."""
-        role = {i: r for r, i in self.identities}[instance_id]
+        """A NATS client at ``site`` holding instance ``instance_id``'s credentials, or with
+        ``admin`` the deployment step's (for tests: e.g. a stolen credential)."""
+        role = {i: r for r, i in self.identities}.get(instance_id, ADMIN)  # admin: the deployment step's
         creds = self.security(instance_id)
         return await nats_client.connect(self.sites[site].url, role=role, instance_id=instance_id,
                                          seed_file=creds.get("nats_seed_file", ""),

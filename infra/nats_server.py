@@ -15,7 +15,7 @@ from pathlib import Path
 
 from infra.credentials import LEAF_ROLE, Credentials, write_private
 from shared.errors import PddError
-from shared.nats_roles import ANY, ROLES, permissions
+from shared.nats_roles import ADMIN, ANY, ROLES, admin_permissions, permissions
 
 
 class NatsStartError(PddError):
@@ -105,10 +105,11 @@ def write_config_includes(creds: Credentials):
 
 
 def _authorization(creds: Credentials, identities: tuple[tuple[str, str], ...] = ()) -> str:
-    """One user per instance of ``identities`` (its own nkey and subjects), or one per role."""
+    """One user per instance of ``identities`` (its own nkey and subjects), or one per role; and
+    the deployment step's ``admin``, the only one that may administer JetStream."""
     users = []
-    for role, instance_id in identities or ((role, ANY) for role in ROLES):
-        allowed = permissions(role, instance_id)
+    for role, instance_id in (*(identities or ((role, ANY) for role in ROLES)), (ADMIN, ADMIN)):
+        allowed = admin_permissions() if role == ADMIN else permissions(role, instance_id)
         key = creds.public_key(role if instance_id == ANY else instance_id)
         users.append(f'{{ nkey: "{key}", permissions: {{ '
                      f"publish: {{ allow: {_quoted(allowed.publish)} }}, "

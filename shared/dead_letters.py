@@ -35,20 +35,6 @@ def stream_config(site: str) -> StreamConfig:
                         discard=DiscardPolicy.OLD)
 
 
-async def ensure_stream(nc: nats.NATS, site: str, timeout_s: float = 5.0) -> bool:
-    """Create the site's dead-letter stream if needed; False (logged) if JetStream did not answer."""
-    js = nc.jetstream()
-    try:
-        try:
-            await asyncio.wait_for(js.add_stream(stream_config(site)), timeout_s)
-        except nats.js.errors.BadRequestError:
-            await asyncio.wait_for(js.update_stream(stream_config(site)), timeout_s)
-        return True
-    except (nats.errors.Error, asyncio.TimeoutError) as exc:
-        log.warning("dead_letter_stream_unavailable", site=site, error=str(exc) or type(exc).__name__)
-        return False
-
-
 def sender_problem(message: msgspec.Struct, subject: str) -> str | None:
     """Why ``message`` cannot have been sent by the instance ``subject`` proves, or None.
 

@@ -12,7 +12,8 @@ from shared.messages import KvBlocksEvicted, KvBlocksStored, LoadReported, encod
 from shared.metrics import ACTIVE_SEQUENCES, KV_BLOCKS_USED, KV_CACHE_USAGE
 from shared.service import Service
 from shared.engine_worker import EngineWorker
-from shared.kv_event_stream import ensure_stream
+from shared.kv_event_stream import STREAM_NAME as KV_EVENT_STREAM
+from shared.kv_event_stream import wait_for_stream
 
 
 class EngineService(Service):
@@ -53,7 +54,7 @@ class EngineService(Service):
         await self.nc.subscribe(subjects.instance_work(
             self.config.site, self.service_name, self.instance_id, subjects.DUMP), cb=self._on_dump)
         if self.publishes_kv_events:
-            await ensure_stream(self.nc.jetstream(), self.config.site)
+            await wait_for_stream(self.nc.jetstream(), KV_EVENT_STREAM)
             self._tasks.append(asyncio.create_task(self._publish_kv_events(), name="kv-events"))
             self.watch(self._tasks[-1])
 

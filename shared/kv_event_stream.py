@@ -26,33 +26,30 @@ def stream_config(site: str) -> StreamConfig:
                         duplicate_window=120)
 
 
-async def ensure_stream(js, site: str, timeout_s: float = 15.0):
-    """Create the site's stream, or bring an existing one to this configuration.
+async def wait_for_stream(js, stream: str, timeout_s: float = 30.0):
+    """Return once ``stream`` exists (services only look streams up: a deployment step with an
+    admin identity makes them, ``infra/streams.py``); raise ``nats.js.errors.NotFoundError``
+    or a timeout when it is still missing after ``timeout_s``.
 
-    Retries while JetStream is still starting (or the leafnode to a remote domain is not up yet).
+    Retries while JetStream is still starting, the leafnode to a remote domain is not up yet,
+    or the deployment step has not run yet.
     """
-    config = stream_config(site)
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         try:
-            try:
-                await js.add_stream(config)
-            except nats.js.errors.BadRequestError:
-                await js.update_stream(config)
+            await js.stream_info(stream)
             return
-        except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError,
-                nats.errors.TimeoutError):
+        except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError,
+                nats.errors.NoRespondersError, nats.errors.TimeoutError):
             if asyncio.get_running_loop().time() > deadline:
                 raise
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.2)
 
 
 async def replay(nc: nats.NATS, site: str, callback):
-    """Ordered consumer over ``site``'s stream, from its first message, then live.
-
-    Creates the stream if no publisher has yet, so start-up order does not matter.
-    """
+    """Ordered consumer over ``site``'s stream, from its first message, then live (once the
+    stream exists)."""
     js = nc.jetstream(domain=site)
-    await ensure_stream(js, site)
+    await wait_for_stream(js, STREAM_NAME)
     return await js.subscribe(subjects.kv_events(site, "*"), cb=callback, ordered_consumer=True,
                               deliver_policy=DeliverPolicy.ALL)

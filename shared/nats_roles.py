@@ -15,7 +15,6 @@ instance) that replicas sharing one credential use (docker compose and Kubernete
 from dataclasses import dataclass
 
 from shared import subjects
-from shared.dead_letters import STREAM_NAME as DEAD_LETTER_STREAM
 from shared.kv_event_stream import STREAM_NAME as KV_EVENT_STREAM
 
 ROLES = ("router", "prefill", "relay_decode", "main_decode", "cache_index")
@@ -35,10 +34,25 @@ def inbox_prefix(role: str, instance_id: str) -> str:
     return f"_INBOX.{role}.{instance_id}"
 
 
-def _stream_admin(stream: str, api: str = "$JS.API") -> list[str]:
-    """Create, update and look up one stream (what ``ensure_stream`` sends), on this site's
-    JetStream API or, with ``api="$JS.<domain>.API"``, another domain's."""
-    return [f"{api}.STREAM.{verb}.{stream}" for verb in ("CREATE", "UPDATE", "INFO")] + [f"{api}.INFO"]
+def _stream_lookup(stream: str, api: str = "$JS.API") -> list[str]:
+    """Look one stream up (``wait_for_stream``), on this site's JetStream API or, with
+    ``api="$JS.<domain>.API"``, another domain's. No service may create, update or delete a
+    stream: the deployment step does, as ``admin`` (``infra/streams.py``)."""
+    return [f"{api}.STREAM.INFO.{stream}", f"{api}.INFO"]
+
+
+def _stream_consumers(stream: str, api: str = "$JS.API") -> list[str]:
+    """Create, look up and delete consumers of one stream (an ordered consumer does all three)."""
+    return [f"{api}.CONSUMER.{ANY}.{stream}", f"{api}.CONSUMER.{ANY}.{stream}.>"]
+
+
+ADMIN = "admin"
+"""The deployment step's identity: JetStream administration, nothing else. No service holds it."""
+
+
+def admin_permissions() -> RolePermissions:
+    """What ``admin`` may do: its site's JetStream API (streams and consumers), its replies."""
+    return RolePermissions(("$JS.API.>",), (inbox_prefix(ADMIN, ADMIN) + ".>",))
 
 
 def _instance_verb(service: str, verb: str, instance_id: str = ANY) -> str:
@@ -58,16 +72,17 @@ def _role_subjects(role: str, me: str) -> tuple[list[str], list[str]]:
                  f"$JS.{ANY}.API.INFO"],  # probing each site's JetStream domain
                 [subjects.tokens_of_origin(me), subjects.request_events_of_origin(me)])
     if role == "cache_index":
-        # It follows every site's KV event stream (creating it if no engine has yet). The
-        # local domain's API is checked under its plain name, the others under $JS.<domain>.
+        # It follows every site's KV event stream with ordered consumers. The local domain's API
+        # is checked under its plain name, the others under $JS.<domain>.
         follow = [call for api in ("$JS.API", f"$JS.{ANY}.API")
-                  for call in (*_stream_admin(KV_EVENT_STREAM, api), f"{api}.STREAM.NAMES", f"{api}.CONSUMER.>")]
+                  for call in (*_stream_lookup(KV_EVENT_STREAM, api), f"{api}.STREAM.NAMES",
+                               *_stream_consumers(KV_EVENT_STREAM, api))]
         return ([*(_instance_verb(e, subjects.DUMP) for e in ENGINES), *follow, "$JS.FC.>", "$JS.ACK.>"],
                 [subjects.shared_work(ANY, "cache_index", subjects.OVERLAP)])
     publish = [subjects.request_events_by(me)]
     subscribe = [_instance_verb(role, subjects.DUMP, me)]
     if role in ("prefill", "main_decode"):  # their caches are routing targets
-        publish += [subjects.kv_events(ANY, me), *_stream_admin(KV_EVENT_STREAM)]
+        publish += [subjects.kv_events(ANY, me), *_stream_lookup(KV_EVENT_STREAM)]
     if role == "prefill":
         subscribe += [_instance_verb("prefill", subjects.START_PREFILL, me),
                       subjects.shared_work(ANY, "prefill", subjects.START_PREFILL)]
@@ -90,8 +105,7 @@ def permissions(role: str, instance_id: str = ANY) -> RolePermissions:
     if instance_id != ANY:
         subjects.check_token(instance_id, "instance id")
     publish, subscribe = _role_subjects(role, instance_id)
-    every_role_publishes = [subjects.load(ANY, role, instance_id), subjects.dead_letters(ANY, role, instance_id),
-                            *_stream_admin(DEAD_LETTER_STREAM)]
+    every_role_publishes = [subjects.load(ANY, role, instance_id), subjects.dead_letters(ANY, role, instance_id)]
     every_role_subscribes = [subjects.CANCEL_ALL, subjects.LOAD_ALL, inbox_prefix(role, instance_id) + ".>"]
     return RolePermissions(tuple(dict.fromkeys(publish + every_role_publishes)),
                            tuple(dict.fromkeys(subscribe + every_role_subscribes)))

@@ -16,7 +16,7 @@ import time
 import nats
 import structlog
 
-from shared import dead_letters, nats_client, subjects
+from shared import nats_client, subjects
 from shared.config import CommonConfig
 from shared.dead_letters import BadMessageSink
 from shared.lease import RequestLeases
@@ -95,7 +95,6 @@ class Service:
             reconnect_time_wait=0.5, connect_timeout=5,
         )
         self.bad_messages = BadMessageSink(self.nc, self.config.site, self.service_name, self.instance_id)
-        await dead_letters.ensure_stream(self.nc, self.config.site)
         await self.subscribe(subjects.CANCEL_ALL, _cancel_decoder, self._on_cancel_msg)
         if self.config.metrics_port:
             self._ops = await start_ops_server(self.config.metrics_host, self.config.metrics_port, self.health)

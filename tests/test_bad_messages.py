@@ -46,7 +46,11 @@ async def test_garbage_on_every_subject_leaves_a_running_request_exact(make_stac
         assert body["choices"][0]["message"]["content"] == expected_text(tiny, chat_prompt(tiny, content), 200)
         await until(lambda: all(bad_count(s) > before[s] for s in services), 10,
                     "every service to count what it could not decode")
-        info = await nc.jetstream().stream_info(STREAM_NAME)
+        admin = await stack.connect("site-a", "admin")  # only the deployment's admin reads streams
+        try:
+            info = await admin.jetstream().stream_info(STREAM_NAME)
+        finally:
+            await admin.close()
         assert info.state.messages >= 10
     finally:
         for client in (nc, nc_b, nc_relay):

@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
 OBSERVABILITY = {"jaeger", "prometheus", "grafana"}
+DEPLOYMENT_STEPS = {"streams-a": "site-a", "streams-b": "site-b"}
+"""One-shot services: each site's JetStream streams, made as admin before the services start."""
 SCALABLE = {"prefill", "relay-decode", "main-decode"}
 """Services ``docker compose up --scale`` may run several of (no fixed name or address)."""
 
@@ -53,7 +55,7 @@ def secrets_dir(tmp_path_factory) -> Path:
 
 
 def test_same_processes_on_the_same_sites_as_the_launcher():
-    assert set(SERVICES) - OBSERVABILITY == set(TOPOLOGY)
+    assert set(SERVICES) - OBSERVABILITY - set(DEPLOYMENT_STEPS) == set(TOPOLOGY)
     for name, sites in TOPOLOGY.items():
         assert sorted(SERVICES[name]["networks"]) == sorted(sites), name
 
@@ -61,6 +63,10 @@ def test_same_processes_on_the_same_sites_as_the_launcher():
 @pytest.mark.parametrize("name,spec", pdd_services(), ids=[n for n, _ in pdd_services()])
 def test_every_command_is_accepted_by_the_cli(name, spec):
     args = build_parser().parse_args(spec["command"][1:])
+    if name in DEPLOYMENT_STEPS:
+        assert args.command == "streams" and args.site == DEPLOYMENT_STEPS[name]
+        assert args.nats_url == f"tls://nats-{args.site[-1]}:4222" and args.seed_file.endswith("/admin.nk")
+        return
     assert args.command == "serve"
     if name != "wan-link":
         assert args.service == SERVICE_OF[name]
@@ -76,20 +82,45 @@ def test_every_variable_is_a_known_valid_setting(name, secrets_dir):
     assert config.site == TOPOLOGY[name][0]
     assert config.nats_url == f"tls://nats-{config.site[-1]}:4222"
     assert config.nats_seed_file == str(secrets_dir / f"{SERVICE_OF[name]}.nk")
-    assert config.bulk_secret == (secrets_dir / "bulk.secret").read_text().strip()
-    assert Path(config.tls_ca_file).is_file() and Path(config.tls_cert_file).is_file()
+    assert Path(config.tls_ca_file).is_file()
+    if name in ENGINE_FILES:  # only engines read the bulk secret and serve or dial bulk TLS
+        assert config.bulk_secret == (secrets_dir / "bulk.secret").read_text().strip()
+        assert Path(config.tls_cert_file).is_file() and Path(config.tls_key_file).is_file()
+    else:
+        assert not config.bulk_secret and not config.tls_cert_file and not config.tls_key_file
 
 
-def test_compose_refuses_to_start_without_its_secrets():
-    """Every secret comes from the mounted folder, which ``${PDD_SECRETS_DIR:?…}`` requires
-    (compose stops with that message when it is unset); no secret has a default."""
+ENGINE_FILES = {"prefill", "relay-decode", "main-decode"}
+NATS_FILES = {"ca.pem", "tls.pem", "tls.key", "nats-users.conf"}
+MOUNTED_SECRETS = {
+    "nats-a": NATS_FILES | {"nats-leaf-hub.conf"},
+    "nats-b": NATS_FILES | {"nats-leaf-remote.conf"},  # the leafnode's seed, here only
+    "wan-link": {"link-route.key", "control.key"},
+    "streams-a": {"ca.pem", "admin.nk"}, "streams-b": {"ca.pem", "admin.nk"},  # admin: here only
+    "cache-index": {"ca.pem", "cache_index.nk"},
+    "router": {"ca.pem", "router.nk"},
+    **{name: {"ca.pem", "tls.pem", "tls.key", "bulk.secret", f"{SERVICE_OF[name]}.nk"} for name in ENGINE_FILES},
+}
+"""What each container holds of the secrets folder: its own nkey and nothing of anyone else's."""
+
+
+def test_each_container_mounts_only_its_own_secrets_and_compose_refuses_to_start_without_them():
+    """Every secret is one file of the folder that ``${PDD_SECRETS_DIR:?…}`` requires (compose
+    stops with that message when it is unset); no secret has a default; no container mounts
+    the folder whole or a file that is not its own."""
     text = (ROOT / "docker-compose.yml").read_text()
     assert "PDD_BULK_SECRET:" not in text and ":-change" not in text
-    for name, spec in SERVICES.items():
-        if name in OBSERVABILITY | {"wan-link"}:  # the link forwards bytes it cannot read (only the route key)
-            continue
-        mounts = [v for v in spec.get("volumes", []) if v.endswith((f":{SECRETS_MOUNT}:ro", ":/etc/nats/secrets:ro"))]
-        assert len(mounts) == 1 and mounts[0].startswith("${PDD_SECRETS_DIR:?"), name
+    prefix = f"${{PDD_SECRETS_DIR:?{_SECRETS_HINT}}}/"
+    for name in set(SERVICES) - OBSERVABILITY:
+        mounts = [v for v in SERVICES[name].get("volumes", []) if v.startswith("${PDD_SECRETS_DIR")]
+        files = set()
+        for mount in mounts:
+            source, target, mode = mount.rsplit(":", 2)
+            assert source.startswith(prefix) and mode == "ro", (name, mount)
+            file = source[len(prefix):]
+            assert "/" not in file and target.endswith("/" + file), (name, mount)
+            files.add(file)
+        assert files == MOUNTED_SECRETS[name], name
 
 
 def test_nats_configs_are_valid_and_joined_through_the_wan_link(tmp_path, secrets_dir):
@@ -151,7 +182,12 @@ def test_every_process_has_a_healthcheck_and_starts_after_what_it_needs_is_healt
         spec = SERVICES[name]
         assert spec["healthcheck"]["test"][0] == "CMD", name
         for dependency, condition in (spec.get("depends_on") or {}).items():
-            assert condition == {"condition": "service_healthy"}, (name, dependency)
+            done = "service_completed_successfully" if dependency in DEPLOYMENT_STEPS else "service_healthy"
+            assert condition == {"condition": done}, (name, dependency)
+    # What uses a site's streams starts after that site's deployment step.
+    for name, steps in (("prefill", {"streams-a"}), ("main-decode", {"streams-b"}),
+                        ("cache-index", {"streams-a", "streams-b"})):
+        assert steps <= set(SERVICES[name]["depends_on"]), name
     assert set(SERVICES["router"]["depends_on"]) == set(SERVICE_OF) - {"router"} | {"nats-a"}
     for name in ("nats-a", "nats-b"):
         assert any(v.endswith(":/data/jetstream") and not v.startswith(".") for v in SERVICES[name]["volumes"]), name

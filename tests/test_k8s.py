@@ -88,8 +88,46 @@ def test_commands_and_settings_are_the_launchers(rendered, site):
         config = build_config(cls, {}, {**env, "PDD_INSTANCE_ID": f"{name}-abc12"}, service=name)
         assert config.site == site and config.nats_url == f"tls://nats-{site[-1]}:4222"
         assert config.nats_seed_file == str(secrets_dir / f"{SERVICE_OF[name]}.nk")
-        assert config.bulk_secret == (secrets_dir / "bulk.secret").read_text().strip()
+        if name in ENGINES:  # only engines read the bulk secret and serve or dial bulk TLS
+            assert config.bulk_secret == (secrets_dir / "bulk.secret").read_text().strip()
+            assert config.tls_cert_file and config.tls_key_file
+        else:
+            assert not config.bulk_secret and not config.tls_cert_file and not config.tls_key_file
         assert config.metrics_port == 9090 and config.metrics_host == "0.0.0.0"
+
+
+ENGINES = {"prefill", "relay-decode", "main-decode"}
+NATS_ITEMS = {"ca.pem", "tls.pem", "tls.key", "nats-users.conf"}
+POD_SECRETS = {
+    ("site-a", "StatefulSet", "nats-a"): NATS_ITEMS | {"nats-leaf-hub.conf"},
+    ("site-b", "StatefulSet", "nats-b"): NATS_ITEMS | {"nats-leaf-remote.conf"},  # the leafnode's seed
+    ("site-a", "Job", "streams"): {"ca.pem", "admin.nk"}, ("site-b", "Job", "streams"): {"ca.pem", "admin.nk"},
+    ("site-b", "Deployment", "bulk-gateway"): {"link-route.key", "control.key"},
+    ("site-a", "Deployment", "router"): {"ca.pem", "router.nk"},
+    ("site-a", "Deployment", "cache-index"): {"ca.pem", "cache_index.nk"},
+    **{(site, "Deployment", name): {"ca.pem", "tls.pem", "tls.key", "bulk.secret", f"{SERVICE_OF[name]}.nk"}
+       for site, name in (("site-a", "prefill"), ("site-a", "relay-decode"), ("site-b", "main-decode"))},
+}
+"""The items of the one Secret each pod mounts: its own credential, and nobody else's."""
+
+
+@pytest.mark.parametrize("site", ["site-a", "site-b"])
+def test_each_pod_mounts_only_its_own_secrets(rendered, site):
+    pods = {(site, kind, name): obj for kind in ("Deployment", "StatefulSet", "Job")
+            for name, obj in objects(rendered, site, kind).items()}
+    assert set(pods) == {key for key in POD_SECRETS if key[0] == site}
+    for key, obj in pods.items():
+        volumes = [v for v in obj["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+        assert len(volumes) == 1, key
+        assert {item["key"] for item in volumes[0]["secret"]["items"]} == POD_SECRETS[key], key
+
+
+@pytest.mark.parametrize("site", ["site-a", "site-b"])
+def test_a_job_makes_the_sites_streams_as_admin(rendered, site):
+    container = objects(rendered, site, "Job")["streams"]["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args(container["command"][1:])
+    assert (args.command, args.site, args.nats_url) == ("streams", site, f"tls://nats-{site[-1]}:4222")
+    assert args.seed_file == f"{SECRETS_MOUNT}/admin.nk" and args.ca_file == f"{SECRETS_MOUNT}/ca.pem"
 
 
 def test_main_decode_scales_behind_the_bulk_gateway(rendered):

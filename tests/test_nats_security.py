@@ -5,6 +5,7 @@ a request that runs meanwhile: what the server's permissions do not refuse, the 
 and count, and the victim's greedy answer stays equal to transformers'."""
 
 import asyncio
+import json
 import socket
 import ssl
 import time
@@ -257,3 +258,29 @@ async def test_main_decode_takes_a_handoff_only_of_a_possible_length(stack, tiny
     answer = decoder(RequestFailed).decode(reply.data)
     assert answer.code == "handoff_refused" and "fit max_tokens" in answer.message, answer
     await assert_exact(request, tiny, content)
+
+
+@pytest.mark.parametrize("instance_id,api", [
+    ("main-decode-1", "$JS.API.STREAM.UPDATE.PDD_DEAD_LETTERS"),  # republish: publishing on any subject
+    ("main-decode-0", "$JS.API.STREAM.UPDATE.PDD_KV_EVENTS"),
+    ("prefill-0", "$JS.API.STREAM.CREATE.CAPTURE"),                # a stream over other traffic
+    ("router-0", "$JS.API.STREAM.DELETE.PDD_DEAD_LETTERS"),
+    ("relay-decode-0", "$JS.API.STREAM.PURGE.PDD_DEAD_LETTERS"),
+    ("cache-index-0", "$JS.API.STREAM.UPDATE.PDD_KV_EVENTS"),
+    ("cache-index-0", "$JS.API.CONSUMER.CREATE.PDD_DEAD_LETTERS"),  # consumers of its own stream only
+])
+async def test_no_service_identity_can_administer_jetstream(stack, instance_id, api):
+    """Streams are made by the deployment step as ``admin``; a service's valid credential
+    cannot change, create, purge or delete one."""
+    config = {"name": api.rsplit(".", 1)[-1], "subjects": ["pdd.>"],
+              "republish": {"src": ">", "dest": "pdd.cancel.router-0"}}
+    errors = await forge(stack, instance_id, api, json.dumps(config).encode())
+    assert any("permissions violation" in e.lower() for e in errors), (instance_id, api, errors)
+    admin = await nats_client.connect(stack.sites["site-a"].url, role="admin", instance_id="admin",
+                                      seed_file=str(stack.credentials.seed_file("admin")),
+                                      ca_file=str(stack.credentials.ca_file))
+    try:  # the stream keeps the deployment step's configuration
+        info = await admin.jetstream().stream_info("PDD_DEAD_LETTERS")
+    finally:
+        await admin.close()
+    assert info.config.subjects == [subjects.dead_letters_of_site("site-a")] and not info.config.republish
