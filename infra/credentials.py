@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from shared.bulk.auth import verify_key
 from shared.bulk.link_route import route_key
 from shared.nats_roles import ADMIN, ROLES
 
@@ -69,6 +70,11 @@ class Credentials:
         return self.folder / "link-route.key"
 
     @property
+    def bulk_verify_key_file(self) -> Path:
+        """The public key that checks FlowOpen signatures (receivers hold this, not the secret)."""
+        return self.folder / "bulk-verify.pub"
+
+    @property
     def control_key_file(self) -> Path:
         """The WAN link control API's bearer key (``pdd wan`` and the chaos tool send it)."""
         return self.folder / "control.key"
@@ -99,10 +105,12 @@ def ensure_credentials(folder: Path, extra_names: tuple[str, ...] = (), instance
     for key_file in (creds.bulk_secret_file, creds.control_key_file):
         if not key_file.is_file():
             write_private(key_file, secrets.token_hex(32).encode())
-    # Always the current bulk secret's: a replaced secret must not leave a stale route key.
-    key = route_key(creds.bulk_secret_file.read_text().strip()).encode()
-    if not creds.link_route_key_file.is_file() or creds.link_route_key_file.read_bytes() != key:
-        write_private(creds.link_route_key_file, key)
+    # Always the current bulk secret's: a replaced secret must not leave a stale derived key.
+    bulk_secret = creds.bulk_secret_file.read_text().strip()
+    for path, key in ((creds.link_route_key_file, route_key(bulk_secret).encode()),
+                      (creds.bulk_verify_key_file, verify_key(bulk_secret).encode())):
+        if not path.is_file() or path.read_bytes() != key:
+            write_private(path, key)
     if not (creds.ca_file.is_file() and creds.cert_file.is_file() and creds.key_file.is_file()):
         _write_certificates(creds, extra_names)
     return creds

@@ -176,7 +176,11 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
         asyncio.run(create_site_streams(site.url, site.site, **_admin_login(locked)))
     engines = role_engines(args)
     env = {"PDD_MODEL": args.model, "PDD_LOG_LEVEL": args.log_level, "PDD_KV_CACHE_MB": str(args.kv_cache_mb),
-           "PDD_BULK_SECRET_FILE": str(creds.bulk_secret_file), "PDD_BLOCK_SIZE": str(block_size_of(args))}
+           "PDD_BLOCK_SIZE": str(block_size_of(args))}
+    # Only prefill signs FlowOpens; the receivers hold the key that checks them, nothing more.
+    bulk_keys = {"prefill": {"PDD_BULK_SECRET_FILE": str(creds.bulk_secret_file)},
+                 **{kind: {"PDD_BULK_VERIFY_KEY_FILE": str(creds.bulk_verify_key_file)}
+                    for kind in ("relay-decode", "main-decode")}}
     if getattr(args, "served_model_name", None):
         env["PDD_SERVED_MODEL_NAME"] = args.served_model_name
     if locked:
@@ -191,7 +195,7 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
         deployment.metrics_urls[name] = f"http://127.0.0.1:{metrics_port}/metrics"
         argv = ["serve", SERVICE_OF[kind], "--instance-id", f"{kind}-{index}",
                 "--metrics-port", str(metrics_port), *flags]
-        process_env = {**env, **site_env[site or TOPOLOGY[kind][0]]}
+        process_env = {**env, **site_env[site or TOPOLOGY[kind][0]], **bulk_keys.get(kind, {})}
         if kind in ENGINE_KINDS:
             # vLLM binds a port of its own for its (one-process) distributed group; left to the
             # kernel, it can take a bulk port handed out here but not bound yet.

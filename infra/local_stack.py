@@ -29,6 +29,7 @@ from services.prefill.service import PrefillService
 from services.relay_decode.service import RelayDecodeService
 from services.router.service import RouterService
 from shared import nats_client
+from shared.bulk.auth import verify_key
 from shared.bulk.link_route import route_key
 from shared.config import (
     BulkReceiverConfig,
@@ -149,17 +150,18 @@ class LocalStack:
                                          ca_file=creds.get("tls_ca_file", ""))
 
     async def _start_services(self):
-        common = {"bulk_secret": self.secret, "heartbeat_s": 0.25}
+        common = {"heartbeat_s": 0.25}
+        receiver_key = {"bulk_verify_key": verify_key(self.secret)}  # receivers cannot sign flows
         a_url, b_url = self.sites[SITE_A].url, self.sites[SITE_B].url
         self.cache_index = CacheIndexService(build_config(CacheIndexConfig, {
             **common, **self.security("cache-index-0"), "site": SITE_A, "nats_url": a_url,
             "instance_id": "cache-index-0"}, {}))
         self.prefill = PrefillService(build_config(PrefillConfig, {
-            **common, **self.security("prefill-0"), **self.engine_settings, **self._engine("prefill"), "site": SITE_A,
+            **common, "bulk_secret": self.secret, **self.security("prefill-0"), **self.engine_settings, **self._engine("prefill"), "site": SITE_A,
             "nats_url": a_url, "instance_id": "prefill-0"}, {}), self.loaded)
         for i in range(self.num_relay):
             self.relays.append(RelayDecodeService(build_config(RelayDecodeConfig, {
-                **common, **self.security(f"relay-decode-{i}"), **self.engine_settings, **self.decode_settings,
+                **common, **receiver_key, **self.security(f"relay-decode-{i}"), **self.engine_settings, **self.decode_settings,
                 **self.relay_settings, **self._engine("relay_decode"), "site": SITE_A, "nats_url": a_url,
                 "instance_id": f"relay-decode-{i}"}, {}), self.loaded))
         # One routed port for every main decoder, as `pdd up` and compose run it.
@@ -167,7 +169,7 @@ class LocalStack:
         for i in range(self.num_main):
             bulk_port = free_port()
             self.mains.append(MainDecodeService(build_config(BulkReceiverConfig, {
-                **common, **self.security(f"main-decode-{i}"), **self.engine_settings, **self.decode_settings,
+                **common, **receiver_key, **self.security(f"main-decode-{i}"), **self.engine_settings, **self.decode_settings,
                 **self._engine("main_decode"), "site": SITE_B,
                 "nats_url": b_url, "instance_id": f"main-decode-{i}", "bulk_port": bulk_port,
                 "bulk_advertise": f"127.0.0.1:{bulk_port}", "bulk_link": f"127.0.0.1:{wan_port}"}, {}), self.loaded))

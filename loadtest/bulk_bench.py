@@ -15,6 +15,7 @@ from pathlib import Path
 
 from infra.credentials import ensure_credentials
 from infra.wan_link import LinkProfile, Route, WanLink
+from shared.bulk.auth import verify_key
 from shared.bulk.receiver import BulkReceiver
 from shared.bulk.sender import open_flow
 from shared.engine.backend import RequestStatus
@@ -59,7 +60,7 @@ async def _one_flow(loaded, prompt, frames, total_bytes: int, tls: bool, rate_bp
                     creds) -> tuple[float, int]:
     """Send at least ``total_bytes`` of frames on one flow: (seconds, bytes sent)."""
     handler = _Discard()
-    receiver = BulkReceiver(handler, HfEngine(loaded, num_blocks=4).frame_expectation, SECRET, path="wan",
+    receiver = BulkReceiver(handler, HfEngine(loaded, num_blocks=4).frame_expectation, verify_key(SECRET), path="wan",
                             frame_timeout_s=30, receiver_id="bench", tls=server_context(
                                 str(creds.ca_file), str(creds.cert_file), str(creds.key_file)) if tls else None)
     host, port = await receiver.start()

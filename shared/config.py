@@ -85,7 +85,8 @@ class CommonConfig:
     otlp_endpoint: str = setting("", "OTLP/HTTP traces endpoint (e.g. http://jaeger:4318); empty: the standard "
                                  "OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, else no export")
     heartbeat_s: float = setting(1.0, "seconds between LoadReported heartbeats", positive)
-    bulk_secret: str = setting("", "per-deployment secret authenticating bulk KV peers")
+    bulk_secret: str = setting("", "per-deployment secret of the bulk channel: prefill signs FlowOpens with the "
+                               "key derived from it (receivers hold only --bulk-verify-key)")
     bulk_secret_file: str = setting("", "file holding the bulk secret (read at start-up; keeps it out of "
                                     "the environment)")
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint")
@@ -120,6 +121,9 @@ class EngineConfig(CommonConfig):
 class BulkReceiverConfig(EngineConfig):
     """Settings of services that receive KV (relay and main decode)."""
 
+    bulk_verify_key: str = setting("", "public key (hex) that checks prefill's FlowOpen signatures; it cannot "
+                                   "sign one, so no receiver can open a flow into another")
+    bulk_verify_key_file: str = setting("", "file holding --bulk-verify-key (pdd secrets writes bulk-verify.pub)")
     bulk_host: str = setting("127.0.0.1", "address the bulk KV receiver listens on")
     bulk_port: int = setting(0, "port of the bulk KV receiver (0: any free port)", non_negative)
     bulk_advertise: str = setting("", "host:port senders use to reach the bulk receiver "
@@ -238,8 +242,9 @@ def build_config(cls, flags: Mapping[str, Any], environ: Mapping[str, str] | Non
         value = f.default if raw is None else _convert(f, raw, source)
         _validate(f, value, source)
         values[f.name] = value
-    if values.get("bulk_secret_file") and not values.get("bulk_secret"):
-        values["bulk_secret"] = _read_secret(values["bulk_secret_file"], "bulk_secret_file")
+    for name in ("bulk_secret", "bulk_verify_key"):
+        if values.get(f"{name}_file") and not values.get(name):
+            values[name] = _read_secret(values[f"{name}_file"], f"{name}_file")
     if "instance_id" in values and not values["instance_id"]:
         values["instance_id"] = f"{service}-{socket.gethostname()}-{os.getpid()}".replace(".", "-")[:128]
     return cls(**values)

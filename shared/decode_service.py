@@ -88,7 +88,7 @@ class DecodeService(EngineService):
         config = self.config
         encrypted = config.tls_cert_file and (self.bulk_path == "wan" or config.bulk_tls_local)
         self.receiver = BulkReceiver(
-            self.importer, self.engine.frame_expectation, config.bulk_secret,
+            self.importer, self.engine.frame_expectation, config.bulk_verify_key,
             path=self.bulk_path, frame_timeout_s=config.kv_timeout_s,
             host=config.bulk_host, port=config.bulk_port, receiver_id=self.instance_id,
             incarnation=self.incarnation,

@@ -6,7 +6,7 @@ import time
 import msgspec
 import pytest
 
-from shared.bulk.auth import new_nonce, sign
+from shared.bulk.auth import new_nonce, sign, verify_key
 from shared.bulk.framing import control_bytes, read_message
 from shared.bulk.receiver import BulkReceiver
 from shared.bulk.sender import FlowRefused, open_flow
@@ -54,7 +54,7 @@ class RecordingHandler:
 async def channel(tiny):
     sender, receiver_engine = HfEngine(tiny, num_blocks=32), HfEngine(tiny, num_blocks=32)
     handler = RecordingHandler(receiver_engine)
-    receiver = BulkReceiver(handler, receiver_engine.frame_expectation, SECRET, path="wan",
+    receiver = BulkReceiver(handler, receiver_engine.frame_expectation, verify_key(SECRET), path="wan",
                             frame_timeout_s=5)
     host, port = await receiver.start()
     yield sender, handler, f"{host}:{port}"
@@ -84,7 +84,7 @@ async def test_a_flow_delivers_kv_and_counts_bytes(channel, tiny):
 
 async def test_wrong_secret_is_refused_before_anything_is_imported(channel, tiny):
     _, handler, endpoint = channel
-    with pytest.raises(FlowRefused, match="bulk secret"):
+    with pytest.raises(FlowRefused, match="flow signing key"):
         await open_flow(endpoint, flow_open_for("r", [1, 2, 3]), "not-the-secret", path="wan", timeout_s=5)
     assert handler.events == []
 

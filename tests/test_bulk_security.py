@@ -11,7 +11,7 @@ import pytest
 
 from infra.credentials import ensure_credentials
 from shared.bulk import receiver as receiver_module
-from shared.bulk.auth import sign
+from shared.bulk.auth import sign, verify_key
 from shared.bulk.framing import CONTROL_MAGIC, control_bytes
 from shared.bulk.receiver import BulkReceiver
 from shared.bulk.sender import FlowRefused, open_flow
@@ -28,7 +28,7 @@ def creds(tmp_path):
 
 async def start_receiver(tiny, creds, receiver_id="main-decode-0", incarnation="inc-1", tls=True):
     engine = HfEngine(tiny, num_blocks=32)
-    receiver = BulkReceiver(RecordingHandler(engine), engine.frame_expectation, SECRET, path="wan",
+    receiver = BulkReceiver(RecordingHandler(engine), engine.frame_expectation, verify_key(SECRET), path="wan",
                             frame_timeout_s=5, receiver_id=receiver_id, incarnation=incarnation,
                             tls=server_context(str(creds.ca_file), str(creds.cert_file), str(creds.key_file))
                             if tls else None)
@@ -91,6 +91,22 @@ async def test_a_flow_open_for_another_receiver_or_incarnation_is_refused(tiny, 
         await receiver.stop()
 
 
+async def test_a_receivers_own_key_cannot_open_a_flow_into_another_receiver(tiny, creds):
+    """A decoder holds the verify key (bulk-verify.pub) and the deployment's certificate: with
+    them it passes TLS, but whatever it signs with, its FlowOpen is refused (only prefill can
+    sign), and nothing reaches the pool."""
+    receiver, endpoint = await start_receiver(tiny, creds)
+    handler = receiver._handler
+    try:
+        for stolen in (verify_key(SECRET), "another deployment's secret", creds.bulk_verify_key_file.read_text()):
+            with pytest.raises(FlowRefused, match="bad signature"):
+                await open_flow(endpoint, bound("r", prompt_of_length(tiny, 40)), stolen, path="wan",
+                                timeout_s=5, tls=ours(creds))
+        assert handler.events == [] and handler.engine.num_sequences == 0
+    finally:
+        await receiver.stop()
+
+
 async def raw_tls(endpoint: str, creds):
     host, port = endpoint.rsplit(":", 1)
     return await asyncio.open_connection(host, int(port), ssl=ours(creds), server_hostname=host)
@@ -142,7 +158,7 @@ class SlowToAccept(RecordingHandler):
 async def test_a_sender_gone_while_its_flow_waited_leaves_no_reservation(tiny, creds):
     engine = HfEngine(tiny, num_blocks=32)
     handler = SlowToAccept(engine)
-    receiver = BulkReceiver(handler, engine.frame_expectation, SECRET, path="wan", frame_timeout_s=60,
+    receiver = BulkReceiver(handler, engine.frame_expectation, verify_key(SECRET), path="wan", frame_timeout_s=60,
                             receiver_id="main-decode-0", incarnation="inc-1",
                             tls=server_context(str(creds.ca_file), str(creds.cert_file), str(creds.key_file)))
     host, port = await receiver.start()

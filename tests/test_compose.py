@@ -83,11 +83,16 @@ def test_every_variable_is_a_known_valid_setting(name, secrets_dir):
     assert config.nats_url == f"tls://nats-{config.site[-1]}:4222"
     assert config.nats_seed_file == str(secrets_dir / f"{SERVICE_OF[name]}.nk")
     assert Path(config.tls_ca_file).is_file()
-    if name in ENGINE_FILES:  # only engines read the bulk secret and serve or dial bulk TLS
+    if name == "prefill":  # only prefill signs FlowOpens; the receivers hold the key that checks them
         assert config.bulk_secret == (secrets_dir / "bulk.secret").read_text().strip()
+    else:
+        assert not config.bulk_secret
+    if name in ENGINE_FILES - {"prefill"}:
+        assert config.bulk_verify_key == (secrets_dir / "bulk-verify.pub").read_text().strip()
+    if name in ENGINE_FILES:  # only engines serve or dial bulk TLS
         assert Path(config.tls_cert_file).is_file() and Path(config.tls_key_file).is_file()
     else:
-        assert not config.bulk_secret and not config.tls_cert_file and not config.tls_key_file
+        assert not config.tls_cert_file and not config.tls_key_file
 
 
 ENGINE_FILES = {"prefill", "relay-decode", "main-decode"}
@@ -99,7 +104,9 @@ MOUNTED_SECRETS = {
     "streams-a": {"ca.pem", "admin.nk"}, "streams-b": {"ca.pem", "admin.nk"},  # admin: here only
     "cache-index": {"ca.pem", "cache_index.nk"},
     "router": {"ca.pem", "router.nk"},
-    **{name: {"ca.pem", "tls.pem", "tls.key", "bulk.secret", f"{SERVICE_OF[name]}.nk"} for name in ENGINE_FILES},
+    "prefill": {"ca.pem", "tls.pem", "tls.key", "bulk.secret", "prefill.nk"},  # signs FlowOpens
+    **{name: {"ca.pem", "tls.pem", "tls.key", "bulk-verify.pub", f"{SERVICE_OF[name]}.nk"}
+       for name in ("relay-decode", "main-decode")},  # check them, cannot sign one
 }
 """What each container holds of the secrets folder: its own nkey and nothing of anyone else's."""
 

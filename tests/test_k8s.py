@@ -88,11 +88,11 @@ def test_commands_and_settings_are_the_launchers(rendered, site):
         config = build_config(cls, {}, {**env, "PDD_INSTANCE_ID": f"{name}-abc12"}, service=name)
         assert config.site == site and config.nats_url == f"tls://nats-{site[-1]}:4222"
         assert config.nats_seed_file == str(secrets_dir / f"{SERVICE_OF[name]}.nk")
-        if name in ENGINES:  # only engines read the bulk secret and serve or dial bulk TLS
-            assert config.bulk_secret == (secrets_dir / "bulk.secret").read_text().strip()
-            assert config.tls_cert_file and config.tls_key_file
-        else:
-            assert not config.bulk_secret and not config.tls_cert_file and not config.tls_key_file
+        # Only prefill signs FlowOpens; the receivers hold the key that checks them.
+        assert config.bulk_secret == ((secrets_dir / "bulk.secret").read_text().strip() if name == "prefill" else "")
+        if name in ENGINES - {"prefill"}:
+            assert config.bulk_verify_key == (secrets_dir / "bulk-verify.pub").read_text().strip()
+        assert bool(config.tls_cert_file and config.tls_key_file) == (name in ENGINES), name
         assert config.metrics_port == 9090 and config.metrics_host == "0.0.0.0"
 
 
@@ -105,8 +105,9 @@ POD_SECRETS = {
     ("site-b", "Deployment", "bulk-gateway"): {"link-route.key", "control.key"},
     ("site-a", "Deployment", "router"): {"ca.pem", "router.nk"},
     ("site-a", "Deployment", "cache-index"): {"ca.pem", "cache_index.nk"},
-    **{(site, "Deployment", name): {"ca.pem", "tls.pem", "tls.key", "bulk.secret", f"{SERVICE_OF[name]}.nk"}
-       for site, name in (("site-a", "prefill"), ("site-a", "relay-decode"), ("site-b", "main-decode"))},
+    ("site-a", "Deployment", "prefill"): {"ca.pem", "tls.pem", "tls.key", "bulk.secret", "prefill.nk"},
+    **{(site, "Deployment", name): {"ca.pem", "tls.pem", "tls.key", "bulk-verify.pub", f"{SERVICE_OF[name]}.nk"}
+       for site, name in (("site-a", "relay-decode"), ("site-b", "main-decode"))},
 }
 """The items of the one Secret each pod mounts: its own credential, and nobody else's."""
 

@@ -10,6 +10,7 @@ import pytest
 
 from infra.credentials import ensure_credentials
 from infra.wan_link import LinkProfile, Route, WanLink, parse_route
+from shared.bulk.auth import verify_key
 from shared.bulk.framing import control_bytes
 from shared.bulk.link_route import RouteAuthenticator, route_key, sign_route
 from shared.bulk.receiver import BulkReceiver
@@ -36,7 +37,7 @@ async def two_receivers_behind_one_port(tiny, creds):
     for i in range(2):
         engine = HfEngine(tiny, num_blocks=32)
         handler = RecordingHandler(engine)
-        receiver = BulkReceiver(handler, engine.frame_expectation, SECRET, path="wan", frame_timeout_s=5,
+        receiver = BulkReceiver(handler, engine.frame_expectation, verify_key(SECRET), path="wan", frame_timeout_s=5,
                                 receiver_id=f"main-decode-{i}", tls=tls)
         host, port = await receiver.start()
         receivers.append(receiver), handlers.append(handler), endpoints.append(f"{host}:{port}")

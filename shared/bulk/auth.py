@@ -1,28 +1,46 @@
-"""Peer authentication of bulk flows: an HMAC over the FlowOpen with the deployment secret.
+"""Peer authentication of bulk flows: an Ed25519 signature over the FlowOpen.
 
-Costs no extra round trip: the sender signs its FlowOpen (with its clock and a fresh nonce);
-the receiver checks the MAC, that the flow names it (instance and incarnation, so a FlowOpen
-cannot be replayed to another receiver or to this one after a restart), the clock skew and
-that the nonce was not seen before.
+Only the sender (prefill) can open a flow: it signs with a private key derived from the
+deployment's bulk secret, which only prefill holds; receivers (relay and main decode) hold
+just the public key (``bulk-verify.pub``), which checks a signature but cannot make one, so no
+decoder can open a flow into another. Costs no extra round trip: the sender signs its FlowOpen
+(with its clock and a fresh nonce); the receiver checks the signature, that the flow names it
+(instance and incarnation, so a FlowOpen cannot be replayed to another receiver or to this one
+after a restart), the clock skew and that the nonce was not seen before.
 """
 
+import functools
 import hashlib
 import hmac
 import secrets
 import time
 
 import msgspec
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from shared.messages import FlowOpen, encode
 
 MAX_CLOCK_SKEW_S = 300.0
+_SIGNING_KEY_CONTEXT = b"pdd bulk flow signing key v1"
+
+
+@functools.lru_cache(maxsize=8)
+def _signing_key(secret: str) -> Ed25519PrivateKey:
+    seed = hmac.new(secret.encode(), _SIGNING_KEY_CONTEXT, hashlib.sha256).digest()
+    return Ed25519PrivateKey.from_private_bytes(seed)
+
+
+def verify_key(secret: str) -> str:
+    """The public key (hex) that checks FlowOpens signed with ``secret``: what receivers hold."""
+    return _signing_key(secret).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
 
 
 def sign(flow_open: FlowOpen, secret: str) -> FlowOpen:
-    """Return ``flow_open`` with its ``mac`` set."""
+    """Return ``flow_open`` with its signature (``mac``, hex) made with ``secret``'s private key."""
     unsigned = msgspec.structs.replace(flow_open, mac="")
-    mac = hmac.new(secret.encode(), encode(unsigned), hashlib.sha256).hexdigest()
-    return msgspec.structs.replace(flow_open, mac=mac)
+    return msgspec.structs.replace(flow_open, mac=_signing_key(secret).sign(encode(unsigned)).hex())
 
 
 def new_nonce() -> str:
@@ -55,19 +73,25 @@ class ReplayGuard:
 class FlowAuthenticator:
     """Receiver-side check of signed FlowOpens, with replay protection."""
 
-    def __init__(self, secret: str, receiver_id: str = "", incarnation: str = ""):
-        if not secret:
-            raise ValueError("a bulk secret is required (--bulk-secret / PDD_BULK_SECRET)")
-        self._secret = secret
+    def __init__(self, public_key: str, receiver_id: str = "", incarnation: str = ""):
+        """``public_key``: the deployment's flow verify key (hex, ``verify_key``)."""
+        if not public_key:
+            raise ValueError("a bulk verify key is required (--bulk-verify-key-file / PDD_BULK_VERIFY_KEY_FILE)")
+        try:
+            self._public_key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_key))
+        except ValueError:
+            raise ValueError("the bulk verify key must be 32 bytes of hex (bulk-verify.pub)") from None
         self._receiver_id, self._incarnation = receiver_id, incarnation
         self._replays = ReplayGuard()
 
     def verify(self, flow_open: FlowOpen, now: float | None = None) -> str | None:
         """None if authentic and fresh, else why not."""
         now = time.time() if now is None else now
-        expected = sign(flow_open, self._secret).mac
-        if not hmac.compare_digest(expected, flow_open.mac):
-            return "bad MAC: the peer does not hold this deployment's bulk secret"
+        try:
+            self._public_key.verify(bytes.fromhex(flow_open.mac),
+                                    encode(msgspec.structs.replace(flow_open, mac="")))
+        except (InvalidSignature, ValueError):
+            return "bad signature: the peer does not hold this deployment's flow signing key"
         if self._receiver_id and flow_open.receiver_id != self._receiver_id:
             return f"FlowOpen for {flow_open.receiver_id!r}, not this receiver"
         if self._incarnation and flow_open.receiver_incarnation != self._incarnation:

@@ -80,12 +80,12 @@ class FlowHandler(Protocol):
 class BulkReceiver:
     """TCP server for one receiving instance; one flow per connection."""
 
-    def __init__(self, handler: FlowHandler, expectation: FrameExpectation, secret: str, *,
+    def __init__(self, handler: FlowHandler, expectation: FrameExpectation, verify_key: str, *,
                  path: str, frame_timeout_s: float, host: str = "127.0.0.1", port: int = 0,
                  receiver_id: str = "", incarnation: str = "", tls: ssl.SSLContext | None = None):
         self._handler = handler
         self._expect = expectation
-        self._auth = FlowAuthenticator(secret, receiver_id, incarnation)
+        self._auth = FlowAuthenticator(verify_key, receiver_id, incarnation)
         self._tls = tls
         self._unauthenticated = 0
         self._path = path
