@@ -10,6 +10,7 @@ from typing import Literal
 
 import msgspec
 
+from shared import subjects
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling import SamplingParams
 
@@ -502,5 +503,5 @@ def claimed_sender(message: msgspec.Struct) -> str | None:
     if isinstance(message, HandoffTokens):
         return message.relay_instance_id
     if isinstance(message, CancelRequest):
-        return message.request_id.rsplit("-", 1)[0]  # the router that minted the request
+        return subjects.origin_of(message.request_id)  # the router that minted the request
     return getattr(message, "instance_id", None)

@@ -22,11 +22,6 @@ CANCEL_ALL = f"{PREFIX}.cancel.*"
 LOAD_ALL = f"{PREFIX}.evt.*.load.*.*"
 KV_EVENTS_ALL = f"{PREFIX}.evt.*.kv.*"
 
-
-def cancel(router_id: str) -> str:
-    """Where router ``router_id`` cancels the requests it minted (``CancelRequest``)."""
-    return f"{PREFIX}.cancel.{router_id}"
-
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 
@@ -74,6 +69,11 @@ def attempt_request_id(request_id: str, attempt: int) -> str:
 def origin_of(request_id: str) -> str:
     """The router instance that minted ``request_id`` (the part before its last ``-``)."""
     return request_id.rsplit("-", 1)[0]
+
+
+def cancel(router_id: str) -> str:
+    """Where router ``router_id`` cancels the requests it minted (``CancelRequest``)."""
+    return f"{PREFIX}.cancel.{router_id}"
 
 
 def tokens(request_id: str, sender: str) -> str:

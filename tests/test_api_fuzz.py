@@ -3,7 +3,7 @@
 Every body — extreme floats, NaN and Infinity, huge integers, wrong types, lone surrogates,
 token ids outside the vocabulary, deep nesting — gets an answer below 500; every 4xx is an
 OpenAI error object; no process restarts; a plain request works afterwards.
-``PDD_FUZZ_EXAMPLES`` sets how many bodies (default 300; the long run in docs/security.md
+``PDD_FUZZ_EXAMPLES`` sets how many bodies (default 200; the long run in docs/security.md
 uses thousands).
 """
 
@@ -24,7 +24,7 @@ from infra.nats_server import free_port
 
 PDD = str(Path(sys.executable).parent / "pdd")
 MODEL = "tiny"
-NUM_EXAMPLES = int(os.environ.get("PDD_FUZZ_EXAMPLES", "300"))
+NUM_EXAMPLES = int(os.environ.get("PDD_FUZZ_EXAMPLES", "200"))
 REQUEST_TIMEOUT_S = 60
 
 

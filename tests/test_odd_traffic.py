@@ -8,6 +8,9 @@ from tests.test_pipeline_e2e import chat_body, chat_prompt, expected_text, post
 
 # 1 Mbit/s: a 300-token tiny-model prompt (~150 KB of KV) takes over a second to cross.
 NARROW_WAN = LinkProfile(bandwidth_bps=1e6, rtt_ms=4, jitter_ms=0, seed=3)
+# Half that for the cancel test: the relay's few steps and the cancel then cover a smaller share
+# of the transfer, so a loaded machine does not let half the KV cross before the cancel lands.
+NARROWER_WAN = LinkProfile(bandwidth_bps=0.5e6, rtt_ms=4, jitter_ms=0, seed=3)
 ROUTER = {"ttft_target_ms": 100, "wan_bandwidth_mbit": 1, "wan_rtt_ms": 4, "relay_step_ms": 80}
 LONG = "Summarise this log line by line. " * 40
 
@@ -22,7 +25,7 @@ def test_rule_marks_only_long_prompts_with_short_outputs():
 
 
 async def test_odd_request_finishes_on_relay_and_cancels_the_wan_transfer(make_stack, tiny):
-    stack = await make_stack(profile=NARROW_WAN, router_settings=ROUTER,
+    stack = await make_stack(profile=NARROWER_WAN, router_settings=ROUTER,
                              engine_settings={"frame_tokens": 16})
     status, body = await post(stack, "/chat/completions", chat_body(LONG, 4))
     assert status == 200, body
