@@ -21,7 +21,6 @@ from shared.engine.sampling import (
     MAX_TEMPERATURE,
     MAX_TOP_K,
     MIN_REPETITION_PENALTY,
-    MIN_TEMPERATURE,
     SamplingParams,
 )
 from shared.errors import InvalidSampling
@@ -122,7 +121,8 @@ def parse_sampling(body: dict, default_max_tokens: int, chat: bool) -> SamplingP
     if body.get("n", 1) not in (1, None):
         raise ApiError(400, "only n=1 is supported", param="n")
     params = SamplingParams(
-        max_tokens=max_tokens, temperature=_temperature(body),
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", float, 1.0, low=0, high=MAX_TEMPERATURE),
         top_p=_number(body, "top_p", float, 1.0, low=0, high=1, low_open=True),
         top_k=_top_k(body), seed=_seed(body), stop=_stop(body), ignore_eos=_flag(body, "ignore_eos"),
         min_tokens=_number(body, "min_tokens", int, 0, low=0, high=max_tokens),
@@ -141,14 +141,6 @@ def checked(params: SamplingParams) -> SamplingParams:
     except InvalidSampling as exc:
         raise ApiError(400, str(exc), param=exc.field) from None
     return params
-
-
-def _temperature(body: dict) -> float:
-    temperature = _number(body, "temperature", float, 1.0, low=0, high=MAX_TEMPERATURE)
-    if 0 < temperature < MIN_TEMPERATURE:
-        raise ApiError(400, f"'temperature' must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}",
-                       param="temperature")
-    return temperature
 
 
 def _top_k(body: dict) -> int:
