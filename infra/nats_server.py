@@ -15,7 +15,11 @@ from pathlib import Path
 
 from infra.credentials import LEAF_ROLE, Credentials, write_private
 from shared.errors import PddError
-from shared.nats_roles import ADMIN, ANY, ROLES, admin_permissions, permissions
+from shared.nats_roles import (ADMIN, ANY, ROLES, RolePermissions, admin_permissions, leafnode_permissions,
+                               permissions, spoke_denials)
+
+SPOKE_SITE = "site-b"
+"""The site whose server dials the other's leafnode port (its main decoders live there)."""
 
 
 class NatsStartError(PddError):
@@ -69,8 +73,8 @@ class NatsSite:
         if creds:
             lines += [f"tls {{ {_tls_block(creds)}, timeout: 5 }}", _authorization(creds, self.identities)]
             leaf_tls = f"tls {{ {_tls_block(creds)}, verify: true, timeout: 5 }}"
-            hub_lock = f", {leaf_tls}, {leaf_hub_authorization(creds)}"
-            remote_lock = f", {leaf_remote_nkey(creds)}, {leaf_tls}"
+            hub_lock = f", {leaf_tls}"  # the leafnode signs in as the `leafnode` user of _authorization
+            remote_lock = f", {leaf_remote(creds)}, {leaf_tls}"
             url = url and url.replace("nats-leaf://", "tls://")
         if self.leaf_listen_port:
             lines.append(f"leafnodes {{ listen: 127.0.0.1:{self.leaf_listen_port}{hub_lock} }}")
@@ -85,36 +89,41 @@ def _tls_block(creds: Credentials) -> str:
             "handshake_first: true")
 
 
-def leaf_hub_authorization(creds: Credentials) -> str:
-    """The hub's ``leafnodes.authorization``: only site B's server, by its nkey."""
-    return f'authorization {{ nkey: "{creds.public_key(LEAF_ROLE)}", timeout: 5 }}'
-
-
-def leaf_remote_nkey(creds: Credentials) -> str:
-    """The spoke's remote entry: the seed it signs the hub's challenge with."""
-    return f'nkey: "{creds.seed_file(LEAF_ROLE).read_text().strip()}"'
+def leaf_remote(creds: Credentials) -> str:
+    """The spoke's remote entry: the seed it signs the hub's challenge with, and what the
+    spoke itself refuses to send or take over the leafnode (``nats_roles.spoke_denials``)."""
+    denied = spoke_denials(SPOKE_SITE)
+    return (f'nkey: "{creds.seed_file(LEAF_ROLE).read_text().strip()}", '
+            f"deny_exports: {_quoted(denied.publish)}, deny_imports: {_quoted(denied.subscribe)}")
 
 
 def write_config_includes(creds: Credentials):
     """Files a static server configuration (docker-compose, Kubernetes) includes from the
-    mounted secrets: the role users, the hub's leafnode authorization, the spoke's seed."""
+    mounted secrets: the users (services by role, the leafnode, admin), the spoke's remote."""
     for name, text in (("nats-users.conf", _authorization(creds)),
-                       ("nats-leaf-hub.conf", leaf_hub_authorization(creds)),
-                       ("nats-leaf-remote.conf", leaf_remote_nkey(creds))):
+                       ("nats-leaf-remote.conf", leaf_remote(creds))):
         write_private(creds.folder / name, (text + "\n").encode())
 
 
 def _authorization(creds: Credentials, identities: tuple[tuple[str, str], ...] = ()) -> str:
-    """One user per instance of ``identities`` (its own nkey and subjects), or one per role; and
-    the deployment step's ``admin``, the only one that may administer JetStream."""
-    users = []
-    for role, instance_id in (*(identities or ((role, ANY) for role in ROLES)), (ADMIN, ADMIN)):
-        allowed = admin_permissions() if role == ADMIN else permissions(role, instance_id)
-        key = creds.public_key(role if instance_id == ANY else instance_id)
-        users.append(f'{{ nkey: "{key}", permissions: {{ '
-                     f"publish: {{ allow: {_quoted(allowed.publish)} }}, "
-                     f"subscribe: {{ allow: {_quoted(allowed.subscribe)} }}, allow_responses: true }} }}")
+    """One user per instance of ``identities`` (its own nkey and subjects), or one per role;
+    the deployment step's ``admin``, the only one that may administer JetStream; and site B's
+    server, allowed in only as a leafnode and held to what must cross. Service users may
+    connect only as clients, so no service credential can join as a leafnode."""
+    main_decoders = tuple(i for role, i in identities if role == "main_decode") or (ANY,)
+    users = [_user(creds.public_key(role if instance_id == ANY else instance_id),
+                   permissions(role, instance_id), "STANDARD")
+             for role, instance_id in identities or ((role, ANY) for role in ROLES)]
+    users += [_user(creds.public_key(ADMIN), admin_permissions(), "STANDARD"),
+              _user(creds.public_key(LEAF_ROLE), leafnode_permissions(SPOKE_SITE, main_decoders), "LEAFNODE")]
     return "authorization { timeout: 5, users: [\n  " + ",\n  ".join(users) + "\n] }"
+
+
+def _user(public_key: str, allowed: RolePermissions, connection_type: str) -> str:
+    responses = ", allow_responses: true" if connection_type == "STANDARD" else ""
+    return (f'{{ nkey: "{public_key}", allowed_connection_types: ["{connection_type}"], permissions: {{ '
+            f"publish: {{ allow: {_quoted(allowed.publish)} }}, "
+            f"subscribe: {{ allow: {_quoted(allowed.subscribe)} }}{responses} }} }}")
 
 
 def _quoted(patterns: tuple[str, ...]) -> str:

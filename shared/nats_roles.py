@@ -97,6 +97,51 @@ def _role_subjects(role: str, me: str) -> tuple[list[str], list[str]]:
     return publish, subscribe
 
 
+LEAFNODE = "leafnode"
+"""Site B's server joining site A's: a user of its own, allowed only as a leafnode."""
+
+
+def leafnode_permissions(spoke_site: str, main_decode_ids: tuple[str, ...] = (ANY,)) -> RolePermissions:
+    """What the leafnode may carry, as the hub's permissions for its user (the spoke's view):
+    ``publish`` is what site B may send into site A, ``subscribe`` what site A sends to site B.
+
+    B to A: its main decoders' tokens, request events and heartbeats, and replies to site A's
+    requests (handoffs, resends, dumps, JetStream lookups of B's domain). A to B: cancels,
+    heartbeats, work addressed to those main decoders, the KV event stream's lookups and
+    consumers in B's domain. Nothing else crosses: no prompt (``StartPrefill``), no other
+    request's tokens, no JetStream administration, no dead letters. ``main_decode_ids``: the
+    site's instances (``*``: any, for replicas sharing one credential).
+    """
+    site_api = f"$JS.{subjects.check_token(spoke_site, 'site')}.API"
+    b_to_a = [subject for md in main_decode_ids
+              for subject in (subjects.tokens_by(md), subjects.request_events_by(md),
+                              subjects.load(spoke_site, "main_decode", md))]
+    b_to_a += [inbox_prefix(role, ANY) + ".>" for role in ("router", "relay_decode", "cache_index")]
+    a_to_b = [subjects.CANCEL_ALL, subjects.LOAD_ALL,
+              *(subjects.instance_work(ANY, "main_decode", md, ">") for md in main_decode_ids),
+              *_stream_lookup(KV_EVENT_STREAM, site_api), f"{site_api}.STREAM.NAMES",
+              f"{site_api}.CONSUMER.>",  # a leafnode takes interest in whole API branches
+              "$JS.FC.>", "$JS.ACK.>",
+              inbox_prefix("main_decode", ANY) + ".>", "$LDS.>"]
+    return RolePermissions(tuple(dict.fromkeys(b_to_a)), tuple(dict.fromkeys(a_to_b)))
+
+
+def spoke_denials(spoke_site: str) -> RolePermissions:
+    """The spoke's own limits on the leafnode (``deny_exports``, ``deny_imports``), so that
+    site B holds the line even against a compromised site A server: nothing administers B's
+    JetStream from A, no dead letter or KV event leaves B, no work of site A's services crosses."""
+    site_api = f"$JS.{subjects.check_token(spoke_site, 'site')}.API"
+    admin_verbs = ("STREAM.CREATE", "STREAM.UPDATE", "STREAM.DELETE", "STREAM.PURGE", "STREAM.MSG",
+                   "STREAM.SNAPSHOT", "STREAM.RESTORE", "STREAM.PEER", "STREAM.LEADER", "META", "ACCOUNT",
+                   "SERVER")
+    admin = ["$JS.API.>", *(f"{site_api}.{verb}.>" for verb in admin_verbs)]
+    exports = ["pdd.dlq.>", subjects.KV_EVENTS_ALL, "$JS.API.>", f"{subjects.PREFIX}.*.prefill.>",
+               f"{subjects.PREFIX}.*.router.>", f"{subjects.PREFIX}.*.cache_index.>", f"{subjects.PREFIX}.cancel.>"]
+    # A denied import also refuses the hub's interest in it: nothing site B must send goes here.
+    imports = [*admin, "pdd.dlq.>", f"{subjects.PREFIX}.*.prefill.>", f"{subjects.PREFIX}.*.router.>"]
+    return RolePermissions(tuple(exports), tuple(imports))
+
+
 def permissions(role: str, instance_id: str = ANY) -> RolePermissions:
     """The subjects instance ``instance_id`` of ``role`` may use (``*``: any instance of the
     role, for replicas that share one credential); ValueError for an unknown role."""

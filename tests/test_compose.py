@@ -98,7 +98,7 @@ def test_every_variable_is_a_known_valid_setting(name, secrets_dir):
 ENGINE_FILES = {"prefill", "relay-decode", "main-decode"}
 NATS_FILES = {"ca.pem", "tls.pem", "tls.key", "nats-users.conf"}
 MOUNTED_SECRETS = {
-    "nats-a": NATS_FILES | {"nats-leaf-hub.conf"},
+    "nats-a": NATS_FILES,
     "nats-b": NATS_FILES | {"nats-leaf-remote.conf"},  # the leafnode's seed, here only
     "wan-link": {"link-route.key", "control.key"},
     "streams-a": {"ca.pem", "admin.nk"}, "streams-b": {"ca.pem", "admin.nk"},  # admin: here only

@@ -99,7 +99,7 @@ def test_commands_and_settings_are_the_launchers(rendered, site):
 ENGINES = {"prefill", "relay-decode", "main-decode"}
 NATS_ITEMS = {"ca.pem", "tls.pem", "tls.key", "nats-users.conf"}
 POD_SECRETS = {
-    ("site-a", "StatefulSet", "nats-a"): NATS_ITEMS | {"nats-leaf-hub.conf"},
+    ("site-a", "StatefulSet", "nats-a"): NATS_ITEMS,
     ("site-b", "StatefulSet", "nats-b"): NATS_ITEMS | {"nats-leaf-remote.conf"},  # the leafnode's seed
     ("site-a", "Job", "streams"): {"ca.pem", "admin.nk"}, ("site-b", "Job", "streams"): {"ca.pem", "admin.nk"},
     ("site-b", "Deployment", "bulk-gateway"): {"link-route.key", "control.key"},

@@ -8,6 +8,7 @@ import asyncio
 import json
 import socket
 import ssl
+import subprocess
 import time
 
 import aiohttp
@@ -15,6 +16,7 @@ import nats
 import pytest
 
 from infra.credentials import ensure_credentials
+from infra.nats_server import free_port, leafnode_count, nats_server_binary
 from shared import nats_client, subjects
 from shared.tls import client_context
 from infra.wan_link import LinkProfile
@@ -284,3 +286,84 @@ async def test_no_service_identity_can_administer_jetstream(stack, instance_id, 
     finally:
         await admin.close()
     assert info.config.subjects == [subjects.dead_letters_of_site("site-a")] and not info.config.republish
+
+
+class RogueLeaf:
+    """A nats-server of our own that dials site A's leafnode port with a given nkey seed and
+    this deployment's certificate; its clients connect without credentials."""
+
+    def __init__(self, stack, seed: str, workdir):
+        creds = stack.credentials
+        self.client_port, self.monitor_port = free_port(), free_port()
+        self.log = workdir / "rogue.log"
+        config = workdir / "rogue.conf"
+        config.write_text(
+            f'server_name: "rogue-{self.client_port}"\nlisten: 127.0.0.1:{self.client_port}\n'
+            f"http: 127.0.0.1:{self.monitor_port}\n"
+            f'leafnodes {{ remotes: [ {{ url: "tls://127.0.0.1:{leaf_port(stack)}", nkey: "{seed}", '
+            f'tls {{ cert_file: "{creds.cert_file}", key_file: "{creds.key_file}", '
+            f'ca_file: "{creds.ca_file}", handshake_first: true }} }} ] }}\n')
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen([nats_server_binary(), "-c", str(config)], stdout=log,
+                                            stderr=subprocess.STDOUT)
+
+    def stop(self):
+        self.process.kill()
+        self.process.wait()
+
+
+async def test_a_service_credential_cannot_join_as_a_leafnode(stack, tmp_path):
+    """A main decoder's seed and the certificate its container holds: site A refuses it as a
+    leafnode (service users may connect only as clients)."""
+    rogue = RogueLeaf(stack, stack.credentials.seed_file("main-decode-0").read_text().strip(), tmp_path)
+    try:
+        await until(lambda: "authorization violation" in rogue.log.read_text().lower(), 15,
+                    "site A to refuse the leafnode")
+        assert leafnode_count(stack.sites["site-a"]) == 1  # site B's own, nothing more
+    finally:
+        rogue.stop()
+
+
+async def test_a_compromised_site_b_server_carries_only_what_must_cross(stack, tiny, tmp_path):
+    """The leafnode's own seed (what site B's server holds): the link works, but site A sends it
+    no prompt, no token stream and no request event, and takes from it nothing that speaks
+    for a site A instance; the victim's answer stays exact."""
+    content = "Recount the voyage of the grain ship. " * 12
+    request, rid, victim = await start_victim(stack, content)
+    rogue = RogueLeaf(stack, stack.credentials.seed_file("leafnode").read_text().strip(), tmp_path)
+    try:
+        await until(lambda: leafnode_count(stack.sites["site-a"]) == 2, 15, "the rogue leafnode to join")
+        nc = await nats.connect(f"nats://127.0.0.1:{rogue.client_port}", no_echo=True)  # only what A sends
+        seen: dict[str, list[str]] = {"leak": [], "allowed": []}
+
+        async def leak(msg):
+            seen["leak"].append(msg.subject)
+
+        async def allowed(msg):
+            seen["allowed"].append(msg.subject)
+
+        for subject in ("pdd.tokens.>", "pdd.req.>", "pdd.*.prefill.>", "pdd.*.relay_decode.>", "pdd.dlq.>",
+                        "$JS.API.>", "_INBOX.router.>"):
+            await nc.subscribe(subject, cb=leak)
+        await nc.subscribe(subjects.LOAD_ALL, cb=allowed)
+        await nc.flush()
+        for subject, message in [  # site A instances' subjects: the hub drops them
+            (subjects.tokens(rid, "relay-decode-0"), TokensEmitted(
+                request_id=rid, start_index=0, token_ids=[3] * 80, producer="RLD", instance_id="relay-decode-0")),
+            (subjects.request_events(rid, "relay-decode-0"), RequestFailed(
+                request_id=rid, instance_id="relay-decode-0", code="forged", message="forged")),
+            (subjects.shared_work("site-a", "prefill", subjects.START_PREFILL), StartPrefill(
+                request_id=rid + "x", token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=2), seed=1,
+                pipeline="P-MD", main_decode=InstanceRef(instance_id=victim, site="site-b"),
+                deadline_unix_s=time.time() + 60)),
+            (subjects.load("site-a", "router", "router-0"), LoadReported(
+                instance=InstanceRef(instance_id="router-0", site="site-a"), service="router", unix_s=time.time())),
+        ]:
+            await nc.publish(subject, encode(message))
+        await nc.flush()
+        await until(lambda: any(".site-a." in s for s in seen["allowed"]), 10, "site A's heartbeats over the rogue link")
+        await assert_exact(request, tiny, content)
+        await nc.close()
+        assert seen["leak"] == []
+    finally:
+        rogue.stop()
