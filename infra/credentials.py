@@ -1,4 +1,4 @@
-"""A deployment's secrets: a CA, TLS certificates, NATS nkeys (one per instance, and one per
+"""A deployment's secrets: a CA, a TLS certificate per server and bulk peer, NATS nkeys (one per instance, and one per
 role for replicas that share a credential), the bulk secret, the WAN link's keys.
 
 ``pdd up`` (and the in-process stack) write them into ``<run dir>/secrets`` (folder 0700,
@@ -26,9 +26,16 @@ from shared.nats_roles import ADMIN, ROLES
 
 LEAF_ROLE = "leafnode"
 """The identity site B's server uses to join site A's (not a service role)."""
-SERVICE_NAMES = ("localhost", "nats-a", "nats-b", "prefill", "relay-decode", "main-decode", "router",
-                 "wan-link", "cache-index")
-"""DNS names on the certificates (compose and Kubernetes service names), beside 127.0.0.1."""
+TLS_PEERS = {"nats-a": ("nats-a", "wan-link"), "nats-b": ("nats-b",), "prefill": ("prefill",),
+             "relay-decode": ("relay-decode",), "main-decode": ("main-decode",)}
+"""Who holds a certificate of its own, and the names on it (compose and Kubernetes service
+names, beside localhost and 127.0.0.1): each NATS server, and each bulk channel peer (a
+receiver is dialled by its service name, whatever address reaches it). ``wan-link`` is how
+site B's server reaches site A's; no other certificate carries it."""
+PEER_OF_ROLE = {"prefill": "prefill", "relay_decode": "relay-decode", "main_decode": "main-decode"}
+"""The certificate an engine role serves and dials the bulk channel with."""
+PEER_OF_SITE = {"site-a": "nats-a", "site-b": "nats-b"}
+"""The certificate a site's NATS server presents."""
 VALID_DAYS = 365
 
 
@@ -39,8 +46,6 @@ class Credentials:
     Attributes:
         folder: The secrets folder.
         ca_file: CA certificate (PEM) every peer trusts.
-        cert_file: Certificate (PEM) of servers and clients of this deployment, signed by the CA.
-        key_file: Its private key.
         bulk_secret_file: Key of the bulk channel's flow MACs.
         link_route_key_file: Key the WAN link checks connections' routes with.
         control_key_file: Bearer key of the WAN link's control API (``/link``).
@@ -52,13 +57,13 @@ class Credentials:
     def ca_file(self) -> Path:
         return self.folder / "ca.pem"
 
-    @property
-    def cert_file(self) -> Path:
-        return self.folder / "tls.pem"
+    def cert_file(self, peer: str) -> Path:
+        """The certificate (PEM, signed by the CA) of ``peer``, a key of ``TLS_PEERS``."""
+        return self.folder / f"{_peer(peer)}.pem"
 
-    @property
-    def key_file(self) -> Path:
-        return self.folder / "tls.key"
+    def key_file(self, peer: str) -> Path:
+        """The private key of ``cert_file(peer)``."""
+        return self.folder / f"{_peer(peer)}.key"
 
     @property
     def bulk_secret_file(self) -> Path:
@@ -111,9 +116,16 @@ def ensure_credentials(folder: Path, extra_names: tuple[str, ...] = (), instance
                       (creds.bulk_verify_key_file, verify_key(bulk_secret).encode())):
         if not path.is_file() or path.read_bytes() != key:
             write_private(path, key)
-    if not (creds.ca_file.is_file() and creds.cert_file.is_file() and creds.key_file.is_file()):
-        _write_certificates(creds, extra_names)
+    certificates = [creds.ca_file, *(f(peer) for peer in TLS_PEERS for f in (creds.cert_file, creds.key_file))]
+    if not all(path.is_file() for path in certificates):
+        _write_certificates(creds, extra_names)  # all at once: the CA's key is not kept
     return creds
+
+
+def _peer(peer: str) -> str:
+    if peer not in TLS_PEERS:
+        raise ValueError(f"no certificate for {peer!r}; peers are {', '.join(TLS_PEERS)}")
+    return peer
 
 
 def give_to(folder: Path, uid: int, gid: int):
@@ -149,21 +161,23 @@ def _write_certificates(creds: Credentials, extra_names: tuple[str, ...] = ()):
                                        data_encipherment=False, key_agreement=False,
                                        encipher_only=False, decipher_only=False), critical=True)
           .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    names = [x509.DNSName(n) for n in dict.fromkeys((*SERVICE_NAMES, *extra_names))] + [
-        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pdd")]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                  ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-            .sign(ca_key, hashes.SHA256()))
     pem = serialization.Encoding.PEM
-    write_private(creds.key_file, key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                                     serialization.NoEncryption()))
+    for peer, own_names in TLS_PEERS.items():
+        key = ec.generate_private_key(ec.SECP256R1())
+        dialled_across = extra_names if peer in PEER_OF_SITE.values() else ()
+        names = [x509.DNSName(n) for n in dict.fromkeys((*own_names, "localhost", *dialled_across))] + [
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, peer)]))
+                .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+                .add_extension(x509.SubjectAlternativeName(names), critical=False)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        write_private(creds.key_file(peer), key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                                              serialization.NoEncryption()))
+        write_private(creds.cert_file(peer), cert.public_bytes(pem))
     write_private(creds.ca_file, ca.public_bytes(pem))
-    write_private(creds.cert_file, cert.public_bytes(pem))
     # The CA's key is not kept: nothing signs after start-up, and a stolen key could mint peers.

@@ -184,8 +184,9 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
     if getattr(args, "served_model_name", None):
         env["PDD_SERVED_MODEL_NAME"] = args.served_model_name
     if locked:
-        env.update(PDD_TLS_CA_FILE=str(creds.ca_file), PDD_TLS_CERT_FILE=str(creds.cert_file),
-                   PDD_TLS_KEY_FILE=str(creds.key_file))
+        env["PDD_TLS_CA_FILE"] = str(creds.ca_file)
+        for kind, peer in (("prefill", "prefill"), ("relay-decode", "relay-decode"), ("main-decode", "main-decode")):
+            bulk_keys[kind].update(PDD_TLS_CERT_FILE=str(creds.cert_file(peer)), PDD_TLS_KEY_FILE=str(creds.key_file(peer)))
     site_env = {SITE_A: {"PDD_SITE": SITE_A, "PDD_NATS_URL": site_a.url},
                 SITE_B: {"PDD_SITE": SITE_B, "PDD_NATS_URL": site_b.url}}
 

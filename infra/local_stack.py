@@ -12,7 +12,7 @@ from pathlib import Path
 
 import nats
 
-from infra.credentials import Credentials, ensure_credentials
+from infra.credentials import PEER_OF_ROLE, Credentials, ensure_credentials
 from infra.nats_server import (
     NatsSite,
     free_port,
@@ -137,8 +137,11 @@ class LocalStack:
         if self.credentials is None:
             return {}
         creds = self.credentials
-        return {"nats_seed_file": str(creds.seed_file(instance_id)), "tls_ca_file": str(creds.ca_file),
-                "tls_cert_file": str(creds.cert_file), "tls_key_file": str(creds.key_file)}
+        settings = {"nats_seed_file": str(creds.seed_file(instance_id)), "tls_ca_file": str(creds.ca_file)}
+        peer = PEER_OF_ROLE.get({i: r for r, i in self.identities}.get(instance_id, ""))
+        if peer:  # an engine: its own certificate for the bulk channel
+            settings.update(tls_cert_file=str(creds.cert_file(peer)), tls_key_file=str(creds.key_file(peer)))
+        return settings
 
     async def connect(self, site: str, instance_id: str) -> nats.NATS:
         """A NATS client at ``site`` holding instance ``instance_id``'s credentials, or with

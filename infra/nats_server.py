@@ -13,7 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.credentials import LEAF_ROLE, Credentials, write_private
+from infra.credentials import LEAF_ROLE, PEER_OF_SITE, Credentials, write_private
 from shared.errors import PddError
 from shared.nats_roles import (ADMIN, ANY, ROLES, RolePermissions, admin_permissions, leafnode_permissions,
                                permissions, spoke_denials)
@@ -71,8 +71,9 @@ class NatsSite:
         ]
         creds, hub_lock, remote_lock, url = self.credentials, "", "", self.leaf_remote_url
         if creds:
-            lines += [f"tls {{ {_tls_block(creds)}, timeout: 5 }}", _authorization(creds, self.identities)]
-            leaf_tls = f"tls {{ {_tls_block(creds)}, verify: true, timeout: 5 }}"
+            tls = _tls_block(creds, PEER_OF_SITE[self.site])
+            lines += [f"tls {{ {tls}, timeout: 5 }}", _authorization(creds, self.identities)]
+            leaf_tls = f"tls {{ {tls}, verify: true, timeout: 5 }}"
             hub_lock = f", {leaf_tls}"  # the leafnode signs in as the `leafnode` user of _authorization
             remote_lock = f", {leaf_remote(creds)}, {leaf_tls}"
             url = url and url.replace("nats-leaf://", "tls://")
@@ -83,10 +84,10 @@ class NatsSite:
         return "\n".join(lines) + "\n"
 
 
-def _tls_block(creds: Credentials) -> str:
+def _tls_block(creds: Credentials, peer: str) -> str:
     # TLS before the INFO line: a plaintext client fails the handshake instead of reading INFO.
-    return (f'cert_file: "{creds.cert_file}", key_file: "{creds.key_file}", ca_file: "{creds.ca_file}", '
-            "handshake_first: true")
+    return (f'cert_file: "{creds.cert_file(peer)}", key_file: "{creds.key_file(peer)}", '
+            f'ca_file: "{creds.ca_file}", handshake_first: true')
 
 
 def leaf_remote(creds: Credentials) -> str:

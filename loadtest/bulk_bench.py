@@ -62,7 +62,8 @@ async def _one_flow(loaded, prompt, frames, total_bytes: int, tls: bool, rate_bp
     handler = _Discard()
     receiver = BulkReceiver(handler, HfEngine(loaded, num_blocks=4).frame_expectation, verify_key(SECRET), path="wan",
                             frame_timeout_s=30, receiver_id="bench", tls=server_context(
-                                str(creds.ca_file), str(creds.cert_file), str(creds.key_file)) if tls else None)
+                                str(creds.ca_file), str(creds.cert_file("main-decode")),
+                                str(creds.key_file("main-decode"))) if tls else None)
     host, port = await receiver.start()
     link = None
     if rate_bps:
@@ -72,7 +73,8 @@ async def _one_flow(loaded, prompt, frames, total_bytes: int, tls: bool, rate_bp
         flow_open = FlowOpen(request_id="bench", role="main_decode", token_ids=prompt,
                              sampling=SamplingParams(max_tokens=1), seed=0, sender_id="bench",
                              receiver_id="bench", unix_s=0.0, nonce="")
-        context = client_context(str(creds.ca_file), str(creds.cert_file), str(creds.key_file)) if tls else None
+        context = client_context(str(creds.ca_file), str(creds.cert_file("prefill")),
+                                 str(creds.key_file("prefill"))) if tls else None
         started = time.perf_counter()
         flow = await open_flow(f"127.0.0.1:{port}", flow_open, SECRET, path="wan", timeout_s=30, tls=context)
         sent = 0

@@ -30,14 +30,34 @@ async def start_receiver(tiny, creds, receiver_id="main-decode-0", incarnation="
     engine = HfEngine(tiny, num_blocks=32)
     receiver = BulkReceiver(RecordingHandler(engine), engine.frame_expectation, verify_key(SECRET), path="wan",
                             frame_timeout_s=5, receiver_id=receiver_id, incarnation=incarnation,
-                            tls=server_context(str(creds.ca_file), str(creds.cert_file), str(creds.key_file))
-                            if tls else None)
+                            tls=server_context(*peer_files(creds, "main-decode")) if tls else None)
     host, port = await receiver.start()
     return receiver, f"{host}:{port}"
 
 
+def peer_files(creds, peer: str) -> tuple[str, str, str]:
+    """(CA, certificate, key) of one TLS peer of the deployment."""
+    return str(creds.ca_file), str(creds.cert_file(peer)), str(creds.key_file(peer))
+
+
 def ours(creds) -> ssl.SSLContext:
-    return client_context(str(creds.ca_file), str(creds.cert_file), str(creds.key_file))
+    return client_context(*peer_files(creds, "prefill"))
+
+
+@pytest.mark.parametrize("posing_as", ["nats-a", "nats-b", "relay-decode", "wan-link"])
+async def test_a_main_decoders_certificate_cannot_pose_as_another_server(creds, posing_as):
+    """Each server has its own certificate for its own name: the one a main decoder's
+    container holds is refused by a peer that dials anyone else."""
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0,
+                                        ssl=server_context(*peer_files(creds, "main-decode")))
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await asyncio.open_connection("127.0.0.1", port, ssl=ours(creds), server_hostname=posing_as)
+        _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=ours(creds), server_hostname="main-decode")
+        writer.close()
+    finally:
+        server.close()
 
 
 def bound(request_id, prompt, receiver_id="main-decode-0", incarnation="inc-1"):
@@ -68,10 +88,10 @@ async def test_plaintext_and_foreign_certificates_fail_the_handshake(tiny, creds
         foreign = ensure_credentials(tmp_path / "other")
         with pytest.raises((ssl.SSLError, ConnectionError, FlowRefused)):
             await open_flow(endpoint, bound("r", [1, 2, 3]), SECRET, path="wan", timeout_s=5,
-                            tls=client_context(str(creds.ca_file), str(foreign.cert_file), str(foreign.key_file)))
+                            tls=client_context(str(creds.ca_file), *peer_files(foreign, "prefill")[1:]))
         with pytest.raises((ssl.SSLError, ConnectionError)):  # a receiver we do not trust
             await open_flow(endpoint, bound("r", [1, 2, 3]), SECRET, path="wan", timeout_s=5,
-                            tls=client_context(str(foreign.ca_file), str(foreign.cert_file), str(foreign.key_file)))
+                            tls=client_context(*peer_files(foreign, "prefill")))
     finally:
         await receiver.stop()
 
@@ -160,7 +180,7 @@ async def test_a_sender_gone_while_its_flow_waited_leaves_no_reservation(tiny, c
     handler = SlowToAccept(engine)
     receiver = BulkReceiver(handler, engine.frame_expectation, verify_key(SECRET), path="wan", frame_timeout_s=60,
                             receiver_id="main-decode-0", incarnation="inc-1",
-                            tls=server_context(str(creds.ca_file), str(creds.cert_file), str(creds.key_file)))
+                            tls=server_context(*peer_files(creds, "main-decode")))
     host, port = await receiver.start()
     try:
         reader, writer = await raw_tls(f"{host}:{port}", creds)

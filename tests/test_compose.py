@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from infra.credentials import TLS_PEERS
 from infra.launcher import SERVICE_OF, TOPOLOGY
 from infra.nats_server import nats_server_binary
 from infra.serve import SERVICE_CONFIGS
@@ -41,8 +42,11 @@ def resolved_env(spec, secrets_dir: Path | None = None) -> dict[str, str]:
     """Compose ``${VAR:-default}`` substitution with nothing set: the default; the mounted
     secrets folder read from ``secrets_dir`` when given."""
     env = {k: re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(v)) for k, v in (spec.get("environment") or {}).items()}
-    if secrets_dir is not None:
-        env = {k: v.replace(SECRETS_MOUNT, str(secrets_dir)) for k, v in env.items()}
+    if secrets_dir is not None:  # a path in the container: the file of the folder mounted there
+        mounted = {target: source.rsplit("/", 1)[1] for source, target, _ in
+                   (v.rsplit(":", 2) for v in spec.get("volumes", []) if v.startswith("${PDD_SECRETS_DIR"))}
+        env = {k: str(secrets_dir / mounted[v]) if v in mounted else v.replace(SECRETS_MOUNT, str(secrets_dir))
+               for k, v in env.items()}
     return env
 
 
@@ -96,16 +100,16 @@ def test_every_variable_is_a_known_valid_setting(name, secrets_dir):
 
 
 ENGINE_FILES = {"prefill", "relay-decode", "main-decode"}
-NATS_FILES = {"ca.pem", "tls.pem", "tls.key", "nats-users.conf"}
-MOUNTED_SECRETS = {
-    "nats-a": NATS_FILES,
-    "nats-b": NATS_FILES | {"nats-leaf-remote.conf"},  # the leafnode's seed, here only
+NATS_FILES = {"ca.pem", "nats-users.conf"}
+MOUNTED_SECRETS = {  # each TLS peer its own certificate, for its own name
+    "nats-a": NATS_FILES | {"nats-a.pem", "nats-a.key"},
+    "nats-b": NATS_FILES | {"nats-b.pem", "nats-b.key", "nats-leaf-remote.conf"},  # the leafnode's seed, here only
     "wan-link": {"link-route.key", "control.key"},
     "streams-a": {"ca.pem", "admin.nk"}, "streams-b": {"ca.pem", "admin.nk"},  # admin: here only
     "cache-index": {"ca.pem", "cache_index.nk"},
     "router": {"ca.pem", "router.nk"},
-    "prefill": {"ca.pem", "tls.pem", "tls.key", "bulk.secret", "prefill.nk"},  # signs FlowOpens
-    **{name: {"ca.pem", "tls.pem", "tls.key", "bulk-verify.pub", f"{SERVICE_OF[name]}.nk"}
+    "prefill": {"ca.pem", "prefill.pem", "prefill.key", "bulk.secret", "prefill.nk"},  # signs FlowOpens
+    **{name: {"ca.pem", f"{name}.pem", f"{name}.key", "bulk-verify.pub", f"{SERVICE_OF[name]}.nk"}
        for name in ("relay-decode", "main-decode")},  # check them, cannot sign one
 }
 """What each container holds of the secrets folder: its own nkey and nothing of anyone else's."""
@@ -125,7 +129,10 @@ def test_each_container_mounts_only_its_own_secrets_and_compose_refuses_to_start
             source, target, mode = mount.rsplit(":", 2)
             assert source.startswith(prefix) and mode == "ro", (name, mount)
             file = source[len(prefix):]
-            assert "/" not in file and target.endswith("/" + file), (name, mount)
+            stem, extension = file.rsplit(".", 1)
+            own_certificate = stem in TLS_PEERS and extension in ("pem", "key")  # mounted as tls.pem, tls.key
+            assert "/" not in file and target.endswith("/" + ("tls." + file.rsplit(".", 1)[1] if own_certificate
+                                                                 else file)), (name, mount)
             files.add(file)
         assert files == MOUNTED_SECRETS[name], name
 
@@ -135,9 +142,14 @@ def test_nats_configs_are_valid_and_joined_through_the_wan_link(tmp_path, secret
     for site in ("site-a", "site-b"):
         text = (ROOT / "infra" / "nats" / f"{site}.conf").read_text()
         # The same file beside the secrets, as the container mounts them (includes are relative).
-        (tmp_path / "secrets").is_symlink() or (tmp_path / "secrets").symlink_to(secrets_dir)
-        conf = tmp_path / f"{site}.conf"
-        conf.write_text(text.replace("/etc/nats/secrets", str(tmp_path / "secrets")))
+        mounted = tmp_path / site / "secrets"
+        mounted.mkdir(parents=True)
+        for volume in SERVICES[f"nats-{site[-1]}"]["volumes"]:
+            source, target = volume.split(":")[-3:-1] if volume.endswith(":ro") else volume.split(":")[-2:]
+            if target.startswith("/etc/nats/secrets/"):
+                (mounted / target.rsplit("/", 1)[1]).symlink_to(secrets_dir / source.rsplit("/", 1)[1])
+        conf = tmp_path / site / "site.conf"
+        conf.write_text(text.replace("/etc/nats/secrets", str(mounted)))
         check = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
         assert f'domain: "{site}"' in text and "handshake_first: true" in text

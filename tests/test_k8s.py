@@ -97,16 +97,16 @@ def test_commands_and_settings_are_the_launchers(rendered, site):
 
 
 ENGINES = {"prefill", "relay-decode", "main-decode"}
-NATS_ITEMS = {"ca.pem", "tls.pem", "tls.key", "nats-users.conf"}
-POD_SECRETS = {
-    ("site-a", "StatefulSet", "nats-a"): NATS_ITEMS,
-    ("site-b", "StatefulSet", "nats-b"): NATS_ITEMS | {"nats-leaf-remote.conf"},  # the leafnode's seed
+NATS_ITEMS = {"ca.pem", "nats-users.conf"}
+POD_SECRETS = {  # each TLS peer its own certificate, for its own name
+    ("site-a", "StatefulSet", "nats-a"): NATS_ITEMS | {"nats-a.pem", "nats-a.key"},
+    ("site-b", "StatefulSet", "nats-b"): NATS_ITEMS | {"nats-b.pem", "nats-b.key", "nats-leaf-remote.conf"},
     ("site-a", "Job", "streams"): {"ca.pem", "admin.nk"}, ("site-b", "Job", "streams"): {"ca.pem", "admin.nk"},
     ("site-b", "Deployment", "bulk-gateway"): {"link-route.key", "control.key"},
     ("site-a", "Deployment", "router"): {"ca.pem", "router.nk"},
     ("site-a", "Deployment", "cache-index"): {"ca.pem", "cache_index.nk"},
-    ("site-a", "Deployment", "prefill"): {"ca.pem", "tls.pem", "tls.key", "bulk.secret", "prefill.nk"},
-    **{(site, "Deployment", name): {"ca.pem", "tls.pem", "tls.key", "bulk-verify.pub", f"{SERVICE_OF[name]}.nk"}
+    ("site-a", "Deployment", "prefill"): {"ca.pem", "prefill.pem", "prefill.key", "bulk.secret", "prefill.nk"},
+    **{(site, "Deployment", name): {"ca.pem", f"{name}.pem", f"{name}.key", "bulk-verify.pub", f"{SERVICE_OF[name]}.nk"}
        for site, name in (("site-a", "relay-decode"), ("site-b", "main-decode"))},
 }
 """The items of the one Secret each pod mounts: its own credential, and nobody else's."""
@@ -156,7 +156,7 @@ def test_main_decode_scales_behind_the_bulk_gateway(rendered):
 @pytest.mark.parametrize("site", ["site-a", "site-b"])
 def test_probes_resources_secrets_and_jetstream_volumes(rendered, site):
     secret = next(iter(objects(rendered, site, "Secret").values()))
-    assert {"ca.pem", "tls.pem", "tls.key", "bulk.secret", "nats-users.conf"} <= set(secret["data"])
+    assert {"ca.pem", "nats-a.pem", "main-decode.key", "bulk.secret", "nats-users.conf"} <= set(secret["data"])
     for name, deployment in objects(rendered, site, "Deployment").items():
         pod = deployment["spec"]["template"]["spec"]
         container = pod["containers"][0]
@@ -180,7 +180,11 @@ def test_nats_config_is_the_compose_one_and_valid(rendered, site, tmp_path):
                '    url: "tls://nats-a.site-a.example.com:7422"'}
     assert {line for line in differing if not line.startswith("#")} <= allowed
     config_map = next(c for c in objects(rendered, site, "ConfigMap").values() if "site.conf" in c["data"])
-    (tmp_path / "secrets").symlink_to(rendered["secrets_dir"])
+    server = objects(rendered, site, "StatefulSet")[f"nats-{site[-1]}"]["spec"]["template"]["spec"]
+    items = next(v for v in server["volumes"] if "secret" in v)["secret"]["items"]
+    (tmp_path / "secrets").mkdir()
+    for item in items:  # the pod's view of the Secret: each item at its path
+        (tmp_path / "secrets" / item["path"]).symlink_to(Path(rendered["secrets_dir"]) / item["key"])
     conf = tmp_path / "site.conf"
     conf.write_text(config_map["data"]["site.conf"].replace("/etc/nats/secrets", str(tmp_path / "secrets")))
     check = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], capture_output=True, text=True)

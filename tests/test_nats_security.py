@@ -103,7 +103,7 @@ async def test_the_leafnode_port_takes_neither_plaintext_nor_a_foreign_certifica
             answer = b""
     assert b"INFO" not in answer and b"PONG" not in answer  # no NATS protocol before TLS
     foreign = ensure_credentials(tmp_path / "other")
-    context = client_context(str(stack.credentials.ca_file), str(foreign.cert_file), str(foreign.key_file))
+    context = client_context(str(stack.credentials.ca_file), str(foreign.cert_file("nats-b")), str(foreign.key_file("nats-b")))
     context.check_hostname = False
     with pytest.raises((ssl.SSLError, ConnectionResetError, BrokenPipeError, OSError)):
         with socket.create_connection(("127.0.0.1", leaf_port(stack)), timeout=5) as raw:
@@ -290,9 +290,9 @@ async def test_no_service_identity_can_administer_jetstream(stack, instance_id, 
 
 class RogueLeaf:
     """A nats-server of our own that dials site A's leafnode port with a given nkey seed and
-    this deployment's certificate; its clients connect without credentials."""
+    the certificate of ``peer``; its clients connect without credentials."""
 
-    def __init__(self, stack, seed: str, workdir):
+    def __init__(self, stack, seed: str, peer: str, workdir):
         creds = stack.credentials
         self.client_port, self.monitor_port = free_port(), free_port()
         self.log = workdir / "rogue.log"
@@ -301,7 +301,7 @@ class RogueLeaf:
             f'server_name: "rogue-{self.client_port}"\nlisten: 127.0.0.1:{self.client_port}\n'
             f"http: 127.0.0.1:{self.monitor_port}\n"
             f'leafnodes {{ remotes: [ {{ url: "tls://127.0.0.1:{leaf_port(stack)}", nkey: "{seed}", '
-            f'tls {{ cert_file: "{creds.cert_file}", key_file: "{creds.key_file}", '
+            f'tls {{ cert_file: "{creds.cert_file(peer)}", key_file: "{creds.key_file(peer)}", '
             f'ca_file: "{creds.ca_file}", handshake_first: true }} }} ] }}\n')
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen([nats_server_binary(), "-c", str(config)], stdout=log,
@@ -315,7 +315,7 @@ class RogueLeaf:
 async def test_a_service_credential_cannot_join_as_a_leafnode(stack, tmp_path):
     """A main decoder's seed and the certificate its container holds: site A refuses it as a
     leafnode (service users may connect only as clients)."""
-    rogue = RogueLeaf(stack, stack.credentials.seed_file("main-decode-0").read_text().strip(), tmp_path)
+    rogue = RogueLeaf(stack, stack.credentials.seed_file("main-decode-0").read_text().strip(), "main-decode", tmp_path)
     try:
         await until(lambda: "authorization violation" in rogue.log.read_text().lower(), 15,
                     "site A to refuse the leafnode")
@@ -330,7 +330,7 @@ async def test_a_compromised_site_b_server_carries_only_what_must_cross(stack, t
     for a site A instance; the victim's answer stays exact."""
     content = "Recount the voyage of the grain ship. " * 12
     request, rid, victim = await start_victim(stack, content)
-    rogue = RogueLeaf(stack, stack.credentials.seed_file("leafnode").read_text().strip(), tmp_path)
+    rogue = RogueLeaf(stack, stack.credentials.seed_file("leafnode").read_text().strip(), "nats-b", tmp_path)
     try:
         await until(lambda: leafnode_count(stack.sites["site-a"]) == 2, 15, "the rogue leafnode to join")
         nc = await nats.connect(f"nats://127.0.0.1:{rogue.client_port}", no_echo=True)  # only what A sends

@@ -32,7 +32,7 @@ def creds(tmp_path):
 @pytest.fixture
 async def two_receivers_behind_one_port(tiny, creds):
     """Two TLS receivers ("main-decode-0/1") and a link with one routed port to both."""
-    tls = server_context(str(creds.ca_file), str(creds.cert_file), str(creds.key_file))
+    tls = server_context(str(creds.ca_file), str(creds.cert_file("main-decode")), str(creds.key_file("main-decode")))
     receivers, handlers, endpoints = [], [], []
     for i in range(2):
         engine = HfEngine(tiny, num_blocks=32)
@@ -57,7 +57,7 @@ def flow_open_for(request_id: str, prompt: list[int], receiver_id: str) -> FlowO
 async def test_each_flow_reaches_the_receiver_it_names_with_tls_end_to_end(two_receivers_behind_one_port,
                                                                          tiny, creds):
     link, link_address, handlers, endpoints = two_receivers_behind_one_port
-    client_tls = client_context(str(creds.ca_file), str(creds.cert_file), str(creds.key_file))
+    client_tls = client_context(str(creds.ca_file), str(creds.cert_file("prefill")), str(creds.key_file("prefill")))
     sender = HfEngine(tiny, num_blocks=64)
     prompt = prompt_of_length(tiny, 40)
     for i, endpoint in enumerate(endpoints):

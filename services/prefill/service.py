@@ -50,6 +50,9 @@ EXPORT_QUEUE_WAIT_S = 1.0
 (they are queued within a few event-loop turns; this only bounds a stuck one)."""
 _tracer = tracer("pdd.prefill")
 
+RECEIVER_TLS_NAME = {"relay_decode": "relay-decode", "main_decode": "main-decode"}
+"""The name a receiver's certificate must carry, by its role (whatever address reaches it)."""
+
 
 class PrefillService(EngineService):
     """The prefill actor."""
@@ -295,6 +298,7 @@ class PrefillService(EngineService):
                                    path=path, timeout_s=self.config.connect_timeout_s,
                                    accept_timeout_s=self.config.accept_timeout_s,
                                    tls=self._bulk_tls if path == "wan" or self.config.bulk_tls_local else None,
+                                   tls_name=RECEIVER_TLS_NAME[role],
                                    link=target.bulk_link if target.site != self.config.site else "")
 
     async def _send(self, flow: BulkFlow, span, frames: list, end_tokens: tuple[list, list]) -> int:

@@ -72,14 +72,15 @@ class BulkFlow:
 
 async def open_flow(endpoint: str, flow_open: FlowOpen, secret: str, *, path: str,
                     timeout_s: float, accept_timeout_s: float | None = None,
-                    tls: ssl.SSLContext | None = None, link: str = "") -> BulkFlow:
+                    tls: ssl.SSLContext | None = None, tls_name: str = "", link: str = "") -> BulkFlow:
     """Connect to ``endpoint`` (``host:port``), authenticate and wait for FlowAccepted.
 
     ``timeout_s`` bounds the connection; ``accept_timeout_s`` (default the same) bounds the
     wait for the answer, which a receiver may delay while blocks this prompt needs are still
     arriving on another flow. ``BulkFlow.handshake_s`` excludes that delay: one round trip.
-    With ``tls`` the connection is mutual TLS (the receiver must present the deployment's
-    certificate, and we present ours). With ``link`` (the WAN link's routed port) the
+    With ``tls`` the connection is mutual TLS: the receiver must present a certificate of the
+    deployment's CA for ``tls_name`` (its service name, e.g. ``main-decode``; default the host
+    dialled), and we present ours. With ``link`` (the WAN link's routed port) the
     connection goes there and opens with a signed ``LinkRoute`` naming ``endpoint``; it costs
     no round trip, and TLS then runs end to end through the link.
 
@@ -90,7 +91,7 @@ async def open_flow(endpoint: str, flow_open: FlowOpen, secret: str, *, path: st
             FlowOpen then fails).
     """
     signed = sign(_stamp_fresh(flow_open), secret)
-    reader, writer = await asyncio.wait_for(_connect(endpoint, secret, tls, link), timeout_s)
+    reader, writer = await asyncio.wait_for(_connect(endpoint, secret, tls, tls_name, link), timeout_s)
     started = time.monotonic()
     try:
         await write_control(writer, signed)
@@ -108,19 +109,18 @@ async def open_flow(endpoint: str, flow_open: FlowOpen, secret: str, *, path: st
     raise FlowRefused(f"{endpoint} closed the flow without answering")
 
 
-async def _connect(endpoint: str, secret: str, tls: ssl.SSLContext | None, link: str):
+async def _connect(endpoint: str, secret: str, tls: ssl.SSLContext | None, tls_name: str, link: str):
     if not link:
         host, _, port = endpoint.rpartition(":")
         return await asyncio.open_connection(host, int(port), limit=1 << 20, ssl=tls,
-                                             server_hostname=host if tls else None)
+                                             server_hostname=(tls_name or host) if tls else None)
     link_host, _, link_port = link.rpartition(":")
     reader, writer = await asyncio.open_connection(link_host, int(link_port), limit=1 << 20)
     try:
         writer.write(control_bytes(sign_route(endpoint, route_key(secret))))
         await writer.drain()
         if tls is not None:
-            # The deployment's certificate names the link (as when it was dialled directly).
-            await writer.start_tls(tls, server_hostname=link_host)
+            await writer.start_tls(tls, server_hostname=tls_name or link_host)
     except BaseException:
         writer.close()
         raise
