@@ -8,6 +8,7 @@ valid for the names and addresses a deployment's processes use to reach each oth
 """
 
 import datetime
+import hashlib
 import ipaddress
 import os
 import secrets
@@ -80,6 +81,16 @@ class Credentials:
         return self.folder / "bulk-verify.pub"
 
     @property
+    def metrics_key_file(self) -> Path:
+        """The bearer key of every service's ``/metrics`` (Prometheus holds it)."""
+        return self.folder / "metrics.key"
+
+    @property
+    def metrics_key_sha256_file(self) -> Path:
+        """Its SHA-256 (the services hold this: they check the key, they cannot present it)."""
+        return self.folder / "metrics-key.sha256"
+
+    @property
     def control_key_file(self) -> Path:
         """The WAN link control API's bearer key (``pdd wan`` and the chaos tool send it)."""
         return self.folder / "control.key"
@@ -107,13 +118,15 @@ def ensure_credentials(folder: Path, extra_names: tuple[str, ...] = (), instance
     for name in (*ROLES, ADMIN, LEAF_ROLE, *instance_ids):
         if not creds.seed_file(name).is_file():
             write_private(creds.seed_file(name), _new_user_seed())
-    for key_file in (creds.bulk_secret_file, creds.control_key_file):
+    for key_file in (creds.bulk_secret_file, creds.control_key_file, creds.metrics_key_file):
         if not key_file.is_file():
             write_private(key_file, secrets.token_hex(32).encode())
     # Always the current bulk secret's: a replaced secret must not leave a stale derived key.
     bulk_secret = creds.bulk_secret_file.read_text().strip()
+    metrics_key = creds.metrics_key_file.read_text().strip()
     for path, key in ((creds.link_route_key_file, route_key(bulk_secret).encode()),
-                      (creds.bulk_verify_key_file, verify_key(bulk_secret).encode())):
+                      (creds.bulk_verify_key_file, verify_key(bulk_secret).encode()),
+                      (creds.metrics_key_sha256_file, hashlib.sha256(metrics_key.encode()).hexdigest().encode())):
         if not path.is_file() or path.read_bytes() != key:
             write_private(path, key)
     certificates = [creds.ca_file, *(f(peer) for peer in TLS_PEERS for f in (creds.cert_file, creds.key_file))]

@@ -8,6 +8,7 @@ naming the flag and the variable.
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -91,6 +92,10 @@ class CommonConfig:
                                     "the environment)")
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint")
     metrics_port: int = setting(0, "port of the Prometheus /metrics endpoint (0: none)", non_negative)
+    metrics_key_sha256: str = setting("", "SHA-256 (hex) of the bearer key /metrics asks for; required when "
+                                      "--metrics-host is not a loopback address (/health stays open)")
+    metrics_key_sha256_file: str = setting("", "file holding --metrics-key-sha256 (pdd secrets writes "
+                                           "metrics-key.sha256; Prometheus holds metrics.key)")
     request_lease_s: float = setting(8.0, "engines free a request whose router has been silent this long "
                                      "while its site is heard (the router died)", positive)
     cut_off_lease_s: float = setting(30.0, "engines free a request whose router's whole site has been "
@@ -242,12 +247,22 @@ def build_config(cls, flags: Mapping[str, Any], environ: Mapping[str, str] | Non
         value = f.default if raw is None else _convert(f, raw, source)
         _validate(f, value, source)
         values[f.name] = value
-    for name in ("bulk_secret", "bulk_verify_key"):
+    for name in ("bulk_secret", "bulk_verify_key", "metrics_key_sha256"):
         if values.get(f"{name}_file") and not values.get(name):
             values[name] = _read_secret(values[f"{name}_file"], f"{name}_file")
+    if values.get("metrics_port") and not _loopback(values["metrics_host"]) and not values["metrics_key_sha256"]:
+        raise ConfigError(f"setting {flag_name('metrics_key_sha256_file')} (metrics_key_sha256_file): required "
+                          f"when /metrics listens on {values['metrics_host']!r}, not on loopback only")
     if "instance_id" in values and not values["instance_id"]:
         values["instance_id"] = f"{service}-{socket.gethostname()}-{os.getpid()}".replace(".", "-")[:128]
     return cls(**values)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _read_secret(path: str, name: str) -> str:

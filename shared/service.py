@@ -97,7 +97,8 @@ class Service:
         self.bad_messages = BadMessageSink(self.nc, self.config.site, self.service_name, self.instance_id)
         await self.subscribe(subjects.CANCEL_ALL, _cancel_decoder, self._on_cancel_msg)
         if self.config.metrics_port:
-            self._ops = await start_ops_server(self.config.metrics_host, self.config.metrics_port, self.health)
+            self._ops = await start_ops_server(self.config.metrics_host, self.config.metrics_port, self.health,
+                                               self.config.metrics_key_sha256)
             self.log.info("metrics_listening", url=f"http://{self.config.metrics_host}:{self._ops.port}/metrics")
         await self.on_start()
         self._started = True

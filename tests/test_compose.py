@@ -106,10 +106,11 @@ MOUNTED_SECRETS = {  # each TLS peer its own certificate, for its own name
     "nats-b": NATS_FILES | {"nats-b.pem", "nats-b.key", "nats-leaf-remote.conf"},  # the leafnode's seed, here only
     "wan-link": {"link-route.key", "control.key"},
     "streams-a": {"ca.pem", "admin.nk"}, "streams-b": {"ca.pem", "admin.nk"},  # admin: here only
-    "cache-index": {"ca.pem", "cache_index.nk"},
-    "router": {"ca.pem", "router.nk"},
-    "prefill": {"ca.pem", "prefill.pem", "prefill.key", "bulk.secret", "prefill.nk"},  # signs FlowOpens
-    **{name: {"ca.pem", f"{name}.pem", f"{name}.key", "bulk-verify.pub", f"{SERVICE_OF[name]}.nk"}
+    # /metrics checks the metrics key against its hash (only Prometheus holds the key)
+    "cache-index": {"ca.pem", "metrics-key.sha256", "cache_index.nk"},
+    "router": {"ca.pem", "metrics-key.sha256", "router.nk"},
+    "prefill": {"ca.pem", "metrics-key.sha256", "prefill.pem", "prefill.key", "bulk.secret", "prefill.nk"},
+    **{name: {"ca.pem", "metrics-key.sha256", f"{name}.pem", f"{name}.key", "bulk-verify.pub", f"{SERVICE_OF[name]}.nk"}
        for name in ("relay-decode", "main-decode")},  # check them, cannot sign one
 }
 """What each container holds of the secrets folder: its own nkey and nothing of anyone else's."""

@@ -1,5 +1,6 @@
-"""The WAN link's control API changes the link only for holders of the deployment's control key,
-and refuses to listen beyond loopback without one."""
+"""Control and ops surfaces: the WAN link's control API changes the link only for holders of the
+deployment's control key, a service's /metrics answers only the metrics key, and neither
+listens beyond loopback without its key."""
 
 import asyncio
 import subprocess
@@ -11,10 +12,12 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from infra.credentials import ensure_credentials
 from infra.http_probe import http_ok
 from infra.nats_server import free_port, wait_until
 from infra.wan_control import WanControlError, call
 from infra.wan_link import LinkProfile, WanLink, control_app
+from shared.ops_server import start_ops_server
 
 PDD = str(Path(sys.executable).parent / "pdd")
 KEY = "k" * 64
@@ -32,9 +35,9 @@ async def control_url():
     await link.close()
 
 
-def get(url: str) -> int:
+def get(url: str, headers: dict | None = None) -> int:
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=5) as response:
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -69,3 +72,25 @@ def test_the_link_refuses_a_public_control_port_without_a_key(tmp_path):
     finally:
         served.terminate()
         served.wait(10)
+
+
+def test_a_service_refuses_a_public_metrics_port_without_the_metrics_key():
+    result = subprocess.run([PDD, "serve", "cache_index", "--metrics-host", "0.0.0.0", "--metrics-port",
+                             str(free_port())], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "--metrics-key-sha256-file" in result.stderr + result.stdout, result
+
+
+async def test_metrics_answer_only_the_metrics_key_and_health_answers_anyone(tmp_path):
+    creds = ensure_credentials(tmp_path / "secrets")
+    key = creds.metrics_key_file.read_text().strip()
+    server = await start_ops_server("127.0.0.1", 0, lambda: (True, {}),
+                                    creds.metrics_key_sha256_file.read_text().strip())
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        for header in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer " + key[:-1]},
+                       {"Authorization": "Basic " + key}):
+            assert await asyncio.to_thread(get, url + "/metrics", header) == 401
+        assert await asyncio.to_thread(get, url + "/metrics", {"Authorization": "Bearer " + key}) == 200
+        assert await asyncio.to_thread(get, url + "/health") == 200
+    finally:
+        await server.stop()

@@ -103,10 +103,12 @@ POD_SECRETS = {  # each TLS peer its own certificate, for its own name
     ("site-b", "StatefulSet", "nats-b"): NATS_ITEMS | {"nats-b.pem", "nats-b.key", "nats-leaf-remote.conf"},
     ("site-a", "Job", "streams"): {"ca.pem", "admin.nk"}, ("site-b", "Job", "streams"): {"ca.pem", "admin.nk"},
     ("site-b", "Deployment", "bulk-gateway"): {"link-route.key", "control.key"},
-    ("site-a", "Deployment", "router"): {"ca.pem", "router.nk"},
-    ("site-a", "Deployment", "cache-index"): {"ca.pem", "cache_index.nk"},
-    ("site-a", "Deployment", "prefill"): {"ca.pem", "prefill.pem", "prefill.key", "bulk.secret", "prefill.nk"},
-    **{(site, "Deployment", name): {"ca.pem", f"{name}.pem", f"{name}.key", "bulk-verify.pub", f"{SERVICE_OF[name]}.nk"}
+    ("site-a", "Deployment", "router"): {"ca.pem", "metrics-key.sha256", "router.nk"},
+    ("site-a", "Deployment", "cache-index"): {"ca.pem", "metrics-key.sha256", "cache_index.nk"},
+    ("site-a", "Deployment", "prefill"): {"ca.pem", "metrics-key.sha256", "prefill.pem", "prefill.key", "bulk.secret",
+                                          "prefill.nk"},
+    **{(site, "Deployment", name): {"ca.pem", "metrics-key.sha256", f"{name}.pem", f"{name}.key", "bulk-verify.pub",
+                                    f"{SERVICE_OF[name]}.nk"}
        for site, name in (("site-a", "relay-decode"), ("site-b", "main-decode"))},
 }
 """The items of the one Secret each pod mounts: its own credential, and nobody else's."""

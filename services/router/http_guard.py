@@ -53,12 +53,14 @@ def _from_http(exc: web.HTTPException) -> ApiError:
     return ApiError(exc.status, exc.reason or "request refused")
 
 
-def api_keys(keys: frozenset[str]) -> web.middleware:
-    """Require ``Authorization: Bearer <key>`` on every path but ``/health`` when keys are set."""
+def api_keys(keys: frozenset[str], metrics_keyed: bool = False) -> web.middleware:
+    """Require ``Authorization: Bearer <key>`` on every path but ``/health`` when keys are set
+    (and but ``/metrics`` when that asks for the metrics key instead)."""
+    open_paths = OPEN_PATHS | ({"/metrics"} if metrics_keyed else set())
 
     @web.middleware
     async def middleware(request: web.Request, handler):
-        if keys and request.path not in OPEN_PATHS:
+        if keys and request.path not in open_paths:
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
             # Compare against every key so the time taken does not tell which one was close.
             matches = [hmac.compare_digest(given.strip().encode(), key.encode()) for key in keys]

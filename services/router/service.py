@@ -45,6 +45,7 @@ from shared.metrics import (
     exposition,
 )
 from shared.model_loader import ModelMetadata, load_metadata
+from shared.ops_server import key_matches
 from shared.service import Service
 from shared.tracing import context_from, tracer
 from shared.version import pdd_version
@@ -106,7 +107,8 @@ class RouterService(Service):
         await self.mailbox.start()
         self._tasks.append(asyncio.create_task(self._watch_sites(), name="site-health"))
         app = web.Application(client_max_size=self.config.max_body_mb << 20, middlewares=[
-            http_guard.openai_errors(), http_guard.api_keys(http_guard.parse_api_keys(self.config.api_keys)),
+            http_guard.openai_errors(),
+            http_guard.api_keys(http_guard.parse_api_keys(self.config.api_keys), bool(self.config.metrics_key_sha256)),
             http_guard.json_content()])
         app.add_routes([
             web.get("/v1/models", self._models), web.get("/health", self._health),
@@ -212,6 +214,10 @@ class RouterService(Service):
                                  status=200 if healthy else 503)
 
     async def _metrics(self, request):
+        key_sha256 = self.config.metrics_key_sha256
+        if key_sha256 and not key_matches(request.headers.get("Authorization", ""), key_sha256):
+            raise ApiError(401, "the metrics key is required (Authorization: Bearer <metrics key>)",
+                           code="invalid_api_key")
         body, content_type = exposition()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
