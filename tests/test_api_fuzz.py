@@ -20,7 +20,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from infra.nats_server import free_port
 
 PDD = str(Path(sys.executable).parent / "pdd")
 MODEL = "tiny"
@@ -32,17 +31,9 @@ def pdd(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([PDD, *args], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("fuzz-run")
-    port = free_port()
-    result = pdd("up", "--detach", "--model", MODEL, "--md", "2", "--kv-cache-mb", "64",
-                 "--served-model-name", MODEL, "--run-dir", str(run_dir), "--http-port", str(port),
-                 "--nats-a-port", str(free_port()), "--nats-b-port", str(free_port()),
-                 "--wan-control-port", str(free_port()))
-    assert result.returncode == 0, result.stderr + result.stdout
-    yield run_dir, f"http://127.0.0.1:{port}"
-    pdd("down", "--run-dir", str(run_dir))
+@pytest.fixture
+def deployment(tiny_deployment):
+    return tiny_deployment
 
 
 def post(base_url: str, path: str, raw: bytes) -> tuple[int, bytes]:
