@@ -57,21 +57,26 @@ async def make_stack(tiny, tiny_metadata):
 
 @pytest.fixture(scope="session")
 def tiny_deployment(tmp_path_factory):
-    """``pdd up --detach --md 2`` on the tiny model (separate processes, locked down as shipped),
-    for the tests that attack or fuzz a real deployment and change nothing in it; yields its
-    run folder and its API's base URL (``…/v1`` without the suffix)."""
+    """``pdd up --detach --md 2`` on the tiny model (separate processes, locked down as shipped,
+    serving SmolLM2's model id), started once for the tests that drive a real deployment; yields
+    its run folder and ports (``--http-port``… → port). Tests may kill and restart its
+    processes (the supervisor brings them back) but leave it serving."""
     import subprocess
     import sys
     from pathlib import Path
 
+    from infra.launcher import load_state
     from infra.nats_server import free_port
 
     pdd = str(Path(sys.executable).parent / "pdd")
-    run_dir, port = tmp_path_factory.mktemp("tiny-deployment"), free_port()
+    run_dir = tmp_path_factory.mktemp("tiny-deployment")
+    ports = {flag: free_port() for flag in ("--http-port", "--nats-a-port", "--nats-b-port", "--wan-control-port")}
     result = subprocess.run([pdd, "up", "--detach", "--model", "tiny", "--md", "2", "--kv-cache-mb", "64",
-                             "--served-model-name", "tiny", "--run-dir", str(run_dir), "--http-port", str(port),
-                             "--nats-a-port", str(free_port()), "--nats-b-port", str(free_port()),
-                             "--wan-control-port", str(free_port())], capture_output=True, text=True, timeout=240)
+                             "--run-dir", str(run_dir), *[str(x) for kv in ports.items() for x in kv]],
+                            capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr + result.stdout
-    yield run_dir, f"http://127.0.0.1:{port}"
-    subprocess.run([pdd, "down", "--run-dir", str(run_dir)], capture_output=True, timeout=120)
+    assert f"http://127.0.0.1:{ports['--http-port']}/v1" in result.stdout
+    yield run_dir, ports
+    stopped = subprocess.run([pdd, "down", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=120)
+    assert stopped.returncode == 0, stopped.stderr
+    assert load_state(run_dir) is None

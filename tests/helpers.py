@@ -1,4 +1,8 @@
-"""Helpers the tests share: the transformers reference and real-text prompts."""
+"""Helpers the tests share: the transformers reference, real-text prompts, the ``pdd`` CLI."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -138,3 +142,12 @@ def reference_penalised(loaded: LoadedModel, prompt_ids: list[int], max_new_toke
             inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens, do_sample=False,
             pad_token_id=loaded.tokenizer.pad_token_id, logits_processor=LogitsProcessorList([processor]))
     return output[0, len(prompt_ids):].tolist()
+
+
+PDD = str(Path(sys.executable).parent / "pdd")
+"""The ``pdd`` command of the environment running the tests."""
+
+
+def pdd(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run ``pdd`` as a user would (its own process); output captured as text."""
+    return subprocess.run([PDD, *args], capture_output=True, text=True, timeout=timeout)

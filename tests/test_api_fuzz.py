@@ -10,30 +10,25 @@ uses thousands).
 import json
 import math
 import os
-import subprocess
-import sys
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import pdd
 
-PDD = str(Path(sys.executable).parent / "pdd")
-MODEL = "tiny"
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the tiny model, served under the default id
 NUM_EXAMPLES = int(os.environ.get("PDD_FUZZ_EXAMPLES", "200"))
 REQUEST_TIMEOUT_S = 60
 
 
-def pdd(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([PDD, *args], capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture
 def deployment(tiny_deployment):
-    return tiny_deployment
+    run_dir, ports = tiny_deployment
+    return run_dir, f"http://127.0.0.1:{ports['--http-port']}"
 
 
 def post(base_url: str, path: str, raw: bytes) -> tuple[int, bytes]:

@@ -35,6 +35,7 @@ from shared.tls import client_context
 from tests.helpers import chat_prompt_ids, reference_greedy, until
 
 THIEF = "main-decode-1"
+SERVED_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the tiny model, under the default id
 MAX_TOKENS = 120
 PROMPTS = ["Tell the story of the lighthouse keeper. " * 10, "List the rivers of the north and their sources. " * 10,
            "Describe the old mill by the river. " * 10, "Explain how the harbour tides are read. " * 10]
@@ -42,7 +43,7 @@ PROMPTS = ["Tell the story of the lighthouse keeper. " * 10, "List the rivers of
 
 async def ask(base_url: str, content: str) -> tuple[str, str]:
     """A greedy request; returns its answer and the main decoder it was placed on."""
-    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+    body = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
             "temperature": 0, "ignore_eos": True}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         async with session.post(base_url + "/v1/chat/completions", json=body) as response:
@@ -107,7 +108,8 @@ def forgeries(rid: str, victim: str) -> list[tuple[str, object, bool]]:
 
 
 async def test_a_main_decoders_files_change_fail_and_stall_no_other_users_answer(tiny, tiny_deployment):
-    run_dir, base_url = tiny_deployment
+    run_dir, ports = tiny_deployment
+    base_url = f"http://127.0.0.1:{ports['--http-port']}"
     deployment = load_state(run_dir)
     secrets = run_dir / "secrets"
     expected = [tiny.tokenizer.decode(reference_greedy(tiny, chat_prompt_ids(tiny, [
@@ -125,7 +127,8 @@ async def test_a_main_decoders_files_change_fail_and_stall_no_other_users_answer
     refused_before = refused_total(deployment)
     victims = [asyncio.create_task(ask(base_url, content)) for content in PROMPTS]
     try:
-        await until(lambda: len(heartbeats.live_request_ids()) >= 1, 30, "a live request in the router's heartbeat")
+        await until(lambda: heartbeats.live_request_ids() and {d.instance_id for d in heartbeats.decoders()} - {THIEF},
+                    30, "a live request in the router's heartbeat, and the other decoders' heartbeats")
         live, decoders = heartbeats.live_request_ids(), heartbeats.decoders()
         refused_by_server = 0
         for rid in live:

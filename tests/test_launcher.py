@@ -8,38 +8,18 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from infra.launcher import load_state
-from infra.nats_server import free_port
-from tests.helpers import reference_greedy
-
-PDD = str(Path(sys.executable).parent / "pdd")
+from tests.helpers import pdd, reference_greedy
 
 
-def pdd(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([PDD, *args], capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("run")
-    ports = {"--http-port": free_port(), "--nats-a-port": free_port(), "--nats-b-port": free_port(),
-             "--wan-control-port": free_port()}
-    result = pdd("up", "--detach", "--model", "tiny", "--md", "2", "--kv-cache-mb", "64",
-                 "--run-dir", str(run_dir), *[str(x) for kv in ports.items() for x in kv])
-    assert result.returncode == 0, result.stderr + result.stdout
-    assert f"http://127.0.0.1:{ports['--http-port']}/v1" in result.stdout
-    yield run_dir, ports
-    stopped = pdd("down", "--run-dir", str(run_dir))
-    assert stopped.returncode == 0, stopped.stderr
-    assert load_state(run_dir) is None
+@pytest.fixture
+def deployment(tiny_deployment):
+    return tiny_deployment
 
 
 def client(ports) -> AsyncOpenAI:

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from shared.engine.hf_engine import HfEngine
-from shared.engine.sampling import SamplingParams, sample_token
+from shared.engine.sampler import sample_token
+from shared.engine.sampling import SamplingParams
 from tests.helpers import prompt_of_length, reference_greedy
 from tests.test_engine_exactness import ship
 

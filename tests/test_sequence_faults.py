@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from shared.engine.hf_engine import HfEngine
-from shared.engine.sampler import Sampler
-from shared.engine.sampling import SamplingParams, sample_token
+from shared.engine.sampler import Sampler, sample_token
+from shared.engine.sampling import SamplingParams
 from shared.errors import InvalidPrompt, InvalidSampling, SamplingFailed
 from tests.helpers import prompt_of_length, reference_greedy
 

@@ -6,10 +6,8 @@ never changes the output: a handoff is invisible in sampled text as well as in g
 """
 
 import msgspec
-import torch
-import xxhash
 
-from shared.errors import InvalidSampling, SamplingFailed
+from shared.errors import InvalidSampling
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
@@ -96,38 +94,3 @@ def _check(holds: bool, field: str, message: str):
     # Comparisons with NaN are False, so a NaN fails every check.
     if not holds:
         raise InvalidSampling(field, f"{field} {message}")
-
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, token_index: int) -> int:
-    """Pick one token from a 1-D logits row (after ``logits_processing.apply``).
-
-    Args:
-        logits: Next-token logits, shape ``[vocab]``.
-        params: The request's sampling parameters.
-        seed: The request's effective seed (``params.seed`` or one the engine chose).
-        token_index: Index of the token being sampled among the request's outputs.
-
-    Raises:
-        SamplingFailed: The row holds no finite logit to draw from.
-    """
-    if params.greedy:
-        if not bool(torch.isfinite(logits).any()):
-            raise SamplingFailed("no finite logit to choose from")
-        return int(torch.argmax(logits))
-    logits = logits.float() / params.temperature
-    if 0 < params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, sorted_ids = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
-        outside[0] = False  # a top_p below float32's resolution still keeps the top token
-        sorted_probs[outside] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, sorted_ids, sorted_probs)
-    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
-        raise SamplingFailed("the sampling distribution is not finite")
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(xxhash.xxh3_64_intdigest(f"{seed}:{token_index}".encode()) >> 1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))

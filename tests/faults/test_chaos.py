@@ -13,7 +13,7 @@ import pytest
 
 from infra.launcher import load_state
 from infra.nats_server import free_port
-from tests.test_launcher import pdd
+from tests.helpers import pdd
 
 SCENARIOS = ["md-kill", "relay-kill", "prefill-kill", "nats-a-restart", "nats-b-outage", "partition",
              "stalls", "slow-wan", "redeploy"]
