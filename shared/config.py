@@ -118,8 +118,10 @@ class EngineConfig(CommonConfig):
     engine_call_log: str = setting("", "append every engine-thread call (queued, start and end times; a step's "
                                    "batch) as JSON lines to this file; empty: off")
     prefix_cache: bool = setting(True, "reuse cached prefix blocks (off: the no-decode-side-cache baseline)")
-    bulk_tls_local: bool = setting(False, "mutual TLS on the bulk channel's local path too (the WAN path "
-                                   "always has it once --tls-ca-file is set); senders and relays must agree")
+    bulk_tls_local: bool = setting(True, "mutual TLS on the bulk channel's local path too, so every frame is "
+                                   "integrity-protected end to end (the WAN path always has it once --tls-ca-file "
+                                   "is set; false: plaintext on the local path, to measure what TLS costs); senders "
+                                   "and relays must agree")
 
 
 @dataclass(frozen=True)

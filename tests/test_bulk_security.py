@@ -17,7 +17,7 @@ from shared.bulk.receiver import BulkReceiver
 from shared.bulk.sender import FlowRefused, open_flow
 from shared.engine.hf_engine import HfEngine
 from shared.tls import client_context, server_context
-from tests.helpers import prompt_of_length
+from tests.helpers import prompt_of_length, until
 from tests.test_bulk_channel import SECRET, RecordingHandler, flow_open_for
 
 
@@ -26,11 +26,11 @@ def creds(tmp_path):
     return ensure_credentials(tmp_path / "secrets")
 
 
-async def start_receiver(tiny, creds, receiver_id="main-decode-0", incarnation="inc-1", tls=True):
+async def start_receiver(tiny, creds, receiver_id="main-decode-0", incarnation="inc-1", tls=True, **limits):
     engine = HfEngine(tiny, num_blocks=32)
     receiver = BulkReceiver(RecordingHandler(engine), engine.frame_expectation, verify_key(SECRET), path="wan",
                             frame_timeout_s=5, receiver_id=receiver_id, incarnation=incarnation,
-                            tls=server_context(*peer_files(creds, "main-decode")) if tls else None)
+                            tls=server_context(*peer_files(creds, "main-decode")) if tls else None, **limits)
     host, port = await receiver.start()
     return receiver, f"{host}:{port}"
 
@@ -71,6 +71,26 @@ async def test_a_flow_over_mutual_tls_is_accepted(tiny, creds):
         flow = await open_flow(endpoint, bound("r", prompt_of_length(tiny, 40)), SECRET, path="wan",
                                timeout_s=5, tls=ours(creds))
         await flow.close()
+    finally:
+        await receiver.stop()
+
+
+async def test_one_sender_holds_a_bounded_number_of_flows(tiny, creds):
+    """Authenticated connections are bounded too: past its limit a sender's flow is refused, and
+    a flow closed frees its place."""
+    receiver, endpoint = await start_receiver(tiny, creds, max_flows_per_sender=2)
+    prompt = prompt_of_length(tiny, 16)
+    try:
+        held = [await open_flow(endpoint, bound(f"r{i}", prompt), SECRET, path="wan", timeout_s=5, tls=ours(creds))
+                for i in range(2)]
+        with pytest.raises(FlowRefused, match="too_many_flows"):
+            await open_flow(endpoint, bound("r2", prompt), SECRET, path="wan", timeout_s=5, tls=ours(creds))
+        await held.pop().cancel("done with it")
+        sender = bound("r3", prompt).sender_id
+        await until(lambda: receiver._flows_by_sender[sender] < 2, 5, "the receiver to drop the closed flow")
+        held.append(await open_flow(endpoint, bound("r3", prompt), SECRET, path="wan", timeout_s=5, tls=ours(creds)))
+        for flow in held:
+            await flow.cancel("test over")
     finally:
         await receiver.stop()
 

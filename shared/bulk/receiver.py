@@ -1,6 +1,7 @@
 """Bulk receiver: accepts authenticated KV flows and hands their frames to a FlowHandler."""
 
 import asyncio
+import collections
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,9 @@ MAX_PREAUTH_CONTROL_BYTES = 64 << 10
 """Largest message read from a peer that has not authenticated yet (a FlowOpen with ~20K tokens)."""
 MAX_UNAUTHENTICATED = 32
 """Connections still authenticating at once; more are closed on arrival."""
+MAX_FLOWS_PER_SENDER = 128
+"""Open flows one authenticated sender may hold at once (a prefill ships each request once per
+receiver, so this is far above an honest sender's need); more are refused (``too_many_flows``)."""
 
 
 @dataclass
@@ -82,12 +86,15 @@ class BulkReceiver:
 
     def __init__(self, handler: FlowHandler, expectation: FrameExpectation, verify_key: str, *,
                  path: str, frame_timeout_s: float, host: str = "127.0.0.1", port: int = 0,
-                 receiver_id: str = "", incarnation: str = "", tls: ssl.SSLContext | None = None):
+                 receiver_id: str = "", incarnation: str = "", tls: ssl.SSLContext | None = None,
+                 max_flows_per_sender: int = MAX_FLOWS_PER_SENDER):
         self._handler = handler
         self._expect = expectation
         self._auth = FlowAuthenticator(verify_key, receiver_id, incarnation)
         self._tls = tls
         self._unauthenticated = 0
+        self._max_flows_per_sender = max_flows_per_sender
+        self._flows_by_sender: collections.Counter[str] = collections.Counter()
         self._path = path
         self._frame_timeout_s = frame_timeout_s
         self._host, self._port = host, port
@@ -124,8 +131,13 @@ class BulkReceiver:
                 flow_open = await self._authenticate(reader, writer)
             finally:
                 self._unauthenticated -= 1
-            if flow_open is not None and await self._admit(flow_open, writer, stats):
-                await self._receive(flow_open, reader, stats)
+            if flow_open is not None and await self._bounded(flow_open, writer):
+                self._flows_by_sender[flow_open.sender_id] += 1
+                try:
+                    if await self._admit(flow_open, writer, stats):
+                        await self._receive(flow_open, reader, stats)
+                finally:
+                    self._flows_by_sender[flow_open.sender_id] -= 1
         except (ConnectionError, asyncio.TimeoutError, KvFrameError) as exc:
             log.warning("bulk_connection_dropped", path=self._path, error=str(exc))
         finally:
@@ -146,6 +158,17 @@ class BulkReceiver:
         await write_control(writer, FlowRejected(request_id=message.request_id,
                                                  code="unauthenticated", message=problem))
         return None
+
+    async def _bounded(self, flow_open: FlowOpen, writer) -> bool:
+        """Whether the sender may open one more flow now; refuse it otherwise."""
+        if self._flows_by_sender[flow_open.sender_id] < self._max_flows_per_sender:
+            return True
+        log.warning("bulk_flow_refused", path=self._path, request_id=flow_open.request_id,
+                    reason="too many flows from this sender", sender=flow_open.sender_id)
+        await write_control(writer, FlowRejected(request_id=flow_open.request_id, code="too_many_flows",
+                                                 message=f"{self._max_flows_per_sender} flows from "
+                                                         f"{flow_open.sender_id!r} are open already"))
+        return False
 
     async def _admit(self, flow_open: FlowOpen, writer, stats: FlowStats) -> bool:
         """Ask the handler (which may wait for blocks in flight); answer the sender."""
