@@ -13,9 +13,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
+import torch
+import xxhash
+
 from infra.credentials import ensure_credentials
 from infra.wan_link import LinkProfile, Route, WanLink
-from shared.bulk.auth import verify_key
+from shared.bulk.auth import FlowAuthenticator, new_nonce, sign, verify_key
 from shared.bulk.receiver import BulkReceiver
 from shared.bulk.sender import open_flow
 from shared.engine.backend import RequestStatus
@@ -106,7 +110,49 @@ async def _run(loaded, megabytes: int, rates: list[float], repeats: int) -> dict
         results[label] = {"gbit_per_s": {m: [round(x, 3) for x in v] for m, v in runs.items()},
                           "median_gbit_per_s": {m: round(x, 3) for m, x in medians.items()},
                           "tls_over_plaintext": round(medians["tls"] / medians["plaintext"], 3)}
+    results["receiver_checks"] = receiver_checks(frames, prompt)
     return results
+
+
+def _gb_per_s(work, nbytes: int, repeats: int = 5) -> float:
+    """Best of ``repeats`` timings of ``work()``, as GB/s over ``nbytes``."""
+    best = min(_timed(work) for _ in range(repeats))
+    return round(nbytes / best / 1e9, 2)
+
+
+def _timed(work) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
+def receiver_checks(frames: list, prompt: list[int], megabytes: int = 128, flows: int = 200) -> dict:
+    """What each check of the receive path costs on real KV frames (repeated to ``megabytes``,
+    beyond the caches), one core, beside memcpy."""
+    one_pass = b"".join(bytes(parts[-1]) for parts in frames)
+    bodies = one_pass * max(1, (megabytes << 20) // len(one_pass))
+    nbytes = len(bodies)
+    values = torch.frombuffer(bytearray(bodies), dtype=torch.float32)
+    copy_into = torch.empty_like(values)
+    authenticator = FlowAuthenticator(verify_key(SECRET), "bench")
+    flow_open = FlowOpen(request_id="bench", role="main_decode", token_ids=prompt,
+                         sampling=SamplingParams(max_tokens=1), seed=0, sender_id="bench",
+                         receiver_id="bench", unix_s=0.0, nonce="")
+    opens = [sign(msgspec.structs.replace(flow_open, unix_s=time.time(), nonce=new_nonce()), SECRET)
+             for _ in range(flows)]
+    started = time.perf_counter()
+    problems = [authenticator.verify(signed) for signed in opens]
+    verify_us = (time.perf_counter() - started) / flows * 1e6
+    assert not any(problems), problems[:1]
+    sign_s = _timed(lambda: sign(flow_open, SECRET))
+    return {"bytes": nbytes,
+            "memcpy_gb_per_s": _gb_per_s(lambda: copy_into.copy_(values), nbytes),
+            "xxh3_checksum_gb_per_s": _gb_per_s(lambda: xxhash.xxh3_64_intdigest(bodies), nbytes),
+            "finite_check_gb_per_s": _gb_per_s(lambda: bool(torch.isfinite(values.sum(dtype=torch.float32))),
+                                               nbytes),
+            "flow_open_sign_us": round(sign_s * 1e6, 1),
+            "flow_open_verify_us": round(verify_us, 1),
+            "prompt_tokens": len(prompt)}
 
 
 def loopback_bytes_per_s(loaded, megabytes: int = 64, repeats: int = 3, tls: bool = False) -> float:
