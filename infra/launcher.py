@@ -22,15 +22,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from infra.credentials import Credentials, ensure_credentials
+from infra.credentials import PEER_OF_ROLE, Credentials, ensure_credentials
 from infra.http_probe import get_json, http_ok
-from infra.nats_server import NatsSite, free_port, leafnode_count, nats_server_binary, start_nats, wait_until
+from infra.nats_server import SITE_A, SITE_B, NatsSite, free_port, leafnode_count, nats_server_binary, start_nats, wait_until
 from infra.streams import create_site_streams
 from shared.errors import PddError
 from shared.nats_roles import ADMIN
 from shared.model_loader import model_cache_dir
 
-SITE_A, SITE_B = "site-a", "site-b"
 
 TOPOLOGY = {
     "nats-a": (SITE_A,), "nats-b": (SITE_B,), "wan-link": (SITE_A, SITE_B),
@@ -185,8 +184,9 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
         env["PDD_SERVED_MODEL_NAME"] = args.served_model_name
     if locked:
         env["PDD_TLS_CA_FILE"] = str(creds.ca_file)
-        for kind, peer in (("prefill", "prefill"), ("relay-decode", "relay-decode"), ("main-decode", "main-decode")):
-            bulk_keys[kind].update(PDD_TLS_CERT_FILE=str(creds.cert_file(peer)), PDD_TLS_KEY_FILE=str(creds.key_file(peer)))
+        for kind, keys in bulk_keys.items():  # each engine its own certificate
+            peer = PEER_OF_ROLE[SERVICE_OF[kind]]
+            keys.update(PDD_TLS_CERT_FILE=str(creds.cert_file(peer)), PDD_TLS_KEY_FILE=str(creds.key_file(peer)))
     site_env = {SITE_A: {"PDD_SITE": SITE_A, "PDD_NATS_URL": site_a.url},
                 SITE_B: {"PDD_SITE": SITE_B, "PDD_NATS_URL": site_b.url}}
 

@@ -14,6 +14,8 @@ import nats
 
 from infra.credentials import PEER_OF_ROLE, Credentials, ensure_credentials
 from infra.nats_server import (
+    SITE_A,
+    SITE_B,
     NatsSite,
     free_port,
     leafnode_count,
@@ -42,7 +44,6 @@ from shared.config import (
 from shared.model_loader import LoadedModel, ModelMetadata
 from shared.nats_roles import ADMIN
 
-SITE_A, SITE_B = "site-a", "site-b"
 
 
 async def start_site_pair(link: WanLink, workdir: Path, processes: list,

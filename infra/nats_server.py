@@ -18,8 +18,8 @@ from shared.errors import PddError
 from shared.nats_roles import (ADMIN, ANY, ROLES, RolePermissions, admin_permissions, leafnode_permissions,
                                permissions, spoke_denials)
 
-SPOKE_SITE = "site-b"
-"""The site whose server dials the other's leafnode port (its main decoders live there)."""
+SITE_A, SITE_B = "site-a", "site-b"
+"""The two sites: site A's server takes the leafnode, site B's (its main decoders') dials it."""
 
 
 class NatsStartError(PddError):
@@ -93,7 +93,7 @@ def _tls_block(creds: Credentials, peer: str) -> str:
 def leaf_remote(creds: Credentials) -> str:
     """The spoke's remote entry: the seed it signs the hub's challenge with, and what the
     spoke itself refuses to send or take over the leafnode (``nats_roles.spoke_denials``)."""
-    denied = spoke_denials(SPOKE_SITE)
+    denied = spoke_denials(SITE_B)
     return (f'nkey: "{creds.seed_file(LEAF_ROLE).read_text().strip()}", '
             f"deny_exports: {_quoted(denied.publish)}, deny_imports: {_quoted(denied.subscribe)}")
 
@@ -116,7 +116,7 @@ def _authorization(creds: Credentials, identities: tuple[tuple[str, str], ...] =
                    permissions(role, instance_id), "STANDARD")
              for role, instance_id in identities or ((role, ANY) for role in ROLES)]
     users += [_user(creds.public_key(ADMIN), admin_permissions(), "STANDARD"),
-              _user(creds.public_key(LEAF_ROLE), leafnode_permissions(SPOKE_SITE, main_decoders), "LEAFNODE")]
+              _user(creds.public_key(LEAF_ROLE), leafnode_permissions(SITE_B, main_decoders), "LEAFNODE")]
     return "authorization { timeout: 5, users: [\n  " + ",\n  ".join(users) + "\n] }"
 
 

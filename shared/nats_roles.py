@@ -97,10 +97,6 @@ def _role_subjects(role: str, me: str) -> tuple[list[str], list[str]]:
     return publish, subscribe
 
 
-LEAFNODE = "leafnode"
-"""Site B's server joining site A's: a user of its own, allowed only as a leafnode."""
-
-
 def leafnode_permissions(spoke_site: str, main_decode_ids: tuple[str, ...] = (ANY,)) -> RolePermissions:
     """What the leafnode may carry, as the hub's permissions for its user (the spoke's view):
     ``publish`` is what site B may send into site A, ``subscribe`` what site A sends to site B.
