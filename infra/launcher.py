@@ -24,23 +24,41 @@ from pathlib import Path
 
 from infra.credentials import PEER_OF_ROLE, Credentials, ensure_credentials
 from infra.http_probe import get_json, http_ok
-from infra.nats_server import SITE_A, SITE_B, NatsSite, free_port, leafnode_count, nats_server_binary, start_nats, wait_until
+from infra.nats_server import (
+    SITE_A,
+    SITE_B,
+    NatsSite,
+    free_port,
+    leafnode_count,
+    nats_server_binary,
+    start_nats,
+    wait_until,
+)
 from infra.streams import create_site_streams
 from shared.errors import PddError
-from shared.nats_roles import ADMIN
 from shared.model_loader import model_cache_dir
-
+from shared.nats_roles import ADMIN
 
 TOPOLOGY = {
-    "nats-a": (SITE_A,), "nats-b": (SITE_B,), "wan-link": (SITE_A, SITE_B),
-    "cache-index": (SITE_A,), "prefill": (SITE_A,), "relay-decode": (SITE_A,),
-    "main-decode": (SITE_B,), "router": (SITE_A,),
+    "nats-a": (SITE_A,),
+    "nats-b": (SITE_B,),
+    "wan-link": (SITE_A, SITE_B),
+    "cache-index": (SITE_A,),
+    "prefill": (SITE_A,),
+    "relay-decode": (SITE_A,),
+    "main-decode": (SITE_B,),
+    "router": (SITE_A,),
 }
 """Process kinds (instances get a ``-N`` suffix) and the sites they sit in; docker-compose.yml
 has one service per kind on the same networks."""
 
-SERVICE_OF = {"cache-index": "cache_index", "prefill": "prefill", "relay-decode": "relay_decode",
-              "main-decode": "main_decode", "router": "router"}
+SERVICE_OF = {
+    "cache-index": "cache_index",
+    "prefill": "prefill",
+    "relay-decode": "relay_decode",
+    "main-decode": "main_decode",
+    "router": "router",
+}
 """The ``pdd serve`` service each process kind runs."""
 
 
@@ -82,7 +100,6 @@ class Deployment:
     supervisor_pid: int = 0
     up_args: dict = field(default_factory=dict)
 
-
     def control_key(self) -> str:
         """The WAN link control API's key ("" for a deployment without one)."""
         from infra.wan_control import control_key_in
@@ -108,17 +125,20 @@ def up(args) -> Deployment:
     if existing and any(process_alive(pid) for pid in existing.processes.values()):
         raise LauncherError(f"a deployment is already running from {run_dir} (pdd down first)")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    deployment = Deployment(str(run_dir), f"http://127.0.0.1:{args.http_port}/v1",
-                            f"http://127.0.0.1:{args.wan_control_port}",
-                            up_args={k: v for k, v in vars(args).items()
-                                     if isinstance(v, (str, int, float, bool, type(None)))})
+    deployment = Deployment(
+        str(run_dir),
+        f"http://127.0.0.1:{args.http_port}/v1",
+        f"http://127.0.0.1:{args.wan_control_port}",
+        up_args={k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
+    )
     try:
         _start_all(args, run_dir, deployment)
         _save(run_dir, deployment)
         _wait_healthy(deployment, args)
         with locked_state(run_dir) as saved:
             saved.supervisor_pid = deployment.supervisor_pid = _spawn(
-                run_dir, "supervisor", {"argv": ["supervise", "--run-dir", str(run_dir)], "env": {}})
+                run_dir, "supervisor", {"argv": ["supervise", "--run-dir", str(run_dir)], "env": {}}
+            )
     except BaseException:
         _save(run_dir, deployment)
         down(run_dir, quiet=True)
@@ -135,8 +155,7 @@ def _admin_login(creds: Credentials | None) -> dict:
 
 def identities(args) -> tuple[tuple[str, str], ...]:
     """``(role, instance_id)`` of every service process ``pdd up`` starts with ``args``."""
-    counts = {"cache-index": 1, "prefill": args.prefill, "relay-decode": args.rld, "main-decode": args.md,
-              "router": 1}
+    counts = {"cache-index": 1, "prefill": args.prefill, "relay-decode": args.rld, "main-decode": args.md, "router": 1}
     return tuple((SERVICE_OF[kind], f"{kind}-{i}") for kind, count in counts.items() for i in range(count))
 
 
@@ -145,8 +164,15 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
     creds = ensure_credentials(run_dir / "secrets", instance_ids=tuple(i for _, i in instances))
     # --insecure (measuring what encryption costs, nothing else): no NATS identities, no TLS.
     locked = None if getattr(args, "insecure", False) else creds
-    site_a = NatsSite(SITE_A, args.nats_a_port, free_port(), run_dir / "jetstream-a", leaf_listen_port=free_port(),
-                      credentials=locked, identities=instances)
+    site_a = NatsSite(
+        SITE_A,
+        args.nats_a_port,
+        free_port(),
+        run_dir / "jetstream-a",
+        leaf_listen_port=free_port(),
+        credentials=locked,
+        identities=instances,
+    )
     deployment.processes["nats-a"] = start_nats(site_a, run_dir, run_dir / "logs" / "nats-a.log").pid
     deployment.commands["nats-a"] = _nats_command(run_dir, SITE_A)
     leaf_port, bulk_link_port = free_port(), free_port()
@@ -156,17 +182,40 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
     if md_site == SITE_B:  # main decode at site A (same-site baseline) needs no WAN path
         # One routed port for every main decoder: each flow names its receiver (no per-instance route).
         routes.append(f"bulk-main-decode=127.0.0.1:{bulk_link_port}>*@{SITE_A}")
-    deployment.commands["wan-link"] = {"argv": [
-        "serve", "wan_link", "--control-port", str(args.wan_control_port), "--bandwidth", args.bandwidth,
-        "--rtt", args.rtt, "--jitter", args.jitter, "--seed", str(args.seed),
-        "--route-key-file", str(creds.link_route_key_file), "--control-key-file", str(creds.control_key_file),
-        *[arg for route in routes for arg in ("--route", route)]], "env": {}}
+    deployment.commands["wan-link"] = {
+        "argv": [
+            "serve",
+            "wan_link",
+            "--control-port",
+            str(args.wan_control_port),
+            "--bandwidth",
+            args.bandwidth,
+            "--rtt",
+            args.rtt,
+            "--jitter",
+            args.jitter,
+            "--seed",
+            str(args.seed),
+            "--route-key-file",
+            str(creds.link_route_key_file),
+            "--control-key-file",
+            str(creds.control_key_file),
+            *[arg for route in routes for arg in ("--route", route)],
+        ],
+        "env": {},
+    }
     deployment.processes["wan-link"] = _spawn(run_dir, "wan-link", deployment.commands["wan-link"])
     wait_until(lambda: http_ok(deployment.wan_control_url + "/health"), 30, "WAN link did not start")
     deployment.metrics_urls["wan-link"] = deployment.wan_control_url + "/metrics"
-    site_b = NatsSite(SITE_B, args.nats_b_port, free_port(), run_dir / "jetstream-b",
-                      leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}", credentials=locked,
-                      identities=instances)
+    site_b = NatsSite(
+        SITE_B,
+        args.nats_b_port,
+        free_port(),
+        run_dir / "jetstream-b",
+        leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}",
+        credentials=locked,
+        identities=instances,
+    )
     deployment.processes["nats-b"] = start_nats(site_b, run_dir, run_dir / "logs" / "nats-b.log").pid
     deployment.commands["nats-b"] = _nats_command(run_dir, SITE_B)
     wait_until(lambda: leafnode_count(site_a) >= 1, 30, "leafnode between the sites did not connect")
@@ -174,12 +223,20 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
     for site in (site_a, site_b):  # the deployment step: streams, made by the admin identity alone
         asyncio.run(create_site_streams(site.url, site.site, **_admin_login(locked)))
     engines = role_engines(args)
-    env = {"PDD_MODEL": args.model, "PDD_LOG_LEVEL": args.log_level, "PDD_KV_CACHE_MB": str(args.kv_cache_mb),
-           "PDD_BLOCK_SIZE": str(block_size_of(args))}
+    env = {
+        "PDD_MODEL": args.model,
+        "PDD_LOG_LEVEL": args.log_level,
+        "PDD_KV_CACHE_MB": str(args.kv_cache_mb),
+        "PDD_BLOCK_SIZE": str(block_size_of(args)),
+    }
     # Only prefill signs FlowOpens; the receivers hold the key that checks them, nothing more.
-    bulk_keys = {"prefill": {"PDD_BULK_SECRET_FILE": str(creds.bulk_secret_file)},
-                 **{kind: {"PDD_BULK_VERIFY_KEY_FILE": str(creds.bulk_verify_key_file)}
-                    for kind in ("relay-decode", "main-decode")}}
+    bulk_keys = {
+        "prefill": {"PDD_BULK_SECRET_FILE": str(creds.bulk_secret_file)},
+        **{
+            kind: {"PDD_BULK_VERIFY_KEY_FILE": str(creds.bulk_verify_key_file)}
+            for kind in ("relay-decode", "main-decode")
+        },
+    }
     if getattr(args, "served_model_name", None):
         env["PDD_SERVED_MODEL_NAME"] = args.served_model_name
     if locked:
@@ -187,15 +244,24 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
         for kind, keys in bulk_keys.items():  # each engine its own certificate
             peer = PEER_OF_ROLE[SERVICE_OF[kind]]
             keys.update(PDD_TLS_CERT_FILE=str(creds.cert_file(peer)), PDD_TLS_KEY_FILE=str(creds.key_file(peer)))
-    site_env = {SITE_A: {"PDD_SITE": SITE_A, "PDD_NATS_URL": site_a.url},
-                SITE_B: {"PDD_SITE": SITE_B, "PDD_NATS_URL": site_b.url}}
+    site_env = {
+        SITE_A: {"PDD_SITE": SITE_A, "PDD_NATS_URL": site_a.url},
+        SITE_B: {"PDD_SITE": SITE_B, "PDD_NATS_URL": site_b.url},
+    }
 
     def spawn(kind: str, index: int, *flags: str, site: str | None = None):
         name = kind if kind == "router" else f"{kind}-{index}"
         metrics_port = free_port()
         deployment.metrics_urls[name] = f"http://127.0.0.1:{metrics_port}/metrics"
-        argv = ["serve", SERVICE_OF[kind], "--instance-id", f"{kind}-{index}",
-                "--metrics-port", str(metrics_port), *flags]
+        argv = [
+            "serve",
+            SERVICE_OF[kind],
+            "--instance-id",
+            f"{kind}-{index}",
+            "--metrics-port",
+            str(metrics_port),
+            *flags,
+        ]
         process_env = {**env, **site_env[site or TOPOLOGY[kind][0]], **bulk_keys.get(kind, {})}
         if kind in ENGINE_KINDS:
             # vLLM binds a port of its own for its (one-process) distributed group; left to the
@@ -214,16 +280,35 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
     for i, local in enumerate(bulk_ports):
         link = ["--bulk-link", f"127.0.0.1:{bulk_link_port}"] if md_site == SITE_B else []
         cache = [] if getattr(args, "md_prefix_cache", True) else ["--prefix-cache", "false"]
-        spawn("main-decode", i, "--bulk-port", str(local), "--bulk-advertise", f"127.0.0.1:{local}", *link,
-              *cache, "--engine", engines["main"], site=md_site)
+        spawn(
+            "main-decode",
+            i,
+            "--bulk-port",
+            str(local),
+            "--bulk-advertise",
+            f"127.0.0.1:{local}",
+            *link,
+            *cache,
+            "--engine",
+            engines["main"],
+            site=md_site,
+        )
     from infra.wan_link import parse_ms, parse_rate
 
     api_keys = getattr(args, "api_key", None) or os.environ.get("PDD_API_KEYS", "")
     env["PDD_API_KEYS"] = api_keys
-    spawn("router", 0, "--http-port", str(args.http_port),
-          "--wan-bandwidth-mbit", str(parse_rate(args.bandwidth) / 1e6 or 100000),
-          "--wan-rtt-ms", str(parse_ms(args.rtt)),
-          "--pipeline-policy", getattr(args, "pipeline_policy", "auto"))
+    spawn(
+        "router",
+        0,
+        "--http-port",
+        str(args.http_port),
+        "--wan-bandwidth-mbit",
+        str(parse_rate(args.bandwidth) / 1e6 or 100000),
+        "--wan-rtt-ms",
+        str(parse_ms(args.rtt)),
+        "--pipeline-policy",
+        getattr(args, "pipeline_policy", "auto"),
+    )
 
 
 ENGINE_KINDS = ("prefill", "relay-decode", "main-decode")
@@ -246,8 +331,7 @@ def block_size_of(args) -> int:
 
 def _nats_command(run_dir: Path, site: str) -> dict:
     # start_nats wrote the server's configuration there; a restart reuses it (same ports, store).
-    return {"argv": [nats_server_binary(), "-c", str(run_dir / f"nats-{site}.conf")], "env": {},
-            "program": "exec"}
+    return {"argv": [nats_server_binary(), "-c", str(run_dir / f"nats-{site}.conf")], "env": {}, "program": "exec"}
 
 
 def _spawn(run_dir: Path, name: str, command: dict) -> int:
@@ -255,9 +339,10 @@ def _spawn(run_dir: Path, name: str, command: dict) -> int:
     argv = command["argv"]
     if command.get("program", "pdd") == "pdd":
         argv = [sys.executable, "-m", "infra.cli", *argv]
-    log = open(run_dir / "logs" / f"{name}.log", "ab")
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                               env={**os.environ, **command["env"]})
+    with open(run_dir / "logs" / f"{name}.log", "ab") as log:  # the child keeps its own copy
+        process = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **command["env"]}
+        )
     return process.pid
 
 
@@ -296,12 +381,17 @@ def _wait_healthy(deployment: Deployment, args):
         if getattr(args, "progress", True) and time.monotonic() - last_report >= PROGRESS_EVERY_S:
             last_report = time.monotonic()
             waiting = ", ".join(f"{s} {seen[s]}/{n}" for s, n in want.items() if seen[s] < n)
-            print(f"waiting {last_report - started:.0f} s: {'router' if not health else waiting} "
-                  f"(loading the model; logs in {deployment.run_dir}/logs/)", file=sys.stderr, flush=True)
+            print(
+                f"waiting {last_report - started:.0f} s: {'router' if not health else waiting} "
+                f"(loading the model; logs in {deployment.run_dir}/logs/)",
+                file=sys.stderr,
+                flush=True,
+            )
         return bool(health) and all(seen[s] >= n for s, n in want.items())
 
-    wait_until(healthy, args.timeout, f"services not healthy after {args.timeout:.0f} s; "
-                                      f"see {deployment.run_dir}/logs/")
+    wait_until(
+        healthy, args.timeout, f"services not healthy after {args.timeout:.0f} s; see {deployment.run_dir}/logs/"
+    )
 
 
 def down(run_dir: Path, quiet: bool = False) -> list[str]:
@@ -357,8 +447,7 @@ def restart(run_dir: Path, name: str) -> int:
 def _wait_ready(deployment: Deployment, name: str, timeout_s: float = 30.0):
     """Until a restarted link or NATS server serves again (services report by heartbeat)."""
     if name == "wan-link":
-        wait_until(lambda: http_ok(deployment.wan_control_url + "/health"), timeout_s,
-                   "WAN link did not come back")
+        wait_until(lambda: http_ok(deployment.wan_control_url + "/health"), timeout_s, "WAN link did not come back")
     elif name.startswith("nats-"):
         host, port = deployment.nats_urls[TOPOLOGY[name][0]].split("://", 1)[1].rsplit(":", 1)
         wait_until(lambda: _accepts(host, int(port)), timeout_s, f"{name} did not come back")
@@ -391,14 +480,25 @@ def status(run_dir: Path, detailed: bool = False) -> dict:
         raise LauncherError(f"no deployment recorded in {run_dir}")
     states = {n: ("running" if process_alive(p) else "exited") for n, p in deployment.processes.items()}
     if detailed:
-        processes = {n: {"pid": p, "state": states[n], "metrics_url": deployment.metrics_urls.get(n),
-                         "restarts": deployment.restarts.get(n, 0)} for n, p in deployment.processes.items()}
+        processes = {
+            n: {
+                "pid": p,
+                "state": states[n],
+                "metrics_url": deployment.metrics_urls.get(n),
+                "restarts": deployment.restarts.get(n, 0),
+            }
+            for n, p in deployment.processes.items()
+        }
     else:
         processes = states
-    return {"router_url": deployment.router_url, "wan_control_url": deployment.wan_control_url,
-            "metrics_urls": deployment.metrics_urls, "processes": processes,
-            "supervisor": "running" if process_alive(deployment.supervisor_pid) else "exited",
-            "health": get_json(deployment.router_url.removesuffix("/v1") + "/health")}
+    return {
+        "router_url": deployment.router_url,
+        "wan_control_url": deployment.wan_control_url,
+        "metrics_urls": deployment.metrics_urls,
+        "processes": processes,
+        "supervisor": "running" if process_alive(deployment.supervisor_pid) else "exited",
+        "health": get_json(deployment.router_url.removesuffix("/v1") + "/health"),
+    }
 
 
 def _save(run_dir: Path, deployment: Deployment):

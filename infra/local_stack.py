@@ -7,6 +7,7 @@ classes the launcher runs as separate processes. Models are loaded once and shar
 
 import asyncio
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -45,10 +46,13 @@ from shared.model_loader import LoadedModel, ModelMetadata
 from shared.nats_roles import ADMIN
 
 
-
-async def start_site_pair(link: WanLink, workdir: Path, processes: list,
-                          credentials: Credentials | None = None,
-                          identities: tuple[tuple[str, str], ...] = ()) -> dict[str, NatsSite]:
+async def start_site_pair(
+    link: WanLink,
+    workdir: Path,
+    processes: list,
+    credentials: Credentials | None = None,
+    identities: tuple[tuple[str, str], ...] = (),
+) -> dict[str, NatsSite]:
     """Start site A's and site B's nats-servers, the leafnode crossing ``link``.
 
     Started processes are appended to ``processes`` (also when a later step fails), for the
@@ -56,22 +60,44 @@ async def start_site_pair(link: WanLink, workdir: Path, processes: list,
     are locked down (role nkeys, TLS, a mutual-TLS leafnode).
     """
     loop = asyncio.get_running_loop()
-    site_a, process = await loop.run_in_executor(None, start_nats_on_free_ports, lambda: NatsSite(
-        SITE_A, free_port(), free_port(), workdir / "js-a", leaf_listen_port=free_port(),
-        credentials=credentials, identities=identities), workdir)
+    site_a, process = await loop.run_in_executor(
+        None,
+        start_nats_on_free_ports,
+        lambda: NatsSite(
+            SITE_A,
+            free_port(),
+            free_port(),
+            workdir / "js-a",
+            leaf_listen_port=free_port(),
+            credentials=credentials,
+            identities=identities,
+        ),
+        workdir,
+    )
     processes.append(process)
-    leaf_port = await link.add_route(Route("leafnode", "127.0.0.1", 0, "127.0.0.1",
-                                           site_a.leaf_listen_port, from_site=SITE_B))
-    site_b, process = await loop.run_in_executor(None, start_nats_on_free_ports, lambda: NatsSite(
-        SITE_B, free_port(), free_port(), workdir / "js-b",
-        leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}", credentials=credentials,
-        identities=identities), workdir)
+    leaf_port = await link.add_route(
+        Route("leafnode", "127.0.0.1", 0, "127.0.0.1", site_a.leaf_listen_port, from_site=SITE_B)
+    )
+    site_b, process = await loop.run_in_executor(
+        None,
+        start_nats_on_free_ports,
+        lambda: NatsSite(
+            SITE_B,
+            free_port(),
+            free_port(),
+            workdir / "js-b",
+            leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}",
+            credentials=credentials,
+            identities=identities,
+        ),
+        workdir,
+    )
     processes.append(process)
     # JetStream behind a leafnode answers cross-domain API calls once both servers are up.
-    await loop.run_in_executor(None, wait_until, lambda: leafnode_count(site_a) >= 1, 15,
-                               "leafnode between the sites did not connect")
-    login = {"seed_file": str(credentials.seed_file(ADMIN)), "ca_file": str(credentials.ca_file)} \
-        if credentials else {}
+    await loop.run_in_executor(
+        None, wait_until, lambda: leafnode_count(site_a) >= 1, 15, "leafnode between the sites did not connect"
+    )
+    login = {"seed_file": str(credentials.seed_file(ADMIN)), "ca_file": str(credentials.ca_file)} if credentials else {}
     for site in (site_a, site_b):  # the deployment step: streams, made by the admin identity alone
         await create_site_streams(site.url, site.site, **login)
     return {SITE_A: site_a, SITE_B: site_b}
@@ -80,15 +106,25 @@ async def start_site_pair(link: WanLink, workdir: Path, processes: list,
 class LocalStack:
     """Start with ``await stack.start()``; the router is at ``stack.base_url``."""
 
-    def __init__(self, loaded: LoadedModel, metadata: ModelMetadata, *, num_main: int = 1,
-                 num_relay: int = 1, profile: LinkProfile | None = None,
-                 router_settings: dict | None = None, engine_settings: dict | None = None,
-                 decode_settings: dict | None = None, relay_settings: dict | None = None,
-                 secret: str = "local-stack-secret", secure: bool = True, engines: dict[str, str] | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        metadata: ModelMetadata,
+        *,
+        num_main: int = 1,
+        num_relay: int = 1,
+        profile: LinkProfile | None = None,
+        router_settings: dict | None = None,
+        engine_settings: dict | None = None,
+        decode_settings: dict | None = None,
+        relay_settings: dict | None = None,
+        secret: str = "local-stack-secret",
+        secure: bool = True,
+        engines: dict[str, str] | None = None,
+    ):
         self.loaded, self.metadata = loaded, metadata
         self.num_main, self.num_relay = num_main, num_relay
-        self.link = WanLink(profile or LinkProfile(bandwidth_bps=0, rtt_ms=0, jitter_ms=0),
-                            route_key=route_key(secret))
+        self.link = WanLink(profile or LinkProfile(bandwidth_bps=0, rtt_ms=0, jitter_ms=0), route_key=route_key(secret))
         self.router_settings = router_settings or {}
         self.engine_settings = {"model": loaded.name, "kv_cache_mb": 64, **(engine_settings or {})}
         self.decode_settings = decode_settings or {}
@@ -98,8 +134,13 @@ class LocalStack:
         default (a mixed deployment: ``{"prefill": "vllm"}``)."""
         self.secret = secret
         self.workdir = Path(tempfile.mkdtemp(prefix="pdd-stack-"))
-        self.credentials = ensure_credentials(self.workdir / "secrets", instance_ids=tuple(
-            instance for _, instance in self.identities)) if secure else None
+        self.credentials = (
+            ensure_credentials(
+                self.workdir / "secrets", instance_ids=tuple(instance for _, instance in self.identities)
+            )
+            if secure
+            else None
+        )
         self.nats_processes = []
         self.sites: dict[str, NatsSite] = {}
         self.router: RouterService | None = None
@@ -120,8 +161,9 @@ class LocalStack:
 
     async def start(self) -> "LocalStack":
         """Start NATS, the link and every service; return once the router sees them all."""
-        self.sites = await start_site_pair(self.link, self.workdir, self.nats_processes, self.credentials,
-                                           self.identities)
+        self.sites = await start_site_pair(
+            self.link, self.workdir, self.nats_processes, self.credentials, self.identities
+        )
         await self._start_services()
         await self.wait_ready()
         return self
@@ -129,9 +171,13 @@ class LocalStack:
     @property
     def identities(self) -> tuple[tuple[str, str], ...]:
         """``(role, instance_id)`` of every service instance, each with its own NATS identity."""
-        return (("cache_index", "cache-index-0"), ("prefill", "prefill-0"),
-                *(("relay_decode", f"relay-decode-{i}") for i in range(self.num_relay)),
-                *(("main_decode", f"main-decode-{i}") for i in range(self.num_main)), ("router", "router-0"))
+        return (
+            ("cache_index", "cache-index-0"),
+            ("prefill", "prefill-0"),
+            *(("relay_decode", f"relay-decode-{i}") for i in range(self.num_relay)),
+            *(("main_decode", f"main-decode-{i}") for i in range(self.num_main)),
+            ("router", "router-0"),
+        )
 
     def security(self, instance_id: str) -> dict:
         """The settings instance ``instance_id`` needs to join this stack's NATS as itself."""
@@ -149,38 +195,115 @@ class LocalStack:
         ``admin`` the deployment step's (for tests: e.g. a stolen credential)."""
         role = {i: r for r, i in self.identities}.get(instance_id, ADMIN)  # admin: the deployment step's
         creds = self.security(instance_id)
-        return await nats_client.connect(self.sites[site].url, role=role, instance_id=instance_id,
-                                         seed_file=creds.get("nats_seed_file", ""),
-                                         ca_file=creds.get("tls_ca_file", ""))
+        return await nats_client.connect(
+            self.sites[site].url,
+            role=role,
+            instance_id=instance_id,
+            seed_file=creds.get("nats_seed_file", ""),
+            ca_file=creds.get("tls_ca_file", ""),
+        )
 
     async def _start_services(self):
         common = {"heartbeat_s": 0.25}
         receiver_key = {"bulk_verify_key": verify_key(self.secret)}  # receivers cannot sign flows
         a_url, b_url = self.sites[SITE_A].url, self.sites[SITE_B].url
-        self.cache_index = CacheIndexService(build_config(CacheIndexConfig, {
-            **common, **self.security("cache-index-0"), "site": SITE_A, "nats_url": a_url,
-            "instance_id": "cache-index-0"}, {}))
-        self.prefill = PrefillService(build_config(PrefillConfig, {
-            **common, "bulk_secret": self.secret, **self.security("prefill-0"), **self.engine_settings, **self._engine("prefill"), "site": SITE_A,
-            "nats_url": a_url, "instance_id": "prefill-0"}, {}), self.loaded)
+        self.cache_index = CacheIndexService(
+            build_config(
+                CacheIndexConfig,
+                {
+                    **common,
+                    **self.security("cache-index-0"),
+                    "site": SITE_A,
+                    "nats_url": a_url,
+                    "instance_id": "cache-index-0",
+                },
+                {},
+            )
+        )
+        self.prefill = PrefillService(
+            build_config(
+                PrefillConfig,
+                {
+                    **common,
+                    "bulk_secret": self.secret,
+                    **self.security("prefill-0"),
+                    **self.engine_settings,
+                    **self._engine("prefill"),
+                    "site": SITE_A,
+                    "nats_url": a_url,
+                    "instance_id": "prefill-0",
+                },
+                {},
+            ),
+            self.loaded,
+        )
         for i in range(self.num_relay):
-            self.relays.append(RelayDecodeService(build_config(RelayDecodeConfig, {
-                **common, **receiver_key, **self.security(f"relay-decode-{i}"), **self.engine_settings, **self.decode_settings,
-                **self.relay_settings, **self._engine("relay_decode"), "site": SITE_A, "nats_url": a_url,
-                "instance_id": f"relay-decode-{i}"}, {}), self.loaded))
+            self.relays.append(
+                RelayDecodeService(
+                    build_config(
+                        RelayDecodeConfig,
+                        {
+                            **common,
+                            **receiver_key,
+                            **self.security(f"relay-decode-{i}"),
+                            **self.engine_settings,
+                            **self.decode_settings,
+                            **self.relay_settings,
+                            **self._engine("relay_decode"),
+                            "site": SITE_A,
+                            "nats_url": a_url,
+                            "instance_id": f"relay-decode-{i}",
+                        },
+                        {},
+                    ),
+                    self.loaded,
+                )
+            )
         # One routed port for every main decoder, as `pdd up` and compose run it.
         wan_port = await self.link.add_route(Route("bulk-main-decode", "127.0.0.1", 0, "*", 0, from_site=SITE_A))
         for i in range(self.num_main):
             bulk_port = free_port()
-            self.mains.append(MainDecodeService(build_config(BulkReceiverConfig, {
-                **common, **receiver_key, **self.security(f"main-decode-{i}"), **self.engine_settings, **self.decode_settings,
-                **self._engine("main_decode"), "site": SITE_B,
-                "nats_url": b_url, "instance_id": f"main-decode-{i}", "bulk_port": bulk_port,
-                "bulk_advertise": f"127.0.0.1:{bulk_port}", "bulk_link": f"127.0.0.1:{wan_port}"}, {}), self.loaded))
-        self.router = RouterService(build_config(RouterConfig, {
-            **common, **self.security("router-0"), "site": SITE_A, "nats_url": a_url, "instance_id": "router-0",
-            "model": self.loaded.name, "http_port": 0, "instance_ttl_s": 2.0,
-            **self.router_settings}, {}), self.metadata)
+            self.mains.append(
+                MainDecodeService(
+                    build_config(
+                        BulkReceiverConfig,
+                        {
+                            **common,
+                            **receiver_key,
+                            **self.security(f"main-decode-{i}"),
+                            **self.engine_settings,
+                            **self.decode_settings,
+                            **self._engine("main_decode"),
+                            "site": SITE_B,
+                            "nats_url": b_url,
+                            "instance_id": f"main-decode-{i}",
+                            "bulk_port": bulk_port,
+                            "bulk_advertise": f"127.0.0.1:{bulk_port}",
+                            "bulk_link": f"127.0.0.1:{wan_port}",
+                        },
+                        {},
+                    ),
+                    self.loaded,
+                )
+            )
+        self.router = RouterService(
+            build_config(
+                RouterConfig,
+                {
+                    **common,
+                    **self.security("router-0"),
+                    "site": SITE_A,
+                    "nats_url": a_url,
+                    "instance_id": "router-0",
+                    "model": self.loaded.name,
+                    "http_port": 0,
+                    "instance_ttl_s": 2.0,
+                    **self.router_settings,
+                },
+                {},
+            ),
+            self.metadata,
+        )
         for service in self.services:
             await service.start()
 
@@ -189,14 +312,16 @@ class LocalStack:
 
     async def wait_ready(self, timeout_s: float = 20.0):
         """Until the router sees every engine instance and the cache-index is in sync."""
-        want = {"prefill": 1, "relay_decode": len(self.relays), "main_decode": len(self.mains),
-                "cache_index": 1}
+        want = {"prefill": 1, "relay_decode": len(self.relays), "main_decode": len(self.mains), "cache_index": 1}
 
         def ready():
             live = self.router.registry.summary()
             synced = all(idx.seq >= 0 for idx in self.cache_index.instances.values())
-            return all(len(live[s]) >= n for s, n in want.items()) and synced and \
-                len(self.cache_index.instances) >= 1 + len(self.mains)
+            return (
+                all(len(live[s]) >= n for s, n in want.items())
+                and synced
+                and len(self.cache_index.instances) >= 1 + len(self.mains)
+            )
 
         deadline = asyncio.get_running_loop().time() + timeout_s
         while not ready():
@@ -213,7 +338,8 @@ class LocalStack:
     async def start_nats(self, site: str):
         """Start the site's nats-server again on the same ports and JetStream store."""
         self.nats_processes[list(self.sites).index(site)] = await asyncio.get_running_loop().run_in_executor(
-            None, start_nats, self.sites[site], self.workdir)
+            None, start_nats, self.sites[site], self.workdir
+        )
 
     async def restart_nats(self, site: str):
         """Stop and start the site's nats-server."""
@@ -233,6 +359,6 @@ class LocalStack:
         for process in self.nats_processes:
             try:
                 process.wait(timeout=5)
-            except Exception:
+            except subprocess.TimeoutExpired:
                 process.kill()
         shutil.rmtree(self.workdir, ignore_errors=True)

@@ -15,8 +15,16 @@ from pathlib import Path
 
 from infra.credentials import LEAF_ROLE, PEER_OF_SITE, Credentials, write_private
 from shared.errors import PddError
-from shared.nats_roles import (ADMIN, ANY, ROLES, RolePermissions, admin_permissions, leafnode_permissions,
-                               permissions, spoke_denials)
+from shared.nats_roles import (
+    ADMIN,
+    ANY,
+    ROLES,
+    RolePermissions,
+    admin_permissions,
+    leafnode_permissions,
+    permissions,
+    spoke_denials,
+)
 
 SITE_A, SITE_B = "site-a", "site-b"
 """The two sites: site A's server takes the leafnode, site B's (its main decoders') dials it."""
@@ -86,23 +94,26 @@ class NatsSite:
 
 def _tls_block(creds: Credentials, peer: str) -> str:
     # TLS before the INFO line: a plaintext client fails the handshake instead of reading INFO.
-    return (f'cert_file: "{creds.cert_file(peer)}", key_file: "{creds.key_file(peer)}", '
-            f'ca_file: "{creds.ca_file}", handshake_first: true')
+    return (
+        f'cert_file: "{creds.cert_file(peer)}", key_file: "{creds.key_file(peer)}", '
+        f'ca_file: "{creds.ca_file}", handshake_first: true'
+    )
 
 
 def leaf_remote(creds: Credentials) -> str:
     """The spoke's remote entry: the seed it signs the hub's challenge with, and what the
     spoke itself refuses to send or take over the leafnode (``nats_roles.spoke_denials``)."""
     denied = spoke_denials(SITE_B)
-    return (f'nkey: "{creds.seed_file(LEAF_ROLE).read_text().strip()}", '
-            f"deny_exports: {_quoted(denied.publish)}, deny_imports: {_quoted(denied.subscribe)}")
+    return (
+        f'nkey: "{creds.seed_file(LEAF_ROLE).read_text().strip()}", '
+        f"deny_exports: {_quoted(denied.publish)}, deny_imports: {_quoted(denied.subscribe)}"
+    )
 
 
 def write_config_includes(creds: Credentials):
     """Files a static server configuration (docker-compose, Kubernetes) includes from the
     mounted secrets: the users (services by role, the leafnode, admin), the spoke's remote."""
-    for name, text in (("nats-users.conf", _authorization(creds)),
-                       ("nats-leaf-remote.conf", leaf_remote(creds))):
+    for name, text in (("nats-users.conf", _authorization(creds)), ("nats-leaf-remote.conf", leaf_remote(creds))):
         write_private(creds.folder / name, (text + "\n").encode())
 
 
@@ -112,19 +123,24 @@ def _authorization(creds: Credentials, identities: tuple[tuple[str, str], ...] =
     server, allowed in only as a leafnode and held to what must cross. Service users may
     connect only as clients, so no service credential can join as a leafnode."""
     main_decoders = tuple(i for role, i in identities if role == "main_decode") or (ANY,)
-    users = [_user(creds.public_key(role if instance_id == ANY else instance_id),
-                   permissions(role, instance_id), "STANDARD")
-             for role, instance_id in identities or ((role, ANY) for role in ROLES)]
-    users += [_user(creds.public_key(ADMIN), admin_permissions(), "STANDARD"),
-              _user(creds.public_key(LEAF_ROLE), leafnode_permissions(SITE_B, main_decoders), "LEAFNODE")]
+    users = [
+        _user(creds.public_key(role if instance_id == ANY else instance_id), permissions(role, instance_id), "STANDARD")
+        for role, instance_id in identities or ((role, ANY) for role in ROLES)
+    ]
+    users += [
+        _user(creds.public_key(ADMIN), admin_permissions(), "STANDARD"),
+        _user(creds.public_key(LEAF_ROLE), leafnode_permissions(SITE_B, main_decoders), "LEAFNODE"),
+    ]
     return "authorization { timeout: 5, users: [\n  " + ",\n  ".join(users) + "\n] }"
 
 
 def _user(public_key: str, allowed: RolePermissions, connection_type: str) -> str:
     responses = ", allow_responses: true" if connection_type == "STANDARD" else ""
-    return (f'{{ nkey: "{public_key}", allowed_connection_types: ["{connection_type}"], permissions: {{ '
-            f"publish: {{ allow: {_quoted(allowed.publish)} }}, "
-            f"subscribe: {{ allow: {_quoted(allowed.subscribe)} }}{responses} }} }}")
+    return (
+        f'{{ nkey: "{public_key}", allowed_connection_types: ["{connection_type}"], permissions: {{ '
+        f"publish: {{ allow: {_quoted(allowed.publish)} }}, "
+        f"subscribe: {{ allow: {_quoted(allowed.subscribe)} }}{responses} }} }}"
+    )
 
 
 def _quoted(patterns: tuple[str, ...]) -> str:
@@ -166,11 +182,16 @@ def start_nats(site: NatsSite, workdir: Path, log_path: Path | None = None) -> s
     write_private(config, site.config_text().encode())  # it may hold the leafnode's seed
     log_path = log_path or workdir / f"nats-{site.site}.log"
     with open(log_path, "ab") as log_file:
-        process = subprocess.Popen([nats_server_binary(), "-c", str(config)], stdout=log_file,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            [nats_server_binary(), "-c", str(config)], stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
-        wait_until(lambda: _get_json(site.monitor_port, "/healthz") is not None, 15,
-                   f"nats-server {site.site} did not become healthy", process)
+        wait_until(
+            lambda: _get_json(site.monitor_port, "/healthz") is not None,
+            15,
+            f"nats-server {site.site} did not become healthy",
+            process,
+        )
     except NatsStartError as exc:
         process.kill()
         tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]

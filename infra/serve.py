@@ -28,16 +28,27 @@ def add_serve_parsers(commands):
     for name, cls in SERVICE_CONFIGS.items():
         add_arguments(kinds.add_parser(name, help=f"run {name}"), cls)
     wan = kinds.add_parser("wan_link", help="run the WAN link emulator")
-    wan.add_argument("--control-host", default="127.0.0.1", help="address of the control API (/link, /metrics, /health)")
+    wan.add_argument(
+        "--control-host", default="127.0.0.1", help="address of the control API (/link, /metrics, /health)"
+    )
     wan.add_argument("--control-port", type=int, default=8100, help="port of the control API")
-    wan.add_argument("--route", action="append", default=[], metavar="NAME=HOST:PORT>HOST:PORT@SITE",
-                     help="forward NAME from listen HOST:PORT to target HOST:PORT; SITE is the connecting side's site; "
-                          "target * or *:PORT: each connection names its own (signed with the route key)")
-    wan.add_argument("--control-key-file", default="",
-                     help="bearer key /link requires (pdd secrets writes control.key); needed when "
-                          "--control-host is not a loopback address")
-    wan.add_argument("--route-key-file", default="",
-                     help="the route key (pdd secrets writes link-route.key): needed by routed ports")
+    wan.add_argument(
+        "--route",
+        action="append",
+        default=[],
+        metavar="NAME=HOST:PORT>HOST:PORT@SITE",
+        help="forward NAME from listen HOST:PORT to target HOST:PORT; SITE is the connecting side's site; "
+        "target * or *:PORT: each connection names its own (signed with the route key)",
+    )
+    wan.add_argument(
+        "--control-key-file",
+        default="",
+        help="bearer key /link requires (pdd secrets writes control.key); needed when "
+        "--control-host is not a loopback address",
+    )
+    wan.add_argument(
+        "--route-key-file", default="", help="the route key (pdd secrets writes link-route.key): needed by routed ports"
+    )
     wan.add_argument("--bandwidth", default="100mbit", help="capacity per direction (e.g. 1gbit, unlimited)")
     wan.add_argument("--rtt", default="40ms", help="base round trip")
     wan.add_argument("--jitter", default="5ms", help="standard deviation of the one-way delay")
@@ -72,15 +83,20 @@ def run_serve(args) -> int:
 def _make_service(name: str, config):
     if name == "router":
         from services.router.service import RouterService
+
         return RouterService(config)
     if name == "prefill":
         from services.prefill.service import PrefillService
+
         return PrefillService(config)
     if name == "relay_decode":
         from services.relay_decode.service import RelayDecodeService
+
         return RelayDecodeService(config)
     if name == "main_decode":
         from services.main_decode.service import MainDecodeService
+
         return MainDecodeService(config)
     from services.cache_index.service import CacheIndexService
+
     return CacheIndexService(config)

@@ -37,8 +37,7 @@ async def create_streams(nc: nats.NATS, site: str, timeout_s: float = 30.0) -> l
                 except nats.js.errors.BadRequestError:
                     await js.update_stream(config)
                 break
-            except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError,
-                    nats.errors.TimeoutError):
+            except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError, nats.errors.TimeoutError):
                 if asyncio.get_running_loop().time() > deadline:
                     raise
                 await asyncio.sleep(0.2)
@@ -48,8 +47,15 @@ async def create_streams(nc: nats.NATS, site: str, timeout_s: float = 30.0) -> l
 
 async def create_site_streams(url: str, site: str, seed_file: str = "", ca_file: str = "") -> list[str]:
     """Connect to ``site``'s server at ``url`` as the admin and create its streams."""
-    nc = await nats_client.connect(url, role=ADMIN, instance_id=ADMIN, seed_file=seed_file, ca_file=ca_file,
-                                   connect_timeout=5, max_reconnect_attempts=10)
+    nc = await nats_client.connect(
+        url,
+        role=ADMIN,
+        instance_id=ADMIN,
+        seed_file=seed_file,
+        ca_file=ca_file,
+        connect_timeout=5,
+        max_reconnect_attempts=10,
+    )
     try:
         return await create_streams(nc, site)
     finally:

@@ -30,7 +30,7 @@ class _Restarts:
     started: float = 0.0
 
     def backoff_s(self) -> float:
-        return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** self.consecutive)
+        return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2**self.consecutive)
 
 
 def supervise(run_dir: Path) -> int:

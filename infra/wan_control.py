@@ -18,9 +18,11 @@ def add_wan_parsers(commands):
     """The ``pdd wan`` subcommands."""
     wan = commands.add_parser("wan", help="show or change the WAN link of a running deployment")
     wan.add_argument("--control-url", default=None, help="default: from the running deployment")
-    wan.add_argument("--control-key-file", default=None,
-                     help="the control API's key (control.key of the secrets folder); default: the running "
-                          "deployment's")
+    wan.add_argument(
+        "--control-key-file",
+        default=None,
+        help="the control API's key (control.key of the secrets folder); default: the running deployment's",
+    )
     actions = wan.add_subparsers(dest="wan_action", required=True)
     actions.add_parser("show", help="profile and byte counters")
     change = actions.add_parser("set", help="change bandwidth, RTT, jitter or stalls")
@@ -52,7 +54,9 @@ def profile_changes(args) -> dict:
     if args.seed is not None:
         changes["seed"] = args.seed
     if not changes:
-        raise WanControlError("nothing to set: give --bandwidth, --rtt, --jitter, --stall-probability, --stall or --seed")
+        raise WanControlError(
+            "nothing to set: give --bandwidth, --rtt, --jitter, --stall-probability, --stall or --seed"
+        )
     return changes
 
 
@@ -67,8 +71,9 @@ def call(control_url: str, changes: dict | None, key: str = "") -> dict:
     link's snapshot."""
     data = json.dumps(changes).encode() if changes is not None else None
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    request = urllib.request.Request(control_url.rstrip("/") + "/link", data=data,
-                                     method="PUT" if data else "GET", headers=headers)
+    request = urllib.request.Request(
+        control_url.rstrip("/") + "/link", data=data, method="PUT" if data else "GET", headers=headers
+    )
     try:
         with urllib.request.urlopen(request, timeout=5) as response:
             return json.loads(response.read())

@@ -145,8 +145,9 @@ class WanLink:
         """
         if route.routed and self._routes_auth is None:
             raise ValueError(f"routed port {route.name!r} needs the route key (--route-key-file)")
-        server = await asyncio.start_server(lambda r, w: self._accept(route, r, w),
-                                            route.listen_host, route.listen_port)
+        server = await asyncio.start_server(
+            lambda r, w: self._accept(route, r, w), route.listen_host, route.listen_port
+        )
         port = server.sockets[0].getsockname()[1]
         self._servers[route.name] = server
         self.routes[route.name] = route
@@ -163,10 +164,12 @@ class WanLink:
 
     def snapshot(self) -> dict:
         """Profile and counters, for ``pdd wan show``."""
-        return {"profile": asdict(self.profile),
-                "routes": {n: {**asdict(r), **asdict(self.stats[n])} for n, r in self.routes.items()},
-                "bytes_per_direction": {d: s.bytes for d, s in self._directions.items()},
-                "queued_bytes_per_direction": {d: s.queued_bytes for d, s in self._directions.items()}}
+        return {
+            "profile": asdict(self.profile),
+            "routes": {n: {**asdict(r), **asdict(self.stats[n])} for n, r in self.routes.items()},
+            "bytes_per_direction": {d: s.bytes for d, s in self._directions.items()},
+            "queued_bytes_per_direction": {d: s.queued_bytes for d, s in self._directions.items()},
+        }
 
     async def _accept(self, route: Route, client_reader, client_writer):
         task = asyncio.current_task()
@@ -179,16 +182,18 @@ class WanLink:
             if target is not None:
                 await self._open.wait()
                 target_reader, target_writer = await asyncio.open_connection(*target)
-        except (OSError, asyncio.CancelledError, asyncio.TimeoutError):
+        except (TimeoutError, OSError, asyncio.CancelledError):
             target = None
         if target is None:
             client_writer.close()
             self._tasks.discard(task)
             return
-        forward = asyncio.create_task(self._pipe(client_reader, target_writer,
-                                                 f"{route.from_site}->{other}", stats, True))
-        reverse = asyncio.create_task(self._pipe(target_reader, client_writer,
-                                                 f"{other}->{route.from_site}", stats, False))
+        forward = asyncio.create_task(
+            self._pipe(client_reader, target_writer, f"{route.from_site}->{other}", stats, True)
+        )
+        reverse = asyncio.create_task(
+            self._pipe(target_reader, client_writer, f"{other}->{route.from_site}", stats, False)
+        )
         try:
             await asyncio.gather(forward, reverse)
         except asyncio.CancelledError:
@@ -287,10 +292,9 @@ def _refuse(route: Route, stats: _RouteStats, reason: str, **fields) -> None:
 
 # --- units and control API ---------------------------------------------------------------
 
-_RATE = re.compile(r"^\s*([0-9.]+)\s*(bit|kbit|mbit|gbit|bps|kbps|mbps|gbps)?\s*$", re.I)
-_TIME = re.compile(r"^\s*([0-9.]+)\s*(us|ms|s)?\s*$", re.I)
-_RATE_UNITS = {"bit": 1, "bps": 1, "kbit": 1e3, "kbps": 1e3, "mbit": 1e6, "mbps": 1e6,
-               "gbit": 1e9, "gbps": 1e9}
+_RATE = re.compile(r"^\s*([0-9.]+)\s*(bit|kbit|mbit|gbit|bps|kbps|mbps|gbps)?\s*$", re.IGNORECASE)
+_TIME = re.compile(r"^\s*([0-9.]+)\s*(us|ms|s)?\s*$", re.IGNORECASE)
+_RATE_UNITS = {"bit": 1, "bps": 1, "kbit": 1e3, "kbps": 1e3, "mbit": 1e6, "mbps": 1e6, "gbit": 1e9, "gbps": 1e9}
 
 
 def parse_rate(text: str) -> float:
@@ -314,8 +318,7 @@ def parse_ms(text: str) -> float:
 
 def parse_profile(bandwidth: str, rtt: str, jitter: str, seed: int = 0) -> LinkProfile:
     """A profile from the command-line spellings (``100mbit``, ``40ms``, ``5ms``)."""
-    return LinkProfile(bandwidth_bps=parse_rate(bandwidth), rtt_ms=parse_ms(rtt),
-                       jitter_ms=parse_ms(jitter), seed=seed)
+    return LinkProfile(bandwidth_bps=parse_rate(bandwidth), rtt_ms=parse_ms(rtt), jitter_ms=parse_ms(jitter), seed=seed)
 
 
 def parse_route(text: str) -> "Route":
@@ -341,7 +344,8 @@ def parse_route(text: str) -> "Route":
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"route {text!r}: expected NAME=HOST:PORT>HOST:PORT@SITE (target * or *:PORT: "
-            "each connection names its own)") from None
+            "each connection names its own)"
+        ) from None
 
 
 def control_app(link: WanLink, control_key: str = "") -> web.Application:
@@ -359,8 +363,9 @@ def control_app(link: WanLink, control_key: str = "") -> web.Application:
         if control_key and request.path == "/link":
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), control_key.encode()):
-                return web.json_response({"error": "missing or incorrect control key (send Authorization: "
-                                                   "Bearer <control.key>)"}, status=401)
+                return web.json_response(
+                    {"error": "missing or incorrect control key (send Authorization: Bearer <control.key>)"}, status=401
+                )
         return await handler(request)
 
     async def show(request):
@@ -378,6 +383,12 @@ def control_app(link: WanLink, control_key: str = "") -> web.Application:
     async def health(request):
         return web.json_response({"status": "ok", "partitioned": link.profile.partitioned})
 
-    app.add_routes([web.get("/link", show), web.put("/link", change), web.get("/metrics", metrics_handler(link)),
-                    web.get("/health", health)])
+    app.add_routes(
+        [
+            web.get("/link", show),
+            web.put("/link", change),
+            web.get("/metrics", metrics_handler(link)),
+            web.get("/health", health),
+        ]
+    )
     return app

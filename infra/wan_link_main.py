@@ -25,8 +25,10 @@ async def run_wan_link(args):
     key = Path(args.route_key_file).read_text().strip() if args.route_key_file else ""
     control_key = Path(args.control_key_file).read_text().strip() if args.control_key_file else ""
     if not control_key and not is_loopback(args.control_host):
-        raise ConfigError(f"--control-host {args.control_host} is reachable from other machines: give "
-                          "--control-key-file (its /link changes the link) or listen on 127.0.0.1")
+        raise ConfigError(
+            f"--control-host {args.control_host} is reachable from other machines: give "
+            "--control-key-file (its /link changes the link) or listen on 127.0.0.1"
+        )
     link = WanLink(parse_profile(args.bandwidth, args.rtt, args.jitter, args.seed), route_key=key)
     for text in args.route:
         await link.add_route(parse_route(text))

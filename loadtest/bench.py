@@ -32,28 +32,36 @@ def percentiles(values: list[float]) -> dict:
     if not values:
         return {"p50": None, "p90": None, "p99": None, "mean": None}
     array = np.asarray(values, dtype=float)
-    return {"p50": round(float(np.percentile(array, 50)), 1), "p90": round(float(np.percentile(array, 90)), 1),
-            "p99": round(float(np.percentile(array, 99)), 1), "mean": round(float(array.mean()), 1)}
+    return {
+        "p50": round(float(np.percentile(array, 50)), 1),
+        "p90": round(float(np.percentile(array, 90)), 1),
+        "p99": round(float(np.percentile(array, 99)), 1),
+        "mean": round(float(array.mean()), 1),
+    }
 
 
 def summarise(records: list[RequestRecord], wall_s: float, ttft_slo_ms: float, itl_slo_ms: float) -> dict:
     """One mode's figures."""
     ok = [r for r in records if r.error is None]
-    good = [r for r in ok if r.ttft_ms is not None and r.ttft_ms <= ttft_slo_ms
-            and max(r.itl_ms, default=0) <= itl_slo_ms]
+    good = [
+        r for r in ok if r.ttft_ms is not None and r.ttft_ms <= ttft_slo_ms and max(r.itl_ms, default=0) <= itl_slo_ms
+    ]
     output = sum(r.output_tokens for r in ok)
     eager = sum(r.pdd.get("eager_tokens", 0) for r in ok)
-    count = lambda key: {v: sum(1 for r in ok if r.pdd.get(key) == v)  # noqa: E731
-                         for v in sorted({str(r.pdd.get(key)) for r in ok}) if v != "None"}
+    count = lambda key: {
+        v: sum(1 for r in ok if r.pdd.get(key) == v) for v in sorted({str(r.pdd.get(key)) for r in ok}) if v != "None"
+    }
     return {
-        "requests": len(records), "errors": len(records) - len(ok),
+        "requests": len(records),
+        "errors": len(records) - len(ok),
         "ttft_ms": percentiles([r.ttft_ms for r in ok if r.ttft_ms is not None]),
         "itl_ms": percentiles([g for r in ok for g in r.itl_ms]),
         "e2e_ms": percentiles([r.e2e_ms for r in ok if r.e2e_ms is not None]),
         "goodput_rps": round(len(good) / wall_s, 3) if wall_s else 0.0,
         "wan_kv_bytes": sum(r.pdd.get("wan_kv_bytes", 0) for r in ok),
         "rld_token_share": round(eager / output, 4) if output else 0.0,
-        "pipelines": count("pipeline"), "handoff_modes": count("handoff_mode"),
+        "pipelines": count("pipeline"),
+        "handoff_modes": count("handoff_mode"),
         "odd_traffic": sum(1 for r in ok if r.pdd.get("odd_traffic")),
         "finished_on": count("finished_on"),
         "mean_output_tokens": round(output / len(ok), 1) if ok else 0.0,
@@ -69,8 +77,9 @@ def link_kv_bytes(wan_control_url: str, control_key: str) -> int:
     return sum(r["bytes_forward"] for name, r in routes.items() if name.startswith("bulk-"))
 
 
-def settled_link_kv_bytes(wan_control_url: str, control_key: str, quiet_s: float = 1.0,
-                          timeout_s: float = 120.0) -> int:
+def settled_link_kv_bytes(
+    wan_control_url: str, control_key: str, quiet_s: float = 1.0, timeout_s: float = 120.0
+) -> int:
     """The link's KV byte count once transfers still running after the last answer are done.
 
     A request the relay finished keeps shipping its KV to main decode (so main decode's cache
@@ -94,8 +103,9 @@ def run_mode(mode: str, trace, args) -> tuple[list[RequestRecord], float, int]:
     Returns the records, the wall time and the KV bytes counted on the WAN link.
     """
     with mode_deployment(mode, args) as deployment:
-        records, wall_s = asyncio.run(run_trace(deployment.router_url, trace, concurrency=args.concurrency,
-                                                open_loop=args.rate > 0))
+        records, wall_s = asyncio.run(
+            run_trace(deployment.router_url, trace, concurrency=args.concurrency, open_loop=args.rate > 0)
+        )
         return records, wall_s, settled_link_kv_bytes(deployment.wan_control_url, deployment.control_key())
 
 
@@ -123,8 +133,14 @@ def bench_trace(args):
     """The trace ``args`` describe: ``--trace`` read back, or generated from the seed."""
     if getattr(args, "trace", None):
         return load_trace(Path(args.trace))
-    return generate_trace(args.seed, sessions=args.sessions, turns=args.turns, cold_lines=args.cold_lines,
-                          max_tokens=args.max_tokens, session_rate_per_s=args.rate)
+    return generate_trace(
+        args.seed,
+        sessions=args.sessions,
+        turns=args.turns,
+        cold_lines=args.cold_lines,
+        max_tokens=args.max_tokens,
+        session_rate_per_s=args.rate,
+    )
 
 
 def run_bench(args) -> dict:
@@ -161,13 +177,14 @@ def run_bench(args) -> dict:
         results["modes"][mode] = pooled_summary(mode, results["repetitions"], runs[mode], args)
         records[mode] = [r for run in runs[mode] for r in run.records]
     results["intervals"] = ratio_intervals(runs, seed=args.seed)
+    from infra.wan_link import parse_profile
     from loadtest.handoff_microbench import run_handoff_microbench
     from shared.model_loader import load_model
-    from infra.wan_link import parse_profile
 
     profile = parse_profile(args.bandwidth, args.rtt, args.jitter, args.seed)
-    results["handoff_microbench"] = run_handoff_microbench(load_model(args.model), profile=profile,
-                                                           trials=args.handoff_trials)
+    results["handoff_microbench"] = run_handoff_microbench(
+        load_model(args.model), profile=profile, trials=args.handoff_trials
+    )
     _write(results, records, out, started)
     return results
 
@@ -176,12 +193,15 @@ def _run_endpoint(args, trace, out: Path, results: dict, started: float) -> dict
     """Replay the trace against ``args.url`` as one mode named ``args.label``."""
     url = args.url.rstrip("/")
     print(f"{args.label} ({url}): {len(trace)} requests", flush=True)
-    records, wall_s = asyncio.run(run_trace(url, trace, concurrency=args.concurrency, open_loop=args.rate > 0,
-                                            model=args.model))
+    records, wall_s = asyncio.run(
+        run_trace(url, trace, concurrency=args.concurrency, open_loop=args.rate > 0, model=args.model)
+    )
     results["modes"][args.label] = summarise(records, wall_s, args.ttft_slo_ms, args.itl_slo_ms)
     results["modes"][args.label]["wan_link_kv_bytes"] = None  # no link of ours to count on
-    print(f"  {json.dumps(results['modes'][args.label]['ttft_ms'])} errors={results['modes'][args.label]['errors']}",
-          flush=True)
+    print(
+        f"  {json.dumps(results['modes'][args.label]['ttft_ms'])} errors={results['modes'][args.label]['errors']}",
+        flush=True,
+    )
     _write(results, {args.label: records}, out, started)
     return results
 
@@ -191,8 +211,7 @@ def _write(results: dict, records: dict, out: Path, started: float):
 
     results["config"]["duration_s"] = round(time.perf_counter() - started, 1)
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "records.json").write_text(json.dumps(
-        {m: [r.__dict__ for r in rs] for m, rs in records.items()}, indent=1))
+    (out / "records.json").write_text(json.dumps({m: [r.__dict__ for r in rs] for m, rs in records.items()}, indent=1))
     write_report(results, records, out)
 
 
@@ -228,29 +247,56 @@ def add_bench_run_parser(bench_kinds):
     run = bench_kinds.add_parser("run", help="the four-mode comparison (results.json, report.md, plots)")
     run.add_argument("--out", required=True, help="folder for results.json, report.md, plots and the trace")
     run.add_argument("--quick", action="store_true", help="small trace: 5 sessions x 4 turns (full: 12 x 6)")
-    run.add_argument("--url", default=None, help="benchmark this OpenAI-compatible base URL (e.g. "
-                     "http://127.0.0.1:8000/v1) instead of deployments started here")
-    run.add_argument("--label", default="endpoint", help="the mode name of a --url run in results.json "
-                     "(default: endpoint)")
-    run.add_argument("--model", default=None, help="model to deploy (smollm2, tiny or an HF folder; default "
-                     "smollm2); with --url the model name sent (default: the first /models lists)")
-    run.add_argument("--engine", default="hf", help="engine backend of every engine service (hf, vllm; "
-                     "vllm needs the .venv-vllm environment)")
-    run.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES),
-                     help=f"deployments to compare (default: {' '.join(DEFAULT_MODES)})")
-    run.add_argument("--repeat", type=int, default=1, help="repetitions of every mode, interleaved; ratios "
-                     "are reported as a median with a 90%% bootstrap interval (default 1)")
-    run.add_argument("--calibrate", action="store_true", help="after each repetition, replay pdd profile's "
-                     "calibration workload through a fresh PDD deployment (OUT/calibration/, about 1.5 minutes "
-                     "each): pdd sim validate then times steps as the machine ran them in the run's minutes")
+    run.add_argument(
+        "--url",
+        default=None,
+        help="benchmark this OpenAI-compatible base URL (e.g. "
+        "http://127.0.0.1:8000/v1) instead of deployments started here",
+    )
+    run.add_argument(
+        "--label", default="endpoint", help="the mode name of a --url run in results.json (default: endpoint)"
+    )
+    run.add_argument(
+        "--model",
+        default=None,
+        help="model to deploy (smollm2, tiny or an HF folder; default "
+        "smollm2); with --url the model name sent (default: the first /models lists)",
+    )
+    run.add_argument(
+        "--engine",
+        default="hf",
+        help="engine backend of every engine service (hf, vllm; vllm needs the .venv-vllm environment)",
+    )
+    run.add_argument(
+        "--modes",
+        nargs="+",
+        default=DEFAULT_MODES,
+        choices=list(MODES),
+        help=f"deployments to compare (default: {' '.join(DEFAULT_MODES)})",
+    )
+    run.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="repetitions of every mode, interleaved; ratios "
+        "are reported as a median with a 90%% bootstrap interval (default 1)",
+    )
+    run.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="after each repetition, replay pdd profile's "
+        "calibration workload through a fresh PDD deployment (OUT/calibration/, about 1.5 minutes "
+        "each): pdd sim validate then times steps as the machine ran them in the run's minutes",
+    )
     run.add_argument("--trace", default=None, help="replay a JSONL trace instead of generating one")
     run.add_argument("--sessions", type=int, default=None, help="sessions in the generated trace")
     run.add_argument("--turns", type=int, default=None, help="turns per session in the generated trace")
     run.add_argument("--cold-lines", type=int, default=40, help="tool-output lines of a first turn (default 40)")
     run.add_argument("--max-tokens", type=int, default=24, help="output tokens per turn (default 24)")
     run.add_argument("--concurrency", type=int, default=2, help="closed-loop sessions at once (default 2)")
-    run.add_argument("--rate", type=float, default=0.0, help="open-loop session starts per second (default 0: "
-                     "closed loop)")
+    run.add_argument(
+        "--rate", type=float, default=0.0, help="open-loop session starts per second (default 0: closed loop)"
+    )
     run.add_argument("--bandwidth", default="100mbit", help="emulated WAN rate (default 100mbit)")
     run.add_argument("--rtt", default="40ms", help="emulated WAN round trip (default 40ms)")
     run.add_argument("--jitter", default="5ms", help="emulated WAN jitter (default 5ms)")
@@ -258,12 +304,15 @@ def add_bench_run_parser(bench_kinds):
     run.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool per engine (default 512)")
     run.add_argument("--ttft-slo-ms", type=float, default=3000.0, help="goodput's TTFT bound (default 3000)")
     run.add_argument("--itl-slo-ms", type=float, default=1000.0, help="goodput's inter-token bound (default 1000)")
-    run.add_argument("--handoff-trials", type=int, default=20, help="trials of the handoff microbenchmark "
-                     "(default 20)")
+    run.add_argument("--handoff-trials", type=int, default=20, help="trials of the handoff microbenchmark (default 20)")
     trace = bench_kinds.add_parser("trace", help="write the benchmark's agentic trace for other tools")
     trace.add_argument("--out", required=True, help="file to write")
-    trace.add_argument("--format", default="mooncake", choices=["mooncake", "jsonl"],
-                       help="mooncake: aiperf's --custom-dataset-type mooncake_trace (default); jsonl: ours")
+    trace.add_argument(
+        "--format",
+        default="mooncake",
+        choices=["mooncake", "jsonl"],
+        help="mooncake: aiperf's --custom-dataset-type mooncake_trace (default); jsonl: ours",
+    )
     trace.add_argument("--quick", action="store_true", help="the quick benchmark's trace")
     trace.add_argument("--sessions", type=int, default=None, help="sessions (default: 5 quick, 12 full)")
     trace.add_argument("--turns", type=int, default=None, help="turns per session (default: 4 quick, 6 full)")

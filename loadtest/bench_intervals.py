@@ -68,6 +68,7 @@ def _ttft_ratio(mode: str, base: str, q: float) -> Callable[[Runs], float | None
         if not len(top) or not len(bottom):
             return None
         return float(np.percentile(top, q) / np.percentile(bottom, q))
+
     return statistic
 
 
@@ -86,17 +87,42 @@ def _rld_share(runs: Runs) -> float | None:
 
 
 RATIOS = [
-    RatioSpec("pdd_vs_drc_ttft_p99", "PDD P99 TTFT / cross-site PD with DRC", ("pdd", "cross-site-pd-drc"),
-              _ttft_ratio("pdd", "cross-site-pd-drc", 99), 0.5),
-    RatioSpec("pdd_vs_same_site_ttft_p99", "PDD P99 TTFT / same-site", ("pdd", "same-site"),
-              _ttft_ratio("pdd", "same-site", 99), 1.5),
-    RatioSpec("drc_vs_full_wan_bytes", "DRC WAN bytes / full transfer (counted on the link)",
-              ("cross-site-pd-drc", "cross-site-pd"), _link_bytes_ratio, 0.3),
+    RatioSpec(
+        "pdd_vs_drc_ttft_p99",
+        "PDD P99 TTFT / cross-site PD with DRC",
+        ("pdd", "cross-site-pd-drc"),
+        _ttft_ratio("pdd", "cross-site-pd-drc", 99),
+        0.5,
+    ),
+    RatioSpec(
+        "pdd_vs_same_site_ttft_p99",
+        "PDD P99 TTFT / same-site",
+        ("pdd", "same-site"),
+        _ttft_ratio("pdd", "same-site", 99),
+        1.5,
+    ),
+    RatioSpec(
+        "drc_vs_full_wan_bytes",
+        "DRC WAN bytes / full transfer (counted on the link)",
+        ("cross-site-pd-drc", "cross-site-pd"),
+        _link_bytes_ratio,
+        0.3,
+    ),
     RatioSpec("rld_token_share", "RLD token share", ("pdd",), _rld_share, 0.2),
-    RatioSpec("pdd_vs_drc_ttft_p50", "PDD P50 TTFT / cross-site PD with DRC", ("pdd", "cross-site-pd-drc"),
-              _ttft_ratio("pdd", "cross-site-pd-drc", 50), None),
-    RatioSpec("pdd_vs_drc_ttft_p90", "PDD P90 TTFT / cross-site PD with DRC", ("pdd", "cross-site-pd-drc"),
-              _ttft_ratio("pdd", "cross-site-pd-drc", 90), None),
+    RatioSpec(
+        "pdd_vs_drc_ttft_p50",
+        "PDD P50 TTFT / cross-site PD with DRC",
+        ("pdd", "cross-site-pd-drc"),
+        _ttft_ratio("pdd", "cross-site-pd-drc", 50),
+        None,
+    ),
+    RatioSpec(
+        "pdd_vs_drc_ttft_p90",
+        "PDD P90 TTFT / cross-site PD with DRC",
+        ("pdd", "cross-site-pd-drc"),
+        _ttft_ratio("pdd", "cross-site-pd-drc", 90),
+        None,
+    ),
 ]
 
 
@@ -138,14 +164,18 @@ def ratio_intervals(runs: Runs, seed: int = 0, samples: int = BOOTSTRAP_SAMPLES)
     out = {}
     for spec in specs:
         repetitions = min(len(runs[mode]) for mode in spec.modes)
-        per_repetition = [spec.statistic({mode: [runs[mode][i]] for mode in spec.modes})
-                          for i in range(repetitions)]
+        per_repetition = [spec.statistic({mode: [runs[mode][i]] for mode in spec.modes}) for i in range(repetitions)]
         values = [v for v in per_repetition if v is not None]
         if not values or not draws[spec.name]:
             continue
         low, high = (float(np.percentile(draws[spec.name], q)) for q in INTERVAL)
-        out[spec.name] = {"label": spec.label, "median": round(float(np.median(values)), 3),
-                          "low": round(low, 3), "high": round(high, 3),
-                          "per_repetition": [round(v, 3) for v in values], "target": spec.target,
-                          "verdict": verdict(low, high, spec.target)}
+        out[spec.name] = {
+            "label": spec.label,
+            "median": round(float(np.median(values)), 3),
+            "low": round(low, 3),
+            "high": round(high, 3),
+            "per_repetition": [round(v, 3) for v in values],
+            "target": spec.target,
+            "verdict": verdict(low, high, spec.target),
+        }
     return out

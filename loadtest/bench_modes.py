@@ -27,11 +27,26 @@ def mode_deployment(mode: str, args):
     link), stopped on exit."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"pdd-bench-{mode}-"))
     up_args = argparse.Namespace(
-        run_dir=str(run_dir), prefill=1, rld=1, md=1, model=args.model, kv_cache_mb=args.kv_cache_mb,
-        http_port=free_port(), nats_a_port=free_port(), nats_b_port=free_port(),
-        wan_control_port=free_port(), bandwidth=args.bandwidth, rtt=args.rtt, jitter=args.jitter,
-        seed=args.seed, log_level="warning", timeout=600.0 if getattr(args, "engine", "hf") == "vllm" else 300.0,
-        progress=False, engine=getattr(args, "engine", "hf"), **MODES[mode])
+        run_dir=str(run_dir),
+        prefill=1,
+        rld=1,
+        md=1,
+        model=args.model,
+        kv_cache_mb=args.kv_cache_mb,
+        http_port=free_port(),
+        nats_a_port=free_port(),
+        nats_b_port=free_port(),
+        wan_control_port=free_port(),
+        bandwidth=args.bandwidth,
+        rtt=args.rtt,
+        jitter=args.jitter,
+        seed=args.seed,
+        log_level="warning",
+        timeout=600.0 if getattr(args, "engine", "hf") == "vllm" else 300.0,
+        progress=False,
+        engine=getattr(args, "engine", "hf"),
+        **MODES[mode],
+    )
     deployment = launcher.up(up_args)
     try:
         yield deployment

@@ -56,29 +56,45 @@ def _frames(loaded, num_tokens: int) -> tuple[list[int], list]:
     engine.add_request("bench", prompt, SamplingParams(max_tokens=1))
     while engine.request("bench").status is RequestStatus.RUNNING:  # one prefill, one token
         engine.step()
-    return prompt, [list(parts) for parts in engine.export_frames("bench", 0, num_tokens,
-                                                                  max_tokens_per_frame=256)]
+    return prompt, [list(parts) for parts in engine.export_frames("bench", 0, num_tokens, max_tokens_per_frame=256)]
 
 
-async def _one_flow(loaded, prompt, frames, total_bytes: int, tls: bool, rate_bps: float,
-                    creds) -> tuple[float, int]:
+async def _one_flow(loaded, prompt, frames, total_bytes: int, tls: bool, rate_bps: float, creds) -> tuple[float, int]:
     """Send at least ``total_bytes`` of frames on one flow: (seconds, bytes sent)."""
     handler = _Discard()
-    receiver = BulkReceiver(handler, HfEngine(loaded, num_blocks=4).frame_expectation, verify_key(SECRET), path="wan",
-                            frame_timeout_s=30, receiver_id="bench", tls=server_context(
-                                str(creds.ca_file), str(creds.cert_file("main-decode")),
-                                str(creds.key_file("main-decode"))) if tls else None)
+    receiver = BulkReceiver(
+        handler,
+        HfEngine(loaded, num_blocks=4).frame_expectation,
+        verify_key(SECRET),
+        path="wan",
+        frame_timeout_s=30,
+        receiver_id="bench",
+        tls=server_context(str(creds.ca_file), str(creds.cert_file("main-decode")), str(creds.key_file("main-decode")))
+        if tls
+        else None,
+    )
     host, port = await receiver.start()
     link = None
     if rate_bps:
         link = WanLink(LinkProfile(bandwidth_bps=rate_bps, rtt_ms=0, jitter_ms=0))
         port = await link.add_route(Route("bench", "127.0.0.1", 0, host, port, from_site="site-a"))
     try:
-        flow_open = FlowOpen(request_id="bench", role="main_decode", token_ids=prompt,
-                             sampling=SamplingParams(max_tokens=1), seed=0, sender_id="bench",
-                             receiver_id="bench", unix_s=0.0, nonce="")
-        context = client_context(str(creds.ca_file), str(creds.cert_file("prefill")),
-                                 str(creds.key_file("prefill"))) if tls else None
+        flow_open = FlowOpen(
+            request_id="bench",
+            role="main_decode",
+            token_ids=prompt,
+            sampling=SamplingParams(max_tokens=1),
+            seed=0,
+            sender_id="bench",
+            receiver_id="bench",
+            unix_s=0.0,
+            nonce="",
+        )
+        context = (
+            client_context(str(creds.ca_file), str(creds.cert_file("prefill")), str(creds.key_file("prefill")))
+            if tls
+            else None
+        )
         started = time.perf_counter()
         flow = await open_flow(f"127.0.0.1:{port}", flow_open, SECRET, path="wan", timeout_s=30, tls=context)
         sent = 0
@@ -103,13 +119,15 @@ async def _run(loaded, megabytes: int, rates: list[float], repeats: int) -> dict
         label = "loopback" if not rate else f"{rate / 1e9:g} Gbit/s link"
         runs = {"plaintext": [], "tls": []}
         for _ in range(repeats):  # interleaved, so both see the same machine noise
-            for mode in runs:
+            for mode, rates_gbit in runs.items():
                 seconds, sent = await _one_flow(loaded, prompt, frames, megabytes << 20, mode == "tls", rate, creds)
-                runs[mode].append(sent * 8 / seconds / 1e9)
+                rates_gbit.append(sent * 8 / seconds / 1e9)
         medians = {mode: statistics.median(v) for mode, v in runs.items()}
-        results[label] = {"gbit_per_s": {m: [round(x, 3) for x in v] for m, v in runs.items()},
-                          "median_gbit_per_s": {m: round(x, 3) for m, x in medians.items()},
-                          "tls_over_plaintext": round(medians["tls"] / medians["plaintext"], 3)}
+        results[label] = {
+            "gbit_per_s": {m: [round(x, 3) for x in v] for m, v in runs.items()},
+            "median_gbit_per_s": {m: round(x, 3) for m, x in medians.items()},
+            "tls_over_plaintext": round(medians["tls"] / medians["plaintext"], 3),
+        }
     results["receiver_checks"] = receiver_checks(frames, prompt)
     return results
 
@@ -135,24 +153,34 @@ def receiver_checks(frames: list, prompt: list[int], megabytes: int = 128, flows
     values = torch.frombuffer(bytearray(bodies), dtype=torch.float32)
     copy_into = torch.empty_like(values)
     authenticator = FlowAuthenticator(verify_key(SECRET), "bench")
-    flow_open = FlowOpen(request_id="bench", role="main_decode", token_ids=prompt,
-                         sampling=SamplingParams(max_tokens=1), seed=0, sender_id="bench",
-                         receiver_id="bench", unix_s=0.0, nonce="")
-    opens = [sign(msgspec.structs.replace(flow_open, unix_s=time.time(), nonce=new_nonce()), SECRET)
-             for _ in range(flows)]
+    flow_open = FlowOpen(
+        request_id="bench",
+        role="main_decode",
+        token_ids=prompt,
+        sampling=SamplingParams(max_tokens=1),
+        seed=0,
+        sender_id="bench",
+        receiver_id="bench",
+        unix_s=0.0,
+        nonce="",
+    )
+    opens = [
+        sign(msgspec.structs.replace(flow_open, unix_s=time.time(), nonce=new_nonce()), SECRET) for _ in range(flows)
+    ]
     started = time.perf_counter()
     problems = [authenticator.verify(signed) for signed in opens]
     verify_us = (time.perf_counter() - started) / flows * 1e6
     assert not any(problems), problems[:1]
     sign_s = _timed(lambda: sign(flow_open, SECRET))
-    return {"bytes": nbytes,
-            "memcpy_gb_per_s": _gb_per_s(lambda: copy_into.copy_(values), nbytes),
-            "xxh3_checksum_gb_per_s": _gb_per_s(lambda: xxhash.xxh3_64_intdigest(bodies), nbytes),
-            "finite_check_gb_per_s": _gb_per_s(lambda: bool(torch.isfinite(values.sum(dtype=torch.float32))),
-                                               nbytes),
-            "flow_open_sign_us": round(sign_s * 1e6, 1),
-            "flow_open_verify_us": round(verify_us, 1),
-            "prompt_tokens": len(prompt)}
+    return {
+        "bytes": nbytes,
+        "memcpy_gb_per_s": _gb_per_s(lambda: copy_into.copy_(values), nbytes),
+        "xxh3_checksum_gb_per_s": _gb_per_s(lambda: xxhash.xxh3_64_intdigest(bodies), nbytes),
+        "finite_check_gb_per_s": _gb_per_s(lambda: bool(torch.isfinite(values.sum(dtype=torch.float32))), nbytes),
+        "flow_open_sign_us": round(sign_s * 1e6, 1),
+        "flow_open_verify_us": round(verify_us, 1),
+        "prompt_tokens": len(prompt),
+    }
 
 
 def loopback_bytes_per_s(loaded, megabytes: int = 64, repeats: int = 3, tls: bool = False) -> float:
@@ -171,7 +199,6 @@ def loopback_bytes_per_s(loaded, megabytes: int = 64, repeats: int = 3, tls: boo
     return asyncio.run(measure())
 
 
-def run_bulk_bench(loaded, megabytes: int = 256, rates: tuple[float, ...] = (0.0, 1e9),
-                   repeats: int = 3) -> dict:
+def run_bulk_bench(loaded, megabytes: int = 256, rates: tuple[float, ...] = (0.0, 1e9), repeats: int = 3) -> dict:
     """Throughput per mode and link, and the TLS/plaintext ratio of the medians."""
     return asyncio.run(_run(loaded, megabytes, list(rates), repeats))

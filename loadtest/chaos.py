@@ -33,8 +33,18 @@ SETTLE_S = 10.0
 """How long after the streams end the engines must have freed their blocks (a leak is what is held then)."""
 HEARTBEAT_S = 1.0
 """The services' heartbeat (``--heartbeat-s`` default): how often an engine's gauges are refreshed."""
-SCENARIOS = ("md-kill", "relay-kill", "prefill-kill", "router-kill", "nats-a-restart",
-             "nats-b-outage", "partition", "stalls", "slow-wan", "redeploy")
+SCENARIOS = (
+    "md-kill",
+    "relay-kill",
+    "prefill-kill",
+    "router-kill",
+    "nats-a-restart",
+    "nats-b-outage",
+    "partition",
+    "stalls",
+    "slow-wan",
+    "redeploy",
+)
 WARM = {"md-kill", "nats-a-restart", "nats-b-outage", "partition", "stalls", "redeploy"}
 """Scenarios whose prompts are cached on main decode first, so the streams run P-MD there
 (the common agentic case); the others stream cold prompts, relayed while their KV crosses."""
@@ -88,8 +98,9 @@ def references(loaded, prompts: list[list[int]], max_tokens: int) -> list[str]:
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=loaded.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=loaded.device)
     with torch.inference_mode():
-        out = loaded.model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
-                                    pad_token_id=pad)
+        out = loaded.model.generate(
+            ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad
+        )
     eos = set(loaded.eos_token_ids)
     texts = []
     for row in out[:, width:].tolist():
@@ -101,13 +112,19 @@ def references(loaded, prompts: list[list[int]], max_tokens: int) -> list[str]:
 def conversations(ctx: ChaosContext, scenario: str) -> list[list[dict]]:
     """Cold prompts of their own per scenario and stream (no cached block is shared)."""
     words = " ".join(f"item{i}" for i in range(ctx.prompt_words))
-    return [[{"role": "system", "content": f"Chaos run {scenario}, stream {i}."},
-             {"role": "user", "content": f"Summarise this log: {words}"}] for i in range(ctx.streams)]
+    return [
+        [
+            {"role": "system", "content": f"Chaos run {scenario}, stream {i}."},
+            {"role": "user", "content": f"Summarise this log: {words}"},
+        ]
+        for i in range(ctx.streams)
+    ]
 
 
 def prompt_ids(loaded, messages: list[dict]) -> list[int]:
-    return list(loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False))
+    return list(
+        loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
 
 
 async def run_scenario(ctx: ChaosContext, scenario: str) -> ChaosRow:
@@ -123,8 +140,10 @@ async def run_scenario(ctx: ChaosContext, scenario: str) -> ChaosRow:
         if scenario in WARM:
             await asyncio.gather(*(_warm(session, url, ctx, chat) for chat in chats))
         notes = await before_streams(ctx) if before_streams else ""
-        streams = [asyncio.create_task(_stream(session, url, ctx, chat, record, event))
-                   for chat, record, event in zip(chats, records, started)]
+        streams = [
+            asyncio.create_task(_stream(session, url, ctx, chat, record, event))
+            for chat, record, event in zip(chats, records, started)
+        ]
         if scenario in AT_DISPATCH_S:
             await asyncio.sleep(AT_DISPATCH_S[scenario])  # the fault's timing
             notes = await inject(ctx) or notes
@@ -144,8 +163,18 @@ async def run_scenario(ctx: ChaosContext, scenario: str) -> ChaosRow:
     held, filling = await _settled_blocks(ctx)
     if filling:  # imports kept for the cache may still be crossing: say when they are done
         await _gauges_until(ctx, lambda held: not held.cache_fill, ended_s + SETTLE_S + 120, poll_s=1.0)
-        notes = "; ".join(filter(None, [notes, f"{filling} blocks of cache fills crossing at 10 s, "
-                                               f"landed {time.monotonic() - ended_s:.0f} s later"]))
+        notes = "; ".join(
+            filter(
+                None,
+                [
+                    notes,
+                    (
+                        f"{filling} blocks of cache fills crossing at 10 s, "
+                        f"landed {time.monotonic() - ended_s:.0f} s later"
+                    ),
+                ],
+            )
+        )
     row = _row(scenario, records, expected, held, notes)
     row.cache_fill_blocks_after_10s = filling
     row.pipeline_after = probe.pdd.get("pipeline", probe.error or "none") if probe else ""
@@ -175,8 +204,9 @@ async def _cache_fills_landed(ctx: ChaosContext, timeout_s: float = 60.0):
     await _gauges_until(ctx, lambda held: not held.cache_fill, time.monotonic() + timeout_s)
 
 
-async def _gauges_until(ctx: ChaosContext, done: Callable[["HeldBlocks"], bool], deadline_s: float,
-                        poll_s: float = 0.5) -> "HeldBlocks":
+async def _gauges_until(
+    ctx: ChaosContext, done: Callable[["HeldBlocks"], bool], deadline_s: float, poll_s: float = 0.5
+) -> "HeldBlocks":
     """Read the engines' KV gauges until ``done`` says so or ``deadline_s`` (monotonic) has
     passed; return the last reading."""
     while True:
@@ -215,23 +245,38 @@ def _row(scenario: str, records: list[RequestRecord], expected: list[str], held:
     for r in records:
         pipelines[r.pdd.get("pipeline", "none")] = pipelines.get(r.pdd.get("pipeline", "none"), 0) + 1
     stalls = [max(r.itl_ms, default=0.0) for r in records] + [r.ttft_ms or 0.0 for r in records]
-    return ChaosRow(scenario=scenario, requests=len(records), identical=identical,
-                    recovered=sum(bool(r.pdd.get("recoveries")) for r in records),
-                    failed_clear=sum(bool(r.error) for r in failed),
-                    lost_or_duplicated_tokens=lost, longest_stall_s=round(max(stalls) / 1000, 2),
-                    blocks_held_after_10s=held, pipelines=dict(sorted(pipelines.items())), notes=notes)
+    return ChaosRow(
+        scenario=scenario,
+        requests=len(records),
+        identical=identical,
+        recovered=sum(bool(r.pdd.get("recoveries")) for r in records),
+        failed_clear=sum(bool(r.error) for r in failed),
+        lost_or_duplicated_tokens=lost,
+        longest_stall_s=round(max(stalls) / 1000, 2),
+        blocks_held_after_10s=held,
+        pipelines=dict(sorted(pipelines.items())),
+        notes=notes,
+    )
 
 
 async def wait_healthy(ctx: ChaosContext, timeout_s: float = 180.0):
     """Until every process runs and the router sees every engine instance it saw at start."""
-    want = {kind: sum(1 for n in ctx.deployment.processes if n.startswith(prefix))
-            for kind, prefix in (("prefill", "prefill-"), ("relay_decode", "relay-decode-"),
-                                 ("main_decode", "main-decode-"))}
+    want = {
+        kind: sum(1 for n in ctx.deployment.processes if n.startswith(prefix))
+        for kind, prefix in (
+            ("prefill", "prefill-"),
+            ("relay_decode", "relay-decode-"),
+            ("main_decode", "main-decode-"),
+        )
+    }
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         health = await asyncio.to_thread(_health, ctx)
-        if health and all(len(health["instances"].get(k, [])) >= n for k, n in want.items()) \
-                and all(s == "healthy" for s in health.get("sites", {}).values()):
+        if (
+            health
+            and all(len(health["instances"].get(k, [])) >= n for k, n in want.items())
+            and all(s == "healthy" for s in health.get("sites", {}).values())
+        ):
             return
         await asyncio.sleep(0.5)
     raise launcher.LauncherError(f"deployment not healthy after {timeout_s:.0f} s")
@@ -243,8 +288,11 @@ def _health(ctx: ChaosContext) -> dict | None:
 
 def _metric_sum(url: str, name: str) -> dict[str, float]:
     text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return {line.split("{", 1)[1].split("}", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line.startswith(name + "{")}
+    return {
+        line.split("{", 1)[1].split("}", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{")
+    }
 
 
 class HeldBlocks(NamedTuple):
@@ -284,8 +332,7 @@ def _kill(ctx: ChaosContext, name: str) -> str:
 
 def _busiest(ctx: ChaosContext, prefix: str) -> str:
     urls = ctx.deployment.metrics_urls
-    active = {n: sum(_metric_sum(u, "pdd_active_sequences").values()) for n, u in urls.items()
-              if n.startswith(prefix)}
+    active = {n: sum(_metric_sum(u, "pdd_active_sequences").values()) for n, u in urls.items() if n.startswith(prefix)}
     return max(active, key=active.get)
 
 
@@ -369,10 +416,15 @@ async def _restore_wan(ctx):
 
 Fault = Callable[[ChaosContext], Awaitable[str | None]]
 FAULTS: dict[str, tuple[Fault | None, Fault | None]] = {
-    "md-kill": (_md_kill, None), "relay-kill": (_relay_kill, None),
-    "prefill-kill": (_prefill_kill, None), "router-kill": (_router_kill, None),
-    "nats-a-restart": (_nats_a_restart, None), "nats-b-outage": (_nats_b_outage, None),
-    "partition": (None, _partition_on), "stalls": (None, _stalls_on), "slow-wan": (None, _slow_wan),
+    "md-kill": (_md_kill, None),
+    "relay-kill": (_relay_kill, None),
+    "prefill-kill": (_prefill_kill, None),
+    "router-kill": (_router_kill, None),
+    "nats-a-restart": (_nats_a_restart, None),
+    "nats-b-outage": (_nats_b_outage, None),
+    "partition": (None, _partition_on),
+    "stalls": (None, _stalls_on),
+    "slow-wan": (None, _slow_wan),
     "redeploy": (None, _redeploy),
 }
 """Scenario → (fault injected once every stream has its first token, fault set up before)."""
@@ -385,7 +437,7 @@ async def run(ctx: ChaosContext, names: list[str]) -> list[ChaosRow]:
     for name in names:
         try:
             row = await run_scenario(ctx, name)
-        except (launcher.LauncherError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, launcher.LauncherError, OSError) as exc:
             row = ChaosRow(name, ctx.streams, 0, 0, 0, 0, 0.0, -1, notes=f"scenario did not run: {exc}")
         print(json.dumps(asdict(row)), flush=True)
         rows.append(row)
@@ -394,12 +446,15 @@ async def run(ctx: ChaosContext, names: list[str]) -> list[ChaosRow]:
 
 def table(rows: list[ChaosRow]) -> str:
     """The rows as a Markdown table."""
-    head = ("| scenario | requests | identical | recovered | failed (clear error) | lost/dup tokens "
-            "| longest stall (s) | blocks held 10 s later | pipelines (then after the fault) | fault |\n"
-            "|---|---|---|---|---|---|---|---|---|---|")
+    head = (
+        "| scenario | requests | identical | recovered | failed (clear error) | lost/dup tokens "
+        "| longest stall (s) | blocks held 10 s later | pipelines (then after the fault) | fault |\n"
+        "|---|---|---|---|---|---|---|---|---|---|"
+    )
     return head + "".join(
         f"\n| {r.scenario} | {r.requests} | {r.identical} | {r.recovered} | {r.failed_clear} | "
         f"{r.lost_or_duplicated_tokens} | {r.longest_stall_s} | {r.blocks_held_after_10s} | "
         f"{', '.join(f'{p} {n}' for p, n in r.pipelines.items())}"
         f"{f' (then {r.pipeline_after})' if r.pipeline_after else ''} | {r.notes} |"
-        for r in rows)
+        for r in rows
+    )

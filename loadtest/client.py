@@ -53,18 +53,34 @@ def auth_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-async def stream_chat(session: aiohttp.ClientSession, base_url: str, model: str,
-                      messages: list[dict], max_tokens: int, record: RequestRecord,
-                      timeout_s: float = 600) -> RequestRecord:
+async def stream_chat(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    model: str,
+    messages: list[dict],
+    max_tokens: int,
+    record: RequestRecord,
+    timeout_s: float = 600,
+) -> RequestRecord:
     """Send one streaming chat request and fill ``record``."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     started = last = time.perf_counter()
     record.sent_unix_s = time.time()
     parts = []
     try:
-        async with session.post(base_url + "/chat/completions", json=body, headers=auth_headers(),
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+        async with session.post(
+            base_url + "/chat/completions",
+            json=body,
+            headers=auth_headers(),
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as response:
             if response.status != 200:
                 record.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return record

@@ -11,11 +11,13 @@ RUN_DIR_HELP = "the deployment's run folder (default: ~/.cache/pdd/run)"
 
 def add_model_args(parser: argparse.ArgumentParser):
     """``--model``, ``--device`` and ``--dtype`` of a command that loads the model."""
-    parser.add_argument("--model", default="smollm2",
-                        help="smollm2 (default), tiny (random test model) or an HF model folder")
+    parser.add_argument(
+        "--model", default="smollm2", help="smollm2 (default), tiny (random test model) or an HF model folder"
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="weights and KV dtype")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and KV dtype"
+    )
 
 
 def add_loadtest_parsers(commands):
@@ -25,10 +27,15 @@ def add_loadtest_parsers(commands):
     engine = bench_kinds.add_parser("engine", help="engine microbenchmark, JSON on stdout")
     add_model_args(engine)
     engine.add_argument("--quick", action="store_true", help="short contexts, one repeat")
-    engine.add_argument("--engine", dest="engine_name", default="hf",
-                        help="engine backend, or several side by side in one run (hf, vllm, hf,vllm)")
-    handoff = bench_kinds.add_parser("handoff", help="main decode's worst inter-token gap during a "
-                                                     "100-token handoff, one-shot vs catch-up")
+    engine.add_argument(
+        "--engine",
+        dest="engine_name",
+        default="hf",
+        help="engine backend, or several side by side in one run (hf, vllm, hf,vllm)",
+    )
+    handoff = bench_kinds.add_parser(
+        "handoff", help="main decode's worst inter-token gap during a 100-token handoff, one-shot vs catch-up"
+    )
     add_model_args(handoff)
     handoff.add_argument("--other-streams", type=int, default=3, help="streams decoding beside the handoff")
     handoff.add_argument("--context", type=int, default=512, help="prompt tokens")
@@ -36,25 +43,31 @@ def add_loadtest_parsers(commands):
     from loadtest.bench import add_bench_run_parser
 
     add_bench_run_parser(bench_kinds)
-    micro = bench_kinds.add_parser("handoff-micro", help="100-token handoff by token IDs vs by KV, "
-                                                         "over the same emulated WAN link")
+    micro = bench_kinds.add_parser(
+        "handoff-micro", help="100-token handoff by token IDs vs by KV, over the same emulated WAN link"
+    )
     add_model_args(micro)
     micro.add_argument("--trials", type=int, default=20, help="handoffs timed per kind")
     micro.add_argument("--context", type=int, default=512, help="prompt tokens")
     micro.add_argument("--bandwidth", default="100mbit", help="emulated WAN rate")
     micro.add_argument("--rtt", default="40ms", help="emulated WAN round trip")
     micro.add_argument("--jitter", default="5ms", help="emulated WAN jitter")
-    bulk = bench_kinds.add_parser("bulk", help="bulk channel throughput, plaintext vs mutual TLS, on "
-                                               "loopback and through the WAN link")
+    bulk = bench_kinds.add_parser(
+        "bulk", help="bulk channel throughput, plaintext vs mutual TLS, on loopback and through the WAN link"
+    )
     bulk.add_argument("--megabytes", type=int, default=256, help="per flow (default 256)")
     bulk.add_argument("--link", default="1gbit", help="shaped rate besides unshaped loopback (default 1gbit)")
     bulk.add_argument("--repeats", type=int, default=3, help="runs of each measurement")
 
     bench.set_defaults(handler=cmd_bench)
     chaos = commands.add_parser("chaos", help="inject faults into the running deployment; check nothing is lost")
-    chaos.add_argument("--scenario", default="all", help="one of md-kill, relay-kill, prefill-kill, "
-                       "router-kill, nats-a-restart, nats-b-outage, partition, stalls, slow-wan, redeploy, "
-                       "a comma-separated list of them, or all (default: all)")
+    chaos.add_argument(
+        "--scenario",
+        default="all",
+        help="one of md-kill, relay-kill, prefill-kill, "
+        "router-kill, nats-a-restart, nats-b-outage, partition, stalls, slow-wan, redeploy, "
+        "a comma-separated list of them, or all (default: all)",
+    )
     chaos.add_argument("--streams", type=int, default=4, help="greedy streams per scenario (default 4)")
     chaos.add_argument("--max-tokens", type=int, default=96, help="tokens per stream (default 96)")
     chaos.add_argument("--prompt-words", type=int, default=300, help="words per cold prompt (default 300)")
@@ -73,8 +86,11 @@ def cmd_bench(args) -> int:
         from loadtest.bench import resolve_size, run_bench
 
         results = run_bench(resolve_size(args))
-        print(json.dumps({m: {"ttft_ms": v["ttft_ms"], "errors": v["errors"]}
-                          for m, v in results["modes"].items()}, indent=2))
+        print(
+            json.dumps(
+                {m: {"ttft_ms": v["ttft_ms"], "errors": v["errors"]} for m, v in results["modes"].items()}, indent=2
+            )
+        )
         print(f"results in {args.out}/results.json and {args.out}/report.md")
         return 0
     if args.bench == "trace":
@@ -87,22 +103,40 @@ def cmd_bench(args) -> int:
 
         loaded = load_model(args.model, device=args.device, dtype=args.dtype)
         profile = parse_profile(args.bandwidth, args.rtt, args.jitter)
-        print(json.dumps(run_handoff_microbench(loaded, profile=profile, context=args.context,
-                                                trials=args.trials), indent=2))
+        print(
+            json.dumps(
+                run_handoff_microbench(loaded, profile=profile, context=args.context, trials=args.trials), indent=2
+            )
+        )
         return 0
     if args.bench == "bulk":
         from infra.wan_link import parse_rate
         from loadtest.bulk_bench import run_bulk_bench
 
-        print(json.dumps(run_bulk_bench(load_model("tiny"), megabytes=args.megabytes,
-                                        rates=(0.0, parse_rate(args.link)), repeats=args.repeats), indent=2))
+        print(
+            json.dumps(
+                run_bulk_bench(
+                    load_model("tiny"),
+                    megabytes=args.megabytes,
+                    rates=(0.0, parse_rate(args.link)),
+                    repeats=args.repeats,
+                ),
+                indent=2,
+            )
+        )
         return 0
     if args.bench == "handoff":
         from loadtest.handoff_bench import run_handoff_bench
 
         loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-        print(json.dumps(run_handoff_bench(loaded, other_streams=args.other_streams,
-                                           context=args.context, chunk_tokens=args.chunk_tokens), indent=2))
+        print(
+            json.dumps(
+                run_handoff_bench(
+                    loaded, other_streams=args.other_streams, context=args.context, chunk_tokens=args.chunk_tokens
+                ),
+                indent=2,
+            )
+        )
         return 0
     from loadtest.engine_bench import compare_engines, run_engine_bench
 
@@ -134,10 +168,16 @@ def cmd_chaos(args) -> int:
         raise PddError(f"unknown scenario {unknown[0]!r}; choose from {', '.join(chaos.SCENARIOS)} or all")
     model = deployment.commands["router"]["env"]["PDD_MODEL"]
     served = _get_served_model(deployment)
-    ctx = chaos.ChaosContext(run_dir=run_dir, model_name=served, loaded=load_model(model),
-                             streams=args.streams, max_tokens=args.max_tokens,
-                             prompt_words=args.prompt_words, outage_s=args.outage_s,
-                             partition_s=args.partition_s)
+    ctx = chaos.ChaosContext(
+        run_dir=run_dir,
+        model_name=served,
+        loaded=load_model(model),
+        streams=args.streams,
+        max_tokens=args.max_tokens,
+        prompt_words=args.prompt_words,
+        outage_s=args.outage_s,
+        partition_s=args.partition_s,
+    )
     rows = asyncio.run(chaos.run(ctx, names))
     text = chaos.table(rows)
     print(text)
@@ -154,8 +194,6 @@ def _get_served_model(deployment) -> str:
     request = urllib.request.Request(deployment.router_url + "/models", headers=auth_headers())
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())["data"][0]["id"]
-
-
 
 
 def _run_dir(args) -> Path:

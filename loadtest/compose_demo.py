@@ -63,7 +63,9 @@ def run_compose_demo(args) -> int:
         def slow_the_link(turn: int):
             if turn == len(TURNS) - 1:
                 profile = call(stack.wan_control_url, SLOW_LINK, stack.control_key)["profile"]
-                print(f"     (WAN link now {profile['bandwidth_bps'] / 1e6:.0f} Mbit/s, RTT {profile['rtt_ms']:.0f} ms)")
+                print(
+                    f"     (WAN link now {profile['bandwidth_bps'] / 1e6:.0f} Mbit/s, RTT {profile['rtt_ms']:.0f} ms)"
+                )
 
         code = run_demo(stack.router_url, "smollm2", reference=reference, after_turn=slow_the_link)
         routes = call(stack.wan_control_url, None, stack.control_key)["routes"]

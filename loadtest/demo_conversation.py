@@ -21,10 +21,14 @@ TOOL_OUTPUT_LINES = [
 ]
 
 TURNS = [
-    "Here is the output of `ls -R` and the last test run of our repository:\n\n{tool}\n\n"
-    "Summarise what the project does in two sentences.",
-    "The test run also printed: `FAILED tests/test_faults.py::test_partition - timeout after 4 s`. "
-    "What is the most likely cause?",
+    (
+        "Here is the output of `ls -R` and the last test run of our repository:\n\n{tool}\n\n"
+        "Summarise what the project does in two sentences."
+    ),
+    (
+        "The test run also printed: `FAILED tests/test_faults.py::test_partition - timeout after 4 s`. "
+        "What is the most likely cause?"
+    ),
     "Suggest one concrete change to make that test pass, in one sentence.",
     "Thanks. Write a one-line commit message for that change.",
 ]
@@ -32,12 +36,14 @@ TURNS = [
 
 def long_tool_output(num_lines: int = 24) -> str:
     """A realistic, deterministic tool output of roughly 25 tokens per line."""
-    return "\n".join(f"[{i:03d}] {TOOL_OUTPUT_LINES[i % len(TOOL_OUTPUT_LINES)]} (checked at step {i * 7})"
-                     for i in range(num_lines))
+    return "\n".join(
+        f"[{i:03d}] {TOOL_OUTPUT_LINES[i % len(TOOL_OUTPUT_LINES)]} (checked at step {i * 7})" for i in range(num_lines)
+    )
 
 
-def run_demo(base_url: str, model: str, max_tokens: int = 48, first_turn_max_tokens: int = 96, *,
-             reference=None, after_turn=None) -> int:
+def run_demo(
+    base_url: str, model: str, max_tokens: int = 48, first_turn_max_tokens: int = 96, *, reference=None, after_turn=None
+) -> int:
     """Hold the conversation; print one line per turn and the answers; return an exit code.
 
     Args:
@@ -52,10 +58,11 @@ def run_demo(base_url: str, model: str, max_tokens: int = 48, first_turn_max_tok
     client = OpenAI(base_url=base_url, api_key="not-needed")
     served = client.models.list().data[0].id
     messages = [{"role": "system", "content": "You are a careful coding agent. Answer briefly."}]
-    print(f"model {served} ({model}); {len(TURNS)} turns, max {first_turn_max_tokens} then "
-          f"{max_tokens} tokens\n")
-    print(f"{'turn':>4} {'prompt':>7} {'TTFT ms':>8} {'pipeline':>9} {'eager':>6} {'handoff':>10} "
-          f"{'done on':>8} {'MD cached':>10} {'WAN KB':>8}" + (f" {'exact':>6}" if reference else ""))
+    print(f"model {served} ({model}); {len(TURNS)} turns, max {first_turn_max_tokens} then {max_tokens} tokens\n")
+    print(
+        f"{'turn':>4} {'prompt':>7} {'TTFT ms':>8} {'pipeline':>9} {'eager':>6} {'handoff':>10} "
+        f"{'done on':>8} {'MD cached':>10} {'WAN KB':>8}" + (f" {'exact':>6}" if reference else "")
+    )
     mismatches = 0
     for turn, template in enumerate(TURNS, 1):
         messages.append({"role": "user", "content": template.format(tool=long_tool_output())})
@@ -66,9 +73,11 @@ def run_demo(base_url: str, model: str, max_tokens: int = 48, first_turn_max_tok
         mismatches += exact.strip() == "NO"
         messages.append({"role": "assistant", "content": answer})
         handoff = f"{pdd.get('handoff_mode')}x{pdd.get('handoff_chunks')}" if pdd.get("handoff_mode") else "-"
-        print(f"{turn:>4} {pdd.get('prompt_tokens', 0):>7} {ttft_ms or 0:>8.0f} {pdd.get('pipeline', '?'):>9} "
-              f"{pdd.get('eager_tokens', 0):>6} {handoff:>10} {str(pdd.get('finished_on')):>8} "
-              f"{pdd.get('cached_blocks_md', 0):>10} {pdd.get('wan_kv_bytes', 0) / 1024:>8.0f}{exact}")
+        print(
+            f"{turn:>4} {pdd.get('prompt_tokens', 0):>7} {ttft_ms or 0:>8.0f} {pdd.get('pipeline', '?'):>9} "
+            f"{pdd.get('eager_tokens', 0):>6} {handoff:>10} {pdd.get('finished_on')!s:>8} "
+            f"{pdd.get('cached_blocks_md', 0):>10} {pdd.get('wan_kv_bytes', 0) / 1024:>8.0f}{exact}"
+        )
         print(f"     ↳ {json.dumps(answer)[:110]}", flush=True)
         if after_turn is not None:
             after_turn(turn)
@@ -82,7 +91,8 @@ def stream_turn(client, served: str, messages: list[dict], limit: int) -> tuple[
     started = time.perf_counter()
     ttft_ms, text, pdd = None, [], {}
     stream = client.chat.completions.create(
-        model=served, messages=messages, max_tokens=limit, temperature=0, stream=True)
+        model=served, messages=messages, max_tokens=limit, temperature=0, stream=True
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             ttft_ms = ttft_ms or (time.perf_counter() - started) * 1000

@@ -16,8 +16,31 @@ from shared.kv_layout import KvLayout
 from shared.kv_wire import decode_frame, frame_bytes
 from shared.model_loader import LoadedModel
 
-_WORDS = ("cross datacenter prefill decode relay handoff cache block token stream latency "
-          "bandwidth jitter link site model layer head batch step extend export import").split()
+_WORDS = [
+    "cross",
+    "datacenter",
+    "prefill",
+    "decode",
+    "relay",
+    "handoff",
+    "cache",
+    "block",
+    "token",
+    "stream",
+    "latency",
+    "bandwidth",
+    "jitter",
+    "link",
+    "site",
+    "model",
+    "layer",
+    "head",
+    "batch",
+    "step",
+    "extend",
+    "export",
+    "import",
+]
 
 
 def synthetic_prompt(loaded: LoadedModel, num_tokens: int, seed: int) -> list[int]:
@@ -34,9 +57,17 @@ def _median_s(run: Callable[[], float], repeats: int) -> float:
 def open_engine(loaded: LoadedModel, engine_name: str = "hf", kv_cache_bytes: int = 512 << 20) -> EngineBackend:
     """One backend for a whole benchmark (vLLM allows one engine per process)."""
     block_size = 32 if engine_name == "vllm" else 16  # vLLM's CPU attention takes multiples of 32
-    return create_backend(engine_name, BackendOptions(model=loaded.name, device=str(loaded.device),
-                                                      dtype=str(loaded.dtype).removeprefix("torch."),
-                                                      kv_cache_bytes=kv_cache_bytes, block_size=block_size), loaded)
+    return create_backend(
+        engine_name,
+        BackendOptions(
+            model=loaded.name,
+            device=str(loaded.device),
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            kv_cache_bytes=kv_cache_bytes,
+            block_size=block_size,
+        ),
+        loaded,
+    )
 
 
 def _drain(engine: EngineBackend):
@@ -73,8 +104,11 @@ def bench_decode(engine: EngineBackend, loaded: LoadedModel, batch: int, context
     """Milliseconds per decode step with ``batch`` sequences at ``context`` tokens."""
     ids = [f"d{batch}-{i}" for i in range(batch)]
     for i, request_id in enumerate(ids):
-        engine.add_request(request_id, synthetic_prompt(loaded, context, 100 * batch + i),
-                           SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+        engine.add_request(
+            request_id,
+            synthetic_prompt(loaded, context, 100 * batch + i),
+            SamplingParams(max_tokens=steps + 8, ignore_eos=True),
+        )
     _until_output(engine, ids)
     engine.step()  # warm-up
     start = time.perf_counter()
@@ -132,7 +166,7 @@ def bench_transfer(loaded: LoadedModel, context: int, repeats: int, engine: Engi
         engine.add_request("out", prompt, SamplingParams(max_tokens=1))
         _until_output(engine, ["out"])
         start = time.perf_counter()
-        frames = [frame_bytes(parts) for parts in engine.export_frames("out", 0, context)]
+        [frame_bytes(parts) for parts in engine.export_frames("out", 0, context)]
         export_s.append(time.perf_counter() - start)
         engine.free("out")
         _drain(engine)
@@ -189,7 +223,9 @@ def compare_engines(loaded: LoadedModel, engine_names: list[str], *, quick: bool
         other = figures[name]
         ratios[f"{name}/{engine_names[0]}"] = {
             "prefill_tok_s": {k: other["prefill_tok_s"][k] / v for k, v in base["prefill_tok_s"].items()},
-            "decode_ms_per_step": {k: other["decode_ms_per_step"][k] / v for k, v in base["decode_ms_per_step"].items()},
+            "decode_ms_per_step": {
+                k: other["decode_ms_per_step"][k] / v for k, v in base["decode_ms_per_step"].items()
+            },
             "extend_ms": {k: other["extend_ms"][k] / v for k, v in base["extend_ms"].items()},
         }
     return {"engines": figures, "ratios": ratios}

@@ -42,16 +42,27 @@ def _handoff_gaps(engine: HfEngine, prompt: list[int], handed: list[int], chunk_
     return gaps
 
 
-def run_handoff_bench(loaded: LoadedModel, *, other_streams: int = 3, context: int = 512,
-                      handoff_tokens: int = 100, chunk_tokens: int = 32, repeats: int = 3) -> dict:
+def run_handoff_bench(
+    loaded: LoadedModel,
+    *,
+    other_streams: int = 3,
+    context: int = 512,
+    handoff_tokens: int = 100,
+    chunk_tokens: int = 32,
+    repeats: int = 3,
+) -> dict:
     """Worst inter-token gap of the other streams during a handoff, per mode."""
     if context % 16:
         raise ValueError("context must be a multiple of the block size")
-    engine = HfEngine(loaded, num_blocks=(other_streams + 2) * ((context + 400) // 16 + 4),
-                    max_batch_tokens=max(context, handoff_tokens + other_streams))
+    engine = HfEngine(
+        loaded,
+        num_blocks=(other_streams + 2) * ((context + 400) // 16 + 4),
+        max_batch_tokens=max(context, handoff_tokens + other_streams),
+    )
     for i in range(other_streams):
-        engine.add_request(f"s{i}", synthetic_prompt(loaded, context, i),
-                           SamplingParams(max_tokens=390, ignore_eos=True))
+        engine.add_request(
+            f"s{i}", synthetic_prompt(loaded, context, i), SamplingParams(max_tokens=390, ignore_eos=True)
+        )
         engine.step()
     prompt = synthetic_prompt(loaded, context, 99)
     generate(engine, "warm", prompt + [0], SamplingParams(max_tokens=1))  # caches the prompt's blocks
@@ -64,12 +75,18 @@ def run_handoff_bench(loaded: LoadedModel, *, other_streams: int = 3, context: i
             worst[mode].append(max(_handoff_gaps(engine, prompt, handed, size)))
             baseline += _timed_steps(engine, 2)
     median_ms = statistics.median(baseline) * 1000
-    report = {"model": loaded.name, "other_streams": other_streams, "context_tokens": context,
-              "handoff_tokens": handoff_tokens, "catch_up_chunk_tokens": chunk_tokens,
-              "baseline_gap_ms": round(median_ms, 1)}
+    report = {
+        "model": loaded.name,
+        "other_streams": other_streams,
+        "context_tokens": context,
+        "handoff_tokens": handoff_tokens,
+        "catch_up_chunk_tokens": chunk_tokens,
+        "baseline_gap_ms": round(median_ms, 1),
+    }
     for mode in modes:
         gap_ms = statistics.median(worst[mode]) * 1000
         report[mode] = {"worst_gap_ms": round(gap_ms, 1), "stall_vs_baseline": round(gap_ms / median_ms, 2)}
     report["catch_up_vs_one_shot_worst_gap"] = round(
-        report["catch_up"]["worst_gap_ms"] / report["one_shot"]["worst_gap_ms"], 2)
+        report["catch_up"]["worst_gap_ms"] / report["one_shot"]["worst_gap_ms"], 2
+    )
     return report

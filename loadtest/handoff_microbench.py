@@ -22,10 +22,10 @@ import time
 
 from infra.wan_link import LinkProfile, Route, WanLink
 from loadtest.engine_bench import synthetic_prompt
+from shared.block_hash import hash_blocks
 from shared.engine.backend import generate
 from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
-from shared.block_hash import hash_blocks
 from shared.kv_wire import decode_frame, encode_frame, frame_bytes
 from shared.messages import HandoffTokens, decoder, encode
 from shared.model_loader import LoadedModel
@@ -81,14 +81,20 @@ def _kv_frame(fingerprint: str, block_size: int, prompt: list[int], kv, handed: 
     """The handed tokens' KV as one frame; each trial's token IDs differ in their first token,
     so the receiver's prefix cache never already holds them (every trial ships real bytes)."""
     tokens = [(handed[0] + trial + 1) % 32000] + handed[1:]
-    return frame_bytes(encode_frame(
-        kv=kv, model_fingerprint=fingerprint, block_size=block_size, request_id=f"kv-{trial}",
-        first_block_index=len(prompt) // block_size, parent_hash=hash_blocks(prompt, block_size)[-1],
-        token_ids=tokens))
+    return frame_bytes(
+        encode_frame(
+            kv=kv,
+            model_fingerprint=fingerprint,
+            block_size=block_size,
+            request_id=f"kv-{trial}",
+            first_block_index=len(prompt) // block_size,
+            parent_hash=hash_blocks(prompt, block_size)[-1],
+            token_ids=tokens,
+        )
+    )
 
 
-async def _measure(loaded: LoadedModel, profile: LinkProfile, context: int, num_tokens: int,
-                   trials: int) -> dict:
+async def _measure(loaded: LoadedModel, profile: LinkProfile, context: int, num_tokens: int, trials: int) -> dict:
     prompt = synthetic_prompt(loaded, context, 11)
     relay = HfEngine(loaded, num_blocks=(context + num_tokens) // 16 + 8)
     relay.add_request("r", prompt, SamplingParams(max_tokens=num_tokens + 1, ignore_eos=True))
@@ -101,15 +107,15 @@ async def _measure(loaded: LoadedModel, profile: LinkProfile, context: int, num_
     main = _MainDecode(loaded, prompt, num_tokens)
     server = await asyncio.start_server(main.serve, "127.0.0.1", 0)
     link = WanLink(profile)
-    port = await link.add_route(Route("handoff", "127.0.0.1", 0, "127.0.0.1",
-                                      server.sockets[0].getsockname()[1], "site-a"))
+    port = await link.add_route(
+        Route("handoff", "127.0.0.1", 0, "127.0.0.1", server.sockets[0].getsockname()[1], "site-a")
+    )
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     latencies = {"token_ids": [], "incremental_kv": []}
     computes = {"token_ids": [], "incremental_kv": []}
     try:
         for trial in range(WARMUP_TRIALS + trials):
-            ids_payload = encode(HandoffTokens(request_id=f"ids-{trial}", start_index=0,
-                                               token_ids=handed, final=True))
+            ids_payload = encode(HandoffTokens(request_id=f"ids-{trial}", start_index=0, token_ids=handed, final=True))
             kv_payload = _kv_frame(loaded.fingerprint, relay.block_size, prompt, kv, handed, trial)
             for name, kind, payload in (("token_ids", 0, ids_payload), ("incremental_kv", 1, kv_payload)):
                 started = time.perf_counter()
@@ -125,25 +131,43 @@ async def _measure(loaded: LoadedModel, profile: LinkProfile, context: int, num_
         server.close()
 
     def stats(values: list[float]) -> dict:
-        return {"mean": round(statistics.mean(values), 1), "max": round(max(values), 1),
-                "std": round(statistics.pstdev(values), 1)}
+        return {
+            "mean": round(statistics.mean(values), 1),
+            "max": round(max(values), 1),
+            "std": round(statistics.pstdev(values), 1),
+        }
 
     def summary(payload: bytes, name: str) -> dict:
         link = [total - compute for total, compute in zip(latencies[name], computes[name])]
-        return {"payload_bytes": len(payload), "latency_ms": stats(latencies[name]),
-                "receiver_compute_ms": stats(computes[name]), "link_ms": stats(link)}
+        return {
+            "payload_bytes": len(payload),
+            "latency_ms": stats(latencies[name]),
+            "receiver_compute_ms": stats(computes[name]),
+            "link_ms": stats(link),
+        }
 
-    report = {"token_ids": summary(ids_payload, "token_ids"),
-              "incremental_kv": summary(kv_payload, "incremental_kv")}
+    report = {"token_ids": summary(ids_payload, "token_ids"), "incremental_kv": summary(kv_payload, "incremental_kv")}
     report["payload_ratio"] = round(len(kv_payload) / len(ids_payload), 1)
-    report["config"] = {"model": loaded.name, "context_tokens": context, "handoff_tokens": num_tokens,
-                        "trials": trials, "bandwidth_bps": profile.bandwidth_bps,
-                        "rtt_ms": profile.rtt_ms, "jitter_ms": profile.jitter_ms}
+    report["config"] = {
+        "model": loaded.name,
+        "context_tokens": context,
+        "handoff_tokens": num_tokens,
+        "trials": trials,
+        "bandwidth_bps": profile.bandwidth_bps,
+        "rtt_ms": profile.rtt_ms,
+        "jitter_ms": profile.jitter_ms,
+    }
     return report
 
 
-def run_handoff_microbench(loaded: LoadedModel, *, profile: LinkProfile | None = None,
-                           context: int = 512, num_tokens: int = 100, trials: int = 20) -> dict:
+def run_handoff_microbench(
+    loaded: LoadedModel,
+    *,
+    profile: LinkProfile | None = None,
+    context: int = 512,
+    num_tokens: int = 100,
+    trials: int = 20,
+) -> dict:
     """Payload bytes and latency mean/max/std of both handoff kinds over the same link."""
     if context % 16:
         raise ValueError("context must be a multiple of the block size")

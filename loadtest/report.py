@@ -5,17 +5,24 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from loadtest.client import RequestRecord  # noqa: E402
+from loadtest.client import RequestRecord
 
 
 def write_report(results: dict, records: dict[str, list[RequestRecord]], out: Path):
     """Plots and the markdown report, with the acceptance checks stated plainly."""
     plot_ttft_cdf(records, out / "ttft_cdf.png")
-    plot_wan_bytes(records, out / "wan_bytes.png", {
-        mode: m["wan_link_kv_bytes"] for mode, m in results["modes"].items() if m.get("wan_link_kv_bytes") is not None})
+    plot_wan_bytes(
+        records,
+        out / "wan_bytes.png",
+        {
+            mode: m["wan_link_kv_bytes"]
+            for mode, m in results["modes"].items()
+            if m.get("wan_link_kv_bytes") is not None
+        },
+    )
     plot_relay_timeline(records.get("pdd", []), out / "relay_timeline.png")
     (out / "report.md").write_text(render(results))
 
@@ -44,8 +51,14 @@ def plot_wan_bytes(records, path: Path, link_bytes: dict[str, int] | None = None
         ordered = sorted(recs, key=lambda r: (r.session, r.turn))
         label = mode + (f" (link total {link_bytes[mode] / 1e6:.0f} MB)" if mode in link_bytes else "")
         ax.plot([r.pdd.get("wan_kv_bytes", 0) / 1e6 for r in ordered], marker=".", label=label)
-    _finish(fig, ax, path, xlabel="request (by session, turn)",
-            ylabel="WAN KV reported by the response (MB)", title="KV bytes over the WAN per request")
+    _finish(
+        fig,
+        ax,
+        path,
+        xlabel="request (by session, turn)",
+        ylabel="WAN KV reported by the response (MB)",
+        title="KV bytes over the WAN per request",
+    )
 
 
 def plot_relay_timeline(records, path: Path):
@@ -61,13 +74,16 @@ def plot_relay_timeline(records, path: Path):
         ax.plot(times[:chunks], np.arange(chunks), ".", label="relay decode (eager)")
         ax.plot(times[chunks:], np.arange(chunks, len(times)), ".", label="main decode")
         if chunks < len(times):
-            ax.axvline(times[chunks], color="grey", ls="--",
-                       label=f"MD takeover ({r.pdd.get('handoff_mode')}, {r.pdd.get('handoff_chunks')} chunks)")
+            ax.axvline(
+                times[chunks],
+                color="grey",
+                ls="--",
+                label=f"MD takeover ({r.pdd.get('handoff_mode')}, {r.pdd.get('handoff_chunks')} chunks)",
+            )
         title = f"One P→RLD→MD request ({r.pdd.get('prompt_tokens')} prompt tokens)"
     else:
         title = "no P→RLD→MD request in this run"
-    _finish(fig, ax, path, xlabel="time since request (ms)", ylabel="stream chunk", title=title,
-            legend=bool(relayed))
+    _finish(fig, ax, path, xlabel="time since request (ms)", ylabel="stream chunk", title=title, legend=bool(relayed))
 
 
 def _finish(fig, ax, path: Path, *, xlabel: str, ylabel: str, title: str, legend: bool = True):
@@ -86,28 +102,40 @@ def _finish(fig, ax, path: Path, *, xlabel: str, ylabel: str, title: str, legend
 def render(results: dict) -> str:
     """The markdown report."""
     modes = results["modes"]
-    lines = ["# PDD benchmark", "",
-             f"Config: {', '.join(f'{k}={v}' for k, v in results['config'].items())}", "",
-             "| mode | requests | errors | TTFT p50 | p90 | p99 | ITL p99 | goodput rps | KV MB to MD "
-             "(responses) | KV MB on the WAN link | RLD share | pipelines |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# PDD benchmark",
+        "",
+        f"Config: {', '.join(f'{k}={v}' for k, v in results['config'].items())}",
+        "",
+        (
+            "| mode | requests | errors | TTFT p50 | p90 | p99 | ITL p99 | goodput rps | KV MB to MD "
+            "(responses) | KV MB on the WAN link | RLD share | pipelines |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for mode, m in modes.items():
-        lines.append(f"| {mode} | {m['requests']} | {m['errors']} | {m['ttft_ms']['p50']} | {m['ttft_ms']['p90']} | "
-                     f"{m['ttft_ms']['p99']} | {m['itl_ms']['p99']} | {m['goodput_rps']} | "
-                     f"{m['wan_kv_bytes'] / 1e6:.1f} | {_megabytes(m.get('wan_link_kv_bytes'))} | "
-                     f"{m['rld_token_share']:.3f} | {m['pipelines']} |")
+        lines.append(
+            f"| {mode} | {m['requests']} | {m['errors']} | {m['ttft_ms']['p50']} | {m['ttft_ms']['p90']} | "
+            f"{m['ttft_ms']['p99']} | {m['itl_ms']['p99']} | {m['goodput_rps']} | "
+            f"{m['wan_kv_bytes'] / 1e6:.1f} | {_megabytes(m.get('wan_link_kv_bytes'))} | "
+            f"{m['rld_token_share']:.3f} | {m['pipelines']} |"
+        )
     micro = results.get("handoff_microbench", {})
     if micro:
         ids, kv = micro["token_ids"], micro["incremental_kv"]
-        lines += ["", "## 100-token handoff", "",
-                  "| handoff | payload bytes | latency mean | max | std | receiver compute mean / std | "
-                  "link mean / std |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## 100-token handoff",
+            "",
+            ("| handoff | payload bytes | latency mean | max | std | receiver compute mean / std | link mean / std |"),
+            "|---|---|---|---|---|---|---|",
+        ]
         for label, row in (("token IDs + recompute", ids), ("incremental KV", kv)):
             lat, comp, link = row["latency_ms"], row.get("receiver_compute_ms"), row.get("link_ms")
-            split = (f"{comp['mean']} / {comp['std']} | {link['mean']} / {link['std']}"
-                     if comp and link else "– | –")
-            lines.append(f"| {label} | {row['payload_bytes']} | {lat['mean']} | {lat['max']} | "
-                         f"{lat['std']} | {split} |")
+            split = f"{comp['mean']} / {comp['std']} | {link['mean']} / {link['std']}" if comp and link else "– | –"
+            lines.append(
+                f"| {label} | {row['payload_bytes']} | {lat['mean']} | {lat['max']} | {lat['std']} | {split} |"
+            )
     lines += render_intervals(results.get("intervals", {}))
     lines += ["", "## Checks", ""] + [f"- {check}" for check in checks(results)]
     lines += ["", "Plots: `ttft_cdf.png`, `wan_bytes.png`, `relay_timeline.png`.", ""]
@@ -130,22 +158,31 @@ def _rld_share_why(pdd: dict) -> str:
     """Why the relay's share of output tokens is high, from the mode's own counts."""
     relayed = pdd["pipelines"].get("P-RLD-MD", 0)
     on_rld = pdd.get("finished_on", {}).get("RLD", 0)
-    return (f"; why: {relayed} of {pdd['requests']} requests were relayed and {on_rld} of them "
-            f"ended on the relay — with ~{pdd.get('mean_output_tokens')} output tokens a relayed "
-            "answer is done before its KV lands, and a follow-up sent right after finds main "
-            "decode's cache still behind the in-flight transfer, so it is relayed again")
+    return (
+        f"; why: {relayed} of {pdd['requests']} requests were relayed and {on_rld} of them "
+        f"ended on the relay — with ~{pdd.get('mean_output_tokens')} output tokens a relayed "
+        "answer is done before its KV lands, and a follow-up sent right after finds main "
+        "decode's cache still behind the in-flight transfer, so it is relayed again"
+    )
 
 
 def render_intervals(intervals: dict) -> list[str]:
     """The ratios table: median over repetitions, 90 % bootstrap interval, verdict."""
     if not intervals:
         return []
-    lines = ["", "## Ratios (median over repetitions, 90 % bootstrap interval)", "",
-             "| ratio | median | 90 % interval | per repetition | target | verdict |", "|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## Ratios (median over repetitions, 90 % bootstrap interval)",
+        "",
+        "| ratio | median | 90 % interval | per repetition | target | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
     for figure in intervals.values():
         target = "–" if figure["target"] is None else f"<= {figure['target']}"
-        lines.append(f"| {figure['label']} | {figure['median']:.3f} | [{figure['low']:.3f}, {figure['high']:.3f}] | "
-                     f"{', '.join(f'{v:.3f}' for v in figure['per_repetition'])} | {target} | {figure['verdict']} |")
+        lines.append(
+            f"| {figure['label']} | {figure['median']:.3f} | [{figure['low']:.3f}, {figure['high']:.3f}] | "
+            f"{', '.join(f'{v:.3f}' for v in figure['per_repetition'])} | {target} | {figure['verdict']} |"
+        )
     return lines
 
 
@@ -162,31 +199,40 @@ def checks(results: dict) -> list[str]:
 
     if p99("pdd") and p99("pdd-plaintext"):
         p50 = modes["pdd"]["ttft_ms"]["p50"] / modes["pdd-plaintext"]["ttft_ms"]["p50"]
-        out.append(f"MEASURED: encryption (NATS TLS + nkeys, mutual TLS on the WAN bulk path): PDD / PDD "
-                   f"plaintext TTFT p50 = {p50:.2f}, p99 = {p99('pdd') / p99('pdd-plaintext'):.2f}")
+        out.append(
+            f"MEASURED: encryption (NATS TLS + nkeys, mutual TLS on the WAN bulk path): PDD / PDD "
+            f"plaintext TTFT p50 = {p50:.2f}, p99 = {p99('pdd') / p99('pdd-plaintext'):.2f}"
+        )
     intervals = results.get("intervals", {})
     for name, figure in intervals.items():
         if figure["target"] is None:
             continue
         why = _rld_share_why(modes["pdd"]) if name == "rld_token_share" and figure["verdict"] != "MET" else ""
-        out.append(f"{figure['verdict']}: {figure['label']} = {figure['median']:.3f}, 90% interval "
-                   f"[{figure['low']:.3f}, {figure['high']:.3f}] over {len(figure['per_repetition'])} "
-                   f"repetition(s) (target <= {figure['target']}){why}")
+        out.append(
+            f"{figure['verdict']}: {figure['label']} = {figure['median']:.3f}, 90% interval "
+            f"[{figure['low']:.3f}, {figure['high']:.3f}] over {len(figure['per_repetition'])} "
+            f"repetition(s) (target <= {figure['target']}){why}"
+        )
     micro = results.get("handoff_microbench")
     if micro:
         ids, kv = micro["token_ids"], micro["incremental_kv"]
-        line(ids["payload_bytes"] <= 1536 and kv["payload_bytes"] >= 1000 * ids["payload_bytes"],
-             f"token-ID handoff {ids['payload_bytes']} B vs KV {kv['payload_bytes']} B "
-             f"({kv['payload_bytes'] / ids['payload_bytes']:.0f}x; target <= 1.5 KB and >= 1000x)")
+        line(
+            ids["payload_bytes"] <= 1536 and kv["payload_bytes"] >= 1000 * ids["payload_bytes"],
+            f"token-ID handoff {ids['payload_bytes']} B vs KV {kv['payload_bytes']} B "
+            f"({kv['payload_bytes'] / ids['payload_bytes']:.0f}x; target <= 1.5 KB and >= 1000x)",
+        )
         ids_std, kv_std = ids["latency_ms"]["std"], kv["latency_ms"]["std"]
         why = ""
         if ids_std >= kv_std and "receiver_compute_ms" in ids:
-            why = (f"; why: the recompute's own std is {ids['receiver_compute_ms']['std']} ms on this "
-                   f"CPU, while on the link token IDs vary {ids['link_ms']['std']} ms and KV "
-                   f"{kv['link_ms']['std']} ms — the emulated link's per-chunk jitter averages out "
-                   "over megabytes, unlike a real WAN's bandwidth swings")
-        line(ids_std < kv_std, f"latency std token IDs {ids_std} ms vs KV {kv_std} ms "
-                               f"(target: lower for token IDs){why}")
+            why = (
+                f"; why: the recompute's own std is {ids['receiver_compute_ms']['std']} ms on this "
+                f"CPU, while on the link token IDs vary {ids['link_ms']['std']} ms and KV "
+                f"{kv['link_ms']['std']} ms — the emulated link's per-chunk jitter averages out "
+                "over megabytes, unlike a real WAN's bandwidth swings"
+            )
+        line(
+            ids_std < kv_std, f"latency std token IDs {ids_std} ms vs KV {kv_std} ms (target: lower for token IDs){why}"
+        )
     errors = {m: v["errors"] for m, v in modes.items()}
     line(not any(errors.values()), f"errors per mode: {errors}")
     return out

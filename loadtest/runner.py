@@ -13,9 +13,15 @@ from loadtest.trace import TraceTurn
 SYSTEM = "You are a careful coding agent. Answer briefly."
 
 
-async def run_trace(base_url: str, trace: list[TraceTurn], *, concurrency: int = 0,
-                    open_loop: bool = False, progress: bool = True,
-                    model: str | None = None) -> tuple[list[RequestRecord], float]:
+async def run_trace(
+    base_url: str,
+    trace: list[TraceTurn],
+    *,
+    concurrency: int = 0,
+    open_loop: bool = False,
+    progress: bool = True,
+    model: str | None = None,
+) -> tuple[list[RequestRecord], float]:
     """Replay ``trace``; return the records and the wall time in seconds.
 
     ``model`` is the name sent in every request (default: the first one ``/models`` lists).
@@ -43,8 +49,14 @@ async def run_trace(base_url: str, trace: list[TraceTurn], *, concurrency: int =
                 history = [{"role": "system", "content": SYSTEM}]
                 for turn in sorted(turns, key=lambda t: t.turn):
                     history.append({"role": "user", "content": turn.content})
-                    record = await stream_chat(http, base_url, model, history, turn.max_tokens,
-                                               RequestRecord(turn.session, turn.turn, turn.kind))
+                    record = await stream_chat(
+                        http,
+                        base_url,
+                        model,
+                        history,
+                        turn.max_tokens,
+                        RequestRecord(turn.session, turn.turn, turn.kind),
+                    )
                     records.append(record)
                     bar.update()
                     history.append({"role": "assistant", "content": record.text})

@@ -14,14 +14,42 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-_SUBJECTS = ["router", "prefill", "relay", "main decoder", "cache index", "link", "scheduler",
-             "tokenizer", "benchmark", "deployment", "KV pool", "handoff"]
-_VERBS = ["reported", "timed out after", "recovered in", "allocated", "evicted", "shipped",
-          "measured", "retried", "streamed", "checkpointed"]
+_SUBJECTS = [
+    "router",
+    "prefill",
+    "relay",
+    "main decoder",
+    "cache index",
+    "link",
+    "scheduler",
+    "tokenizer",
+    "benchmark",
+    "deployment",
+    "KV pool",
+    "handoff",
+]
+_VERBS = [
+    "reported",
+    "timed out after",
+    "recovered in",
+    "allocated",
+    "evicted",
+    "shipped",
+    "measured",
+    "retried",
+    "streamed",
+    "checkpointed",
+]
 _UNITS = ["ms", "blocks", "MB", "tokens", "requests", "retries"]
-_QUESTIONS = ["What changed since the last run?", "Which component is the bottleneck?",
-              "Summarise the failures.", "What should we try next?", "Is this within the SLO?",
-              "Explain the latency spike.", "Which line matters most?"]
+_QUESTIONS = [
+    "What changed since the last run?",
+    "Which component is the bottleneck?",
+    "Summarise the failures.",
+    "What should we try next?",
+    "Is this within the SLO?",
+    "Explain the latency spike.",
+    "Which line matters most?",
+]
 
 
 @dataclass(frozen=True)
@@ -49,12 +77,23 @@ def tool_output(rng: random.Random, lines: int) -> str:
     """Log-like lines of real words."""
     return "\n".join(
         f"[{i:03d}] {rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.randint(1, 999)} "
-        f"{rng.choice(_UNITS)} while handling step {rng.randint(1, 99)}" for i in range(lines))
+        f"{rng.choice(_UNITS)} while handling step {rng.randint(1, 99)}"
+        for i in range(lines)
+    )
 
 
-def generate_trace(seed: int, *, sessions: int, turns: int, cold_lines: int = 60,
-                   tool_lines: int = 8, tool_turn_share: float = 0.2, max_tokens: int = 24,
-                   odd_share: float = 0.04, session_rate_per_s: float = 0.0) -> list[TraceTurn]:
+def generate_trace(
+    seed: int,
+    *,
+    sessions: int,
+    turns: int,
+    cold_lines: int = 60,
+    tool_lines: int = 8,
+    tool_turn_share: float = 0.2,
+    max_tokens: int = 24,
+    odd_share: float = 0.04,
+    session_rate_per_s: float = 0.0,
+) -> list[TraceTurn]:
     """A trace of ``sessions`` × ``turns`` requests (plus odd requests at ``odd_share``).
 
     With ``session_rate_per_s`` > 0 sessions start at Poisson times (open loop).
@@ -64,9 +103,16 @@ def generate_trace(seed: int, *, sessions: int, turns: int, cold_lines: int = 60
     for session in range(sessions):
         if session_rate_per_s > 0:
             start += rng.expovariate(session_rate_per_s)
-        trace.append(TraceTurn(session, 0, "Here is the tool output of the job:\n" +
-                               tool_output(rng, cold_lines) + "\n" + rng.choice(_QUESTIONS),
-                               max_tokens, "cold", start))
+        trace.append(
+            TraceTurn(
+                session,
+                0,
+                "Here is the tool output of the job:\n" + tool_output(rng, cold_lines) + "\n" + rng.choice(_QUESTIONS),
+                max_tokens,
+                "cold",
+                start,
+            )
+        )
         for turn in range(1, turns):
             if rng.random() < tool_turn_share:
                 content = "New tool output:\n" + tool_output(rng, tool_lines) + "\n" + rng.choice(_QUESTIONS)
@@ -76,9 +122,16 @@ def generate_trace(seed: int, *, sessions: int, turns: int, cold_lines: int = 60
     odd_count = round(len(trace) * odd_share / (1 - odd_share)) if odd_share else 0
     for i in range(odd_count):
         session = sessions + i
-        trace.append(TraceTurn(session, 0, "Classify this log as OK or FAIL:\n" +
-                               tool_output(rng, cold_lines) + "\nAnswer with one word.",
-                               2, "odd", rng.uniform(0, start) if start else 0.0))
+        trace.append(
+            TraceTurn(
+                session,
+                0,
+                "Classify this log as OK or FAIL:\n" + tool_output(rng, cold_lines) + "\nAnswer with one word.",
+                2,
+                "odd",
+                rng.uniform(0, start) if start else 0.0,
+            )
+        )
     return trace
 
 

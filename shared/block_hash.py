@@ -32,9 +32,7 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     return hasher.intdigest()
 
 
-def hash_blocks(
-    token_ids: Sequence[int], block_size: int, parent_hash: int = ROOT_PARENT_HASH
-) -> list[int]:
+def hash_blocks(token_ids: Sequence[int], block_size: int, parent_hash: int = ROOT_PARENT_HASH) -> list[int]:
     """Chained hashes of every full block in ``token_ids``; a partial tail is skipped.
 
     Args:

@@ -24,15 +24,21 @@ log = structlog.get_logger(__name__)
 STREAM_NAME = "PDD_DEAD_LETTERS"
 MAX_MESSAGES = 10_000
 MAX_BYTES = 64 << 20
-BAD_MESSAGES = Counter("pdd_bad_messages_total", "Messages that did not decode (dropped, dead-lettered)",
-                       ["service", "subject"])
+BAD_MESSAGES = Counter(
+    "pdd_bad_messages_total", "Messages that did not decode (dropped, dead-lettered)", ["service", "subject"]
+)
 
 
 def stream_config(site: str) -> StreamConfig:
     """The site's dead-letter stream."""
-    return StreamConfig(name=STREAM_NAME, subjects=[subjects.dead_letters_of_site(site)],
-                        storage=StorageType.FILE, max_msgs=MAX_MESSAGES, max_bytes=MAX_BYTES,
-                        discard=DiscardPolicy.OLD)
+    return StreamConfig(
+        name=STREAM_NAME,
+        subjects=[subjects.dead_letters_of_site(site)],
+        storage=StorageType.FILE,
+        max_msgs=MAX_MESSAGES,
+        max_bytes=MAX_BYTES,
+        discard=DiscardPolicy.OLD,
+    )
 
 
 def sender_problem(message: msgspec.Struct, subject: str) -> str | None:
@@ -71,16 +77,20 @@ class BadMessageSink:
         problem = sender_problem(message, msg.subject)
         if problem is not None:
             REFUSED_MESSAGES.labels(self._service, "sender_mismatch").inc()
-            log.warning("message_refused", service=self._service, subject=msg.subject,
-                        message=type(message).__name__, reason=problem)
+            log.warning(
+                "message_refused",
+                service=self._service,
+                subject=msg.subject,
+                message=type(message).__name__,
+                reason=problem,
+            )
             return None
         return message
 
     def report(self, msg, subscribed: str, error: Exception):
         """Count, log and dead-letter one bad message."""
         BAD_MESSAGES.labels(self._service, subscribed).inc()
-        log.warning("bad_message", service=self._service, subject=msg.subject, bytes=len(msg.data),
-                    error=str(error))
+        log.warning("bad_message", service=self._service, subject=msg.subject, bytes=len(msg.data), error=str(error))
         asyncio.ensure_future(self._dead_letter(msg, str(error)))
 
     async def _dead_letter(self, msg, error: str):

@@ -66,9 +66,14 @@ class InFlightBlocks:
         """The earlier flow bringing more of this prompt's leading blocks than the cache
         holds (the one sharing the longest prefix), or None: the flow may ask for the rest."""
         shared, request_id, blocker = max(
-            ((common_prefix(other.block_hashes, claim.block_hashes), rid, other)
-             for rid, other in self.claims.items() if other.ticket < claim.ticket),
-            key=lambda overlap: overlap[0], default=(0, None, None))
+            (
+                (common_prefix(other.block_hashes, claim.block_hashes), rid, other)
+                for rid, other in self.claims.items()
+                if other.ticket < claim.ticket
+            ),
+            key=lambda overlap: overlap[0],
+            default=(0, None, None),
+        )
         return (request_id, blocker) if shared > cached_blocks else None
 
     def cancel_waiting(self, request_id: str, finished_elsewhere: bool) -> bool:

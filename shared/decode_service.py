@@ -81,25 +81,41 @@ class DecodeService(EngineService):
         return self.engine.blocks_held_only_by(filling) if filling else 0
 
     async def on_start(self):
-        self.importer = KvImporter(self.worker, self._on_import_complete, self._on_import_open,
-                                   in_flight_wait_s=self.config.kv_timeout_s,
-                                   on_abort=self._on_import_aborted,
-                                   max_sequences=self.config.max_sequences)
+        self.importer = KvImporter(
+            self.worker,
+            self._on_import_complete,
+            self._on_import_open,
+            in_flight_wait_s=self.config.kv_timeout_s,
+            on_abort=self._on_import_aborted,
+            max_sequences=self.config.max_sequences,
+        )
         config = self.config
         encrypted = config.tls_cert_file and (self.bulk_path == "wan" or config.bulk_tls_local)
         self.receiver = BulkReceiver(
-            self.importer, self.engine.frame_expectation, config.bulk_verify_key,
-            path=self.bulk_path, frame_timeout_s=config.kv_timeout_s,
-            host=config.bulk_host, port=config.bulk_port, receiver_id=self.instance_id,
+            self.importer,
+            self.engine.frame_expectation,
+            config.bulk_verify_key,
+            path=self.bulk_path,
+            frame_timeout_s=config.kv_timeout_s,
+            host=config.bulk_host,
+            port=config.bulk_port,
+            receiver_id=self.instance_id,
             incarnation=self.incarnation,
-            tls=server_context(config.tls_ca_file, config.tls_cert_file, config.tls_key_file) if encrypted else None)
+            tls=server_context(config.tls_ca_file, config.tls_cert_file, config.tls_key_file) if encrypted else None,
+        )
         host, port = await self.receiver.start()
         self.bulk_endpoint = self.config.bulk_advertise or f"{_reachable(host)}:{port}"
-        self.loop = EngineLoop(self.worker, self._on_outputs, step_seconds=ENGINE_STEP_SECONDS.labels(
-            self.config.served_model_name, self.service_name))
+        self.loop = EngineLoop(
+            self.worker,
+            self._on_outputs,
+            step_seconds=ENGINE_STEP_SECONDS.labels(self.config.served_model_name, self.service_name),
+        )
         self.watch(self.loop.start())
-        await self.subscribe(subjects.instance_work(self.config.site, self.service_name, self.instance_id,
-                                                    subjects.RESEND), _resend_decoder, self._on_resend)
+        await self.subscribe(
+            subjects.instance_work(self.config.site, self.service_name, self.instance_id, subjects.RESEND),
+            _resend_decoder,
+            self._on_resend,
+        )
 
     async def on_stop(self):
         # Stop accepting KV; let running sequences finish for a short grace period.
@@ -119,9 +135,13 @@ class DecodeService(EngineService):
         return list(held - self.importer.kept_for_cache())
 
     def instance_ref(self) -> InstanceRef:
-        return InstanceRef(instance_id=self.instance_id, site=self.config.site,
-                           bulk_endpoint=self.bulk_endpoint, bulk_link=self.config.bulk_link,
-                           incarnation=self.incarnation)
+        return InstanceRef(
+            instance_id=self.instance_id,
+            site=self.config.site,
+            bulk_endpoint=self.bulk_endpoint,
+            bulk_link=self.config.bulk_link,
+            incarnation=self.incarnation,
+        )
 
     async def on_cancel(self, cancel: CancelRequest):
         finished_elsewhere = cancel.kind == "finished"
@@ -130,9 +150,15 @@ class DecodeService(EngineService):
             # freeing it here would leave the flow's frames no import to land in.
             state = await self.importer.cancel(cancel.request_id, finished_elsewhere)
             if state is not None and not finished_elsewhere:
-                await self.publish(subjects.request_events(cancel.request_id, self.instance_id), KvImportAborted(
-                    request_id=cancel.request_id, instance_id=self.instance_id,
-                    wan_kv_bytes=state.stats.bytes_received, reason=cancel.reason))
+                await self.publish(
+                    subjects.request_events(cancel.request_id, self.instance_id),
+                    KvImportAborted(
+                        request_id=cancel.request_id,
+                        instance_id=self.instance_id,
+                        wan_kv_bytes=state.stats.bytes_received,
+                        reason=cancel.reason,
+                    ),
+                )
             return
         if await self.worker.call(self.engine.abort, cancel.request_id):
             self.log.info("request_dropped", request_id=cancel.request_id, kind=cancel.kind)
@@ -142,9 +168,16 @@ class DecodeService(EngineService):
 
     async def _on_import_aborted(self, request_id: str, reason: str):
         """A flow broke before its KV was complete: tell the router, which may resume elsewhere."""
-        await self.publish(subjects.request_events(request_id, self.instance_id), RequestFailed(
-            request_id=request_id, instance_id=self.instance_id, code="kv_flow_broken",
-            message=f"KV flow broke before the prompt was complete: {reason}", retryable=True))
+        await self.publish(
+            subjects.request_events(request_id, self.instance_id),
+            RequestFailed(
+                request_id=request_id,
+                instance_id=self.instance_id,
+                code="kv_flow_broken",
+                message=f"KV flow broke before the prompt was complete: {reason}",
+                retryable=True,
+            ),
+        )
 
     # --- hooks for subclasses ------------------------------------------------------------
 
@@ -158,8 +191,13 @@ class DecodeService(EngineService):
     async def _on_import_complete(self, state: ImportState, seq: RequestView, stats: FlowStats):
         """Called when a flow's KV is all in; the base emits already-known output tokens."""
         if seq.output_token_ids:
-            await self.emit(seq.request_id, 0, list(seq.output_token_ids),
-                            seq.finish_reason if seq.finished else None, _logprobs_of(seq))
+            await self.emit(
+                seq.request_id,
+                0,
+                list(seq.output_token_ids),
+                seq.finish_reason if seq.finished else None,
+                _logprobs_of(seq),
+            )
             if seq.finished:
                 self._remember_finished(await self.worker.call(self.engine.free, seq.request_id))
                 return
@@ -173,10 +211,16 @@ class DecodeService(EngineService):
         if known is None or resend.from_index >= len(known.token_ids):
             return
         tokens, start = known.token_ids, resend.from_index
-        await self.emit(rid, start, tokens[start:], known.finish_reason,
-                        known.logprobs[start:] if known.logprobs is not None else None)
-        self.log.info("tokens_resent", request_id=rid, from_index=resend.from_index,
-                      tokens=len(tokens) - resend.from_index)
+        await self.emit(
+            rid,
+            start,
+            tokens[start:],
+            known.finish_reason,
+            known.logprobs[start:] if known.logprobs is not None else None,
+        )
+        self.log.info(
+            "tokens_resent", request_id=rid, from_index=resend.from_index, tokens=len(tokens) - resend.from_index
+        )
 
     def _live_outputs(self, request_id: str) -> KnownOutputs | None:
         seq = self.engine.request(request_id)
@@ -187,28 +231,53 @@ class DecodeService(EngineService):
     def _remember_finished(self, seq: RequestView):
         if seq.finish_reason in ("stop", "length"):
             self._finished_outputs[seq.request_id] = KnownOutputs(
-                list(seq.output_token_ids), seq.finish_reason, _logprobs_of(seq))
+                list(seq.output_token_ids), seq.finish_reason, _logprobs_of(seq)
+            )
             while len(self._finished_outputs) > RECENT_OUTPUTS:
                 self._finished_outputs.popitem(last=False)
 
-    async def emit(self, request_id: str, start_index: int, token_ids: list[int],
-                   finish_reason: str | None, logprobs: list[TokenLogprobs | None] | None = None):
+    async def emit(
+        self,
+        request_id: str,
+        start_index: int,
+        token_ids: list[int],
+        finish_reason: str | None,
+        logprobs: list[TokenLogprobs | None] | None = None,
+    ):
         """Publish tokens (and their log-probabilities, if asked for) on the request's stream."""
-        await self.publish(subjects.tokens(request_id, self.instance_id), TokensEmitted(
-            request_id=request_id, start_index=start_index, token_ids=token_ids,
-            producer=self.producer, instance_id=self.instance_id,
-            finish_reason=finish_reason, logprobs=logprobs))
+        await self.publish(
+            subjects.tokens(request_id, self.instance_id),
+            TokensEmitted(
+                request_id=request_id,
+                start_index=start_index,
+                token_ids=token_ids,
+                producer=self.producer,
+                instance_id=self.instance_id,
+                finish_reason=finish_reason,
+                logprobs=logprobs,
+            ),
+        )
 
     async def _on_outputs(self, outputs: list[StepOutput]):
         for out in outputs:
             if out.error:
-                await self.publish(subjects.request_events(out.request_id, self.instance_id), RequestFailed(
-                    request_id=out.request_id, instance_id=self.instance_id,
-                    code=out.error_code or "engine_error", message=out.error))
+                await self.publish(
+                    subjects.request_events(out.request_id, self.instance_id),
+                    RequestFailed(
+                        request_id=out.request_id,
+                        instance_id=self.instance_id,
+                        code=out.error_code or "engine_error",
+                        message=out.error,
+                    ),
+                )
             else:
-                await self.emit(out.request_id, out.token_index, [out.token_id],
-                                out.finish_reason if out.finished else None,
-                                [out.logprobs] if out.logprobs is not None else None)
+                await self.emit(
+                    out.request_id,
+                    out.token_index,
+                    [out.token_id],
+                    out.finish_reason if out.finished else None,
+                    [out.logprobs] if out.logprobs is not None else None,
+                )
             if out.finished:
                 self._remember_finished(await self.worker.call(self.engine.free, out.request_id))
                 self.end_span(out.request_id)
@@ -223,7 +292,8 @@ class DecodeService(EngineService):
 
         self.end_span(request_id)
         self.spans[request_id] = tracer(f"pdd.{self.service_name}").start_span(
-            name, context=context_from(traceparent), attributes={"request_id": request_id, **attributes})
+            name, context=context_from(traceparent), attributes={"request_id": request_id, **attributes}
+        )
 
     def end_span(self, request_id: str, **attributes):
         """Close this request's long-lived span, if open."""

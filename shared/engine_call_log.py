@@ -38,8 +38,13 @@ class EngineCallLog:
             try:
                 return fn()
             finally:
-                record = {"instance": self.instance, "call": name, "queued_s": round(queued_s, 6),
-                          "start_s": round(start_s, 6), "end_s": round(time.time(), 6)}
+                record = {
+                    "instance": self.instance,
+                    "call": name,
+                    "queued_s": round(queued_s, 6),
+                    "start_s": round(start_s, 6),
+                    "end_s": round(time.time(), 6),
+                }
                 if request_id is not None:
                     record["request"] = request_id
                 if name == "step" and getattr(engine, "last_batch", None) is not None:

@@ -21,10 +21,13 @@ log = structlog.get_logger(__name__)
 class EngineLoop:
     """Runs ``engine.step`` while there is work; sleeps until ``wake()`` otherwise."""
 
-    def __init__(self, worker: EngineWorker,
-                 on_outputs: Callable[[list[StepOutput]], Awaitable[None]],
-                 between_steps: Callable[[], Awaitable[None]] | None = None,
-                 step_seconds: Histogram | None = None):
+    def __init__(
+        self,
+        worker: EngineWorker,
+        on_outputs: Callable[[list[StepOutput]], Awaitable[None]],
+        between_steps: Callable[[], Awaitable[None]] | None = None,
+        step_seconds: Histogram | None = None,
+    ):
         """``step_seconds``: a histogram (labels bound) that observes every step's duration."""
         self._worker = worker
         self._step_seconds = step_seconds

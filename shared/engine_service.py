@@ -8,12 +8,12 @@ import nats
 from shared import subjects
 from shared.config import EngineConfig
 from shared.engine.backend import BackendOptions, EngineBackend, create_backend
-from shared.messages import KvBlocksEvicted, KvBlocksStored, LoadReported, encode
-from shared.metrics import ACTIVE_SEQUENCES, KV_BLOCKS_USED, KV_CACHE_USAGE
-from shared.service import Service
 from shared.engine_worker import EngineWorker
 from shared.kv_event_stream import STREAM_NAME as KV_EVENT_STREAM
 from shared.kv_event_stream import wait_for_stream
+from shared.messages import KvBlocksEvicted, KvBlocksStored, LoadReported, encode
+from shared.metrics import ACTIVE_SEQUENCES, KV_BLOCKS_USED, KV_CACHE_USAGE
+from shared.service import Service
 
 
 class EngineService(Service):
@@ -38,21 +38,28 @@ class EngineService(Service):
     async def start(self):
         loop = asyncio.get_running_loop()
         self._kv_events = asyncio.Queue()
+
         def on_kv_event(kind: str, block_hashes: list[int]):
             # Called on the engine thread; hop to the loop.
             loop.call_soon_threadsafe(self._kv_events.put_nowait, (kind, block_hashes))
 
         config = self.config
         options = BackendOptions(
-            model=config.model, device=config.device, dtype=config.dtype,
-            kv_cache_bytes=config.kv_cache_mb << 20, block_size=config.block_size,
+            model=config.model,
+            device=config.device,
+            dtype=config.dtype,
+            kv_cache_bytes=config.kv_cache_mb << 20,
+            block_size=config.block_size,
             enable_prefix_cache=config.prefix_cache,
-            kv_listener=on_kv_event if self.publishes_kv_events else None)
+            kv_listener=on_kv_event if self.publishes_kv_events else None,
+        )
         engine = await loop.run_in_executor(None, create_backend, config.engine, options, self._loaded)
         self.worker = EngineWorker(engine, self.instance_id, self.config.torch_threads, self.config.engine_call_log)
         await super().start()
-        await self.nc.subscribe(subjects.instance_work(
-            self.config.site, self.service_name, self.instance_id, subjects.DUMP), cb=self._on_dump)
+        await self.nc.subscribe(
+            subjects.instance_work(self.config.site, self.service_name, self.instance_id, subjects.DUMP),
+            cb=self._on_dump,
+        )
         if self.publishes_kv_events:
             await wait_for_stream(self.nc.jetstream(), KV_EVENT_STREAM)
             self._tasks.append(asyncio.create_task(self._publish_kv_events(), name="kv-events"))
@@ -70,13 +77,18 @@ class EngineService(Service):
         load = self.engine.load()
         ACTIVE_SEQUENCES.labels(self.service_name, self.instance_id).set(load.num_sequences)
         KV_BLOCKS_USED.labels(self.service_name, self.instance_id).set(load.num_used_blocks)
-        KV_CACHE_USAGE.labels(self.service_name, self.instance_id).set(
-            load.num_used_blocks / max(1, load.num_blocks))
+        KV_CACHE_USAGE.labels(self.service_name, self.instance_id).set(load.num_used_blocks / max(1, load.num_blocks))
         return LoadReported(
-            instance=self.instance_ref(), service=self.service_name,
-            active_sequences=load.num_sequences, max_sequences=self.config.max_sequences,
-            free_blocks=load.num_free_blocks, used_blocks=load.num_used_blocks,
-            total_blocks=load.num_blocks, pending_tokens=load.num_pending_tokens, unix_s=time.time())
+            instance=self.instance_ref(),
+            service=self.service_name,
+            active_sequences=load.num_sequences,
+            max_sequences=self.config.max_sequences,
+            free_blocks=load.num_free_blocks,
+            used_blocks=load.num_used_blocks,
+            total_blocks=load.num_blocks,
+            pending_tokens=load.num_pending_tokens,
+            unix_s=time.time(),
+        )
 
     async def _publish_kv_events(self):
         subject = subjects.kv_events(self.config.site, self.instance_id)
@@ -91,19 +103,23 @@ class EngineService(Service):
     async def _publish_kv_event(self, js, subject: str, kind: str, hashes: list[int]):
         self._kv_seq += 1
         cls = KvBlocksStored if kind == "stored" else KvBlocksEvicted
-        event = cls(publisher_id=self.instance_id, epoch=self.incarnation, seq=self._kv_seq,
-                    block_hashes=hashes)
+        event = cls(publisher_id=self.instance_id, epoch=self.incarnation, seq=self._kv_seq, block_hashes=hashes)
         msg_id = f"{self.instance_id}:{self.incarnation}:{self._kv_seq}"
         try:
             await js.publish(subject, encode(event), headers={"Nats-Msg-Id": msg_id})
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        except (TimeoutError, nats.errors.Error) as exc:
             # The cache-index sees the gap and asks for a dump.
             self.log.warning("kv_event_not_stored", seq=self._kv_seq, error=str(exc) or type(exc).__name__)
 
     async def _on_dump(self, msg):
         hashes = await self.worker.call(self.engine.cached_block_hashes)
-        await msg.respond(encode(KvBlocksStored(publisher_id=self.instance_id, epoch=self.incarnation,
-                                                seq=self._kv_seq, block_hashes=hashes)))
+        await msg.respond(
+            encode(
+                KvBlocksStored(
+                    publisher_id=self.instance_id, epoch=self.incarnation, seq=self._kv_seq, block_hashes=hashes
+                )
+            )
+        )
 
 
 def _merge_runs(events: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:

@@ -14,8 +14,14 @@ from pathlib import Path
 SMOLLM2_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 """SmolLM2's Hugging Face id: the name the API serves it under (the tiny test model too, which
 uses its tokenizer), so clients that load a tokenizer by model name find it."""
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "config.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "config.json",
+    "generation_config.json",
+)
 """What a tokenizer load reads (config.json names the tokenizer class for AutoTokenizer)."""
 
 

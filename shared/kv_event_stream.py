@@ -21,9 +21,14 @@ MAX_BYTES = 256 << 20
 
 def stream_config(site: str) -> StreamConfig:
     """The site's KV event stream."""
-    return StreamConfig(name=STREAM_NAME, subjects=[subjects.kv_events(site, "*")],
-                        storage=StorageType.FILE, max_age=MAX_AGE_S, max_bytes=MAX_BYTES,
-                        duplicate_window=120)
+    return StreamConfig(
+        name=STREAM_NAME,
+        subjects=[subjects.kv_events(site, "*")],
+        storage=StorageType.FILE,
+        max_age=MAX_AGE_S,
+        max_bytes=MAX_BYTES,
+        duplicate_window=120,
+    )
 
 
 async def wait_for_stream(js, stream: str, timeout_s: float = 30.0):
@@ -39,8 +44,12 @@ async def wait_for_stream(js, stream: str, timeout_s: float = 30.0):
         try:
             await js.stream_info(stream)
             return
-        except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError,
-                nats.errors.NoRespondersError, nats.errors.TimeoutError):
+        except (
+            nats.js.errors.NotFoundError,
+            nats.js.errors.ServiceUnavailableError,
+            nats.errors.NoRespondersError,
+            nats.errors.TimeoutError,
+        ):
             if asyncio.get_running_loop().time() > deadline:
                 raise
             await asyncio.sleep(0.2)
@@ -51,5 +60,6 @@ async def replay(nc: nats.NATS, site: str, callback):
     stream exists)."""
     js = nc.jetstream(domain=site)
     await wait_for_stream(js, STREAM_NAME)
-    return await js.subscribe(subjects.kv_events(site, "*"), cb=callback, ordered_consumer=True,
-                              deliver_policy=DeliverPolicy.ALL)
+    return await js.subscribe(
+        subjects.kv_events(site, "*"), cb=callback, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+    )

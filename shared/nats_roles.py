@@ -66,26 +66,41 @@ DECODERS = ("relay_decode", "main_decode")
 def _role_subjects(role: str, me: str) -> tuple[list[str], list[str]]:
     """(publish, subscribe) beyond what every role has; ``me``: the instance id (or ``*``)."""
     if role == "router":
-        return ([_instance_verb("prefill", subjects.START_PREFILL), subjects.cancel(me),
-                 subjects.shared_work(ANY, "cache_index", subjects.OVERLAP),
-                 *(_instance_verb(d, subjects.RESEND) for d in DECODERS),
-                 f"$JS.{ANY}.API.INFO"],  # probing each site's JetStream domain
-                [subjects.tokens_of_origin(me), subjects.request_events_of_origin(me)])
+        return (
+            [
+                _instance_verb("prefill", subjects.START_PREFILL),
+                subjects.cancel(me),
+                subjects.shared_work(ANY, "cache_index", subjects.OVERLAP),
+                *(_instance_verb(d, subjects.RESEND) for d in DECODERS),
+                f"$JS.{ANY}.API.INFO",
+            ],  # probing each site's JetStream domain
+            [subjects.tokens_of_origin(me), subjects.request_events_of_origin(me)],
+        )
     if role == "cache_index":
         # It follows every site's KV event stream with ordered consumers. The local domain's API
         # is checked under its plain name, the others under $JS.<domain>.
-        follow = [call for api in ("$JS.API", f"$JS.{ANY}.API")
-                  for call in (*_stream_lookup(KV_EVENT_STREAM, api), f"{api}.STREAM.NAMES",
-                               *_stream_consumers(KV_EVENT_STREAM, api))]
-        return ([*(_instance_verb(e, subjects.DUMP) for e in ENGINES), *follow, "$JS.FC.>", "$JS.ACK.>"],
-                [subjects.shared_work(ANY, "cache_index", subjects.OVERLAP)])
+        follow = [
+            call
+            for api in ("$JS.API", f"$JS.{ANY}.API")
+            for call in (
+                *_stream_lookup(KV_EVENT_STREAM, api),
+                f"{api}.STREAM.NAMES",
+                *_stream_consumers(KV_EVENT_STREAM, api),
+            )
+        ]
+        return (
+            [*(_instance_verb(e, subjects.DUMP) for e in ENGINES), *follow, "$JS.FC.>", "$JS.ACK.>"],
+            [subjects.shared_work(ANY, "cache_index", subjects.OVERLAP)],
+        )
     publish = [subjects.request_events_by(me)]
     subscribe = [_instance_verb(role, subjects.DUMP, me)]
     if role in ("prefill", "main_decode"):  # their caches are routing targets
         publish += [subjects.kv_events(ANY, me), *_stream_lookup(KV_EVENT_STREAM)]
     if role == "prefill":
-        subscribe += [_instance_verb("prefill", subjects.START_PREFILL, me),
-                      subjects.shared_work(ANY, "prefill", subjects.START_PREFILL)]
+        subscribe += [
+            _instance_verb("prefill", subjects.START_PREFILL, me),
+            subjects.shared_work(ANY, "prefill", subjects.START_PREFILL),
+        ]
     if role in DECODERS:
         publish.append(subjects.tokens_by(me))
         subscribe.append(_instance_verb(role, subjects.RESEND, me))
@@ -109,16 +124,28 @@ def leafnode_permissions(spoke_site: str, main_decode_ids: tuple[str, ...] = (AN
     site's instances (``*``: any, for replicas sharing one credential).
     """
     site_api = f"$JS.{subjects.check_token(spoke_site, 'site')}.API"
-    b_to_a = [subject for md in main_decode_ids
-              for subject in (subjects.tokens_by(md), subjects.request_events_by(md),
-                              subjects.load(spoke_site, "main_decode", md))]
+    b_to_a = [
+        subject
+        for md in main_decode_ids
+        for subject in (
+            subjects.tokens_by(md),
+            subjects.request_events_by(md),
+            subjects.load(spoke_site, "main_decode", md),
+        )
+    ]
     b_to_a += [inbox_prefix(role, ANY) + ".>" for role in ("router", "relay_decode", "cache_index")]
-    a_to_b = [subjects.CANCEL_ALL, subjects.LOAD_ALL,
-              *(subjects.instance_work(ANY, "main_decode", md, ">") for md in main_decode_ids),
-              *_stream_lookup(KV_EVENT_STREAM, site_api), f"{site_api}.STREAM.NAMES",
-              f"{site_api}.CONSUMER.>",  # a leafnode takes interest in whole API branches
-              "$JS.FC.>", "$JS.ACK.>",
-              inbox_prefix("main_decode", ANY) + ".>", "$LDS.>"]
+    a_to_b = [
+        subjects.CANCEL_ALL,
+        subjects.LOAD_ALL,
+        *(subjects.instance_work(ANY, "main_decode", md, ">") for md in main_decode_ids),
+        *_stream_lookup(KV_EVENT_STREAM, site_api),
+        f"{site_api}.STREAM.NAMES",
+        f"{site_api}.CONSUMER.>",  # a leafnode takes interest in whole API branches
+        "$JS.FC.>",
+        "$JS.ACK.>",
+        inbox_prefix("main_decode", ANY) + ".>",
+        "$LDS.>",
+    ]
     return RolePermissions(tuple(dict.fromkeys(b_to_a)), tuple(dict.fromkeys(a_to_b)))
 
 
@@ -127,12 +154,30 @@ def spoke_denials(spoke_site: str) -> RolePermissions:
     site B holds the line even against a compromised site A server: nothing administers B's
     JetStream from A, no dead letter or KV event leaves B, no work of site A's services crosses."""
     site_api = f"$JS.{subjects.check_token(spoke_site, 'site')}.API"
-    admin_verbs = ("STREAM.CREATE", "STREAM.UPDATE", "STREAM.DELETE", "STREAM.PURGE", "STREAM.MSG",
-                   "STREAM.SNAPSHOT", "STREAM.RESTORE", "STREAM.PEER", "STREAM.LEADER", "META", "ACCOUNT",
-                   "SERVER")
+    admin_verbs = (
+        "STREAM.CREATE",
+        "STREAM.UPDATE",
+        "STREAM.DELETE",
+        "STREAM.PURGE",
+        "STREAM.MSG",
+        "STREAM.SNAPSHOT",
+        "STREAM.RESTORE",
+        "STREAM.PEER",
+        "STREAM.LEADER",
+        "META",
+        "ACCOUNT",
+        "SERVER",
+    )
     admin = ["$JS.API.>", *(f"{site_api}.{verb}.>" for verb in admin_verbs)]
-    exports = ["pdd.dlq.>", subjects.KV_EVENTS_ALL, "$JS.API.>", f"{subjects.PREFIX}.*.prefill.>",
-               f"{subjects.PREFIX}.*.router.>", f"{subjects.PREFIX}.*.cache_index.>", f"{subjects.PREFIX}.cancel.>"]
+    exports = [
+        "pdd.dlq.>",
+        subjects.KV_EVENTS_ALL,
+        "$JS.API.>",
+        f"{subjects.PREFIX}.*.prefill.>",
+        f"{subjects.PREFIX}.*.router.>",
+        f"{subjects.PREFIX}.*.cache_index.>",
+        f"{subjects.PREFIX}.cancel.>",
+    ]
     # A denied import also refuses the hub's interest in it: nothing site B must send goes here.
     imports = [*admin, "pdd.dlq.>", f"{subjects.PREFIX}.*.prefill.>", f"{subjects.PREFIX}.*.router.>"]
     return RolePermissions(tuple(exports), tuple(imports))
@@ -148,5 +193,6 @@ def permissions(role: str, instance_id: str = ANY) -> RolePermissions:
     publish, subscribe = _role_subjects(role, instance_id)
     every_role_publishes = [subjects.load(ANY, role, instance_id), subjects.dead_letters(ANY, role, instance_id)]
     every_role_subscribes = [subjects.CANCEL_ALL, subjects.LOAD_ALL, inbox_prefix(role, instance_id) + ".>"]
-    return RolePermissions(tuple(dict.fromkeys(publish + every_role_publishes)),
-                           tuple(dict.fromkeys(subscribe + every_role_subscribes)))
+    return RolePermissions(
+        tuple(dict.fromkeys(publish + every_role_publishes)), tuple(dict.fromkeys(subscribe + every_role_subscribes))
+    )

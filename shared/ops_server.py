@@ -37,8 +37,9 @@ def key_matches(authorization: str, key_sha256: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(digest, key_sha256.strip().lower())
 
 
-async def start_ops_server(host: str, port: int, health: Callable[[], tuple[bool, dict]],
-                           metrics_key_sha256: str = "") -> OpsServer:
+async def start_ops_server(
+    host: str, port: int, health: Callable[[], tuple[bool, dict]], metrics_key_sha256: str = ""
+) -> OpsServer:
     """Serve ``/metrics`` and ``/health`` on ``host:port`` (port 0: any free one).
 
     Args:
@@ -48,15 +49,17 @@ async def start_ops_server(host: str, port: int, health: Callable[[], tuple[bool
 
     async def metrics(request):
         if metrics_key_sha256 and not key_matches(request.headers.get("Authorization", ""), metrics_key_sha256):
-            return web.json_response({"error": "the metrics key is required"}, status=401,
-                                     headers={"WWW-Authenticate": "Bearer"})
+            return web.json_response(
+                {"error": "the metrics key is required"}, status=401, headers={"WWW-Authenticate": "Bearer"}
+            )
         body, content_type = exposition()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def health_check(request):
         healthy, details = health()
-        return web.json_response({"status": "ok" if healthy else "unavailable", **details},
-                                 status=200 if healthy else 503)
+        return web.json_response(
+            {"status": "ok" if healthy else "unavailable", **details}, status=200 if healthy else 503
+        )
 
     app = web.Application()
     app.add_routes([web.get("/metrics", metrics), web.get("/health", health_check)])

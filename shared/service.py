@@ -65,16 +65,19 @@ class Service:
 
     def load_report(self) -> LoadReported:
         """The heartbeat to publish."""
-        return LoadReported(instance=self.instance_ref(), service=self.service_name,
-                            unix_s=time.time())
+        return LoadReported(instance=self.instance_ref(), service=self.service_name, unix_s=time.time())
 
     def health(self) -> tuple[bool, dict]:
         """Healthy once started and until it fails. A lost NATS connection is reported but is not
         unhealthy: the client reconnects by itself, and a restart would drop what it holds."""
         connected = self.nc is not None and self.nc.is_connected
         healthy = self._started and self.failure is None
-        return healthy, {"service": self.service_name, "instance": self.instance_id, "nats_connected": connected,
-                         **({"failure": self.failure} if self.failure else {})}
+        return healthy, {
+            "service": self.service_name,
+            "instance": self.instance_id,
+            "nats_connected": connected,
+            **({"failure": self.failure} if self.failure else {}),
+        }
 
     def instance_ref(self) -> InstanceRef:
         """How other instances reach this one."""
@@ -89,23 +92,32 @@ class Service:
     async def start(self):
         """Connect to this site's NATS server and start serving."""
         self.nc = await nats_client.connect(
-            self.config.nats_url, role=self.service_name, instance_id=self.instance_id,
+            self.config.nats_url,
+            role=self.service_name,
+            instance_id=self.instance_id,
             seed_file=self.config.nats_seed_file,
-            ca_file=self.config.tls_ca_file, name=self.instance_id, max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5, connect_timeout=5,
+            ca_file=self.config.tls_ca_file,
+            name=self.instance_id,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=5,
         )
         self.bad_messages = BadMessageSink(self.nc, self.config.site, self.service_name, self.instance_id)
         await self.subscribe(subjects.CANCEL_ALL, _cancel_decoder, self._on_cancel_msg)
         if self.config.metrics_port:
-            self._ops = await start_ops_server(self.config.metrics_host, self.config.metrics_port, self.health,
-                                               self.config.metrics_key_sha256)
+            self._ops = await start_ops_server(
+                self.config.metrics_host, self.config.metrics_port, self.health, self.config.metrics_key_sha256
+            )
             self.log.info("metrics_listening", url=f"http://{self.config.metrics_host}:{self._ops.port}/metrics")
         await self.on_start()
         self._started = True
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
         if self.holds_requests:
-            self.leases = RequestLeases(self.config.request_lease_s, grace_s=2 * self.config.heartbeat_s + 0.5,
-                                        cut_off_lease_s=self.config.cut_off_lease_s)
+            self.leases = RequestLeases(
+                self.config.request_lease_s,
+                grace_s=2 * self.config.heartbeat_s + 0.5,
+                cut_off_lease_s=self.config.cut_off_lease_s,
+            )
             await self.subscribe(subjects.LOAD_ALL, _load_decoder, self._on_heartbeat_msg)
             self._tasks.append(asyncio.create_task(self._free_expired(), name="lease-reaper"))
         for task in self._tasks:
@@ -118,18 +130,22 @@ class Service:
         A message that does not decode is counted, logged and dead-lettered, never passed on;
         one whose body names another sender than its subject proves is refused and counted.
         """
+
         async def callback(msg):
             message = self.bad_messages.decode(message_decoder, msg, subject)
             if message is not None:
                 await handler(message, msg)
+
         return await self.nc.subscribe(subject, queue=queue, cb=callback)
 
     def watch(self, task: asyncio.Task):
         """Fail the service if ``task`` ends with an exception (cancelling it is fine)."""
+
         def done(finished: asyncio.Task):
             if not finished.cancelled() and finished.exception() is not None:
                 exc = finished.exception()
                 self.fail(f"task {finished.get_name()} died: {type(exc).__name__}: {exc}")
+
         task.add_done_callback(done)
 
     def fail(self, reason: str):
@@ -153,7 +169,7 @@ class Service:
         if self.nc and not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.drain(), 5)
-            except (asyncio.TimeoutError, nats.errors.Error):
+            except (TimeoutError, nats.errors.Error):
                 await self.nc.close()
         if self._ops is not None:
             await self._ops.stop()
@@ -166,8 +182,9 @@ class Service:
             return True
         except nats.errors.Error as exc:
             PUBLISH_FAILURES.labels(self.service_name, subject.split(".")[1]).inc()
-            self.log.warning("publish_failed", subject=subject, message=type(message).__name__,
-                             error=str(exc) or type(exc).__name__)
+            self.log.warning(
+                "publish_failed", subject=subject, message=type(message).__name__, error=str(exc) or type(exc).__name__
+            )
             return False
 
     async def _heartbeat(self):
@@ -184,10 +201,14 @@ class Service:
             await asyncio.sleep(self.config.heartbeat_s)
             for expired in self.leases.expired(await self.held_request_ids(), time.monotonic()):
                 LEASES_EXPIRED.labels(self.service_name, expired.kind).inc()
-                self.log.warning("request_lease_expired", request_id=expired.request_id,
-                                 kind=expired.kind, reason=expired.reason)
-                await self.on_cancel(CancelRequest(request_id=expired.request_id, kind=expired.kind,
-                                                   reason=f"lease expired: {expired.reason}"))
+                self.log.warning(
+                    "request_lease_expired", request_id=expired.request_id, kind=expired.kind, reason=expired.reason
+                )
+                await self.on_cancel(
+                    CancelRequest(
+                        request_id=expired.request_id, kind=expired.kind, reason=f"lease expired: {expired.reason}"
+                    )
+                )
 
     async def _on_cancel_msg(self, cancel: CancelRequest, msg):
         await self.on_cancel(cancel)
@@ -210,8 +231,7 @@ async def wait_for_termination(failed: asyncio.Event | None = None):
 async def run_service(service: Service) -> int:
     """Run until SIGTERM/SIGINT or a failure, then stop; return the process exit code."""
     configure_logging(service.config.log_level)
-    configure_tracing(f"pdd-{service.service_name}", service.config.otlp_endpoint,
-                      instance_id=service.instance_id)
+    configure_tracing(f"pdd-{service.service_name}", service.config.otlp_endpoint, instance_id=service.instance_id)
     await service.start()
     await wait_for_termination(service.failed)
     await service.stop()

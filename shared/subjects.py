@@ -123,9 +123,12 @@ def sender_of(subject: str) -> str | None:
     if len(parts) < 3 or parts[0] != PREFIX:
         return None
     shapes = {("tokens", 5), ("req", 5), ("cancel", 3)}
-    if (parts[1], len(parts)) in shapes or (len(parts) == 5 and parts[1] == "evt" and parts[3] == "kv") \
-            or (len(parts) == 6 and parts[1] == "evt" and parts[3] == "load") \
-            or (len(parts) == 6 and parts[4] == HANDOFF):
+    if (
+        (parts[1], len(parts)) in shapes
+        or (len(parts) == 5 and parts[1] == "evt" and parts[3] == "kv")
+        or (len(parts) == 6 and parts[1] == "evt" and parts[3] == "load")
+        or (len(parts) == 6 and parts[4] == HANDOFF)
+    ):
         return parts[-1]
     return None
 

@@ -21,9 +21,14 @@ _propagator = TraceContextTextMapPropagator()
 TRACEPARENT = "traceparent"
 
 
-def configure_tracing(service_name: str, otlp_endpoint: str = "",
-                      exporter: SpanExporter | None = None, batch: bool = True,
-                      instance_id: str = "", environ: Mapping[str, str] = os.environ) -> bool:
+def configure_tracing(
+    service_name: str,
+    otlp_endpoint: str = "",
+    exporter: SpanExporter | None = None,
+    batch: bool = True,
+    instance_id: str = "",
+    environ: Mapping[str, str] = os.environ,
+) -> bool:
     """Install a tracer provider for this process, once.
 
     Args:
@@ -47,8 +52,9 @@ def configure_tracing(service_name: str, otlp_endpoint: str = "",
     if exporter is None:
         exporter = _otlp_exporter(otlp_endpoint, environ)
     if exporter is not None:
-        provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200)
-                                    if batch else SimpleSpanProcessor(exporter))
+        provider.add_span_processor(
+            BatchSpanProcessor(exporter, schedule_delay_millis=200) if batch else SimpleSpanProcessor(exporter)
+        )
     trace.set_tracer_provider(provider)
     return True
 
@@ -86,8 +92,7 @@ def trace_headers() -> dict[str, str] | None:
     return {TRACEPARENT: traceparent} if traceparent else None
 
 
-def context_from(traceparent: str | None = None,
-                 headers: Mapping[str, str] | None = None) -> otel_context.Context:
+def context_from(traceparent: str | None = None, headers: Mapping[str, str] | None = None) -> otel_context.Context:
     """The remote parent context from a ``traceparent`` value or NATS headers."""
     if traceparent is None and headers:
         traceparent = headers.get(TRACEPARENT)

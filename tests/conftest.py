@@ -71,9 +71,25 @@ def tiny_deployment(tmp_path_factory):
     pdd = str(Path(sys.executable).parent / "pdd")
     run_dir = tmp_path_factory.mktemp("tiny-deployment")
     ports = {flag: free_port() for flag in ("--http-port", "--nats-a-port", "--nats-b-port", "--wan-control-port")}
-    result = subprocess.run([pdd, "up", "--detach", "--model", "tiny", "--md", "2", "--kv-cache-mb", "64",
-                             "--run-dir", str(run_dir), *[str(x) for kv in ports.items() for x in kv]],
-                            capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [
+            pdd,
+            "up",
+            "--detach",
+            "--model",
+            "tiny",
+            "--md",
+            "2",
+            "--kv-cache-mb",
+            "64",
+            "--run-dir",
+            str(run_dir),
+            *[str(x) for kv in ports.items() for x in kv],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr + result.stdout
     assert f"http://127.0.0.1:{ports['--http-port']}/v1" in result.stdout
     yield run_dir, ports

@@ -44,7 +44,7 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
     tokens = list(prompt)
     for _ in range(max_tokens):
         tokens.append(next_token(tokens))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 @dataclass
@@ -61,11 +61,18 @@ class _Request:
     hold: bool = False
 
     def view(self) -> RequestView:
-        outputs = tuple(self.token_ids[self.num_prompt_tokens:])
-        return RequestView(self.request_id, self.status, self.num_prompt_tokens, self.num_cached_tokens,
-                           self.num_imported_tokens, outputs,
-                           (None,) * len(outputs) if self.sampling.logprobs is not None else None,
-                           self.finish_reason, self.sampling.max_tokens)
+        outputs = tuple(self.token_ids[self.num_prompt_tokens :])
+        return RequestView(
+            self.request_id,
+            self.status,
+            self.num_prompt_tokens,
+            self.num_cached_tokens,
+            self.num_imported_tokens,
+            outputs,
+            (None,) * len(outputs) if self.sampling.logprobs is not None else None,
+            self.finish_reason,
+            self.sampling.max_tokens,
+        )
 
 
 class FakeBackend(EngineBackend):
@@ -122,8 +129,9 @@ class FakeBackend(EngineBackend):
     # ----- stepping ---------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return any(r.status is RequestStatus.RUNNING and len(r.keys) < len(r.token_ids)
-                   for r in self._requests.values())
+        return any(
+            r.status is RequestStatus.RUNNING and len(r.keys) < len(r.token_ids) for r in self._requests.values()
+        )
 
     def step(self) -> list[StepOutput]:
         outputs = []
@@ -139,8 +147,9 @@ class FakeBackend(EngineBackend):
                 continue
             token = next_token(request.keys)
             self._append(request, [token])
-            outputs.append(StepOutput(request.request_id, token, index, request.finish_reason is not None,
-                                      request.finish_reason))
+            outputs.append(
+                StepOutput(request.request_id, token, index, request.finish_reason is not None, request.finish_reason)
+            )
         if outputs:
             time.sleep(self._step_s)  # a forward pass takes time
         return outputs
@@ -161,7 +170,7 @@ class FakeBackend(EngineBackend):
         if request is None or request.status is not RequestStatus.IMPORTING:
             raise FrameOwnershipError(f"no KV import under way for request {header.request_id!r}")
         start = header.first_token_index
-        if start != len(request.keys) or header.token_ids != request.token_ids[start:start + header.num_tokens]:
+        if start != len(request.keys) or header.token_ids != request.token_ids[start : start + header.num_tokens]:
             raise FrameOwnershipError(f"frame at token {start} is not the next part of the prompt")
         keys, values = frame.kv[0, 0, :, 0, 0].tolist(), frame.kv[0, 1, :, 0, 0].tolist()
         if values != [float(p) for p in range(start, start + header.num_tokens)]:
@@ -176,8 +185,9 @@ class FakeBackend(EngineBackend):
         self._append(request, token_ids)
         return request.view()
 
-    def export_frames(self, request_id, first_token_index=0, end_token_index=None, *,
-                      max_tokens_per_frame=512, traceparent=None) -> list[list]:
+    def export_frames(
+        self, request_id, first_token_index=0, end_token_index=None, *, max_tokens_per_frame=512, traceparent=None
+    ) -> list[list]:
         request = self._get(request_id)
         end = len(request.keys) if end_token_index is None else end_token_index
         step = max(self.block_size, max_tokens_per_frame // self.block_size * self.block_size)
@@ -187,11 +197,18 @@ class FakeBackend(EngineBackend):
             stop = min(start + step, end)
             kv = torch.tensor([[request.keys[start:stop], list(range(start, stop))]], dtype=torch.float32)
             first_block = start // self.block_size
-            frames.append(encode_frame(
-                kv=kv.view(1, 2, stop - start, 1, 1).contiguous(), model_fingerprint=FINGERPRINT,
-                block_size=self.block_size, request_id=request_id, first_block_index=first_block,
-                parent_hash=hashes[first_block - 1] if first_block else ROOT_PARENT_HASH,
-                token_ids=request.token_ids[start:stop], traceparent=traceparent))
+            frames.append(
+                encode_frame(
+                    kv=kv.view(1, 2, stop - start, 1, 1).contiguous(),
+                    model_fingerprint=FINGERPRINT,
+                    block_size=self.block_size,
+                    request_id=request_id,
+                    first_block_index=first_block,
+                    parent_hash=hashes[first_block - 1] if first_block else ROOT_PARENT_HASH,
+                    token_ids=request.token_ids[start:stop],
+                    traceparent=traceparent,
+                )
+            )
         return frames
 
     # ----- cache and load ---------------------------------------------------------------
@@ -246,9 +263,9 @@ class FakeBackend(EngineBackend):
     def _cache_blocks(self, request: _Request):
         full = len(request.keys) // self.block_size
         stored = []
-        for index, block_hash in enumerate(hash_blocks(request.token_ids[:full * self.block_size], self.block_size)):
+        for index, block_hash in enumerate(hash_blocks(request.token_ids[: full * self.block_size], self.block_size)):
             if block_hash not in self._cache:
-                self._cache[block_hash] = request.keys[index * self.block_size:(index + 1) * self.block_size]
+                self._cache[block_hash] = request.keys[index * self.block_size : (index + 1) * self.block_size]
                 stored.append(block_hash)
         if stored and self._listener:
             self._listener("stored", stored)

@@ -25,5 +25,7 @@ def lost_cancels() -> dict[str, float]:
     ran them and no cancel had freed them (what tells an operator cancels go missing)."""
     from shared.metrics import LEASES_EXPIRED
 
-    return {service: LEASES_EXPIRED.labels(service, "finished")._value.get()
-            for service in ("prefill", "relay_decode", "main_decode")}
+    return {
+        service: LEASES_EXPIRED.labels(service, "finished")._value.get()
+        for service in ("prefill", "relay_decode", "main_decode")
+    }

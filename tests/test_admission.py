@@ -20,8 +20,10 @@ async def post_status(session, stack, body) -> tuple[int, dict, dict]:
 
 
 async def test_a_burst_is_queued_or_refused_with_429_and_no_engine_exceeds_max_sequences(make_stack, tiny):
-    stack = await make_stack(engine_settings={"max_sequences": MAX_SEQUENCES},
-                             router_settings={"pipeline_policy": "P-MD", "max_queued": 4, "queue_timeout_s": 60})
+    stack = await make_stack(
+        engine_settings={"max_sequences": MAX_SEQUENCES},
+        router_settings={"pipeline_policy": "P-MD", "max_queued": 4, "queue_timeout_s": 60},
+    )
     engines = [stack.prefill, *stack.relays, *stack.mains]
     most_held = {e.instance_id: 0 for e in engines}
     health_s: list[float] = []
@@ -64,16 +66,20 @@ async def test_a_request_no_pool_can_hold_gets_400_before_dispatch(make_stack):
     pool = stack.mains[0].engine.blocks.num_blocks
     words = "word " * (pool * 16)
     async with aiohttp.ClientSession() as session:
-        status, _, body = await post_status(session, stack, {
-            "model": "tiny", "messages": [{"role": "user", "content": words[:3000]}], "max_tokens": pool * 16})
+        status, _, body = await post_status(
+            session,
+            stack,
+            {"model": "tiny", "messages": [{"role": "user", "content": words[:3000]}], "max_tokens": pool * 16},
+        )
     assert status == 400 and body["error"]["code"] in ("kv_capacity_exceeded", "context_length_exceeded"), body
     assert not stack.router.mailbox.open_request_ids
 
 
 @pytest.mark.parametrize("queue_timeout_s", [0.5])
 async def test_a_wait_longer_than_the_queue_timeout_gets_429(make_stack, queue_timeout_s):
-    stack = await make_stack(router_settings={"pipeline_policy": "P-MD", "max_in_flight": 1,
-                                              "queue_timeout_s": queue_timeout_s})
+    stack = await make_stack(
+        router_settings={"pipeline_policy": "P-MD", "max_in_flight": 1, "queue_timeout_s": queue_timeout_s}
+    )
     async with aiohttp.ClientSession() as session:
         long = asyncio.create_task(post_status(session, stack, chat_body("Long one. " * 5, 300)))
         await until(lambda: stack.router.admission.in_flight == 1, 10, "the first request to run")
@@ -85,8 +91,9 @@ async def test_a_wait_longer_than_the_queue_timeout_gets_429(make_stack, queue_t
 async def test_a_full_kv_pool_makes_flows_wait_and_decodes_preempt_instead_of_failing(make_stack, tiny):
     # Main decode's pool (128 blocks of 16 tokens) holds three of these prompts, not four,
     # and not three with their outputs: the fourth flow waits, and decoding preempts.
-    stack = await make_stack(decode_settings={"kv_cache_mb": 1},
-                             router_settings={"pipeline_policy": "P-MD", "max_recoveries": 0})
+    stack = await make_stack(
+        decode_settings={"kv_cache_mb": 1}, router_settings={"pipeline_policy": "P-MD", "max_recoveries": 0}
+    )
     contents = [f"Case {i}: " + "summarise the tide tables of the northern coast. " * 55 for i in range(4)]
     async with aiohttp.ClientSession() as session:
         results = await asyncio.gather(*(post_status(session, stack, chat_body(c, 250)) for c in contents))

@@ -18,14 +18,17 @@ SLOW_WAN = LinkProfile(bandwidth_bps=20e6, rtt_ms=40, jitter_ms=0, seed=1)
 
 @pytest.mark.parametrize("policy", ["P-MD", "P-RLD-MD"])
 async def test_a_fake_backend_runs_the_whole_flow_token_exact(make_stack, tiny, policy):
-    stack = await make_stack(profile=SLOW_WAN, engine_settings={"engine": "fake"},
-                             router_settings={"pipeline_policy": policy})
+    stack = await make_stack(
+        profile=SLOW_WAN, engine_settings={"engine": "fake"}, router_settings={"pipeline_policy": policy}
+    )
     prompt = [random.Random(policy).randrange(1000, 2000) for _ in range(300)]
-    status, body = await post(stack, "/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 300,
-                                                      "temperature": 0})
+    status, body = await post(
+        stack, "/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 300, "temperature": 0}
+    )
     assert status == 200, body
-    assert body["choices"][0]["text"] == tiny.tokenizer.decode(fake_backend.reference(prompt, 300),
-                                                               skip_special_tokens=True)
+    assert body["choices"][0]["text"] == tiny.tokenizer.decode(
+        fake_backend.reference(prompt, 300), skip_special_tokens=True
+    )
     pdd = body["pdd"]
     assert pdd["pipeline"] == policy and pdd["finished_on"] == "MD"
     if policy == "P-RLD-MD":

@@ -3,7 +3,6 @@ counted, dead-lettered at its site, and never fatal to an actor or a request."""
 
 import asyncio
 
-
 from shared import subjects
 from shared.dead_letters import BAD_MESSAGES, STREAM_NAME
 from shared.messages import TokensEmitted, encode
@@ -12,8 +11,12 @@ from tests.test_pipeline_e2e import SLOW_WAN, chat_body, chat_prompt, expected_t
 
 
 def bad_count(service: str) -> float:
-    return sum(sample.value for metric in BAD_MESSAGES.collect() for sample in metric.samples
-               if sample.name.endswith("_total") and sample.labels["service"] == service)
+    return sum(
+        sample.value
+        for metric in BAD_MESSAGES.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total") and sample.labels["service"] == service
+    )
 
 
 async def test_garbage_on_every_subject_leaves_a_running_request_exact(make_stack, tiny):
@@ -24,8 +27,9 @@ async def test_garbage_on_every_subject_leaves_a_running_request_exact(make_stac
     request = asyncio.create_task(post(stack, "/chat/completions", chat_body(content, 200)))
     await until(lambda: stack.relays[0].engine.num_sequences, 15, "the relay to decode")
     rid = next(iter(stack.router.mailbox.open_request_ids))
-    wrong_type = encode(TokensEmitted(request_id=rid, start_index=0, token_ids=[1], producer="MD",
-                                      instance_id="forger"))
+    wrong_type = encode(
+        TokensEmitted(request_id=rid, start_index=0, token_ids=[1], producer="MD", instance_id="forger")
+    )
     # Garbage from peers holding the role each subject needs (a buggy peer, not a forger).
     nc = await stack.connect("site-a", "router-0")
     nc_b = await stack.connect("site-b", "main-decode-0")
@@ -44,8 +48,11 @@ async def test_garbage_on_every_subject_leaves_a_running_request_exact(make_stac
         status, body = await request
         assert status == 200, body
         assert body["choices"][0]["message"]["content"] == expected_text(tiny, chat_prompt(tiny, content), 200)
-        await until(lambda: all(bad_count(s) > before[s] for s in services), 10,
-                    "every service to count what it could not decode")
+        await until(
+            lambda: all(bad_count(s) > before[s] for s in services),
+            10,
+            "every service to count what it could not decode",
+        )
         admin = await stack.connect("site-a", "admin")  # only the deployment's admin reads streams
         try:
             info = await admin.jetstream().stream_info(STREAM_NAME)

@@ -11,8 +11,10 @@ from loadtest.client import RequestRecord
 
 
 def records(ttfts, eager=0, output=24):
-    return [RequestRecord(0, i, "warm", ttft_ms=t, output_tokens=output, pdd={"eager_tokens": eager})
-            for i, t in enumerate(ttfts)]
+    return [
+        RequestRecord(0, i, "warm", ttft_ms=t, output_tokens=output, pdd={"eager_tokens": eager})
+        for i, t in enumerate(ttfts)
+    ]
 
 
 def runs(scale_pdd: float, repetitions: int = 3, seed: int = 0):
@@ -31,8 +33,10 @@ def test_each_ratio_is_the_median_of_its_repetitions_with_an_interval_around_it(
     measured = runs(0.4)
     intervals = ratio_intervals(measured, samples=400)
     p99 = intervals["pdd_vs_drc_ttft_p99"]
-    direct = [np.percentile([r.ttft_ms for r in p.records], 99) / np.percentile([r.ttft_ms for r in d.records], 99)
-              for p, d in zip(measured["pdd"], measured["cross-site-pd-drc"])]
+    direct = [
+        np.percentile([r.ttft_ms for r in p.records], 99) / np.percentile([r.ttft_ms for r in d.records], 99)
+        for p, d in zip(measured["pdd"], measured["cross-site-pd-drc"])
+    ]
     assert p99["per_repetition"] == pytest.approx(direct, abs=1e-3)
     assert p99["median"] == pytest.approx(float(np.median(direct)), abs=1e-3)
     assert p99["low"] <= p99["median"] <= p99["high"]

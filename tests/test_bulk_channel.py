@@ -54,16 +54,25 @@ class RecordingHandler:
 async def channel(tiny):
     sender, receiver_engine = HfEngine(tiny, num_blocks=32), HfEngine(tiny, num_blocks=32)
     handler = RecordingHandler(receiver_engine)
-    receiver = BulkReceiver(handler, receiver_engine.frame_expectation, verify_key(SECRET), path="wan",
-                            frame_timeout_s=5)
+    receiver = BulkReceiver(
+        handler, receiver_engine.frame_expectation, verify_key(SECRET), path="wan", frame_timeout_s=5
+    )
     host, port = await receiver.start()
     yield sender, handler, f"{host}:{port}"
     await receiver.stop()
 
 
 def flow_open_for(request_id: str, prompt: list[int]) -> FlowOpen:
-    return FlowOpen(request_id=request_id, role="main_decode", token_ids=prompt, sampling=SAMPLING,
-                    seed=1, sender_id="test", unix_s=0.0, nonce="")
+    return FlowOpen(
+        request_id=request_id,
+        role="main_decode",
+        token_ids=prompt,
+        sampling=SAMPLING,
+        seed=1,
+        sender_id="test",
+        unix_s=0.0,
+        nonce="",
+    )
 
 
 async def test_a_flow_delivers_kv_and_counts_bytes(channel, tiny):
@@ -90,7 +99,7 @@ async def test_wrong_secret_is_refused_before_anything_is_imported(channel, tiny
 
 
 async def test_replayed_flow_open_is_refused(channel):
-    _, handler, endpoint = channel
+    _, _handler, endpoint = channel
     fresh = msgspec.structs.replace(flow_open_for("r", [1, 2, 3]), unix_s=time.time(), nonce=new_nonce())
     signed = sign(fresh, SECRET)
     answers = []
@@ -125,11 +134,14 @@ async def test_cancel_mid_flow_discards_partial_kv(channel, tiny):
 
 
 async def test_garbage_bytes_drop_the_connection(channel, tiny):
-    sender, handler, endpoint = channel
+    _sender, handler, endpoint = channel
     prompt = prompt_of_length(tiny, 20)
     await open_flow(endpoint, flow_open_for("r", prompt), SECRET, path="wan", timeout_s=5)
     flow = await open_flow(endpoint, flow_open_for("g", prompt), SECRET, path="wan", timeout_s=5)
     flow._writer.write(b"XXXX" + b"\0" * 64)
-    await until(lambda: ("abort", "kv_frame_corrupt: unexpected message magic b'XXXX'") in handler.events,
-                5, "the receiver to drop the flow")
+    await until(
+        lambda: ("abort", "kv_frame_corrupt: unexpected message magic b'XXXX'") in handler.events,
+        5,
+        "the receiver to drop the flow",
+    )
     assert not handler.engine.holds("g")

@@ -28,9 +28,17 @@ def creds(tmp_path):
 
 async def start_receiver(tiny, creds, receiver_id="main-decode-0", incarnation="inc-1", tls=True, **limits):
     engine = HfEngine(tiny, num_blocks=32)
-    receiver = BulkReceiver(RecordingHandler(engine), engine.frame_expectation, verify_key(SECRET), path="wan",
-                            frame_timeout_s=5, receiver_id=receiver_id, incarnation=incarnation,
-                            tls=server_context(*peer_files(creds, "main-decode")) if tls else None, **limits)
+    receiver = BulkReceiver(
+        RecordingHandler(engine),
+        engine.frame_expectation,
+        verify_key(SECRET),
+        path="wan",
+        frame_timeout_s=5,
+        receiver_id=receiver_id,
+        incarnation=incarnation,
+        tls=server_context(*peer_files(creds, "main-decode")) if tls else None,
+        **limits,
+    )
     host, port = await receiver.start()
     return receiver, f"{host}:{port}"
 
@@ -48,8 +56,9 @@ def ours(creds) -> ssl.SSLContext:
 async def test_a_main_decoders_certificate_cannot_pose_as_another_server(creds, posing_as):
     """Each server has its own certificate for its own name: the one a main decoder's
     container holds is refused by a peer that dials anyone else."""
-    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0,
-                                        ssl=server_context(*peer_files(creds, "main-decode")))
+    server = await asyncio.start_server(
+        lambda r, w: w.close(), "127.0.0.1", 0, ssl=server_context(*peer_files(creds, "main-decode"))
+    )
     port = server.sockets[0].getsockname()[1]
     try:
         with pytest.raises(ssl.SSLCertVerificationError):
@@ -61,15 +70,17 @@ async def test_a_main_decoders_certificate_cannot_pose_as_another_server(creds, 
 
 
 def bound(request_id, prompt, receiver_id="main-decode-0", incarnation="inc-1"):
-    return msgspec.structs.replace(flow_open_for(request_id, prompt), receiver_id=receiver_id,
-                                   receiver_incarnation=incarnation)
+    return msgspec.structs.replace(
+        flow_open_for(request_id, prompt), receiver_id=receiver_id, receiver_incarnation=incarnation
+    )
 
 
 async def test_a_flow_over_mutual_tls_is_accepted(tiny, creds):
     receiver, endpoint = await start_receiver(tiny, creds)
     try:
-        flow = await open_flow(endpoint, bound("r", prompt_of_length(tiny, 40)), SECRET, path="wan",
-                               timeout_s=5, tls=ours(creds))
+        flow = await open_flow(
+            endpoint, bound("r", prompt_of_length(tiny, 40)), SECRET, path="wan", timeout_s=5, tls=ours(creds)
+        )
         await flow.close()
     finally:
         await receiver.stop()
@@ -81,8 +92,10 @@ async def test_one_sender_holds_a_bounded_number_of_flows(tiny, creds):
     receiver, endpoint = await start_receiver(tiny, creds, max_flows_per_sender=2)
     prompt = prompt_of_length(tiny, 16)
     try:
-        held = [await open_flow(endpoint, bound(f"r{i}", prompt), SECRET, path="wan", timeout_s=5, tls=ours(creds))
-                for i in range(2)]
+        held = [
+            await open_flow(endpoint, bound(f"r{i}", prompt), SECRET, path="wan", timeout_s=5, tls=ours(creds))
+            for i in range(2)
+        ]
         with pytest.raises(FlowRefused, match="too_many_flows"):
             await open_flow(endpoint, bound("r2", prompt), SECRET, path="wan", timeout_s=5, tls=ours(creds))
         await held.pop().cancel("done with it")
@@ -107,26 +120,46 @@ async def test_plaintext_and_foreign_certificates_fail_the_handshake(tiny, creds
         writer.close()
         foreign = ensure_credentials(tmp_path / "other")
         with pytest.raises((ssl.SSLError, ConnectionError, FlowRefused)):
-            await open_flow(endpoint, bound("r", [1, 2, 3]), SECRET, path="wan", timeout_s=5,
-                            tls=client_context(str(creds.ca_file), *peer_files(foreign, "prefill")[1:]))
+            await open_flow(
+                endpoint,
+                bound("r", [1, 2, 3]),
+                SECRET,
+                path="wan",
+                timeout_s=5,
+                tls=client_context(str(creds.ca_file), *peer_files(foreign, "prefill")[1:]),
+            )
         with pytest.raises((ssl.SSLError, ConnectionError)):  # a receiver we do not trust
-            await open_flow(endpoint, bound("r", [1, 2, 3]), SECRET, path="wan", timeout_s=5,
-                            tls=client_context(*peer_files(foreign, "prefill")))
+            await open_flow(
+                endpoint,
+                bound("r", [1, 2, 3]),
+                SECRET,
+                path="wan",
+                timeout_s=5,
+                tls=client_context(*peer_files(foreign, "prefill")),
+            )
     finally:
         await receiver.stop()
 
 
-@pytest.mark.parametrize("receiver_id,incarnation,why", [
-    ("main-decode-1", "inc-1", "not this receiver"),        # replayed to another receiver
-    ("main-decode-0", "inc-0", "earlier incarnation"),      # replayed after a restart
-])
-async def test_a_flow_open_for_another_receiver_or_incarnation_is_refused(tiny, creds, receiver_id,
-                                                                         incarnation, why):
+@pytest.mark.parametrize(
+    "receiver_id,incarnation,why",
+    [
+        ("main-decode-1", "inc-1", "not this receiver"),  # replayed to another receiver
+        ("main-decode-0", "inc-0", "earlier incarnation"),  # replayed after a restart
+    ],
+)
+async def test_a_flow_open_for_another_receiver_or_incarnation_is_refused(tiny, creds, receiver_id, incarnation, why):
     receiver, endpoint = await start_receiver(tiny, creds)
     try:
         with pytest.raises(FlowRefused, match=why):
-            await open_flow(endpoint, bound("r", [1, 2, 3], receiver_id, incarnation), SECRET, path="wan",
-                            timeout_s=5, tls=ours(creds))
+            await open_flow(
+                endpoint,
+                bound("r", [1, 2, 3], receiver_id, incarnation),
+                SECRET,
+                path="wan",
+                timeout_s=5,
+                tls=ours(creds),
+            )
     finally:
         await receiver.stop()
 
@@ -140,8 +173,9 @@ async def test_a_receivers_own_key_cannot_open_a_flow_into_another_receiver(tiny
     try:
         for stolen in (verify_key(SECRET), "another deployment's secret", creds.bulk_verify_key_file.read_text()):
             with pytest.raises(FlowRefused, match="bad signature"):
-                await open_flow(endpoint, bound("r", prompt_of_length(tiny, 40)), stolen, path="wan",
-                                timeout_s=5, tls=ours(creds))
+                await open_flow(
+                    endpoint, bound("r", prompt_of_length(tiny, 40)), stolen, path="wan", timeout_s=5, tls=ours(creds)
+                )
         assert handler.events == [] and handler.engine.num_sequences == 0
     finally:
         await receiver.stop()
@@ -170,13 +204,14 @@ async def test_a_silent_peer_is_dropped_and_peers_beyond_the_cap_are_refused(tin
     receiver, endpoint = await start_receiver(tiny, creds)
     try:
         idle = [await raw_tls(endpoint, creds) for _ in range(3)]
-        extra_reader, extra_writer = await raw_tls(endpoint, creds)
+        extra_reader, _extra_writer = await raw_tls(endpoint, creds)
         assert await asyncio.wait_for(extra_reader.read(), 2) == b""  # over the cap: closed at once
         for reader, writer in idle:  # silent: closed once the authentication time is up
             assert await asyncio.wait_for(reader.read(), 5) == b""
             writer.close()
-        flow = await open_flow(endpoint, bound("r", prompt_of_length(tiny, 40)), SECRET, path="wan",
-                               timeout_s=5, tls=ours(creds))  # room again for an honest peer
+        flow = await open_flow(
+            endpoint, bound("r", prompt_of_length(tiny, 40)), SECRET, path="wan", timeout_s=5, tls=ours(creds)
+        )  # room again for an honest peer
         await flow.close()
     finally:
         await receiver.stop()
@@ -198,14 +233,27 @@ class SlowToAccept(RecordingHandler):
 async def test_a_sender_gone_while_its_flow_waited_leaves_no_reservation(tiny, creds):
     engine = HfEngine(tiny, num_blocks=32)
     handler = SlowToAccept(engine)
-    receiver = BulkReceiver(handler, engine.frame_expectation, verify_key(SECRET), path="wan", frame_timeout_s=60,
-                            receiver_id="main-decode-0", incarnation="inc-1",
-                            tls=server_context(*peer_files(creds, "main-decode")))
+    receiver = BulkReceiver(
+        handler,
+        engine.frame_expectation,
+        verify_key(SECRET),
+        path="wan",
+        frame_timeout_s=60,
+        receiver_id="main-decode-0",
+        incarnation="inc-1",
+        tls=server_context(*peer_files(creds, "main-decode")),
+    )
     host, port = await receiver.start()
     try:
-        reader, writer = await raw_tls(f"{host}:{port}", creds)
-        writer.write(control_bytes(sign(msgspec.structs.replace(
-            bound("r", prompt_of_length(tiny, 40)), unix_s=time.time(), nonce="n1"), SECRET)))
+        _reader, writer = await raw_tls(f"{host}:{port}", creds)
+        writer.write(
+            control_bytes(
+                sign(
+                    msgspec.structs.replace(bound("r", prompt_of_length(tiny, 40)), unix_s=time.time(), nonce="n1"),
+                    SECRET,
+                )
+            )
+        )
         await writer.drain()
         await asyncio.wait_for(handler.waiting.wait(), 5)
         writer.close()  # the sender was cancelled while its flow waited for room

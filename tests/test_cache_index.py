@@ -16,11 +16,14 @@ SLOW_WAN = LinkProfile(bandwidth_bps=1e6, rtt_ms=4, jitter_ms=0)
 async def test_only_missed_blocks_cross_the_wan(make_stack, tiny):
     stack = await make_stack(profile=FAST_WAN, router_settings={"pipeline_policy": "P-MD"})
     base = "Chapter one of a long report about ports and shipping lanes. " * 20
-    status, first = await post(stack, "/chat/completions", chat_body(base, 4))
+    status, _first = await post(stack, "/chat/completions", chat_body(base, 4))
     assert status == 200
     prompt_blocks = len(chat_prompt(tiny, base)) // 16
-    await until(lambda: len(stack.cache_index.instances["main-decode-0"].block_hashes) >= prompt_blocks,
-                10, "first prompt indexed")
+    await until(
+        lambda: len(stack.cache_index.instances["main-decode-0"].block_hashes) >= prompt_blocks,
+        10,
+        "first prompt indexed",
+    )
     extended = base + "Chapter two covers the weather. " * 10
     status, second = await post(stack, "/chat/completions", chat_body(extended, 4))
     pdd = second["pdd"]
@@ -42,12 +45,18 @@ async def test_restarted_cache_index_rebuilds_and_routing_continues(make_stack, 
     before = set(old.instances["main-decode-0"].block_hashes)
     await old.stop()
     # While the index is down the router still routes (no hits known: it falls back to P-MD cold).
-    status, during = await post(stack, "/chat/completions", chat_body("A short question?", 4))
+    status, _during = await post(stack, "/chat/completions", chat_body("A short question?", 4))
     assert status == 200
     stack.cache_index = CacheIndexService(old.config)
     await stack.cache_index.start()
-    await until(lambda: "main-decode-0" in stack.cache_index.instances
-                and before <= stack.cache_index.instances["main-decode-0"].block_hashes, 10, "rebuilt")
+    await until(
+        lambda: (
+            "main-decode-0" in stack.cache_index.instances
+            and before <= stack.cache_index.instances["main-decode-0"].block_hashes
+        ),
+        10,
+        "rebuilt",
+    )
     # No request ran since the restart: applied events can only come from replaying the streams.
     assert stack.cache_index.events_applied > 0
     status, again = await post(stack, "/chat/completions", chat_body(contents[0], 4))
@@ -93,9 +102,10 @@ async def test_turns_queued_behind_a_shared_prefix_still_wait_for_each_other(mak
     prompt: turn 1 waits for turn 0's blocks instead of asking for them a second time."""
     # One frame per prompt: the shared blocks land only at the end of the other import,
     # which turn 0's flow (its TLS handshake crossing the same busy link) must catch.
-    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD"},
-                             engine_settings={"frame_tokens": 2048})
-    encode = lambda text: tiny.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    stack = await make_stack(
+        profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD"}, engine_settings={"frame_tokens": 2048}
+    )
+    encode = lambda text: tiny.tokenizer.encode(text, add_special_tokens=False)
     shared = encode("You are a careful agent who logs ships. " * 8)
     other_ids = shared + encode("Session one reads the tide tables. " * 120)
     turn0_ids = shared + encode("Session two counts the cranes. " * 40)
@@ -123,7 +133,7 @@ async def test_a_request_finished_while_its_import_waits_in_line_is_not_parked(m
     from tests.faults_helpers import engines_idle, lost_cancels
 
     stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-RLD-MD"})
-    encode = lambda text: tiny.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    encode = lambda text: tiny.tokenizer.encode(text, add_special_tokens=False)
     shared = encode("You are a careful agent who logs ships. " * 8)
     # ~3 s of KV at 1 Mbit/s: the second flow waits in line longer than the lease's 1 s grace.
     first_ids = shared + encode("Session one reads the tide tables. " * 80)
@@ -145,16 +155,18 @@ async def test_a_restarted_decoder_is_credited_only_with_blocks_it_announces(mak
     main decoder's events, but the new one (same name, new epoch) holds none of those blocks."""
     from services.main_decode.service import MainDecodeService
 
-    stack = await make_stack(profile=SLOW_WAN, router_settings={"wan_bandwidth_mbit": 1,
-                                                                "odd_traffic_filter": False})
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"wan_bandwidth_mbit": 1, "odd_traffic_filter": False})
     content = "A cold report about tug boats and their crews. " * 12
     first = (await post(stack, "/chat/completions", chat_body(content, 4)))[1]
     assert first["pdd"]["pipeline"] == "P-RLD-MD"  # ~1.3 s of KV at 1 Mbit/s: relayed
     prompt_blocks = len(chat_prompt(tiny, content)) // 16
-    await until(lambda: len(stack.cache_index.instances["main-decode-0"].block_hashes) >= prompt_blocks,
-                15, "the first turn's KV to land and be indexed")
+    await until(
+        lambda: len(stack.cache_index.instances["main-decode-0"].block_hashes) >= prompt_blocks,
+        15,
+        "the first turn's KV to land and be indexed",
+    )
     warm = (await post(stack, "/chat/completions", chat_body(content, 4)))[1]
-    assert warm["pdd"]["pipeline"] == "P-MD"        # now cached on main decode
+    assert warm["pdd"]["pipeline"] == "P-MD"  # now cached on main decode
     old_main, old_index = stack.mains[0], stack.cache_index
     await old_main.stop()
     await old_index.stop()
@@ -162,8 +174,10 @@ async def test_a_restarted_decoder_is_credited_only_with_blocks_it_announces(mak
     # main decode, which takes longer to start.
     stack.cache_index = CacheIndexService(old_index.config)
     await stack.cache_index.start()
-    replayed = lambda: "main-decode-0" in stack.cache_index.instances and len(  # noqa: E731
-        stack.cache_index.instances["main-decode-0"].block_hashes) >= prompt_blocks
+    replayed = lambda: (
+        "main-decode-0" in stack.cache_index.instances
+        and len(stack.cache_index.instances["main-decode-0"].block_hashes) >= prompt_blocks
+    )
     await until(replayed, 10, "the replay of the old decoder's events")
     stack.mains[0] = MainDecodeService(old_main.config, stack.loaded)
     await stack.mains[0].start()

@@ -17,9 +17,14 @@ def run_pdd(*args: str) -> subprocess.CompletedProcess:
 def test_generate_prints_the_greedy_answer(tiny):
     result = run_pdd("generate", "Tell me about the sea.", "--model", "tiny", "--max-tokens", "12")
     assert result.returncode == 0, result.stderr
-    prompt = list(tiny.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Tell me about the sea."}], add_generation_prompt=True,
-        tokenize=True, return_dict=False))
+    prompt = list(
+        tiny.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Tell me about the sea."}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
     expected = tiny.tokenizer.decode(reference_greedy(tiny, prompt, 12), skip_special_tokens=True)
     assert result.stdout.rstrip("\n") == expected
     stats = json.loads(result.stderr.strip().splitlines()[-1])
@@ -59,8 +64,20 @@ def test_bench_handoff_reports_both_modes():
 
 
 def test_bench_handoff_micro_compares_ids_with_kv():
-    result = run_pdd("bench", "handoff-micro", "--model", "tiny", "--trials", "3", "--context", "128",
-                     "--rtt", "4ms", "--jitter", "1ms")
+    result = run_pdd(
+        "bench",
+        "handoff-micro",
+        "--model",
+        "tiny",
+        "--trials",
+        "3",
+        "--context",
+        "128",
+        "--rtt",
+        "4ms",
+        "--jitter",
+        "1ms",
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     ids, kv = report["token_ids"], report["incremental_kv"]

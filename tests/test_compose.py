@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from infra.cli import build_parser
 from infra.credentials import TLS_PEERS
 from infra.launcher import SERVICE_OF, TOPOLOGY
 from infra.nats_server import nats_server_binary
 from infra.serve import SERVICE_CONFIGS
 from infra.wan_link import parse_route
-from infra.cli import build_parser
 from shared.config import build_config, env_name, settings_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,18 +43,28 @@ def resolved_env(spec, secrets_dir: Path | None = None) -> dict[str, str]:
     secrets folder read from ``secrets_dir`` when given."""
     env = {k: re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(v)) for k, v in (spec.get("environment") or {}).items()}
     if secrets_dir is not None:  # a path in the container: the file of the folder mounted there
-        mounted = {target: source.rsplit("/", 1)[1] for source, target, _ in
-                   (v.rsplit(":", 2) for v in spec.get("volumes", []) if v.startswith("${PDD_SECRETS_DIR"))}
-        env = {k: str(secrets_dir / mounted[v]) if v in mounted else v.replace(SECRETS_MOUNT, str(secrets_dir))
-               for k, v in env.items()}
+        mounted = {
+            target: source.rsplit("/", 1)[1]
+            for source, target, _ in (
+                v.rsplit(":", 2) for v in spec.get("volumes", []) if v.startswith("${PDD_SECRETS_DIR")
+            )
+        }
+        env = {
+            k: str(secrets_dir / mounted[v]) if v in mounted else v.replace(SECRETS_MOUNT, str(secrets_dir))
+            for k, v in env.items()
+        }
     return env
 
 
 @pytest.fixture(scope="module")
 def secrets_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("compose") / "secrets"
-    assert subprocess.run([sys.executable, "-m", "infra.cli", "secrets", "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT).returncode == 0
+    assert (
+        subprocess.run(
+            [sys.executable, "-m", "infra.cli", "secrets", "--out", str(out)], capture_output=True, text=True, cwd=ROOT
+        ).returncode
+        == 0
+    )
     return out
 
 
@@ -105,13 +115,23 @@ MOUNTED_SECRETS = {  # each TLS peer its own certificate, for its own name
     "nats-a": NATS_FILES | {"nats-a.pem", "nats-a.key"},
     "nats-b": NATS_FILES | {"nats-b.pem", "nats-b.key", "nats-leaf-remote.conf"},  # the leafnode's seed, here only
     "wan-link": {"link-route.key", "control.key"},
-    "streams-a": {"ca.pem", "admin.nk"}, "streams-b": {"ca.pem", "admin.nk"},  # admin: here only
+    "streams-a": {"ca.pem", "admin.nk"},
+    "streams-b": {"ca.pem", "admin.nk"},  # admin: here only
     # /metrics checks the metrics key against its hash (only Prometheus holds the key)
     "cache-index": {"ca.pem", "metrics-key.sha256", "cache_index.nk"},
     "router": {"ca.pem", "metrics-key.sha256", "router.nk"},
     "prefill": {"ca.pem", "metrics-key.sha256", "prefill.pem", "prefill.key", "bulk.secret", "prefill.nk"},
-    **{name: {"ca.pem", "metrics-key.sha256", f"{name}.pem", f"{name}.key", "bulk-verify.pub", f"{SERVICE_OF[name]}.nk"}
-       for name in ("relay-decode", "main-decode")},  # check them, cannot sign one
+    **{
+        name: {
+            "ca.pem",
+            "metrics-key.sha256",
+            f"{name}.pem",
+            f"{name}.key",
+            "bulk-verify.pub",
+            f"{SERVICE_OF[name]}.nk",
+        }
+        for name in ("relay-decode", "main-decode")
+    },  # check them, cannot sign one
 }
 """What each container holds of the secrets folder: its own nkey and nothing of anyone else's."""
 
@@ -129,11 +149,12 @@ def test_each_container_mounts_only_its_own_secrets_and_compose_refuses_to_start
         for mount in mounts:
             source, target, mode = mount.rsplit(":", 2)
             assert source.startswith(prefix) and mode == "ro", (name, mount)
-            file = source[len(prefix):]
+            file = source[len(prefix) :]
             stem, extension = file.rsplit(".", 1)
             own_certificate = stem in TLS_PEERS and extension in ("pem", "key")  # mounted as tls.pem, tls.key
-            assert "/" not in file and target.endswith("/" + ("tls." + file.rsplit(".", 1)[1] if own_certificate
-                                                                 else file)), (name, mount)
+            assert "/" not in file and target.endswith(
+                "/" + ("tls." + file.rsplit(".", 1)[1] if own_certificate else file)
+            ), (name, mount)
             files.add(file)
         assert files == MOUNTED_SECRETS[name], name
 
@@ -163,7 +184,7 @@ def test_nats_configs_are_valid_and_joined_through_the_wan_link(tmp_path, secret
 def test_one_routed_link_port_leads_to_every_main_decoder_and_the_link_holds_only_the_route_key():
     """No per-instance route: each flow names its receiver, so replicas share one port."""
     routes = {r.name: r for r in (parse_route(t) for t in _wan_routes())}
-    main_env, relay_env = resolved_env(SERVICES["main-decode"]), resolved_env(SERVICES["relay-decode"])
+    main_env = resolved_env(SERVICES["main-decode"])
     bulk = routes["bulk-main-decode"]
     assert bulk.routed and str(bulk.target_port) == main_env["PDD_BULK_PORT"] and bulk.from_site == "site-a"
     assert main_env["PDD_BULK_LINK"] == f"wan-link:{bulk.listen_port}" and main_env["PDD_BULK_HOST"] == "0.0.0.0"
@@ -173,8 +194,10 @@ def test_one_routed_link_port_leads_to_every_main_decoder_and_the_link_holds_onl
     command = SERVICES["wan-link"]["command"]
     key = command[command.index("--route-key-file") + 1]
     control_key = command[command.index("--control-key-file") + 1]
-    assert SERVICES["wan-link"]["volumes"] == [f"${{PDD_SECRETS_DIR:?{_SECRETS_HINT}}}/link-route.key:{key}:ro",
-                                               f"${{PDD_SECRETS_DIR:?{_SECRETS_HINT}}}/control.key:{control_key}:ro"]
+    assert SERVICES["wan-link"]["volumes"] == [
+        f"${{PDD_SECRETS_DIR:?{_SECRETS_HINT}}}/link-route.key:{key}:ro",
+        f"${{PDD_SECRETS_DIR:?{_SECRETS_HINT}}}/control.key:{control_key}:ro",
+    ]
 
 
 _SECRETS_HINT = "run pdd secrets --out ./secrets and export PDD_SECRETS_DIR (docs/security.md)"
@@ -205,8 +228,11 @@ def test_every_process_has_a_healthcheck_and_starts_after_what_it_needs_is_healt
             done = "service_completed_successfully" if dependency in DEPLOYMENT_STEPS else "service_healthy"
             assert condition == {"condition": done}, (name, dependency)
     # What uses a site's streams starts after that site's deployment step.
-    for name, steps in (("prefill", {"streams-a"}), ("main-decode", {"streams-b"}),
-                        ("cache-index", {"streams-a", "streams-b"})):
+    for name, steps in (
+        ("prefill", {"streams-a"}),
+        ("main-decode", {"streams-b"}),
+        ("cache-index", {"streams-a", "streams-b"}),
+    ):
         assert steps <= set(SERVICES[name]["depends_on"]), name
     assert set(SERVICES["router"]["depends_on"]) == set(SERVICE_OF) - {"router"} | {"nats-a"}
     for name in ("nats-a", "nats-b"):
@@ -221,9 +247,15 @@ def v_in(volumes: dict, mounts: list[str]) -> bool:
 def test_prometheus_scrapes_every_process_on_the_port_it_serves_metrics():
     """Singletons by name; scalable services through DNS, which lists every replica."""
     config = yaml.safe_load((ROOT / "infra/observability/prometheus.yml").read_text())
-    targets = {t for job in config["scrape_configs"] for group in job.get("static_configs", []) for t in group["targets"]}
-    replicas = {f"{name}:{sd['port']}" for job in config["scrape_configs"] for sd in job.get("dns_sd_configs", [])
-                for name in sd["names"]}
+    targets = {
+        t for job in config["scrape_configs"] for group in job.get("static_configs", []) for t in group["targets"]
+    }
+    replicas = {
+        f"{name}:{sd['port']}"
+        for job in config["scrape_configs"]
+        for sd in job.get("dns_sd_configs", [])
+        for name in sd["names"]
+    }
     for name in SERVICE_OF:
         env = resolved_env(SERVICES[name])
         wanted = f"{name}:{env['PDD_METRICS_PORT']}"
@@ -236,17 +268,37 @@ def test_the_image_resolves_the_cpu_build_of_torch_and_no_cuda_package(tmp_path)
     """``pip install --dry-run --report`` on the image's requirements (the wheelhouse takes
     torch from the PyTorch CPU index or a local wheel store; here the local one)."""
     dockerfile = (ROOT / "infra/Dockerfile").read_text()
-    assert "--no-index --find-links /wheelhouse" in dockerfile and "-r /wheelhouse/infra/requirements-image.txt" in dockerfile
+    assert (
+        "--no-index --find-links /wheelhouse" in dockerfile
+        and "-r /wheelhouse/infra/requirements-image.txt" in dockerfile
+    )
     assert "\nUSER pdd" in dockerfile and "\nHEALTHCHECK " in dockerfile
     assert "download.pytorch.org/whl/cpu" in (ROOT / "infra/images.py").read_text()
     report = tmp_path / "report.json"
-    result = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                             "--report", str(report), "-r", str(ROOT / "infra/requirements-image.txt")],
-                            capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--report",
+            str(report),
+            "-r",
+            str(ROOT / "infra/requirements-image.txt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     import json
 
-    installs = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    installs = {
+        i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]
+    }
     assert installs["torch"] == "2.13.0+cpu"
     cuda = sorted(n for n in installs if n.startswith(("nvidia", "cuda")) or n == "triton")
     assert not cuda, cuda

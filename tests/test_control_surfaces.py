@@ -57,14 +57,31 @@ async def test_only_the_control_key_changes_or_reads_the_link(control_url):
 
 
 def test_the_link_refuses_a_public_control_port_without_a_key(tmp_path):
-    result = subprocess.run([PDD, "serve", "wan_link", "--control-host", "0.0.0.0", "--control-port",
-                             str(free_port())], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [PDD, "serve", "wan_link", "--control-host", "0.0.0.0", "--control-port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0 and "--control-key-file" in result.stderr + result.stdout, result
     key_file = tmp_path / "control.key"
     key_file.write_text(KEY)
     port = free_port()
-    served = subprocess.Popen([PDD, "serve", "wan_link", "--control-host", "0.0.0.0", "--control-port", str(port),
-                               "--control-key-file", str(key_file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    served = subprocess.Popen(
+        [
+            PDD,
+            "serve",
+            "wan_link",
+            "--control-host",
+            "0.0.0.0",
+            "--control-port",
+            str(port),
+            "--control-key-file",
+            str(key_file),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 30, "the link to serve")
         assert get(f"http://127.0.0.1:{port}/link") == 401
@@ -75,20 +92,29 @@ def test_the_link_refuses_a_public_control_port_without_a_key(tmp_path):
 
 
 def test_a_service_refuses_a_public_metrics_port_without_the_metrics_key():
-    result = subprocess.run([PDD, "serve", "cache_index", "--metrics-host", "0.0.0.0", "--metrics-port",
-                             str(free_port())], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [PDD, "serve", "cache_index", "--metrics-host", "0.0.0.0", "--metrics-port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0 and "--metrics-key-sha256-file" in result.stderr + result.stdout, result
 
 
 async def test_metrics_answer_only_the_metrics_key_and_health_answers_anyone(tmp_path):
     creds = ensure_credentials(tmp_path / "secrets")
     key = creds.metrics_key_file.read_text().strip()
-    server = await start_ops_server("127.0.0.1", 0, lambda: (True, {}),
-                                    creds.metrics_key_sha256_file.read_text().strip())
+    server = await start_ops_server(
+        "127.0.0.1", 0, lambda: (True, {}), creds.metrics_key_sha256_file.read_text().strip()
+    )
     url = f"http://127.0.0.1:{server.port}"
     try:
-        for header in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer " + key[:-1]},
-                       {"Authorization": "Basic " + key}):
+        for header in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": "Bearer " + key[:-1]},
+            {"Authorization": "Basic " + key},
+        ):
             assert await asyncio.to_thread(get, url + "/metrics", header) == 401
         assert await asyncio.to_thread(get, url + "/metrics", {"Authorization": "Bearer " + key}) == 200
         assert await asyncio.to_thread(get, url + "/health") == 200

@@ -47,8 +47,15 @@ def test_every_dashboard_query_names_an_exported_metric():
 
 
 def test_the_dashboard_covers_what_the_issue_asks_for():
-    text = " ".join(t["expr"] for p in DASHBOARDS for panel in json.loads(p.read_text())["panels"]
-                    for t in panel["targets"])
-    for metric in ("pdd_ttft_seconds_bucket", "pdd_inter_token_latency_seconds_bucket", "pdd_wan_bytes_total",
-                   'producer="RLD"', "pdd_handoffs_total", "pdd_recoveries_total"):
+    text = " ".join(
+        t["expr"] for p in DASHBOARDS for panel in json.loads(p.read_text())["panels"] for t in panel["targets"]
+    )
+    for metric in (
+        "pdd_ttft_seconds_bucket",
+        "pdd_inter_token_latency_seconds_bucket",
+        "pdd_wan_bytes_total",
+        'producer="RLD"',
+        "pdd_handoffs_total",
+        "pdd_recoveries_total",
+    ):
         assert metric in text, metric

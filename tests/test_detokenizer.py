@@ -25,7 +25,7 @@ def stream(tokenizer, token_ids: list[int], batch_sizes: list[int], stop: tuple[
     for size in batch_sizes:
         if start >= len(token_ids) or detok.stopped:
             break
-        parts.append(detok.add(token_ids[start:start + size]))
+        parts.append(detok.add(token_ids[start : start + size]))
         start += size
     if start < len(token_ids) and not detok.stopped:
         parts.append(detok.add(token_ids[start:]))
@@ -39,17 +39,20 @@ def stream(tokenizer, token_ids: list[int], batch_sizes: list[int], stop: tuple[
 def test_streamed_deltas_equal_one_full_decode_cut_at_the_first_stop_string(tiny_metadata, data):
     tokenizer = tiny_metadata.tokenizer
     text_ids = tokenizer.encode(TEXT * 2, add_special_tokens=False)
-    token_ids = data.draw(st.one_of(
-        st.just(text_ids),
-        st.lists(st.integers(min_value=0, max_value=len(tokenizer) - 1), max_size=60),
-        st.lists(st.integers(min_value=0, max_value=300), max_size=60),  # byte tokens: split characters
-        st.builds(lambda a, b: a + b, st.just(text_ids), st.lists(st.sampled_from([0, 1, 2]), max_size=4))))
+    token_ids = data.draw(
+        st.one_of(
+            st.just(text_ids),
+            st.lists(st.integers(min_value=0, max_value=len(tokenizer) - 1), max_size=60),
+            st.lists(st.integers(min_value=0, max_value=300), max_size=60),  # byte tokens: split characters
+            st.builds(lambda a, b: a + b, st.just(text_ids), st.lists(st.sampled_from([0, 1, 2]), max_size=4)),
+        )
+    )
     batch_sizes = data.draw(st.lists(st.integers(min_value=1, max_value=25), max_size=80))
     stop = tuple(data.draw(st.lists(st.sampled_from(STOPS), max_size=2)))
     expected = tokenizer.decode(token_ids, skip_special_tokens=True)
     cuts = [i for i in (expected.find(s) for s in stop) if i >= 0]
     if cuts:
-        expected = expected[:min(cuts)]
+        expected = expected[: min(cuts)]
     assert stream(tokenizer, token_ids, batch_sizes, stop) == expected
 
 

@@ -49,11 +49,27 @@ def docker_engine():
     # Short paths: the engine's unix sockets live under its exec root.
     folder = Path(tempfile.mkdtemp(prefix="pdd-dockerd-", dir="/var/tmp"))
     host = f"unix://{folder}/docker.sock"
-    log = open(folder / "dockerd.log", "wb")
-    engine = subprocess.Popen(
-        ["dockerd", "--storage-driver", "vfs", "--iptables=false", "--bridge=none",
-         "--data-root", str(folder / "data"), "--exec-root", str(folder / "exec"), "-H", host,
-         "--pidfile", str(folder / "docker.pid")], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(folder / "dockerd.log", "wb") as log:  # the engine keeps its own copy
+        engine = subprocess.Popen(
+            [
+                "dockerd",
+                "--storage-driver",
+                "vfs",
+                "--iptables=false",
+                "--bridge=none",
+                "--data-root",
+                str(folder / "data"),
+                "--exec-root",
+                str(folder / "exec"),
+                "-H",
+                host,
+                "--pidfile",
+                str(folder / "docker.pid"),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DOCKER_HOST", host)
         try:
@@ -66,7 +82,6 @@ def docker_engine():
             except subprocess.TimeoutExpired:
                 engine.kill()
                 engine.wait(10)
-            log.close()
             left = subprocess.run(["pgrep", "-f", str(folder)], capture_output=True, text=True).stdout.split()
             shutil.rmtree(folder, ignore_errors=True)
             assert not left, f"engine processes left: {left}"
@@ -111,8 +126,9 @@ def test_compose_runs_exact_on_two_main_decoders_and_scales_main_decode(docker_e
         # Two conversations with nothing in common: a long cold first turn each (relayed while
         # its KV crosses the 100 Mbit/s link), then a follow-up the main decoder's cache covers.
         runs = [Conversation(client, smollm2, name) for name in ("Ada", "Brian")]
-        fields = [c.turn(f"Here is a tool output:\n\n{long_tool_output()}\n\nSummarise it in one sentence.")
-                  for c in runs]
+        fields = [
+            c.turn(f"Here is a tool output:\n\n{long_tool_output()}\n\nSummarise it in one sentence.") for c in runs
+        ]
         fields += [c.turn("Name the first file it lists.") for c in runs]
         assert {f["pipeline"] for f in fields} == {"P-RLD-MD", "P-MD"}, fields
         served_by = {f["instances"]["main_decode"] for f in fields}

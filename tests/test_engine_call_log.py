@@ -1,6 +1,7 @@
 """The engine-call log: every engine-thread call, when it was queued, ran and ended, and a
 step's batch, as a service writes it with ``engine_call_log`` set."""
 
+import itertools
 import json
 
 from shared.engine.hf_engine import HfEngine
@@ -25,4 +26,4 @@ async def test_each_call_is_recorded_in_order_with_its_batch(tiny, tmp_path):
     assert {c["instance"] for c in calls} == {"prefill-0"}
     assert calls[0]["request"] == "r" and all("request" not in c for c in calls[1:])  # a step is everyone's
     assert all(c["queued_s"] <= c["start_s"] <= c["end_s"] for c in calls)
-    assert all(a["end_s"] <= b["start_s"] for a, b in zip(calls, calls[1:]))  # one thread, in order
+    assert all(a["end_s"] <= b["start_s"] for a, b in itertools.pairwise(calls))  # one thread, in order

@@ -23,12 +23,14 @@ def run_to_end(engine: HfEngine, request_id: str) -> list[int]:
     return engine.get(request_id).output_token_ids
 
 
-def ship(sender: HfEngine, receiver: HfEngine, request_id: str, first_token_index: int,
-         max_tokens_per_frame: int = 512) -> int:
+def ship(
+    sender: HfEngine, receiver: HfEngine, request_id: str, first_token_index: int, max_tokens_per_frame: int = 512
+) -> int:
     """Export the prompt's KV from sender, through the wire decoder, into receiver."""
     num_prompt_tokens = sender.get(request_id).num_prompt_tokens
-    frames = sender.export_frames(request_id, first_token_index, num_prompt_tokens,
-                                  max_tokens_per_frame=max_tokens_per_frame)
+    frames = sender.export_frames(
+        request_id, first_token_index, num_prompt_tokens, max_tokens_per_frame=max_tokens_per_frame
+    )
     for parts in frames:
         receiver.import_frame(decode_frame(bytearray(frame_bytes(parts)), receiver.frame_expectation))
     return len(frames)

@@ -59,8 +59,11 @@ def test_multi_turn_prefix_reuse(smollm2, prompt, reference):
     engine = HfEngine(smollm2, num_blocks=96)
     first_answer = engine.generate("t1", prompt, sampling)
     assert first_answer == reference[:24]
-    follow_up = prompt + first_answer + smollm2.tokenizer.encode(
-        "<|im_end|>\n<|im_start|>user\nShorter, please.<|im_end|>\n<|im_start|>assistant\n")
+    follow_up = (
+        prompt
+        + first_answer
+        + smollm2.tokenizer.encode("<|im_end|>\n<|im_start|>user\nShorter, please.<|im_end|>\n<|im_start|>assistant\n")
+    )
     engine.add_request("t2", follow_up, sampling)
     seq = engine.get("t2")  # the live sequence, to watch its counters
     assert seq.num_cached_tokens >= PROMPT_LEN // 16 * 16
@@ -70,8 +73,11 @@ def test_multi_turn_prefix_reuse(smollm2, prompt, reference):
 
 def test_stops_at_eos_like_transformers(smollm2):
     prompt = smollm2.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Say hello in three words."}], add_generation_prompt=True,
-        tokenize=True, return_dict=False)
+        [{"role": "user", "content": "Say hello in three words."}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     engine = HfEngine(smollm2, num_blocks=16)
     engine.add_request("r", prompt, SamplingParams(max_tokens=64))
     outputs = []

@@ -41,8 +41,9 @@ async def test_client_disconnect_frees_kv_everywhere(make_stack):
 async def test_non_streaming_disconnect_cancels_too(make_stack):
     stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD"})
     session = aiohttp.ClientSession()
-    request = asyncio.create_task(session.post(stack.base_url + "/chat/completions",
-                                               json=chat_body("Go on forever. " * 10, 3000)))
+    request = asyncio.create_task(
+        session.post(stack.base_url + "/chat/completions", json=chat_body("Go on forever. " * 10, 3000))
+    )
     await until(lambda: stack.mains[0].engine.num_sequences == 1, 15, "main decode to start")
     request.cancel()
     await session.close()
@@ -50,9 +51,10 @@ async def test_non_streaming_disconnect_cancels_too(make_stack):
 
 
 async def test_partitioned_wan_gives_a_clear_error_without_recoveries(make_stack):
-    stack = await make_stack(profile=LinkProfile(bandwidth_bps=0, rtt_ms=10, jitter_ms=0),
-                             router_settings={"pipeline_policy": "P-MD", "first_token_timeout_s": 4,
-                                              "max_recoveries": 0})
+    stack = await make_stack(
+        profile=LinkProfile(bandwidth_bps=0, rtt_ms=10, jitter_ms=0),
+        router_settings={"pipeline_policy": "P-MD", "first_token_timeout_s": 4, "max_recoveries": 0},
+    )
     stack.link.set_profile(partitioned=True)
     started = time.monotonic()
     status, body = await post(stack, "/chat/completions", chat_body("Anyone there?", 8))
@@ -66,8 +68,9 @@ async def test_partitioned_wan_gives_a_clear_error_without_recoveries(make_stack
 
 
 async def test_a_partition_is_served_at_site_a_then_main_decode_returns(make_stack, tiny):
-    stack = await make_stack(profile=LinkProfile(bandwidth_bps=0, rtt_ms=10, jitter_ms=0),
-                             router_settings={"partition_tolerance_s": 4})
+    stack = await make_stack(
+        profile=LinkProfile(bandwidth_bps=0, rtt_ms=10, jitter_ms=0), router_settings={"partition_tolerance_s": 4}
+    )
     stack.link.set_profile(partitioned=True)
     content = "Anyone there? " * 6
     status, body = await post(stack, "/chat/completions", chat_body(content, 24))
@@ -88,14 +91,16 @@ async def test_a_partition_is_served_at_site_a_then_main_decode_returns(make_sta
 
 
 async def test_main_decode_crash_mid_request_fails_fast_without_recoveries(make_stack):
-    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD",
-                                                                "max_recoveries": 0})
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD", "max_recoveries": 0})
     main = stack.mains[0]
-    request = asyncio.create_task(post(stack, "/chat/completions",
-                                       chat_body("A long answer please. " * 10, 3000)))
+    request = asyncio.create_task(post(stack, "/chat/completions", chat_body("A long answer please. " * 10, 3000)))
+
     def decoding():  # the import is over (else the prefill's transfer is what fails first)
-        return any(len(main.engine.get(rid).output_token_ids) > 1 for rid in main.engine.request_ids()
-                   if main.engine.holds(rid))
+        return any(
+            len(main.engine.get(rid).output_token_ids) > 1
+            for rid in main.engine.request_ids()
+            if main.engine.holds(rid)
+        )
 
     await until(decoding, 15, "main decode to be decoding")
     await crash(main)  # no goodbye on NATS, the bulk port closes, decoding stops mid-stream
@@ -109,11 +114,11 @@ async def test_main_decode_crash_mid_request_fails_fast_without_recoveries(make_
 async def test_a_dead_routers_requests_are_freed_everywhere_within_the_lease(make_stack, tiny):
     # A 2 s lease here (8 s by default): the request, far from done, must be freed by it.
     lease = {"request_lease_s": 2.0}
-    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-RLD-MD"},
-                             engine_settings=lease, decode_settings=lease)
+    stack = await make_stack(
+        profile=SLOW_WAN, router_settings={"pipeline_policy": "P-RLD-MD"}, engine_settings=lease, decode_settings=lease
+    )
     max_tokens = tiny.model.config.max_position_embeddings - 100
-    request = asyncio.create_task(post(stack, "/chat/completions",
-                                       chat_body("Go on forever. " * 4, max_tokens)))
+    request = asyncio.create_task(post(stack, "/chat/completions", chat_body("Go on forever. " * 4, max_tokens)))
     main = stack.mains[0]
     await until(lambda: main.engine.num_sequences, 15, "main decode to hold the request")
     await crash(stack.router)  # no cancel will ever come
@@ -131,8 +136,7 @@ async def health(stack) -> dict:
 
 
 async def test_a_stall_shorter_than_the_partition_tolerance_costs_nothing(make_stack, tiny):
-    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD",
-                                                                "partition_tolerance_s": 8})
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD", "partition_tolerance_s": 8})
     content = "Describe the canal in winter. " * 8
     request = asyncio.create_task(stream_chunks(stack, "/chat/completions", chat_body(content, 400)))
     main = stack.mains[0]
@@ -169,9 +173,12 @@ async def test_a_nats_restart_at_site_a_costs_a_stall_not_the_stream(make_stack,
 
 async def test_site_b_nats_down_past_the_tolerance_finishes_at_site_a_and_leaks_nothing(make_stack, tiny):
     lease = {"request_lease_s": 3.0, "cut_off_lease_s": 3.0}
-    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD",
-                                                                "partition_tolerance_s": 3},
-                             engine_settings=lease, decode_settings=lease)
+    stack = await make_stack(
+        profile=SLOW_WAN,
+        router_settings={"pipeline_policy": "P-MD", "partition_tolerance_s": 3},
+        engine_settings=lease,
+        decode_settings=lease,
+    )
     content = "Describe the lock gates at dusk. " * 8
     request = asyncio.create_task(stream_chunks(stack, "/chat/completions", chat_body(content, 400)))
     main = stack.mains[0]

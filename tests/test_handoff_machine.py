@@ -10,8 +10,9 @@ from services.relay_decode.handoff import (
     IllegalTransition,
 )
 
-POLICY = HandoffPolicy(catch_up_threshold_tokens=64, final_gap_tokens=8, load_watermark=0.5,
-                       max_chunks=16, max_chunk_tokens=1000)
+POLICY = HandoffPolicy(
+    catch_up_threshold_tokens=64, final_gap_tokens=8, load_watermark=0.5, max_chunks=16, max_chunk_tokens=1000
+)
 
 
 def machine() -> HandoffMachine:

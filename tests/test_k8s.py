@@ -11,10 +11,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from infra.cli import build_parser
 from infra.launcher import SERVICE_OF, TOPOLOGY
 from infra.nats_server import nats_server_binary
 from infra.serve import SERVICE_CONFIGS
-from infra.cli import build_parser
 from shared.config import build_config, env_name, settings_of
 from tests.test_dashboards import exported_families
 
@@ -30,8 +30,12 @@ def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     assert kubectl, "kubectl is needed to render the manifests (kubectl kustomize)"
     copy = tmp_path_factory.mktemp("k8s") / "k8s"
     shutil.copytree(ROOT / "infra/k8s", copy, ignore=shutil.ignore_patterns("secrets"))
-    secrets = subprocess.run([sys.executable, "-m", "infra.cli", "secrets", "--out", str(copy / "base/secrets")],
-                             capture_output=True, text=True, cwd=ROOT)
+    secrets = subprocess.run(
+        [sys.executable, "-m", "infra.cli", "secrets", "--out", str(copy / "base/secrets")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert secrets.returncode == 0, secrets.stderr
     out = {}
     for site in ("site-a", "site-b"):
@@ -101,23 +105,41 @@ NATS_ITEMS = {"ca.pem", "nats-users.conf"}
 POD_SECRETS = {  # each TLS peer its own certificate, for its own name
     ("site-a", "StatefulSet", "nats-a"): NATS_ITEMS | {"nats-a.pem", "nats-a.key"},
     ("site-b", "StatefulSet", "nats-b"): NATS_ITEMS | {"nats-b.pem", "nats-b.key", "nats-leaf-remote.conf"},
-    ("site-a", "Job", "streams"): {"ca.pem", "admin.nk"}, ("site-b", "Job", "streams"): {"ca.pem", "admin.nk"},
+    ("site-a", "Job", "streams"): {"ca.pem", "admin.nk"},
+    ("site-b", "Job", "streams"): {"ca.pem", "admin.nk"},
     ("site-b", "Deployment", "bulk-gateway"): {"link-route.key", "control.key"},
     ("site-a", "Deployment", "router"): {"ca.pem", "metrics-key.sha256", "router.nk"},
     ("site-a", "Deployment", "cache-index"): {"ca.pem", "metrics-key.sha256", "cache_index.nk"},
-    ("site-a", "Deployment", "prefill"): {"ca.pem", "metrics-key.sha256", "prefill.pem", "prefill.key", "bulk.secret",
-                                          "prefill.nk"},
-    **{(site, "Deployment", name): {"ca.pem", "metrics-key.sha256", f"{name}.pem", f"{name}.key", "bulk-verify.pub",
-                                    f"{SERVICE_OF[name]}.nk"}
-       for site, name in (("site-a", "relay-decode"), ("site-b", "main-decode"))},
+    ("site-a", "Deployment", "prefill"): {
+        "ca.pem",
+        "metrics-key.sha256",
+        "prefill.pem",
+        "prefill.key",
+        "bulk.secret",
+        "prefill.nk",
+    },
+    **{
+        (site, "Deployment", name): {
+            "ca.pem",
+            "metrics-key.sha256",
+            f"{name}.pem",
+            f"{name}.key",
+            "bulk-verify.pub",
+            f"{SERVICE_OF[name]}.nk",
+        }
+        for site, name in (("site-a", "relay-decode"), ("site-b", "main-decode"))
+    },
 }
 """The items of the one Secret each pod mounts: its own credential, and nobody else's."""
 
 
 @pytest.mark.parametrize("site", ["site-a", "site-b"])
 def test_each_pod_mounts_only_its_own_secrets(rendered, site):
-    pods = {(site, kind, name): obj for kind in ("Deployment", "StatefulSet", "Job")
-            for name, obj in objects(rendered, site, kind).items()}
+    pods = {
+        (site, kind, name): obj
+        for kind in ("Deployment", "StatefulSet", "Job")
+        for name, obj in objects(rendered, site, kind).items()
+    }
     assert set(pods) == {key for key in POD_SECRETS if key[0] == site}
     for key, obj in pods.items():
         volumes = [v for v in obj["spec"]["template"]["spec"]["volumes"] if "secret" in v]
@@ -151,8 +173,10 @@ def test_main_decode_scales_behind_the_bulk_gateway(rendered):
     service = objects(rendered, "site-b", "Service")[link_host.split(".")[0]]
     assert service["spec"]["selector"] == {"app.kubernetes.io/name": "bulk-gateway"}
     assert route.routed and route.target_port == 9100 and route.listen_port == int(link_port)
-    assert gateway["volumes"][0]["secret"]["items"] == [{"key": "link-route.key", "path": "link-route.key"},
-                                                        {"key": "control.key", "path": "control.key"}]
+    assert gateway["volumes"][0]["secret"]["items"] == [
+        {"key": "link-route.key", "path": "link-route.key"},
+        {"key": "control.key", "path": "control.key"},
+    ]
 
 
 @pytest.mark.parametrize("site", ["site-a", "site-b"])
@@ -178,8 +202,12 @@ def test_nats_config_is_the_compose_one_and_valid(rendered, site, tmp_path):
     ours = (ROOT / "infra/k8s/overlays" / site / "nats.conf").read_text()
     compose = (ROOT / "infra/nats" / f"{site}.conf").read_text()
     differing = set(ours.splitlines()) ^ set(compose.splitlines())
-    allowed = {"http: 127.0.0.1:8222", "http: 0.0.0.0:8222", '    url: "tls://wan-link:17422"',
-               '    url: "tls://nats-a.site-a.example.com:7422"'}
+    allowed = {
+        "http: 127.0.0.1:8222",
+        "http: 0.0.0.0:8222",
+        '    url: "tls://wan-link:17422"',
+        '    url: "tls://nats-a.site-a.example.com:7422"',
+    }
     assert {line for line in differing if not line.startswith("#")} <= allowed
     config_map = next(c for c in objects(rendered, site, "ConfigMap").values() if "site.conf" in c["data"])
     server = objects(rendered, site, "StatefulSet")[f"nats-{site[-1]}"]["spec"]["template"]["spec"]

@@ -25,8 +25,10 @@ def exported_frames(tiny, prompt: list[int], frame_tokens: int) -> tuple[int, li
     prefill.add_request("r", prompt, SamplingParams(max_tokens=1))
     first = prefill.step()[0].token_id
     receiver = HfEngine(tiny, num_blocks=4)
-    frames = [decode_frame(b"".join(bytes(p) for p in parts), receiver.frame_expectation)
-              for parts in prefill.export_frames("r", 0, len(prompt), max_tokens_per_frame=frame_tokens)]
+    frames = [
+        decode_frame(b"".join(bytes(p) for p in parts), receiver.frame_expectation)
+        for parts in prefill.export_frames("r", 0, len(prompt), max_tokens_per_frame=frame_tokens)
+    ]
     return first, frames
 
 
@@ -44,8 +46,17 @@ async def test_frames_queue_behind_a_busy_engine_and_the_flow_finishes_right_aft
 
     importer = KvImporter(worker, on_complete)
     sampling = SamplingParams(max_tokens=8, ignore_eos=True)
-    flow_open = FlowOpen(request_id="r", role="main_decode", token_ids=prompt, sampling=sampling, seed=0,
-                         sender_id="prefill-0", receiver_id="main-decode-0", unix_s=0.0, nonce="")
+    flow_open = FlowOpen(
+        request_id="r",
+        role="main_decode",
+        token_ids=prompt,
+        sampling=sampling,
+        seed=0,
+        sender_id="prefill-0",
+        receiver_id="main-decode-0",
+        unix_s=0.0,
+        nonce="",
+    )
     assert await importer.open_flow(flow_open, FlowStats()) == 0
 
     step_running = threading.Event()
@@ -56,8 +67,9 @@ async def test_frames_queue_behind_a_busy_engine_and_the_flow_finishes_right_aft
     busy = worker.submit(a_long_step)
     for frame in frames:  # each returns at once: the receiver reads the next frame meanwhile
         await asyncio.wait_for(importer.import_frame("r", frame), timeout=5)
-    ending = asyncio.create_task(importer.end_flow("r", FlowEnd(request_id="r", output_token_ids=[first]),
-                                                   FlowStats(frames=3)))
+    ending = asyncio.create_task(
+        importer.end_flow("r", FlowEnd(request_id="r", output_token_ids=[first]), FlowStats(frames=3))
+    )
     await asyncio.sleep(0)  # end_flow queues the finish before it awaits anything
     assert not busy.done()
     step_running.set()
@@ -84,8 +96,17 @@ async def test_a_frame_that_fails_to_import_aborts_the_flow_and_frees_its_blocks
 
     importer = KvImporter(worker, on_complete=None, on_abort=on_abort)
     sampling = SamplingParams(max_tokens=8)
-    flow_open = FlowOpen(request_id="r", role="main_decode", token_ids=prompt, sampling=sampling, seed=0,
-                         sender_id="prefill-0", receiver_id="main-decode-0", unix_s=0.0, nonce="")
+    flow_open = FlowOpen(
+        request_id="r",
+        role="main_decode",
+        token_ids=prompt,
+        sampling=sampling,
+        seed=0,
+        sender_id="prefill-0",
+        receiver_id="main-decode-0",
+        unix_s=0.0,
+        nonce="",
+    )
     await importer.open_flow(flow_open, FlowStats())
     await importer.import_frame("r", frames[0])
     await importer.import_frame("r", frames[2])  # a gap: the engine refuses it
@@ -111,9 +132,17 @@ async def test_a_flow_arriving_after_its_request_ended_fills_the_cache_or_is_ref
     importer = KvImporter(worker, on_complete)
 
     def flow_open(request_id: str) -> FlowOpen:
-        return FlowOpen(request_id=request_id, role="main_decode", token_ids=prompt,
-                        sampling=SamplingParams(max_tokens=8), seed=0, sender_id="prefill-0",
-                        receiver_id="main-decode-0", unix_s=0.0, nonce="")
+        return FlowOpen(
+            request_id=request_id,
+            role="main_decode",
+            token_ids=prompt,
+            sampling=SamplingParams(max_tokens=8),
+            seed=0,
+            sender_id="prefill-0",
+            receiver_id="main-decode-0",
+            unix_s=0.0,
+            nonce="",
+        )
 
     # Ended on the relay first: the KV still lands, for the cache, and nothing stays held.
     # (The frames carry their request's id, "r".)

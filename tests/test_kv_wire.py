@@ -48,8 +48,8 @@ def pair(tiny):
 
 def split(frame: bytes):
     _, _, _, header_len, _ = PREFIX.unpack_from(frame)
-    header = msgspec.msgpack.decode(frame[PREFIX_SIZE:PREFIX_SIZE + header_len], type=KvFrameHeader)
-    return header, bytes(frame[PREFIX_SIZE + header_len:])
+    header = msgspec.msgpack.decode(frame[PREFIX_SIZE : PREFIX_SIZE + header_len], type=KvFrameHeader)
+    return header, bytes(frame[PREFIX_SIZE + header_len :])
 
 
 def rebuild(header: KvFrameHeader, body: bytes, **changes) -> bytearray:
@@ -127,7 +127,7 @@ def test_trailing_bytes(pair):
 def test_garbage_header(pair):
     _, receiver, frame = pair
     _, _, _, header_len, _ = PREFIX.unpack_from(frame)
-    frame[PREFIX_SIZE:PREFIX_SIZE + header_len] = b"\xc1" * header_len
+    frame[PREFIX_SIZE : PREFIX_SIZE + header_len] = b"\xc1" * header_len
     assert_rejected(receiver, frame, CorruptFrame)
 
 
@@ -144,15 +144,18 @@ def test_oversized_header(pair):
     assert_rejected(receiver, frame, OversizedFrame)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("model_fingerprint", "0123456789abcdef"),
-    ("num_layers", 3),
-    ("num_kv_heads", 4),
-    ("head_dim", 8),
-    ("block_size", 32),
-    ("hash_scheme", 99),
-    ("dtype", "int8"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("model_fingerprint", "0123456789abcdef"),
+        ("num_layers", 3),
+        ("num_kv_heads", 4),
+        ("head_dim", 8),
+        ("block_size", 32),
+        ("hash_scheme", 99),
+        ("dtype", "int8"),
+    ],
+)
 def test_incompatible_header_fields(pair, field, value):
     _, receiver, frame = pair
     header, body = split(frame)
@@ -172,8 +175,7 @@ def test_wrong_model_with_same_shape_is_refused(pair):
 def test_shape_that_disagrees_with_body_length(pair):
     _, receiver, frame = pair
     header, body = split(frame)
-    forged = rebuild(header, body, token_ids=header.token_ids[:-1],
-                     block_hashes=header.block_hashes)
+    forged = rebuild(header, body, token_ids=header.token_ids[:-1], block_hashes=header.block_hashes)
     assert_rejected(receiver, forged, CorruptFrame)
 
 

@@ -23,8 +23,9 @@ def deployment(tiny_deployment):
 
 
 def client(ports) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"http://127.0.0.1:{ports['--http-port']}/v1", api_key="none",
-                       max_retries=0, timeout=60)
+    return AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{ports['--http-port']}/v1", api_key="none", max_retries=0, timeout=60
+    )
 
 
 async def test_openai_client_gets_exact_answers_from_both_decoders(deployment, tiny):
@@ -34,14 +35,26 @@ async def test_openai_client_gets_exact_answers_from_both_decoders(deployment, t
     assert [m.id for m in models.data] == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
     # Own system prompts: no two requests share a cached block, so however the six arrive
     # (together, or one after another on a starved machine) the idle decoders take turns.
-    conversations = [[{"role": "system", "content": f"Case {i}."},
-                      {"role": "user", "content": f"What is {i} plus {i}?"}] for i in range(6)]
-    answers = await asyncio.gather(*(api.chat.completions.create(
-        model="HuggingFaceTB/SmolLM2-135M-Instruct", messages=messages, max_tokens=20,
-        temperature=0, extra_body={"ignore_eos": True}) for messages in conversations))
+    conversations = [
+        [{"role": "system", "content": f"Case {i}."}, {"role": "user", "content": f"What is {i} plus {i}?"}]
+        for i in range(6)
+    ]
+    answers = await asyncio.gather(
+        *(
+            api.chat.completions.create(
+                model="HuggingFaceTB/SmolLM2-135M-Instruct",
+                messages=messages,
+                max_tokens=20,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            for messages in conversations
+        )
+    )
     for messages, answer in zip(conversations, answers):
-        prompt = list(tiny.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        prompt = list(
+            tiny.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
         expected = tiny.tokenizer.decode(reference_greedy(tiny, prompt, 20), skip_special_tokens=True)
         assert answer.choices[0].message.content == expected
     used = {a.model_extra["pdd"]["instances"]["main_decode"] for a in answers}
@@ -74,8 +87,12 @@ async def test_restarting_the_cache_index_while_requests_run(deployment):
 
     async def ask():
         reply = await api.chat.completions.create(
-            model="HuggingFaceTB/SmolLM2-135M-Instruct", messages=[{"role": "user", "content": content}],
-            max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
+            model="HuggingFaceTB/SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=60,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         return reply.model_extra["pdd"]
 
     first = await ask()
@@ -95,8 +112,9 @@ def active_sequences(metrics_url: str) -> int:
     import urllib.request
 
     text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
-               if line.startswith("pdd_active_sequences{"))
+    return sum(
+        int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines() if line.startswith("pdd_active_sequences{")
+    )
 
 
 async def test_killing_the_busiest_main_decoder_loses_no_request(deployment, tiny):
@@ -104,14 +122,20 @@ async def test_killing_the_busiest_main_decoder_loses_no_request(deployment, tin
     api = client(ports)
     state = load_state(run_dir)
     streams, max_tokens = 6, 400
-    conversations = [[{"role": "system", "content": f"Teller {i}."},
-                      {"role": "user", "content": "A story"}] for i in range(streams)]
+    conversations = [
+        [{"role": "system", "content": f"Teller {i}."}, {"role": "user", "content": "A story"}] for i in range(streams)
+    ]
     decoding = [asyncio.Event() for _ in range(streams)]
 
     async def long_request(i):
         stream = await api.chat.completions.create(
-            model="HuggingFaceTB/SmolLM2-135M-Instruct", max_tokens=max_tokens, temperature=0, stream=True,
-            messages=conversations[i], extra_body={"ignore_eos": True})
+            model="HuggingFaceTB/SmolLM2-135M-Instruct",
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            messages=conversations[i],
+            extra_body={"ignore_eos": True},
+        )
         text, pdd = [], None
         async for chunk in stream:
             decoding[i].set()
@@ -127,8 +151,7 @@ async def test_killing_the_busiest_main_decoder_loses_no_request(deployment, tin
     decoders = ["main-decode-0", "main-decode-1"]
     deadline = time.monotonic() + 30
     while True:
-        active = {name: await asyncio.to_thread(active_sequences, state.metrics_urls[name])
-                  for name in decoders}
+        active = {name: await asyncio.to_thread(active_sequences, state.metrics_urls[name]) for name in decoders}
         if sum(active.values()) == streams or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.1)
@@ -136,24 +159,30 @@ async def test_killing_the_busiest_main_decoder_loses_no_request(deployment, tin
     os.kill(state.processes[victim], signal.SIGKILL)
     results = await asyncio.wait_for(asyncio.gather(*requests), 120)
     for messages, (text, _) in zip(conversations, results):
-        prompt = list(tiny.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False))
-        assert text == tiny.tokenizer.decode(reference_greedy(tiny, prompt, max_tokens),
-                                             skip_special_tokens=True)
+        prompt = list(
+            tiny.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+        assert text == tiny.tokenizer.decode(reference_greedy(tiny, prompt, max_tokens), skip_special_tokens=True)
     recovered = [pdd["recoveries"] for _, pdd in results if pdd["recoveries"]]
     assert sum(active.values()) == streams and len(recovered) == active[victim], (active, recovered)
     assert all(r[0]["from"] == victim and r[0]["to"] != victim for r in recovered)
     # The next request succeeds, and the supervisor brings the killed decoder back.
     reply = await api.chat.completions.create(
-        model="HuggingFaceTB/SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "And now?"}],
-        max_tokens=8, temperature=0)
+        model="HuggingFaceTB/SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "And now?"}],
+        max_tokens=8,
+        temperature=0,
+    )
     assert reply.choices[0].finish_reason == "length"
     deadline = time.monotonic() + 60
     while True:
         status = json.loads(pdd("status", "--json", "--run-dir", str(run_dir)).stdout)
         entry = status["processes"][victim]
-        if (entry["state"] == "running" and entry["restarts"] == 1
-                and victim in status["health"]["instances"]["main_decode"]) or time.monotonic() > deadline:
+        if (
+            entry["state"] == "running"
+            and entry["restarts"] == 1
+            and victim in status["health"]["instances"]["main_decode"]
+        ) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.2)
     assert entry["pid"] != state.processes[victim] and entry["restarts"] == 1, entry
@@ -167,28 +196,53 @@ def test_pdd_restart_covers_the_nats_servers_and_the_wan_link(deployment):
         restarted = pdd("restart", name, "--run-dir", str(run_dir))
         assert restarted.returncode == 0, restarted.stderr
         assert load_state(run_dir).processes[name] != before
-    api = OpenAI(base_url=f"http://127.0.0.1:{ports['--http-port']}/v1", api_key="none", max_retries=0,
-                 timeout=60)
+    api = OpenAI(base_url=f"http://127.0.0.1:{ports['--http-port']}/v1", api_key="none", max_retries=0, timeout=60)
     deadline = time.monotonic() + 60
     while True:  # main decode is back in view once the leafnode and its heartbeats return
-        reply = api.chat.completions.create(model="HuggingFaceTB/SmolLM2-135M-Instruct", max_tokens=4, temperature=0,
-                                            messages=[{"role": "user", "content": "Still there?"}])
+        reply = api.chat.completions.create(
+            model="HuggingFaceTB/SmolLM2-135M-Instruct",
+            max_tokens=4,
+            temperature=0,
+            messages=[{"role": "user", "content": "Still there?"}],
+        )
         if reply.model_extra["pdd"]["pipeline"] != "P-RLD" or time.monotonic() > deadline:
             break
     assert reply.model_extra["pdd"]["pipeline"] in ("P-MD", "P-RLD-MD"), reply.model_extra["pdd"]
 
 
 POINT_3_FAMILIES = {
-    "router": ["pdd_ttft_seconds", "pdd_inter_token_latency_seconds", "pdd_e2e_request_latency_seconds",
-               "pdd_queue_seconds", "pdd_prompt_tokens", "pdd_generation_tokens", "pdd_requests",
-               "pdd_requests_running", "pdd_requests_waiting"],
-    "prefill-0": ["pdd_prefill_seconds", "pdd_engine_step_seconds", "pdd_kv_transfer_seconds",
-                  "pdd_kv_transfer_bytes", "pdd_kv_cache_usage_ratio"],
-    "main-decode": ["pdd_engine_step_seconds", "pdd_kv_cache_usage_ratio", "pdd_kv_imports_waiting",
-                    "pdd_active_sequences"],
+    "router": [
+        "pdd_ttft_seconds",
+        "pdd_inter_token_latency_seconds",
+        "pdd_e2e_request_latency_seconds",
+        "pdd_queue_seconds",
+        "pdd_prompt_tokens",
+        "pdd_generation_tokens",
+        "pdd_requests",
+        "pdd_requests_running",
+        "pdd_requests_waiting",
+    ],
+    "prefill-0": [
+        "pdd_prefill_seconds",
+        "pdd_engine_step_seconds",
+        "pdd_kv_transfer_seconds",
+        "pdd_kv_transfer_bytes",
+        "pdd_kv_cache_usage_ratio",
+    ],
+    "main-decode": [
+        "pdd_engine_step_seconds",
+        "pdd_kv_cache_usage_ratio",
+        "pdd_kv_imports_waiting",
+        "pdd_active_sequences",
+    ],
     "relay-decode-0": ["pdd_engine_step_seconds", "pdd_kv_cache_usage_ratio", "pdd_active_sequences"],
-    "wan-link": ["pdd_wan_bytes", "pdd_wan_queue_bytes", "pdd_wan_partitioned", "pdd_wan_shaped_rate_bps",
-                 "pdd_wan_route_bytes"],
+    "wan-link": [
+        "pdd_wan_bytes",
+        "pdd_wan_queue_bytes",
+        "pdd_wan_partitioned",
+        "pdd_wan_shaped_rate_bps",
+        "pdd_wan_route_bytes",
+    ],
 }
 """Families with samples on each process once requests have run (a family is named without
 ``_total``, as prometheus_client's parser names it)."""
@@ -203,16 +257,28 @@ def test_every_service_exposes_its_metrics(deployment):
     status = json.loads(pdd("status", "--json", "--run-dir", str(run_dir)).stdout)
     urls = status["metrics_urls"]
     # One that served requests since it started (the supervisor restarted a killed one).
-    main_decode = next(name for name, entry in sorted(status["processes"].items())
-                       if name.startswith("main-decode") and entry["state"] == "running"
-                       and entry["restarts"] == 0)
+    main_decode = next(
+        name
+        for name, entry in sorted(status["processes"].items())
+        if name.startswith("main-decode") and entry["state"] == "running" and entry["restarts"] == 0
+    )
     expected = {
-        "router": ["pdd_pipeline_choices_total", "pdd_ttft_seconds_bucket", "pdd_wan_estimate_bandwidth_bps",
-                   'model_name="HuggingFaceTB/SmolLM2-135M-Instruct"'],
-        "prefill-0": ['pdd_kv_bytes_total{direction="sent",path="wan"}', "pdd_kv_transfer_seconds_bucket",
-                      'pdd_prefix_cache_lookup_blocks_total{service="prefill"}'],
-        main_decode: ['pdd_kv_bytes_total{direction="received",path="wan"}', "pdd_active_sequences",
-                          'pdd_prefix_cache_hit_blocks_total{service="main_decode"}'],
+        "router": [
+            "pdd_pipeline_choices_total",
+            "pdd_ttft_seconds_bucket",
+            "pdd_wan_estimate_bandwidth_bps",
+            'model_name="HuggingFaceTB/SmolLM2-135M-Instruct"',
+        ],
+        "prefill-0": [
+            'pdd_kv_bytes_total{direction="sent",path="wan"}',
+            "pdd_kv_transfer_seconds_bucket",
+            'pdd_prefix_cache_lookup_blocks_total{service="prefill"}',
+        ],
+        main_decode: [
+            'pdd_kv_bytes_total{direction="received",path="wan"}',
+            "pdd_active_sequences",
+            'pdd_prefix_cache_hit_blocks_total{service="main_decode"}',
+        ],
         "relay-decode-0": ["pdd_eager_tokens_total", "pdd_active_sequences"],
         "cache-index-0": ['pdd_cache_index_events_total{outcome="applied"}'],
     }
@@ -236,8 +302,11 @@ async def test_200_concurrent_streams_complete_or_get_429_and_no_engine_exceeds_
 
     run_dir, ports = deployment
     base = f"http://127.0.0.1:{ports['--http-port']}"
-    engines = {name: url for name, url in load_state(run_dir).metrics_urls.items()
-               if name.startswith(("prefill", "relay-decode", "main-decode"))}
+    engines = {
+        name: url
+        for name, url in load_state(run_dir).metrics_urls.items()
+        if name.startswith(("prefill", "relay-decode", "main-decode"))
+    }
     most_active: dict[str, float] = {}
     health_s: list[float] = []
     done = asyncio.Event()
@@ -255,8 +324,13 @@ async def test_200_concurrent_streams_complete_or_get_429_and_no_engine_exceeds_
                             most_active[name] = max(most_active.get(name, 0.0), float(line.rsplit(" ", 1)[1]))
 
     async def one(session, i):
-        body = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "max_tokens": 12, "temperature": 0, "stream": True,
-                "messages": [{"role": "user", "content": f"Stream {i}: name a colour."}]}
+        body = {
+            "model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "max_tokens": 12,
+            "temperature": 0,
+            "stream": True,
+            "messages": [{"role": "user", "content": f"Stream {i}: name a colour."}],
+        }
         async with session.post(base + "/v1/chat/completions", json=body) as response:
             text = await response.text()
             if response.status == 200:
@@ -287,8 +361,9 @@ async def test_pdd_ups_nats_refuses_anonymous_and_plaintext_clients(deployment):
     for url in state.nats_urls.values():
         assert url.startswith("tls://")
         with pytest.raises((nats.errors.Error, OSError, asyncio.TimeoutError)):
-            await nats.connect(url.replace("tls://", "nats://"), allow_reconnect=False, connect_timeout=3,
-                               max_reconnect_attempts=0)
+            await nats.connect(
+                url.replace("tls://", "nats://"), allow_reconnect=False, connect_timeout=3, max_reconnect_attempts=0
+            )
     assert '"PDD_BULK_SECRET"' not in json.dumps(state.commands)  # secrets travel as files
 
 
@@ -303,10 +378,25 @@ def test_every_line_every_service_logs_is_one_json_object(deployment):
 
 
 def test_bench_run_url_benchmarks_a_running_endpoint_in_the_usual_shape(deployment, tmp_path):
-    run_dir, ports = deployment
+    _run_dir, ports = deployment
     url = f"http://127.0.0.1:{ports['--http-port']}/v1"
-    result = pdd("bench", "run", "--url", url, "--label", "pdd-running", "--out", str(tmp_path),
-                 "--sessions", "2", "--turns", "2", "--cold-lines", "8", timeout=300)
+    result = pdd(
+        "bench",
+        "run",
+        "--url",
+        url,
+        "--label",
+        "pdd-running",
+        "--out",
+        str(tmp_path),
+        "--sessions",
+        "2",
+        "--turns",
+        "2",
+        "--cold-lines",
+        "8",
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert list(results["modes"]) == ["pdd-running"]
@@ -329,8 +419,10 @@ def test_bench_trace_exports_the_agentic_trace_for_aiperf(tmp_path):
     assert len(rows) == len(turns) >= 20
     by_session = {}
     for row in rows:
-        assert set(row) in ({"session_id", "text_input", "output_length", "timestamp"},
-                            {"session_id", "text_input", "output_length", "delay"})
+        assert set(row) in (
+            {"session_id", "text_input", "output_length", "timestamp"},
+            {"session_id", "text_input", "output_length", "delay"},
+        )
         by_session.setdefault(row["session_id"], []).append(row)
     assert all("timestamp" in turns_[0] for turns_ in by_session.values())
     assert sorted(r["text_input"] for r in rows) == sorted(t["content"] for t in turns)

@@ -43,8 +43,10 @@ def imports(path: Path, known: dict[str, Path]) -> list[tuple[str, list[str]]]:
 
 def graph() -> dict[str, set[str]]:
     known = modules()
-    return {name: {target for target, _ in imports(path, known) if target in known and target != name}
-            for name, path in known.items()}
+    return {
+        name: {target for target, _ in imports(path, known) if target in known and target != name}
+        for name, path in known.items()
+    }
 
 
 def layer_of(module: str) -> int:
@@ -52,8 +54,12 @@ def layer_of(module: str) -> int:
 
 
 def test_every_layer_imports_only_layers_below_it():
-    upward = sorted(f"{source} -> {target}" for source, targets in graph().items() for target in targets
-                    if layer_of(target) > layer_of(source) and source != ENTRY_POINT)
+    upward = sorted(
+        f"{source} -> {target}"
+        for source, targets in graph().items()
+        for target in targets
+        if layer_of(target) > layer_of(source) and source != ENTRY_POINT
+    )
     assert upward == []
 
 
@@ -65,7 +71,7 @@ def test_no_import_cycles():
         state[node] = "open"
         for target in sorted(edges[node]):
             if state.get(target) == "open":
-                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+                cycles.append(" -> ".join(path[path.index(target) :] + [target]))
             elif target not in state:
                 visit(target, path + [target])
         state[node] = "done"
@@ -115,8 +121,9 @@ def test_nothing_outside_the_engine_package_reaches_past_the_backend_interface()
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr not in members:
                 base = node.value
-                held = (isinstance(base, ast.Name) and base.id in holders) or \
-                       (isinstance(base, ast.Attribute) and base.attr in holders)
+                held = (isinstance(base, ast.Name) and base.id in holders) or (
+                    isinstance(base, ast.Attribute) and base.attr in holders
+                )
                 if held:
                     misuse.append(f"{name}:{node.lineno} uses engine member {node.attr!r}")
     assert misuse == []
@@ -127,7 +134,7 @@ def doc_file_references() -> list[tuple[str, str]]:
     pattern = re.compile(r"`((?:\.\./)?(?:[\w.-]+/)+[\w.-]+\.(?:py|md|yml|yaml|json|toml|png|sh|conf))`")
     found = []
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
-        prose = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+        prose = re.sub(r"```.*?```", "", doc.read_text(), flags=re.DOTALL)
         found += [(str(doc.relative_to(ROOT)), m.group(1)) for m in pattern.finditer(prose)]
     return found
 
@@ -135,6 +142,9 @@ def doc_file_references() -> list[tuple[str, str]]:
 def test_every_doc_refers_only_to_files_in_the_repository():
     refs = doc_file_references()
     assert len(refs) > 50  # the pattern still finds the docs' references
-    missing = [f"{doc}: {path}" for doc, path in refs
-               if not (ROOT / path).exists() and not (ROOT / doc).parent.joinpath(path).exists()]
+    missing = [
+        f"{doc}: {path}"
+        for doc, path in refs
+        if not (ROOT / path).exists() and not (ROOT / doc).parent.joinpath(path).exists()
+    ]
     assert missing == []

@@ -5,13 +5,16 @@ from shared.messages import InstanceRef, LoadReported
 
 
 def router_heartbeat(*request_ids: str, router: str = "router-0") -> LoadReported:
-    return LoadReported(instance=InstanceRef(instance_id=router, site="site-a"), service="router",
-                        live_request_ids=list(request_ids), unix_s=0.0)
+    return LoadReported(
+        instance=InstanceRef(instance_id=router, site="site-a"),
+        service="router",
+        live_request_ids=list(request_ids),
+        unix_s=0.0,
+    )
 
 
 def prefill_heartbeat() -> LoadReported:
-    return LoadReported(instance=InstanceRef(instance_id="prefill-0", site="site-a"), service="prefill",
-                        unix_s=0.0)
+    return LoadReported(instance=InstanceRef(instance_id="prefill-0", site="site-a"), service="prefill", unix_s=0.0)
 
 
 def test_a_silent_router_loses_all_its_requests_after_the_lease():
@@ -35,16 +38,19 @@ def test_a_request_its_live_router_no_longer_lists_is_freed_as_finished():
     assert leases.expired(["router-0-a", "router-0-br1"], now=3.0) == []
     leases.observe(router_heartbeat(), now=4.5)  # both ended; their cancels were lost
     expired = leases.expired(["router-0-a", "router-0-br1"], now=4.5)
-    assert {(e.request_id, e.kind) for e in expired} == {("router-0-a", "finished"),
-                                                         ("router-0-br1", "finished")}
+    assert {(e.request_id, e.kind) for e in expired} == {("router-0-a", "finished"), ("router-0-br1", "finished")}
 
 
 def test_a_restarted_router_kills_what_its_previous_incarnation_ran():
     leases = RequestLeases(lease_s=8, grace_s=2.5, now=0.0)
     leases.observe(router_heartbeat("router-0-a"), now=1.0)
     assert leases.expired(["router-0-a"], now=1.5) == []
-    restarted = LoadReported(instance=InstanceRef(instance_id="router-0", site="site-a", incarnation="2"),
-                             service="router", live_request_ids=["router-0-new"], unix_s=0.0)
+    restarted = LoadReported(
+        instance=InstanceRef(instance_id="router-0", site="site-a", incarnation="2"),
+        service="router",
+        live_request_ids=["router-0-new"],
+        unix_s=0.0,
+    )
     leases.observe(restarted, now=3.0)
     expired = leases.expired(["router-0-a", "router-0-new"], now=3.0)
     assert [(e.request_id, e.kind) for e in expired] == [("router-0-a", "kill")]

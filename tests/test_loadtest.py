@@ -32,7 +32,7 @@ def test_prefix_hits_are_skewed_like_the_papers_traffic():
     rates = estimated_hit_rates(trace)
     above_95 = sum(r > 0.95 for r in rates) / len(rates)
     cold_or_low = sum(r < 0.5 for r in rates) / len(rates)
-    assert 0.65 <= above_95 <= 0.85, above_95      # most requests re-send almost everything
+    assert 0.65 <= above_95 <= 0.85, above_95  # most requests re-send almost everything
     assert 0.05 <= cold_or_low <= 0.2, cold_or_low  # a minority is cold (first turns, odd)
 
 
@@ -59,25 +59,55 @@ async def test_client_records_errors_instead_of_raising(make_stack):
 
     stack = await make_stack()
     async with aiohttp.ClientSession() as http:
-        record = await stream_chat(http, stack.base_url, "no-such-model", [{"role": "user", "content": "hi"}],
-                                   4, RequestRecord(0, 0, "cold"))
+        record = await stream_chat(
+            http, stack.base_url, "no-such-model", [{"role": "user", "content": "hi"}], 4, RequestRecord(0, 0, "cold")
+        )
     assert record.error.startswith("HTTP 404")
 
 
 def test_bench_run_writes_results_report_and_plots_and_the_simulator_replays_it(tmp_path):
     pdd = str(Path(sys.executable).parent / "pdd")
-    result = subprocess.run([pdd, "bench", "run", "--out", str(tmp_path), "--model", "tiny",
-                             "--sessions", "2", "--turns", "2", "--cold-lines", "12",
-                             "--handoff-trials", "2", "--modes", "cross-site-pd", "pdd", "--calibrate"],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            pdd,
+            "bench",
+            "run",
+            "--out",
+            str(tmp_path),
+            "--model",
+            "tiny",
+            "--sessions",
+            "2",
+            "--turns",
+            "2",
+            "--cold-lines",
+            "12",
+            "--handoff-trials",
+            "2",
+            "--modes",
+            "cross-site-pd",
+            "pdd",
+            "--calibrate",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((tmp_path / "results.json").read_text())
     for mode in ("cross-site-pd", "pdd"):
         figures = results["modes"][mode]
         assert figures["requests"] == 4 and figures["errors"] == 0
         assert set(figures["ttft_ms"]) == {"p50", "p90", "p99", "mean"}
-        assert {"itl_ms", "e2e_ms", "goodput_rps", "wan_kv_bytes", "rld_token_share",
-                "pipelines", "handoff_modes"} <= set(figures)
+        assert {
+            "itl_ms",
+            "e2e_ms",
+            "goodput_rps",
+            "wan_kv_bytes",
+            "rld_token_share",
+            "pipelines",
+            "handoff_modes",
+        } <= set(figures)
     cross = results["modes"]["cross-site-pd"]
     assert cross["pipelines"] == {"P-MD": 4}
     # What the responses report is what the WAN link carried, plus flow control messages.
@@ -102,8 +132,12 @@ def _check_the_simulator_replays(pdd: str, run: Path, results: dict):
     from shared.model_loader import load_metadata
 
     profile = run / "profile.json"
-    measured = subprocess.run([pdd, "profile", "--model", "tiny", "--quick", "--no-deployment", "--out", str(profile)],
-                              capture_output=True, text=True, timeout=300)
+    measured = subprocess.run(
+        [pdd, "profile", "--model", "tiny", "--quick", "--no-deployment", "--out", str(profile)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert measured.returncode == 0, measured.stderr[-2000:]
     fit = json.loads(profile.read_text())
     assert fit["shared_host_speed"]["2"] > 0
@@ -111,8 +145,12 @@ def _check_the_simulator_replays(pdd: str, run: Path, results: dict):
     assert fit["deployment_steps"] is None
     assert fit["cost_model"]["features"] == list(FEATURES)
     assert len(fit["cost_model"]["coefficients"]) == len(FEATURES)
-    replay = subprocess.run([pdd, "sim", "validate", str(run), "--profile", str(profile), "--json"],
-                            capture_output=True, text=True, timeout=300)
+    replay = subprocess.run(
+        [pdd, "sim", "validate", str(run), "--profile", str(profile), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert replay.returncode == 0, replay.stderr[-2000:]
     report = json.loads(replay.stdout)
     modes = report["modes"]
@@ -120,8 +158,11 @@ def _check_the_simulator_replays(pdd: str, run: Path, results: dict):
     assert report["step_speeds"] == "the run's own calibration (1 run(s))"
     # it ran its requests through a real deployment and timed each one's way from the client's
     # send to the prefill engine
-    assert report["dispatch"]["requests"] == len(json.loads((run / "calibration" / "after-repetition-0" /
-                                                             "records.json").read_text())) >= 6
+    assert (
+        report["dispatch"]["requests"]
+        == len(json.loads((run / "calibration" / "after-repetition-0" / "records.json").read_text()))
+        >= 6
+    )
     assert 0 < report["dispatch"]["median_s"] < 1
     assert set(modes) == {"cross-site-pd", "pdd"}
     metrics = {"ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "wan_kv_bytes", "rld_token_share", "goodput_rps"}
@@ -134,7 +175,8 @@ def _check_the_simulator_replays(pdd: str, run: Path, results: dict):
     assert abs(cross["rel_error"]) < 0.05
     # the trace, tokenized as the client sends it: first turns have exactly the router's prompt count
     records = json.loads((run / "records.json").read_text())["pdd"]
-    workload = from_trace(load_trace(run / "trace.jsonl"), load_metadata("tiny").tokenizer, 16, concurrency=2,
-                          system_prompt=SYSTEM)
+    workload = from_trace(
+        load_trace(run / "trace.jsonl"), load_metadata("tiny").tokenizer, 16, concurrency=2, system_prompt=SYSTEM
+    )
     first_turns = {r.session: r.prompt_tokens for r in workload.requests if r.turn == 0}
     assert first_turns == {r["session"]: r["prompt_tokens"] for r in records if r["turn"] == 0}

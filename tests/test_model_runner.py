@@ -24,8 +24,10 @@ def test_two_prompts_packed_in_one_pass_match_separate_transformers_passes(tiny)
     blocks = BlockManager(32, PrefixCache())
     runner = ModelRunner(tiny, layout, pool)
     prompts = [prompt_of_length(tiny, 40, seed=1), prompt_of_length(tiny, 23, seed=2)]
-    batch = [ScheduledSequence(sequence_with_blocks(f"r{i}", p, blocks, 16), len(p), samples=True)
-             for i, p in enumerate(prompts)]
+    batch = [
+        ScheduledSequence(sequence_with_blocks(f"r{i}", p, blocks, 16), len(p), samples=True)
+        for i, p in enumerate(prompts)
+    ]
     logits = runner.run(batch)
     for row, prompt in enumerate(prompts):
         with torch.inference_mode():

@@ -17,9 +17,8 @@ import pytest
 
 from infra.credentials import ensure_credentials
 from infra.nats_server import free_port, leafnode_count, nats_server_binary
-from shared import nats_client, subjects
-from shared.tls import client_context
 from infra.wan_link import LinkProfile
+from shared import nats_client, subjects
 from shared.engine.sampling import SamplingParams
 from shared.messages import (
     CancelRequest,
@@ -35,6 +34,7 @@ from shared.messages import (
     encode,
 )
 from shared.metrics import REFUSED_MESSAGES
+from shared.tls import client_context
 from tests.helpers import chat_prompt_ids, reference_greedy, until
 
 SLOW_WAN = LinkProfile(bandwidth_bps=50e6, rtt_ms=40, jitter_ms=2, seed=1)
@@ -48,8 +48,13 @@ async def stack(make_stack):
 
 async def start_victim(stack, content: str) -> tuple[asyncio.Task, str, str]:
     """A long greedy request; returns (its task, its request id, the main decoder it was placed on)."""
-    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     request = asyncio.create_task(post(stack, body))
     await until(lambda: stack.router.mailbox.open_request_ids, 15, "the request to be dispatched")
     rid = next(iter(stack.router.mailbox.open_request_ids))
@@ -65,8 +70,10 @@ async def post(stack, body: dict):
 
 async def assert_exact(request: asyncio.Task, tiny, content: str):
     status, body = await request
-    expected = tiny.tokenizer.decode(reference_greedy(
-        tiny, chat_prompt_ids(tiny, [{"role": "user", "content": content}]), MAX_TOKENS), skip_special_tokens=True)
+    expected = tiny.tokenizer.decode(
+        reference_greedy(tiny, chat_prompt_ids(tiny, [{"role": "user", "content": content}]), MAX_TOKENS),
+        skip_special_tokens=True,
+    )
     assert status == 200 and body["choices"][0]["message"]["content"] == expected, body
 
 
@@ -74,19 +81,32 @@ async def assert_exact(request: asyncio.Task, tiny, content: str):
 async def test_anonymous_and_plaintext_clients_are_refused(stack, site):
     url = stack.sites[site].url
     with pytest.raises((nats.errors.Error, OSError, asyncio.TimeoutError, ssl.SSLError)):
-        await nats.connect(url.replace("tls://", "nats://"), allow_reconnect=False, connect_timeout=3,
-                           max_reconnect_attempts=0)  # plaintext
+        await nats.connect(
+            url.replace("tls://", "nats://"), allow_reconnect=False, connect_timeout=3, max_reconnect_attempts=0
+        )  # plaintext
     with pytest.raises((nats.errors.Error, OSError, asyncio.TimeoutError)):
-        await nats_client.connect(url, role="router", ca_file=str(stack.credentials.ca_file),
-                                  allow_reconnect=False, connect_timeout=3, max_reconnect_attempts=0)  # no nkey
+        await nats_client.connect(
+            url,
+            role="router",
+            ca_file=str(stack.credentials.ca_file),
+            allow_reconnect=False,
+            connect_timeout=3,
+            max_reconnect_attempts=0,
+        )  # no nkey
 
 
 async def test_a_client_signed_by_another_deployment_is_refused(stack, tmp_path):
     foreign = ensure_credentials(tmp_path / "other")
     with pytest.raises((nats.errors.Error, OSError, asyncio.TimeoutError, ssl.SSLError)):
-        await nats_client.connect(stack.sites["site-a"].url, role="router",
-                                  seed_file=str(foreign.seed_file("router")), ca_file=str(foreign.ca_file),
-                                  allow_reconnect=False, connect_timeout=3, max_reconnect_attempts=0)
+        await nats_client.connect(
+            stack.sites["site-a"].url,
+            role="router",
+            seed_file=str(foreign.seed_file("router")),
+            ca_file=str(foreign.ca_file),
+            allow_reconnect=False,
+            connect_timeout=3,
+            max_reconnect_attempts=0,
+        )
 
 
 def leaf_port(stack) -> int:
@@ -103,7 +123,9 @@ async def test_the_leafnode_port_takes_neither_plaintext_nor_a_foreign_certifica
             answer = b""
     assert b"INFO" not in answer and b"PONG" not in answer  # no NATS protocol before TLS
     foreign = ensure_credentials(tmp_path / "other")
-    context = client_context(str(stack.credentials.ca_file), str(foreign.cert_file("nats-b")), str(foreign.key_file("nats-b")))
+    context = client_context(
+        str(stack.credentials.ca_file), str(foreign.cert_file("nats-b")), str(foreign.key_file("nats-b"))
+    )
     context.check_hostname = False
     with pytest.raises((ssl.SSLError, ConnectionResetError, BrokenPipeError, OSError)):
         with socket.create_connection(("127.0.0.1", leaf_port(stack)), timeout=5) as raw:
@@ -131,8 +153,14 @@ async def connect_as(stack, instance_id: str, **options) -> nats.NATS:
     site = "site-b" if instance_id.startswith("main-decode") else "site-a"
     role = {i: r for r, i in stack.identities}[instance_id]
     creds = stack.security(instance_id)
-    return await nats_client.connect(stack.sites[site].url, role=role, instance_id=instance_id,
-                                     seed_file=creds["nats_seed_file"], ca_file=creds["tls_ca_file"], **options)
+    return await nats_client.connect(
+        stack.sites[site].url,
+        role=role,
+        instance_id=instance_id,
+        seed_file=creds["nats_seed_file"],
+        ca_file=creds["tls_ca_file"],
+        **options,
+    )
 
 
 async def forge(stack, instance_id: str, subject: str, payload: bytes) -> list[str]:
@@ -152,26 +180,72 @@ def server_refused_forgeries(rid: str, victim: str, thief: str) -> list[tuple[st
     """(credential, subject, message): each publishes as someone else, which its permissions forbid."""
     victim_ref = InstanceRef(instance_id=victim, site="site-b")
     return [
-        (thief, subjects.tokens(rid, victim), TokensEmitted(  # tokens under the placed decoder's name
-            request_id=rid, start_index=0, token_ids=[1] * 50, producer="MD", instance_id=victim)),
-        (thief, subjects.tokens(rid, victim), TokensEmitted(  # a finish_reason for it
-            request_id=rid, start_index=1, token_ids=[2], producer="MD", instance_id=victim, finish_reason="stop")),
-        (thief, subjects.request_events(rid, victim), RequestFailed(
-            request_id=rid, instance_id=victim, code="forged", message="forged")),
-        (thief, subjects.load("site-a", "router", "router-0"), LoadReported(  # a router heartbeat
-            instance=InstanceRef(instance_id="router-0", site="site-a"), service="router", unix_s=time.time())),
-        (thief, subjects.load("site-b", "main_decode", victim), LoadReported(  # the victim's heartbeat
-            instance=victim_ref, service="main_decode", unix_s=time.time(), total_blocks=0)),
-        (thief, subjects.kv_events("site-b", victim), KvBlocksStored(  # the victim's KV events
-            publisher_id=victim, epoch="x", seq=1, block_hashes=[1, 2, 3])),
+        (
+            thief,
+            subjects.tokens(rid, victim),
+            TokensEmitted(  # tokens under the placed decoder's name
+                request_id=rid, start_index=0, token_ids=[1] * 50, producer="MD", instance_id=victim
+            ),
+        ),
+        (
+            thief,
+            subjects.tokens(rid, victim),
+            TokensEmitted(  # a finish_reason for it
+                request_id=rid, start_index=1, token_ids=[2], producer="MD", instance_id=victim, finish_reason="stop"
+            ),
+        ),
+        (
+            thief,
+            subjects.request_events(rid, victim),
+            RequestFailed(request_id=rid, instance_id=victim, code="forged", message="forged"),
+        ),
+        (
+            thief,
+            subjects.load("site-a", "router", "router-0"),
+            LoadReported(  # a router heartbeat
+                instance=InstanceRef(instance_id="router-0", site="site-a"), service="router", unix_s=time.time()
+            ),
+        ),
+        (
+            thief,
+            subjects.load("site-b", "main_decode", victim),
+            LoadReported(  # the victim's heartbeat
+                instance=victim_ref, service="main_decode", unix_s=time.time(), total_blocks=0
+            ),
+        ),
+        (
+            thief,
+            subjects.kv_events("site-b", victim),
+            KvBlocksStored(  # the victim's KV events
+                publisher_id=victim, epoch="x", seq=1, block_hashes=[1, 2, 3]
+            ),
+        ),
         (thief, subjects.cancel("router-0"), CancelRequest(request_id=rid, kind="kill", reason="forged")),
-        (thief, subjects.handoff("site-b", victim, "relay-decode-0"), HandoffTokens(
-            request_id=rid, start_index=0, token_ids=[1] * 10, relay_instance_id="relay-decode-0")),
-        ("prefill-0", subjects.shared_work("site-a", "prefill", subjects.START_PREFILL), StartPrefill(
-            request_id=rid + "x", token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=2), seed=1,
-            pipeline="P-MD", main_decode=victim_ref, deadline_unix_s=time.time() + 60)),
-        ("relay-decode-0", subjects.tokens(rid, "main-decode-0"), TokensEmitted(  # a relay as a main decoder
-            request_id=rid, start_index=0, token_ids=[1], producer="MD", instance_id="main-decode-0")),
+        (
+            thief,
+            subjects.handoff("site-b", victim, "relay-decode-0"),
+            HandoffTokens(request_id=rid, start_index=0, token_ids=[1] * 10, relay_instance_id="relay-decode-0"),
+        ),
+        (
+            "prefill-0",
+            subjects.shared_work("site-a", "prefill", subjects.START_PREFILL),
+            StartPrefill(
+                request_id=rid + "x",
+                token_ids=[1, 2, 3],
+                sampling=SamplingParams(max_tokens=2),
+                seed=1,
+                pipeline="P-MD",
+                main_decode=victim_ref,
+                deadline_unix_s=time.time() + 60,
+            ),
+        ),
+        (
+            "relay-decode-0",
+            subjects.tokens(rid, "main-decode-0"),
+            TokensEmitted(  # a relay as a main decoder
+                request_id=rid, start_index=0, token_ids=[1], producer="MD", instance_id="main-decode-0"
+            ),
+        ),
         ("cache-index-0", subjects.request_events(rid, victim), CancelRequest(request_id=rid, kind="kill")),
     ]
 
@@ -197,15 +271,28 @@ async def test_lies_on_a_credential_own_subjects_are_dropped_and_counted(stack, 
     request, rid, victim = await start_victim(stack, content)
     thief = next(m.instance_id for m in stack.mains if m.instance_id != victim)
     lies = [
-        (subjects.tokens(rid, thief), TokensEmitted(request_id=rid, start_index=0, token_ids=[7] * 100,
-                                                    producer="MD", instance_id=victim)),
-        (subjects.request_events(rid, thief), RequestFailed(request_id=rid, instance_id=victim,
-                                                            code="forged", message="forged", retryable=True)),
-        (subjects.load("site-b", "main_decode", thief), LoadReported(  # claims to be the victim
-            instance=InstanceRef(instance_id=victim, site="site-b", bulk_endpoint="127.0.0.1:1"),
-            service="main_decode", unix_s=time.time())),
-        (subjects.load("site-b", "main_decode", thief), LoadReported(  # claims to be a router
-            instance=InstanceRef(instance_id=thief, site="site-b"), service="router", unix_s=time.time())),
+        (
+            subjects.tokens(rid, thief),
+            TokensEmitted(request_id=rid, start_index=0, token_ids=[7] * 100, producer="MD", instance_id=victim),
+        ),
+        (
+            subjects.request_events(rid, thief),
+            RequestFailed(request_id=rid, instance_id=victim, code="forged", message="forged", retryable=True),
+        ),
+        (
+            subjects.load("site-b", "main_decode", thief),
+            LoadReported(  # claims to be the victim
+                instance=InstanceRef(instance_id=victim, site="site-b", bulk_endpoint="127.0.0.1:1"),
+                service="main_decode",
+                unix_s=time.time(),
+            ),
+        ),
+        (
+            subjects.load("site-b", "main_decode", thief),
+            LoadReported(  # claims to be a router
+                instance=InstanceRef(instance_id=thief, site="site-b"), service="router", unix_s=time.time()
+            ),
+        ),
     ]
     nc = await connect_as(stack, thief)
     try:
@@ -213,30 +300,55 @@ async def test_lies_on_a_credential_own_subjects_are_dropped_and_counted(stack, 
             await nc.publish(subject, encode(message))
         # Honest about itself, for a request it was not placed on: its tokens, and a KvReady
         # that would make the relay hand the request over to it.
-        await nc.publish(subjects.tokens(rid, thief), encode(TokensEmitted(
-            request_id=rid, start_index=0, token_ids=[7] * 100, producer="MD", instance_id=thief)))
-        await nc.publish(subjects.request_events(rid, thief), encode(KvReady(
-            request_id=rid, instance_id=thief, site="site-b", cached_tokens=0, imported_tokens=0,
-            wan_kv_bytes=0, transfer_s=0.0, throughput_bps=0.0)))
+        await nc.publish(
+            subjects.tokens(rid, thief),
+            encode(TokensEmitted(request_id=rid, start_index=0, token_ids=[7] * 100, producer="MD", instance_id=thief)),
+        )
+        await nc.publish(
+            subjects.request_events(rid, thief),
+            encode(
+                KvReady(
+                    request_id=rid,
+                    instance_id=thief,
+                    site="site-b",
+                    cached_tokens=0,
+                    imported_tokens=0,
+                    wan_kv_bytes=0,
+                    transfer_s=0.0,
+                    throughput_bps=0.0,
+                )
+            ),
+        )
         await nc.flush()
-        await until(lambda: (mismatch._value.get() >= before[0] + 4 and unplaced._value.get() > before[1]
-                             and other_ready._value.get() > before[2]), 10, "every lie to be refused")
+        await until(
+            lambda: (
+                mismatch._value.get() >= before[0] + 4
+                and unplaced._value.get() > before[1]
+                and other_ready._value.get() > before[2]
+            ),
+            10,
+            "every lie to be refused",
+        )
     finally:
         await nc.close()
     await assert_exact(request, tiny, content)
     assert stack.router.registry.live("main_decode")  # the victim's endpoint was not redirected
-    victim_report = next(s.report for s in stack.router.registry.live("main_decode")
-                         if s.report.instance.instance_id == victim)
+    victim_report = next(
+        s.report for s in stack.router.registry.live("main_decode") if s.report.instance.instance_id == victim
+    )
     assert victim_report.instance.bulk_endpoint != "127.0.0.1:1"
 
 
-@pytest.mark.parametrize("instance_id,subject", [
-    ("main-decode-0", subjects.tokens_of_origin("router-0")),  # reading a router's streams
-    ("prefill-0", subjects.handoff("site-b", "main-decode-0", "*")),
-    ("main-decode-1", subjects.handoff("site-b", "main-decode-0", "*")),  # another decoder's handoffs
-    ("router-0", "_INBOX.prefill.>"),
-    ("relay-decode-0", "_INBOX.relay_decode.relay-decode-1.>"),
-])
+@pytest.mark.parametrize(
+    "instance_id,subject",
+    [
+        ("main-decode-0", subjects.tokens_of_origin("router-0")),  # reading a router's streams
+        ("prefill-0", subjects.handoff("site-b", "main-decode-0", "*")),
+        ("main-decode-1", subjects.handoff("site-b", "main-decode-0", "*")),  # another decoder's handoffs
+        ("router-0", "_INBOX.prefill.>"),
+        ("relay-decode-0", "_INBOX.relay_decode.relay-decode-1.>"),
+    ],
+)
 async def test_an_instance_cannot_subscribe_to_what_is_not_its_own(stack, instance_id, subject):
     violations = Violations()
     nc = await connect_as(stack, instance_id, error_cb=violations.error_cb)
@@ -253,8 +365,13 @@ async def test_main_decode_takes_a_handoff_only_of_a_possible_length(stack, tiny
     request, rid, victim = await start_victim(stack, content)
     nc = await connect_as(stack, "relay-decode-0")
     try:
-        reply = await nc.request(subjects.handoff("site-b", victim, "relay-decode-0"), encode(HandoffTokens(
-            request_id=rid, start_index=0, token_ids=[5] * 1000, relay_instance_id="relay-decode-0")), timeout=10)
+        reply = await nc.request(
+            subjects.handoff("site-b", victim, "relay-decode-0"),
+            encode(
+                HandoffTokens(request_id=rid, start_index=0, token_ids=[5] * 1000, relay_instance_id="relay-decode-0")
+            ),
+            timeout=10,
+        )
     finally:
         await nc.close()
     answer = decoder(RequestFailed).decode(reply.data)
@@ -262,25 +379,35 @@ async def test_main_decode_takes_a_handoff_only_of_a_possible_length(stack, tiny
     await assert_exact(request, tiny, content)
 
 
-@pytest.mark.parametrize("instance_id,api", [
-    ("main-decode-1", "$JS.API.STREAM.UPDATE.PDD_DEAD_LETTERS"),  # republish: publishing on any subject
-    ("main-decode-0", "$JS.API.STREAM.UPDATE.PDD_KV_EVENTS"),
-    ("prefill-0", "$JS.API.STREAM.CREATE.CAPTURE"),                # a stream over other traffic
-    ("router-0", "$JS.API.STREAM.DELETE.PDD_DEAD_LETTERS"),
-    ("relay-decode-0", "$JS.API.STREAM.PURGE.PDD_DEAD_LETTERS"),
-    ("cache-index-0", "$JS.API.STREAM.UPDATE.PDD_KV_EVENTS"),
-    ("cache-index-0", "$JS.API.CONSUMER.CREATE.PDD_DEAD_LETTERS"),  # consumers of its own stream only
-])
+@pytest.mark.parametrize(
+    "instance_id,api",
+    [
+        ("main-decode-1", "$JS.API.STREAM.UPDATE.PDD_DEAD_LETTERS"),  # republish: publishing on any subject
+        ("main-decode-0", "$JS.API.STREAM.UPDATE.PDD_KV_EVENTS"),
+        ("prefill-0", "$JS.API.STREAM.CREATE.CAPTURE"),  # a stream over other traffic
+        ("router-0", "$JS.API.STREAM.DELETE.PDD_DEAD_LETTERS"),
+        ("relay-decode-0", "$JS.API.STREAM.PURGE.PDD_DEAD_LETTERS"),
+        ("cache-index-0", "$JS.API.STREAM.UPDATE.PDD_KV_EVENTS"),
+        ("cache-index-0", "$JS.API.CONSUMER.CREATE.PDD_DEAD_LETTERS"),  # consumers of its own stream only
+    ],
+)
 async def test_no_service_identity_can_administer_jetstream(stack, instance_id, api):
     """Streams are made by the deployment step as ``admin``; a service's valid credential
     cannot change, create, purge or delete one."""
-    config = {"name": api.rsplit(".", 1)[-1], "subjects": ["pdd.>"],
-              "republish": {"src": ">", "dest": "pdd.cancel.router-0"}}
+    config = {
+        "name": api.rsplit(".", 1)[-1],
+        "subjects": ["pdd.>"],
+        "republish": {"src": ">", "dest": "pdd.cancel.router-0"},
+    }
     errors = await forge(stack, instance_id, api, json.dumps(config).encode())
     assert any("permissions violation" in e.lower() for e in errors), (instance_id, api, errors)
-    admin = await nats_client.connect(stack.sites["site-a"].url, role="admin", instance_id="admin",
-                                      seed_file=str(stack.credentials.seed_file("admin")),
-                                      ca_file=str(stack.credentials.ca_file))
+    admin = await nats_client.connect(
+        stack.sites["site-a"].url,
+        role="admin",
+        instance_id="admin",
+        seed_file=str(stack.credentials.seed_file("admin")),
+        ca_file=str(stack.credentials.ca_file),
+    )
     try:  # the stream keeps the deployment step's configuration
         info = await admin.jetstream().stream_info("PDD_DEAD_LETTERS")
     finally:
@@ -302,10 +429,12 @@ class RogueLeaf:
             f"http: 127.0.0.1:{self.monitor_port}\n"
             f'leafnodes {{ remotes: [ {{ url: "tls://127.0.0.1:{leaf_port(stack)}", nkey: "{seed}", '
             f'tls {{ cert_file: "{creds.cert_file(peer)}", key_file: "{creds.key_file(peer)}", '
-            f'ca_file: "{creds.ca_file}", handshake_first: true }} }} ] }}\n')
+            f'ca_file: "{creds.ca_file}", handshake_first: true }} }} ] }}\n'
+        )
         with open(self.log, "ab") as log:
-            self.process = subprocess.Popen([nats_server_binary(), "-c", str(config)], stdout=log,
-                                            stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                [nats_server_binary(), "-c", str(config)], stdout=log, stderr=subprocess.STDOUT
+            )
 
     def stop(self):
         self.process.kill()
@@ -317,8 +446,9 @@ async def test_a_service_credential_cannot_join_as_a_leafnode(stack, tmp_path):
     leafnode (service users may connect only as clients)."""
     rogue = RogueLeaf(stack, stack.credentials.seed_file("main-decode-0").read_text().strip(), "main-decode", tmp_path)
     try:
-        await until(lambda: "authorization violation" in rogue.log.read_text().lower(), 15,
-                    "site A to refuse the leafnode")
+        await until(
+            lambda: "authorization violation" in rogue.log.read_text().lower(), 15, "site A to refuse the leafnode"
+        )
         assert leafnode_count(stack.sites["site-a"]) == 1  # site B's own, nothing more
     finally:
         rogue.stop()
@@ -342,26 +472,53 @@ async def test_a_compromised_site_b_server_carries_only_what_must_cross(stack, t
         async def allowed(msg):
             seen["allowed"].append(msg.subject)
 
-        for subject in ("pdd.tokens.>", "pdd.req.>", "pdd.*.prefill.>", "pdd.*.relay_decode.>", "pdd.dlq.>",
-                        "$JS.API.>", "_INBOX.router.>"):
+        for subject in (
+            "pdd.tokens.>",
+            "pdd.req.>",
+            "pdd.*.prefill.>",
+            "pdd.*.relay_decode.>",
+            "pdd.dlq.>",
+            "$JS.API.>",
+            "_INBOX.router.>",
+        ):
             await nc.subscribe(subject, cb=leak)
         await nc.subscribe(subjects.LOAD_ALL, cb=allowed)
         await nc.flush()
         for subject, message in [  # site A instances' subjects: the hub drops them
-            (subjects.tokens(rid, "relay-decode-0"), TokensEmitted(
-                request_id=rid, start_index=0, token_ids=[3] * 80, producer="RLD", instance_id="relay-decode-0")),
-            (subjects.request_events(rid, "relay-decode-0"), RequestFailed(
-                request_id=rid, instance_id="relay-decode-0", code="forged", message="forged")),
-            (subjects.shared_work("site-a", "prefill", subjects.START_PREFILL), StartPrefill(
-                request_id=rid + "x", token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=2), seed=1,
-                pipeline="P-MD", main_decode=InstanceRef(instance_id=victim, site="site-b"),
-                deadline_unix_s=time.time() + 60)),
-            (subjects.load("site-a", "router", "router-0"), LoadReported(
-                instance=InstanceRef(instance_id="router-0", site="site-a"), service="router", unix_s=time.time())),
+            (
+                subjects.tokens(rid, "relay-decode-0"),
+                TokensEmitted(
+                    request_id=rid, start_index=0, token_ids=[3] * 80, producer="RLD", instance_id="relay-decode-0"
+                ),
+            ),
+            (
+                subjects.request_events(rid, "relay-decode-0"),
+                RequestFailed(request_id=rid, instance_id="relay-decode-0", code="forged", message="forged"),
+            ),
+            (
+                subjects.shared_work("site-a", "prefill", subjects.START_PREFILL),
+                StartPrefill(
+                    request_id=rid + "x",
+                    token_ids=[1, 2, 3],
+                    sampling=SamplingParams(max_tokens=2),
+                    seed=1,
+                    pipeline="P-MD",
+                    main_decode=InstanceRef(instance_id=victim, site="site-b"),
+                    deadline_unix_s=time.time() + 60,
+                ),
+            ),
+            (
+                subjects.load("site-a", "router", "router-0"),
+                LoadReported(
+                    instance=InstanceRef(instance_id="router-0", site="site-a"), service="router", unix_s=time.time()
+                ),
+            ),
         ]:
             await nc.publish(subject, encode(message))
         await nc.flush()
-        await until(lambda: any(".site-a." in s for s in seen["allowed"]), 10, "site A's heartbeats over the rogue link")
+        await until(
+            lambda: any(".site-a." in s for s in seen["allowed"]), 10, "site A's heartbeats over the rogue link"
+        )
         await assert_exact(request, tiny, content)
         await nc.close()
         assert seen["leak"] == []

@@ -24,7 +24,8 @@ def test_taken_port_is_reported_with_the_servers_log(tmp_path, taken_port):
 def test_start_retries_with_fresh_ports(tmp_path, taken_port):
     ports = iter([taken_port])
     site, process = start_nats_on_free_ports(
-        lambda: NatsSite("site-a", next(ports, None) or free_port(), free_port(), tmp_path / "js"), tmp_path)
+        lambda: NatsSite("site-a", next(ports, None) or free_port(), free_port(), tmp_path / "js"), tmp_path
+    )
     try:
         assert site.client_port != taken_port and process.poll() is None
     finally:
@@ -33,7 +34,7 @@ def test_start_retries_with_fresh_ports(tmp_path, taken_port):
 
 
 def test_free_port_never_hands_out_the_same_port_twice(monkeypatch):
-    import infra.nats_server as nats_server
+    from infra import nats_server
 
     offered = iter([47001, 47001, 47002])  # the kernel offers a port it just offered again
 

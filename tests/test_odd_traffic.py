@@ -19,15 +19,14 @@ LONG = "Summarise this log line by line. " * 40
 def test_rule_marks_only_long_prompts_with_short_outputs():
     rule = OddTrafficRule(enabled=True, max_output_tokens=8, relay_step_s=0.08, min_wan_s=0.5)
     assert rule.is_odd(max_tokens=4, predicted_wan_s=2.0)
-    assert not rule.is_odd(max_tokens=64, predicted_wan_s=2.0)   # output too long
-    assert not rule.is_odd(max_tokens=4, predicted_wan_s=0.2)    # prompt's KV crosses fast
-    assert not rule.is_odd(max_tokens=8, predicted_wan_s=0.6)    # the KV would land first
+    assert not rule.is_odd(max_tokens=64, predicted_wan_s=2.0)  # output too long
+    assert not rule.is_odd(max_tokens=4, predicted_wan_s=0.2)  # prompt's KV crosses fast
+    assert not rule.is_odd(max_tokens=8, predicted_wan_s=0.6)  # the KV would land first
     assert not OddTrafficRule(False, 8, 0.08, 0.5).is_odd(4, 2.0)
 
 
 async def test_odd_request_finishes_on_relay_and_cancels_the_wan_transfer(make_stack, tiny):
-    stack = await make_stack(profile=NARROWER_WAN, router_settings=ROUTER,
-                             engine_settings={"frame_tokens": 16})
+    stack = await make_stack(profile=NARROWER_WAN, router_settings=ROUTER, engine_settings={"frame_tokens": 16})
     status, body = await post(stack, "/chat/completions", chat_body(LONG, 4))
     assert status == 200, body
     pdd = body["pdd"]
@@ -40,8 +39,9 @@ async def test_odd_request_finishes_on_relay_and_cancels_the_wan_transfer(make_s
 
 
 async def test_non_odd_request_the_relay_finishes_still_completes_its_transfer(make_stack, tiny):
-    stack = await make_stack(profile=NARROW_WAN, router_settings={**ROUTER, "odd_traffic_filter": False,
-                                                                    "pipeline_policy": "P-RLD-MD"})
+    stack = await make_stack(
+        profile=NARROW_WAN, router_settings={**ROUTER, "odd_traffic_filter": False, "pipeline_policy": "P-RLD-MD"}
+    )
     status, body = await post(stack, "/chat/completions", chat_body(LONG, 4))
     assert status == 200 and body["pdd"]["finished_on"] == "RLD" and not body["pdd"]["odd_traffic"]
     num_blocks = len(chat_prompt(tiny, LONG)) // 16
@@ -57,8 +57,9 @@ async def test_a_transfer_kept_for_the_cache_is_not_taken_for_a_lost_cancel(make
     tells an operator cancels go missing."""
     from tests.faults_helpers import lost_cancels
 
-    stack = await make_stack(profile=NARROW_WAN, router_settings={**ROUTER, "odd_traffic_filter": False,
-                                                                    "pipeline_policy": "P-RLD-MD"})
+    stack = await make_stack(
+        profile=NARROW_WAN, router_settings={**ROUTER, "odd_traffic_filter": False, "pipeline_policy": "P-RLD-MD"}
+    )
     before = lost_cancels()
     prompt = chat_prompt(tiny, LONG * 2)
     status, body = await post(stack, "/chat/completions", chat_body(LONG * 2, 4))
@@ -81,8 +82,9 @@ async def test_a_finished_cancel_arriving_while_main_decode_begins_the_import_ke
 
     from shared.messages import CancelRequest
 
-    stack = await make_stack(profile=NARROW_WAN, router_settings={**ROUTER, "odd_traffic_filter": False,
-                                                                    "pipeline_policy": "P-RLD-MD"})
+    stack = await make_stack(
+        profile=NARROW_WAN, router_settings={**ROUTER, "odd_traffic_filter": False, "pipeline_policy": "P-RLD-MD"}
+    )
     main = stack.mains[0]
     in_begin, release, request_ids = threading.Event(), threading.Event(), []
     begin_import = main.engine.begin_import

@@ -47,24 +47,31 @@ async def test_chat_logprobs_equal_transformers_through_each_pipeline(make_stack
         assert answer["pdd"]["eager_tokens"] >= 1 and answer["pdd"]["finished_on"] == "MD", answer["pdd"]
     assert_logprobs_match(tiny, prompt, output, answer["choices"][0]["logprobs"]["content"])
     chunks = await stream(stack, "/chat/completions", body)
-    streamed = [e for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
-                for e in c["choices"][0]["logprobs"]["content"]]
+    streamed = [
+        e
+        for c in chunks
+        if c["choices"] and c["choices"][0]["logprobs"]
+        for e in c["choices"][0]["logprobs"]["content"]
+    ]
     assert_logprobs_match(tiny, prompt, output, streamed)
 
 
 async def test_completion_logprobs_have_offsets_into_the_text(stack, tiny):
     prompt_text = "The capital of France is"
-    status, answer = await post(stack, "/completions", {
-        "model": "tiny", "prompt": prompt_text, "max_tokens": 12, "temperature": 0, "logprobs": 2,
-        "ignore_eos": True})
+    status, answer = await post(
+        stack,
+        "/completions",
+        {"model": "tiny", "prompt": prompt_text, "max_tokens": 12, "temperature": 0, "logprobs": 2, "ignore_eos": True},
+    )
     assert status == 200, answer
     choice = answer["choices"][0]
     logprobs = choice["logprobs"]
     prompt = tiny.tokenizer.encode(prompt_text, add_special_tokens=False)
     output = reference_greedy(tiny, prompt, 12)
     reference = reference_logprobs(tiny, prompt, 12)
-    assert logprobs["token_logprobs"] == pytest.approx([float(reference[i, t]) for i, t in enumerate(output)],
-                                                       abs=TOLERANCE)
+    assert logprobs["token_logprobs"] == pytest.approx(
+        [float(reference[i, t]) for i, t in enumerate(output)], abs=TOLERANCE
+    )
     assert "".join(logprobs["tokens"]) == choice["text"]
     assert logprobs["text_offset"] == [len("".join(logprobs["tokens"][:i])) for i in range(12)]
     assert all(len(top) == 2 for top in logprobs["top_logprobs"])
@@ -84,8 +91,11 @@ async def test_seeded_top_k_sampling_is_the_same_with_and_without_a_relay(make_s
 
 UNSUPPORTED = [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "auto"), ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10}),
-    ("parallel_tool_calls", True), ("reasoning_effort", "high"),
+    ("tool_choice", "auto"),
+    ("response_format", {"type": "json_object"}),
+    ("logit_bias", {"5": 10}),
+    ("parallel_tool_calls", True),
+    ("reasoning_effort", "high"),
 ]
 
 
@@ -95,16 +105,20 @@ async def test_fields_we_do_not_implement_get_400_naming_them(stack):
         assert status == 400 and answer["error"]["param"] == name and name in answer["error"]["message"], answer
         assert answer["error"]["code"] == "unsupported_parameter"
     for name, value in [("echo", True), ("best_of", 2), ("suffix", "end"), ("top_logprobs", 2)]:
-        status, answer = await post(stack, "/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2,
-                                                            name: value})
+        status, answer = await post(
+            stack, "/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, name: value}
+        )
         assert status == 400 and answer["error"]["param"] == name, answer
 
 
 async def test_unknown_fields_get_400_and_off_values_pass(stack):
     status, answer = await post(stack, "/chat/completions", chat_body("hi", 3, temprature=0.5))
     assert status == 400 and answer["error"]["param"] == "temprature" and answer["error"]["code"] == "unknown_parameter"
-    status, answer = await post(stack, "/chat/completions", chat_body(
-        "hi", 3, tools=[], response_format={"type": "text"}, logit_bias=None, user="u-1", n=1))
+    status, answer = await post(
+        stack,
+        "/chat/completions",
+        chat_body("hi", 3, tools=[], response_format={"type": "text"}, logit_bias=None, user="u-1", n=1),
+    )
     assert status == 200, answer
     assert answer["system_fingerprint"].startswith("pdd-")
 
@@ -114,8 +128,9 @@ async def test_tokenize_detokenize_version_and_models(stack, tiny):
     async with aiohttp.ClientSession() as session:
         async with session.post(base + "/tokenize", json={"model": "tiny", "prompt": "Hello there"}) as r:
             tokens = await r.json()
-        async with session.post(base + "/tokenize", json={
-                "model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}) as r:
+        async with session.post(
+            base + "/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}
+        ) as r:
             chat_tokens = await r.json()
         async with session.post(base + "/detokenize", json={"model": "tiny", "tokens": tokens["tokens"]}) as r:
             text = await r.json()

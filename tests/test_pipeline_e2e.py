@@ -18,9 +18,11 @@ SLOW_WAN = LinkProfile(bandwidth_bps=50e6, rtt_ms=40, jitter_ms=2, seed=1)
 
 
 def chat_prompt(tiny, content: str) -> list[int]:
-    return list(tiny.tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True,
-        return_dict=False))
+    return list(
+        tiny.tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
 
 
 def expected_text(tiny, prompt_ids: list[int], max_tokens: int) -> str:
@@ -30,8 +32,9 @@ def expected_text(tiny, prompt_ids: list[int], max_tokens: int) -> str:
 async def post(stack, path: str, body, *, raw: bool = False):
     async with aiohttp.ClientSession() as session:
         data = body if raw else json.dumps(body)
-        async with session.post(stack.base_url + path, data=data,
-                                headers={"Content-Type": "application/json"}) as response:
+        async with session.post(
+            stack.base_url + path, data=data, headers={"Content-Type": "application/json"}
+        ) as response:
             return response.status, await response.json()
 
 
@@ -48,8 +51,14 @@ async def stream(stack, path: str, body) -> list[dict]:
 
 
 def chat_body(content: str, max_tokens: int, **extra) -> dict:
-    return {"model": "tiny", "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 @pytest.mark.parametrize("policy", ["P-MD", "P-RLD-MD"])
@@ -60,8 +69,12 @@ async def test_chat_is_token_exact_through_each_pipeline(make_stack, tiny, polic
     assert status == 200, body
     prompt = chat_prompt(tiny, content)
     assert body["choices"][0]["message"]["content"] == expected_text(tiny, prompt, 120)
-    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 120,
-                             "total_tokens": len(prompt) + 120, "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 120,
+        "total_tokens": len(prompt) + 120,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     pdd = body["pdd"]
     assert pdd["pipeline"] == policy and pdd["prompt_tokens"] == len(prompt)
     assert pdd["wan_kv_bytes"] >= len(prompt) * stack.prefill.engine.layout.kv_bytes_per_token
@@ -76,8 +89,7 @@ async def test_chat_is_token_exact_through_each_pipeline(make_stack, tiny, polic
 async def test_stream_holds_every_token_once_in_order(make_stack, tiny, policy):
     stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": policy})
     content = "List facts about rivers. " * 15
-    chunks = await stream(stack, "/chat/completions", chat_body(
-        content, 150, stream_options={"include_usage": True}))
+    chunks = await stream(stack, "/chat/completions", chat_body(content, 150, stream_options={"include_usage": True}))
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == expected_text(tiny, chat_prompt(tiny, content), 150)
@@ -92,28 +104,36 @@ async def test_stream_holds_every_token_once_in_order(make_stack, tiny, policy):
 async def test_completions_endpoint_and_token_id_prompts(make_stack, tiny):
     stack = await make_stack(router_settings={"pipeline_policy": "P-MD"})
     prompt_text = "Once upon a time, in a city by the sea,"
-    status, body = await post(stack, "/completions", {
-        "model": "tiny", "prompt": prompt_text, "max_tokens": 30, "temperature": 0, "ignore_eos": True})
+    status, body = await post(
+        stack,
+        "/completions",
+        {"model": "tiny", "prompt": prompt_text, "max_tokens": 30, "temperature": 0, "ignore_eos": True},
+    )
     assert status == 200, body
     ids = tiny.tokenizer.encode(prompt_text, add_special_tokens=False)
     assert body["object"] == "text_completion"
     assert body["choices"][0]["text"] == expected_text(tiny, ids, 30)
-    status, by_ids = await post(stack, "/completions", {
-        "model": "tiny", "prompt": ids, "max_tokens": 30, "temperature": 0, "ignore_eos": True})
+    status, by_ids = await post(
+        stack, "/completions", {"model": "tiny", "prompt": ids, "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    )
     assert by_ids["choices"][0]["text"] == body["choices"][0]["text"]
 
 
 async def test_follow_up_turn_reuses_main_decode_cache(make_stack, tiny):
     stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD"})
     first_turn = [{"role": "user", "content": "Tell me about trains. " * 30}]
-    status, first = await post(stack, "/chat/completions", {
-        "model": "tiny", "messages": first_turn, "max_tokens": 16, "temperature": 0})
+    status, first = await post(
+        stack, "/chat/completions", {"model": "tiny", "messages": first_turn, "max_tokens": 16, "temperature": 0}
+    )
     assert status == 200
     await until(lambda: stack.cache_index.instances["main-decode-0"].block_hashes, what="KV events")
-    second_turn = first_turn + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                                {"role": "user", "content": "And about ships?"}]
-    status, second = await post(stack, "/chat/completions", {
-        "model": "tiny", "messages": second_turn, "max_tokens": 16, "temperature": 0})
+    second_turn = first_turn + [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And about ships?"},
+    ]
+    status, second = await post(
+        stack, "/chat/completions", {"model": "tiny", "messages": second_turn, "max_tokens": 16, "temperature": 0}
+    )
     assert status == 200
     first_blocks = first["pdd"]["prompt_tokens"] // 16
     assert second["pdd"]["cached_blocks_md"] >= first_blocks
@@ -126,19 +146,28 @@ async def test_follow_up_turn_reuses_main_decode_cache(make_stack, tiny):
 async def test_auto_policy_relays_long_cold_prompts_only(make_stack, tiny):
     # At 50 Mbit/s a tiny-model token's KV (512 B) crosses in ~0.08 ms: a 100 ms target
     # makes ~1,000+ uncached tokens worth a relay, a short or cached prompt not.
-    stack = await make_stack(profile=SLOW_WAN, router_settings={
-        "ttft_target_ms": 100, "wan_bandwidth_mbit": 50, "wan_rtt_ms": 40})
+    stack = await make_stack(
+        profile=SLOW_WAN, router_settings={"ttft_target_ms": 100, "wan_bandwidth_mbit": 50, "wan_rtt_ms": 40}
+    )
     long_chat = [{"role": "user", "content": "Explain how tides work in great detail. " * 150}]
-    status, cold = await post(stack, "/chat/completions", {
-        "model": "tiny", "messages": long_chat, "max_tokens": 40, "temperature": 0, "ignore_eos": True})
+    status, cold = await post(
+        stack,
+        "/chat/completions",
+        {"model": "tiny", "messages": long_chat, "max_tokens": 40, "temperature": 0, "ignore_eos": True},
+    )
     assert status == 200 and cold["pdd"]["prompt_tokens"] > 1200
     assert cold["pdd"]["pipeline"] == "P-RLD-MD" and cold["pdd"]["eager_tokens"] >= 1
-    await until(lambda: len(stack.cache_index.instances["main-decode-0"].block_hashes)
-                >= cold["pdd"]["prompt_tokens"] // 16, what="main decode blocks indexed")
-    follow = long_chat + [{"role": "assistant", "content": cold["choices"][0]["message"]["content"]},
-                          {"role": "user", "content": "Shorter?"}]
-    status, warm = await post(stack, "/chat/completions", {
-        "model": "tiny", "messages": follow, "max_tokens": 10, "temperature": 0})
+    await until(
+        lambda: len(stack.cache_index.instances["main-decode-0"].block_hashes) >= cold["pdd"]["prompt_tokens"] // 16,
+        what="main decode blocks indexed",
+    )
+    follow = long_chat + [
+        {"role": "assistant", "content": cold["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Shorter?"},
+    ]
+    status, warm = await post(
+        stack, "/chat/completions", {"model": "tiny", "messages": follow, "max_tokens": 10, "temperature": 0}
+    )
     assert status == 200 and warm["pdd"]["pipeline"] == "P-MD"
 
 
@@ -169,8 +198,9 @@ async def test_seeded_sampling_is_the_same_through_both_pipelines(make_stack, ti
         assert status == 200 and answer["pdd"]["pipeline"] == policy
         texts.append(answer["choices"][0]["message"]["content"])
     prompt = chat_prompt(tiny, body["messages"][0]["content"])
-    alone = HfEngine(tiny, num_blocks=32).generate("r", prompt, SamplingParams(
-        max_tokens=80, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True))
+    alone = HfEngine(tiny, num_blocks=32).generate(
+        "r", prompt, SamplingParams(max_tokens=80, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
+    )
     assert texts[0] == texts[1] == tiny.tokenizer.decode(alone, skip_special_tokens=True)
 
 
@@ -180,8 +210,11 @@ CATCH_UP_WAN = LinkProfile(bandwidth_bps=1e6, rtt_ms=4, jitter_ms=0, seed=2)
 async def test_big_backlog_hands_over_in_catch_up_chunks(make_stack, tiny):
     # At 1 Mbit/s the prompt's KV (~85 KB) takes ~0.7 s to cross: the relay emits hundreds of
     # tokens meanwhile, far above the 32-token threshold even on a busy machine.
-    stack = await make_stack(profile=CATCH_UP_WAN, router_settings={"pipeline_policy": "P-RLD-MD"},
-                             relay_settings={"catch_up_threshold_tokens": 32, "final_gap_tokens": 8})
+    stack = await make_stack(
+        profile=CATCH_UP_WAN,
+        router_settings={"pipeline_policy": "P-RLD-MD"},
+        relay_settings={"catch_up_threshold_tokens": 32, "final_gap_tokens": 8},
+    )
     content = "Write a long essay about lighthouses. " * 15
     status, body = await post(stack, "/chat/completions", chat_body(content, 600))
     assert status == 200, body
@@ -194,8 +227,9 @@ async def test_big_backlog_hands_over_in_catch_up_chunks(make_stack, tiny):
 async def test_loaded_relay_hands_over_one_shot(make_stack, tiny):
     import asyncio
 
-    stack = await make_stack(profile=CATCH_UP_WAN, router_settings={"pipeline_policy": "P-RLD-MD"},
-                             engine_settings={"max_sequences": 2})
+    stack = await make_stack(
+        profile=CATCH_UP_WAN, router_settings={"pipeline_policy": "P-RLD-MD"}, engine_settings={"max_sequences": 2}
+    )
     bodies = [chat_body(f"Essay {i} about harbours. " * 15, 600) for i in range(3)]
     results = await asyncio.gather(*(post(stack, "/chat/completions", b) for b in bodies))
     modes = [body["pdd"]["handoff_mode"] for status, body in results if status == 200]
@@ -236,8 +270,9 @@ async def test_finished_prompt_ships_before_the_next_prompt_prefills(make_stack,
             return fn(*args, **kwargs)
 
         future = submit(step)
-        future.add_done_callback(lambda done: call.__setitem__(1, {o.request_id for o in done.result() or []
-                                                                   if o.token_id is not None}))
+        future.add_done_callback(
+            lambda done: call.__setitem__(1, {o.request_id for o in done.result() or [] if o.token_id is not None})
+        )
         return future
 
     stack.prefill.worker.submit = recording
@@ -245,12 +280,23 @@ async def test_finished_prompt_ships_before_the_next_prompt_prefills(make_stack,
         both_open.clear()
         calls.clear()
         # No block in common: a flow bringing blocks another flow already brings would wait for it.
-        prompts = [tiny.tokenizer.encode(f"{start} {pair}: " + " ".join(f"item {i} is {i * 7 % 13}" for i in range(60)),
-                                         add_special_tokens=False)[:96] for start in ("Apples", "Rivers and roads")]
+        prompts = [
+            tiny.tokenizer.encode(
+                f"{start} {pair}: " + " ".join(f"item {i} is {i * 7 % 13}" for i in range(60)), add_special_tokens=False
+            )[:96]
+            for start in ("Apples", "Rivers and roads")
+        ]
         assert prompts[0][:16] != prompts[1][:16]
-        answers = await asyncio.gather(*(post(stack, "/completions", {
-            "model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
-            for ids in prompts))
+        answers = await asyncio.gather(
+            *(
+                post(
+                    stack,
+                    "/completions",
+                    {"model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+                )
+                for ids in prompts
+            )
+        )
         for ids, (status, body) in zip(prompts, answers):
             assert status == 200, body
             assert body["choices"][0]["text"] == expected_text(tiny, ids, 8)

@@ -3,8 +3,8 @@
 import time
 
 from services.router.placement import place
-from services.router.wan_estimate import WanEstimate
 from services.router.registry import InstanceRegistry
+from services.router.wan_estimate import WanEstimate
 from shared.messages import InstanceRef, LoadReported
 
 BLOCK_SIZE = 16
@@ -13,20 +13,31 @@ FAST_WAN = WanEstimate(bandwidth_bps=1e9, rtt_s=0.001)
 
 def registry_with(*, main_decodes: int, used_blocks: dict[str, int] | None = None) -> InstanceRegistry:
     registry = InstanceRegistry(ttl_s=60)
-    instances = [("prefill-0", "prefill")] + [(f"main-decode-{i}", "main_decode")
-                                              for i in range(main_decodes)]
+    instances = [("prefill-0", "prefill")] + [(f"main-decode-{i}", "main_decode") for i in range(main_decodes)]
     for instance_id, service in instances:
-        registry.observe(LoadReported(
-            instance=InstanceRef(instance_id=instance_id, site="site-b"), service=service,
-            used_blocks=(used_blocks or {}).get(instance_id, 0), total_blocks=1000,
-            unix_s=time.time()))
+        registry.observe(
+            LoadReported(
+                instance=InstanceRef(instance_id=instance_id, site="site-b"),
+                service=service,
+                used_blocks=(used_blocks or {}).get(instance_id, 0),
+                total_blocks=1000,
+                unix_s=time.time(),
+            )
+        )
     return registry
 
 
 def route(registry: InstanceRegistry, hits: dict[str, int], num_prompt_tokens: int) -> str:
     """Place one request the way the router does, and count it as running."""
-    placement = place(registry, hits, num_prompt_tokens=num_prompt_tokens, block_size=BLOCK_SIZE,
-                      kv_bytes_per_token=100, wan=FAST_WAN, ttft_target_s=1.0)
+    placement = place(
+        registry,
+        hits,
+        num_prompt_tokens=num_prompt_tokens,
+        block_size=BLOCK_SIZE,
+        kv_bytes_per_token=100,
+        wan=FAST_WAN,
+        ttft_target_s=1.0,
+    )
     registry.assign(placement.instance_ids, placement.num_prompt_blocks)
     return placement.main_decode.instance_id
 
@@ -64,8 +75,14 @@ def test_a_heartbeat_from_before_a_request_finished_does_not_keep_its_load():
     registry = registry_with(main_decodes=2)
     assert route(registry, {}, 40) == "main-decode-0"
     # Main-decode-0's heartbeat still shows the request (its output grew it to 40 blocks)...
-    registry.observe(LoadReported(instance=InstanceRef(instance_id="main-decode-0", site="site-b"),
-                                  service="main_decode", used_blocks=40, unix_s=time.time()))
+    registry.observe(
+        LoadReported(
+            instance=InstanceRef(instance_id="main-decode-0", site="site-b"),
+            service="main_decode",
+            used_blocks=40,
+            unix_s=time.time(),
+        )
+    )
     registry.release(["prefill-0", "main-decode-0"], 3)
     # ...but the router saw it finish, and main-decode-0 holds the prompt's first block.
     assert route(registry, {"main-decode-0": 1}, 40) == "main-decode-0"
@@ -74,18 +91,37 @@ def test_a_heartbeat_from_before_a_request_finished_does_not_keep_its_load():
 def prefill_registry(prefills: int, pending_tokens: dict[str, int] | None = None) -> InstanceRegistry:
     registry = registry_with(main_decodes=1)
     for i in range(1, prefills):
-        registry.observe(LoadReported(instance=InstanceRef(instance_id=f"prefill-{i}", site="site-a"),
-                                      service="prefill", total_blocks=1000, unix_s=time.time()))
+        registry.observe(
+            LoadReported(
+                instance=InstanceRef(instance_id=f"prefill-{i}", site="site-a"),
+                service="prefill",
+                total_blocks=1000,
+                unix_s=time.time(),
+            )
+        )
     for instance_id, tokens in (pending_tokens or {}).items():
-        registry.observe(LoadReported(instance=InstanceRef(instance_id=instance_id, site="site-a"),
-                                      service="prefill", total_blocks=1000, pending_tokens=tokens,
-                                      unix_s=time.time()))
+        registry.observe(
+            LoadReported(
+                instance=InstanceRef(instance_id=instance_id, site="site-a"),
+                service="prefill",
+                total_blocks=1000,
+                pending_tokens=tokens,
+                unix_s=time.time(),
+            )
+        )
     return registry
 
 
 def route_prefill(registry: InstanceRegistry, hits: dict[str, int], num_prompt_tokens: int) -> str:
-    placement = place(registry, hits, num_prompt_tokens=num_prompt_tokens, block_size=BLOCK_SIZE,
-                      kv_bytes_per_token=100, wan=FAST_WAN, ttft_target_s=1.0)
+    placement = place(
+        registry,
+        hits,
+        num_prompt_tokens=num_prompt_tokens,
+        block_size=BLOCK_SIZE,
+        kv_bytes_per_token=100,
+        wan=FAST_WAN,
+        ttft_target_s=1.0,
+    )
     registry.assign(placement.instance_ids, placement.num_prompt_blocks, placement.compute_blocks)
     return placement.prefill.instance_id
 
@@ -110,8 +146,15 @@ def test_a_prefill_whose_heartbeat_reports_queued_work_is_avoided_for_a_cold_pro
 
 def test_prefill_work_stops_counting_when_its_prefill_completes():
     registry = prefill_registry(prefills=2)
-    placement = place(registry, {}, num_prompt_tokens=40 * BLOCK_SIZE, block_size=BLOCK_SIZE,
-                      kv_bytes_per_token=100, wan=FAST_WAN, ttft_target_s=1.0)
+    placement = place(
+        registry,
+        {},
+        num_prompt_tokens=40 * BLOCK_SIZE,
+        block_size=BLOCK_SIZE,
+        kv_bytes_per_token=100,
+        wan=FAST_WAN,
+        ttft_target_s=1.0,
+    )
     registry.assign(placement.instance_ids, placement.num_prompt_blocks, placement.compute_blocks)
     state = next(s for s in registry.live("prefill") if s.report.instance.instance_id == "prefill-0")
     assert placement.prefill_compute_blocks == 40 and state.pending_compute_blocks(BLOCK_SIZE) == 40
@@ -121,30 +164,66 @@ def test_prefill_work_stops_counting_when_its_prefill_completes():
 
 def relay_registry(main_decodes: int) -> InstanceRegistry:
     registry = registry_with(main_decodes=main_decodes)
-    registry.observe(LoadReported(instance=InstanceRef(instance_id="relay-decode-0", site="site-a"),
-                                  service="relay_decode", unix_s=time.time()))
+    registry.observe(
+        LoadReported(
+            instance=InstanceRef(instance_id="relay-decode-0", site="site-a"),
+            service="relay_decode",
+            unix_s=time.time(),
+        )
+    )
     return registry
 
 
 def test_a_recovery_avoids_the_failed_decoder_unless_it_is_the_only_one():
     two = registry_with(main_decodes=2)
     for hits in ({}, {"main-decode-0": 5}):
-        placement = place(two, hits, num_prompt_tokens=80, block_size=BLOCK_SIZE, kv_bytes_per_token=100,
-                          wan=FAST_WAN, ttft_target_s=1.0, avoid=frozenset({"main-decode-0"}))
+        placement = place(
+            two,
+            hits,
+            num_prompt_tokens=80,
+            block_size=BLOCK_SIZE,
+            kv_bytes_per_token=100,
+            wan=FAST_WAN,
+            ttft_target_s=1.0,
+            avoid=frozenset({"main-decode-0"}),
+        )
         assert placement.main_decode.instance_id == "main-decode-1"
     one = registry_with(main_decodes=1)
-    placement = place(one, {}, num_prompt_tokens=80, block_size=BLOCK_SIZE, kv_bytes_per_token=100,
-                      wan=FAST_WAN, ttft_target_s=1.0, avoid=frozenset({"main-decode-0"}))
+    placement = place(
+        one,
+        {},
+        num_prompt_tokens=80,
+        block_size=BLOCK_SIZE,
+        kv_bytes_per_token=100,
+        wan=FAST_WAN,
+        ttft_target_s=1.0,
+        avoid=frozenset({"main-decode-0"}),
+    )
     assert placement.main_decode.instance_id == "main-decode-0"
 
 
 def test_without_a_live_main_decoder_the_relay_serves_alone():
-    placement = place(relay_registry(main_decodes=0), {}, num_prompt_tokens=80, block_size=BLOCK_SIZE,
-                      kv_bytes_per_token=100, wan=FAST_WAN, ttft_target_s=1.0, policy="P-MD")
+    placement = place(
+        relay_registry(main_decodes=0),
+        {},
+        num_prompt_tokens=80,
+        block_size=BLOCK_SIZE,
+        kv_bytes_per_token=100,
+        wan=FAST_WAN,
+        ttft_target_s=1.0,
+        policy="P-MD",
+    )
     assert placement.pipeline == "P-RLD" and placement.main_decode is None
     assert placement.relay_decode.instance_id == "relay-decode-0"
-    with_main = place(relay_registry(main_decodes=1), {}, num_prompt_tokens=80, block_size=BLOCK_SIZE,
-                      kv_bytes_per_token=100, wan=FAST_WAN, ttft_target_s=1.0)
+    with_main = place(
+        relay_registry(main_decodes=1),
+        {},
+        num_prompt_tokens=80,
+        block_size=BLOCK_SIZE,
+        kv_bytes_per_token=100,
+        wan=FAST_WAN,
+        ttft_target_s=1.0,
+    )
     assert with_main.pipeline == "P-MD"
 
 
@@ -153,11 +232,25 @@ def test_a_conversation_stays_on_the_decoder_whose_cache_keeps_its_kv_off_the_wa
     # other decoder is idle but lacks the whole prompt (8.6 GB, 2.7 s on this link, past the target)
     registry = registry_with(main_decodes=2, used_blocks={"main-decode-0": 4000})
     slow_wan = WanEstimate(bandwidth_bps=25e9, rtt_s=0.02)
-    placement = place(registry, {"main-decode-0": 3800}, num_prompt_tokens=4096 * BLOCK_SIZE,
-                      block_size=BLOCK_SIZE, kv_bytes_per_token=2 * 65536, wan=slow_wan, ttft_target_s=0.5)
+    placement = place(
+        registry,
+        {"main-decode-0": 3800},
+        num_prompt_tokens=4096 * BLOCK_SIZE,
+        block_size=BLOCK_SIZE,
+        kv_bytes_per_token=2 * 65536,
+        wan=slow_wan,
+        ttft_target_s=0.5,
+    )
     assert placement.main_decode.instance_id == "main-decode-0"
     assert placement.predicted_wan_s <= 0.5
     # without a decoder that could take it in time, the cheaper one in blocks still wins
-    far = place(registry, {"main-decode-0": 1000}, num_prompt_tokens=4096 * BLOCK_SIZE,
-                block_size=BLOCK_SIZE, kv_bytes_per_token=2 * 65536, wan=slow_wan, ttft_target_s=0.5)
+    far = place(
+        registry,
+        {"main-decode-0": 1000},
+        num_prompt_tokens=4096 * BLOCK_SIZE,
+        block_size=BLOCK_SIZE,
+        kv_bytes_per_token=2 * 65536,
+        wan=slow_wan,
+        ttft_target_s=0.5,
+    )
     assert far.main_decode.instance_id == "main-decode-1"

@@ -1,5 +1,6 @@
 """``pdd plan`` and the cluster-scale designs: sizing by simulation on public chip specifications."""
 
+import itertools
 import json
 import subprocess
 import sys
@@ -50,8 +51,12 @@ def test_more_main_decoders_do_not_make_an_overloaded_cluster_worse():
 
 
 def test_plan_sizes_a_preset_and_one_instance_fewer_of_the_bottleneck_misses_the_sla():
-    result = subprocess.run([PDD, "plan", "--workload", "agentic", "--link", "25gbit,20ms", "--json"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [PDD, "plan", "--workload", "agentic", "--link", "25gbit,20ms", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     plan = json.loads(result.stdout)
     assert {"prefill", "relay_decode", "main_decode", "link_utilisation", "rld_token_share", "meets_sla"} <= set(plan)
@@ -62,18 +67,22 @@ def test_plan_sizes_a_preset_and_one_instance_fewer_of_the_bottleneck_misses_the
     assert all(ok is False for ok in plan["one_fewer_meets_sla"].values() if ok is not None)
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--link", "25gbit"], "--link"),
-    (["--sla", "latency=3s"], "--sla"),
-    (["--sla", "ttft_p99=fast"], "fast"),
-    (["--chips", "H100-SXM,TPU9"], "TPU9"),
-    (["--workload", "no-such-file.jsonl"], "--workload"),
-])
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--link", "25gbit"], "--link"),
+        (["--sla", "latency=3s"], "--sla"),
+        (["--sla", "ttft_p99=fast"], "fast"),
+        (["--chips", "H100-SXM,TPU9"], "TPU9"),
+        (["--workload", "no-such-file.jsonl"], "--workload"),
+    ],
+)
 def test_plan_rejects_bad_input_naming_the_setting(args, named):
     argv = {"--workload": "agentic"}
     argv.update(dict(zip(args[::2], args[1::2])))
-    result = subprocess.run([PDD, "plan", *[x for kv in argv.items() for x in kv]], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [PDD, "plan", *[x for kv in argv.items() for x in kv]], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2 and named in result.stderr
 
 
@@ -128,7 +137,7 @@ def test_the_bathtub_has_its_valley_where_decode_is_cheap_beside_a_cold_prefill(
     # the 8B dense model's decode reads 64 KiB per context token: BCR only falls
     flat = bathtub.cost_model_bathtub(llama)
     assert not bathtub.has_valley(flat)
-    assert all(a["bcr"] >= b["bcr"] for a, b in zip(flat, flat[1:]))
+    assert all(a["bcr"] >= b["bcr"] for a, b in itertools.pairwise(flat))
 
 
 def test_an_engine_that_prefills_one_request_at_a_time_pays_for_small_tail_chunks():
@@ -137,9 +146,16 @@ def test_an_engine_that_prefills_one_request_at_a_time_pays_for_small_tail_chunk
     # hit rates leaving k full chunks, and k full chunks plus a 256-token tail
     exact = [(prompt - k * budget) / prompt for k in (1, 3, 6)]
     with_tail = [(prompt - k * budget - 256) / prompt for k in (1, 3, 6)]
-    penalty = {p["hit_rate"]: p["cost_ratio"]
-               for p in bathtub.tail_chunk_penalty(setting, prompt, 1024, exact + with_tail)}
+    penalty = {
+        p["hit_rate"]: p["cost_ratio"] for p in bathtub.tail_chunk_penalty(setting, prompt, 1024, exact + with_tail)
+    }
     assert all(penalty[h] == pytest.approx(1.0, abs=1e-4) for h in exact)
     assert all(penalty[h] > 1.001 for h in with_tail)
-    assert bathtub.dips([{"hit_rate": 0.1, "cost_ratio": 1.0}, {"hit_rate": 0.2, "cost_ratio": 1.02},
-                         {"hit_rate": 0.3, "cost_ratio": 1.03}, {"hit_rate": 0.4, "cost_ratio": 1.0}]) == [0.3]
+    assert bathtub.dips(
+        [
+            {"hit_rate": 0.1, "cost_ratio": 1.0},
+            {"hit_rate": 0.2, "cost_ratio": 1.02},
+            {"hit_rate": 0.3, "cost_ratio": 1.03},
+            {"hit_rate": 0.4, "cost_ratio": 1.0},
+        ]
+    ) == [0.3]

@@ -40,8 +40,9 @@ async def test_a_main_decoder_dying_mid_stream_is_replaced_by_the_other(make_sta
     async def kill_the_busy_decoder():
         busy = await busy_main_decoder(stack)
         prompt_blocks = busy.engine.blocks.num_used_blocks
-        await until(lambda: busy.engine.blocks.num_used_blocks >= prompt_blocks + 2, 15,
-                    "over a block of tokens streamed")
+        await until(
+            lambda: busy.engine.blocks.num_used_blocks >= prompt_blocks + 2, 15, "over a block of tokens streamed"
+        )
         victim.append(busy.instance_id)
         await crash(busy)
 
@@ -50,7 +51,8 @@ async def test_a_main_decoder_dying_mid_stream_is_replaced_by_the_other(make_sta
     pdd = chunks[-1]["pdd"]
     survivor = ({"main-decode-0", "main-decode-1"} - set(victim)).pop()
     assert [(r["from"], r["to"], r["reason"]) for r in pdd["recoveries"]] == [
-        (victim[0], survivor, "instance_unresponsive")]
+        (victim[0], survivor, "instance_unresponsive")
+    ]
     assert pdd["recoveries"][0]["at_token"] > 0 and pdd["instances"]["main_decode"] == survivor
     stack.mains[:] = [m for m in stack.mains if m.instance_id != victim[0]]
     await until(lambda: engines_idle(stack), 15, "every survivor to free the request")
@@ -58,15 +60,25 @@ async def test_a_main_decoder_dying_mid_stream_is_replaced_by_the_other(make_sta
 
 async def test_a_relay_dying_mid_catch_up_hands_the_stream_to_main_decode(make_stack, tiny):
     # Many small catch-up chunks keep the relay in catch-up long enough to die in it.
-    stack = await make_stack(profile=CATCH_UP_WAN, router_settings={"pipeline_policy": "P-RLD-MD"},
-                             relay_settings={"catch_up_threshold_tokens": 16, "final_gap_tokens": 0,
-                                             "max_chunk_tokens": 2, "max_catch_up_chunks": 1000})
+    stack = await make_stack(
+        profile=CATCH_UP_WAN,
+        router_settings={"pipeline_policy": "P-RLD-MD"},
+        relay_settings={
+            "catch_up_threshold_tokens": 16,
+            "final_gap_tokens": 0,
+            "max_chunk_tokens": 2,
+            "max_catch_up_chunks": 1000,
+        },
+    )
     relay = stack.relays[0]
     content = "Write a long essay about lighthouses. " * 15
 
     async def kill_the_relay_in_catch_up():
-        await until(lambda: any(m.state is HandoffState.CATCH_UP and m.chunks >= 2
-                                for m in relay.machines.values()), 30, "catch-up to be under way")
+        await until(
+            lambda: any(m.state is HandoffState.CATCH_UP and m.chunks >= 2 for m in relay.machines.values()),
+            30,
+            "catch-up to be under way",
+        )
         await crash(relay)
 
     chunks = await stream_while(stack, chat_body(content, 600), kill_the_relay_in_catch_up)
@@ -79,22 +91,26 @@ async def test_a_relay_dying_mid_catch_up_hands_the_stream_to_main_decode(make_s
 
 
 async def test_recoveries_are_bounded(make_stack):
-    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD",
-                                                                "max_recoveries": 1})
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD", "max_recoveries": 1})
     main, relay = stack.mains[0], stack.relays[0]
 
     async def kill_main_decode_then_the_relay():
         # Decoding, not still importing: a crash mid-import fails the prefill's shipping instead.
-        await until(lambda: main.engine.num_sequences == 1 and not main.importer.request_ids,
-                    15, "main decode to start decoding")
+        await until(
+            lambda: main.engine.num_sequences == 1 and not main.importer.request_ids,
+            15,
+            "main decode to start decoding",
+        )
         await crash(main)
         # No main decoder left: the one recovery goes to the relay, which then dies too.
-        await until(lambda: relay.engine.num_sequences == 1 and not relay.importer.request_ids,
-                    15, "the relay to take over and decode")
+        await until(
+            lambda: relay.engine.num_sequences == 1 and not relay.importer.request_ids,
+            15,
+            "the relay to take over and decode",
+        )
         await crash(relay)
 
-    chunks = await stream_while(stack, chat_body("A long answer please. " * 10, 3000),
-                                kill_main_decode_then_the_relay)
+    chunks = await stream_while(stack, chat_body("A long answer please. " * 10, 3000), kill_main_decode_then_the_relay)
     error = chunks[-1]["error"]
     assert error["code"] == "upstream_failed" and "relay-decode-0" in error["message"], error
     stack.mains.clear()
@@ -111,6 +127,7 @@ async def test_a_dead_engine_loop_fails_its_service_and_the_request_recovers(mak
 
         def step():
             raise RuntimeError("injected: device lost")
+
         busy.engine.step = step
         broken.append(busy)
 

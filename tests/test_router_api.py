@@ -26,11 +26,15 @@ async def test_models_health_and_metrics(stack):
     assert status == 200 and '"id": "tiny"' in body
     status, body = await get(stack, "/health")
     assert status == 200 and "main-decode-0" in body and "relay-decode-0" in body
-    await post(stack, "/chat/completions", {"model": "tiny", "max_tokens": 3,
-                                            "messages": [{"role": "user", "content": "hi"}]})
+    await post(
+        stack, "/chat/completions", {"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    )
     status, body = await get(stack, "/metrics")
     assert status == 200
-    assert 'pdd_requests_total{finish_reason="length",finished_on="MD",model_name="tiny",outcome="ok",pipeline="P-MD"}' in body
+    assert (
+        'pdd_requests_total{finish_reason="length",finished_on="MD",model_name="tiny",outcome="ok",pipeline="P-MD"}'
+        in body
+    )
     assert "pdd_kv_bytes_total" in body and "pdd_ttft_seconds_bucket" in body
 
 
@@ -41,16 +45,24 @@ BAD_CHAT_REQUESTS = [
     ({"model": "tiny", "messages": []}, 400, None, "messages"),
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, None, "messages"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, None, "max_tokens"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3},
-     400, None, "max_completion_tokens"),
+    (
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3},
+        400,
+        None,
+        "max_completion_tokens",
+    ),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 3}, 400, None, "temperature"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, None, "top_p"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": [1]}, 400, None, "stop"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, None, "n"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 5000}]}, 400,
-     "context_length_exceeded", "messages"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": 2 ** 70}, 400, None, "seed"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": -(2 ** 64)}, 400, None, "seed"),
+    (
+        {"model": "tiny", "messages": [{"role": "user", "content": "word " * 5000}]},
+        400,
+        "context_length_exceeded",
+        "messages",
+    ),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": 2**70}, 400, None, "seed"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": -(2**64)}, 400, None, "seed"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": "x" * 600}, 400, None, "stop"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, 400, None, "top_p"),
 ]
@@ -76,13 +88,22 @@ async def test_stop_string_is_cut_from_the_text(stack, tiny):
 
     content = "Count the waves."
     full = expected_text(tiny, chat_prompt(tiny, content), 30)
-    stop = full[len(full) // 2:len(full) // 2 + 4]
-    status, body = await post(stack, "/chat/completions", {
-        "model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 30,
-        "temperature": 0, "stop": stop, "ignore_eos": True})
+    stop = full[len(full) // 2 : len(full) // 2 + 4]
+    status, body = await post(
+        stack,
+        "/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 30,
+            "temperature": 0,
+            "stop": stop,
+            "ignore_eos": True,
+        },
+    )
     assert status == 200
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["choices"][0]["message"]["content"] == full[:full.index(stop)]
+    assert body["choices"][0]["message"]["content"] == full[: full.index(stop)]
 
 
 async def raw_post(stack, path: str, data: bytes, headers: dict) -> tuple[int, dict]:
@@ -101,20 +122,29 @@ async def test_unknown_paths_and_methods_get_openai_errors(stack, path, method):
 
 
 async def test_an_oversized_body_gets_413_and_a_wrong_content_type_415(stack):
-    status, body = await raw_post(stack, "/chat/completions", b"x" * (17 << 20),
-                                  {"Content-Type": "application/json"})
+    status, body = await raw_post(stack, "/chat/completions", b"x" * (17 << 20), {"Content-Type": "application/json"})
     assert status == 413 and body["error"]["code"] == "request_too_large"
-    status, body = await raw_post(stack, "/chat/completions", b"model=tiny",
-                                  {"Content-Type": "application/x-www-form-urlencoded"})
+    status, body = await raw_post(
+        stack, "/chat/completions", b"model=tiny", {"Content-Type": "application/x-www-form-urlencoded"}
+    )
     assert status == 415 and body["error"]["code"] == "unsupported_media_type"
 
 
 async def test_an_agent_transcript_with_tool_calls_and_null_content_is_served(stack):
     call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
-    status, body = await post(stack, "/chat/completions", {"model": "tiny", "max_tokens": 3, "messages": [
-        {"role": "user", "content": "look it up"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "42"}]})
+    status, body = await post(
+        stack,
+        "/chat/completions",
+        {
+            "model": "tiny",
+            "max_tokens": 3,
+            "messages": [
+                {"role": "user", "content": "look it up"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+            ],
+        },
+    )
     assert status == 200, body
     assert body["usage"]["completion_tokens"] == 3
 
@@ -133,8 +163,11 @@ async def test_a_huge_prompt_is_refused_before_tokenizing_while_health_answers(s
 async def test_the_default_max_tokens_is_clamped_to_the_remaining_context(make_stack, tiny):
     # A prompt near the 4,096-token context: the default of 4,090 would not fit; what is left does.
     stack = await make_stack(router_settings={"pipeline_policy": "P-MD", "default_max_tokens": 4090})
-    status, body = await post(stack, "/chat/completions", {
-        "model": "tiny", "messages": [{"role": "user", "content": "hi " * 3950}], "ignore_eos": True})
+    status, body = await post(
+        stack,
+        "/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 3950}], "ignore_eos": True},
+    )
     assert status == 200, body
     usage = body["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == tiny.model.config.max_position_embeddings
@@ -143,14 +176,23 @@ async def test_the_default_max_tokens_is_clamped_to_the_remaining_context(make_s
 async def test_api_keys_are_required_when_set(make_stack):
     stack = await make_stack(router_settings={"api_keys": "k1,k2"})
     chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
-    status, body = await raw_post(stack, "/chat/completions", json.dumps(chat).encode(),
-                                  {"Content-Type": "application/json"})
+    status, body = await raw_post(
+        stack, "/chat/completions", json.dumps(chat).encode(), {"Content-Type": "application/json"}
+    )
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
-    status, _ = await raw_post(stack, "/chat/completions", json.dumps(chat).encode(),
-                               {"Content-Type": "application/json", "Authorization": "Bearer nope"})
+    status, _ = await raw_post(
+        stack,
+        "/chat/completions",
+        json.dumps(chat).encode(),
+        {"Content-Type": "application/json", "Authorization": "Bearer nope"},
+    )
     assert status == 401
-    status, body = await raw_post(stack, "/chat/completions", json.dumps(chat).encode(),
-                                  {"Content-Type": "application/json", "Authorization": "Bearer k2"})
+    status, body = await raw_post(
+        stack,
+        "/chat/completions",
+        json.dumps(chat).encode(),
+        {"Content-Type": "application/json", "Authorization": "Bearer k2"},
+    )
     assert status == 200 and body["usage"]["completion_tokens"] == 2
     assert (await get(stack, "/health"))[0] == 200  # probes need no key
     assert (await get(stack, "/metrics"))[0] == 401

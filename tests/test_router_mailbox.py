@@ -13,9 +13,9 @@ import pytest_asyncio
 from infra.local_stack import SITE_A, SITE_B, start_site_pair
 from infra.wan_link import LinkProfile, WanLink
 from services.router.mailbox import RequestMailbox
-from shared.dead_letters import BadMessageSink
 from shared import subjects
-from shared.messages import KvReady, TokensEmitted, decoder, encode
+from shared.dead_letters import BadMessageSink
+from shared.messages import KvReady, TokensEmitted, encode
 
 RTT_MS = 400
 
@@ -44,13 +44,25 @@ async def started_mailbox(router_nc, main_nc) -> RequestMailbox:
     probe_id = subjects.new_request_id("router-0", "probe")
     probe = mailbox.open(probe_id)
     while probe.empty():
-        await main_nc.publish(subjects.request_events(probe_id, "main-decode-0"), encode(KvReady(
-            request_id=probe_id, instance_id="main-decode-0", site=SITE_B, cached_tokens=0,
-            imported_tokens=0, wan_kv_bytes=0, transfer_s=0.0, throughput_bps=0.0)))
+        await main_nc.publish(
+            subjects.request_events(probe_id, "main-decode-0"),
+            encode(
+                KvReady(
+                    request_id=probe_id,
+                    instance_id="main-decode-0",
+                    site=SITE_B,
+                    cached_tokens=0,
+                    imported_tokens=0,
+                    wan_kv_bytes=0,
+                    transfer_s=0.0,
+                    throughput_bps=0.0,
+                )
+            ),
+        )
         try:
             await asyncio.wait_for(probe.get(), 0.2)
             break
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
     mailbox.close(probe_id)
     return mailbox
@@ -61,9 +73,14 @@ async def test_first_token_published_at_once_by_the_other_site_arrives(two_sites
     mailbox = await started_mailbox(router_nc, main_nc)
     request_id = subjects.new_request_id("router-0", "abc123")
     queue = mailbox.open(request_id)
-    await main_nc.publish(subjects.tokens(request_id, "main-decode-0"), encode(TokensEmitted(
-        request_id=request_id, start_index=0, token_ids=[7], producer="MD",
-        instance_id="main-decode-0")))
+    await main_nc.publish(
+        subjects.tokens(request_id, "main-decode-0"),
+        encode(
+            TokensEmitted(
+                request_id=request_id, start_index=0, token_ids=[7], producer="MD", instance_id="main-decode-0"
+            )
+        ),
+    )
     kind, message = await asyncio.wait_for(queue.get(), 5 * RTT_MS / 1000)
     assert kind == "tokens" and message.token_ids == [7]
 
@@ -75,9 +92,14 @@ async def test_messages_go_only_to_their_own_request(two_sites):
     queues = {rid: mailbox.open(rid) for rid in (first, second)}
     mailbox.close(second)
     for rid, index in ((second, 5), (first, 0)):
-        await main_nc.publish(subjects.tokens(rid, "main-decode-0"), encode(TokensEmitted(
-            request_id=rid, start_index=index, token_ids=[index], producer="MD",
-            instance_id="main-decode-0")))
+        await main_nc.publish(
+            subjects.tokens(rid, "main-decode-0"),
+            encode(
+                TokensEmitted(
+                    request_id=rid, start_index=index, token_ids=[index], producer="MD", instance_id="main-decode-0"
+                )
+            ),
+        )
     _, message = await asyncio.wait_for(queues[first].get(), 5 * RTT_MS / 1000)
     assert message.request_id == first
     assert queues[first].empty() and queues[second].empty()
@@ -93,8 +115,14 @@ async def test_a_message_that_does_not_decode_is_counted_and_never_queued(two_si
     label = BAD_MESSAGES.labels("router", subjects.tokens_of_origin("router-0"))
     before = label._value.get()
     await main_nc.publish(subjects.tokens(request_id, "main-decode-0"), b"\xc1 not msgpack")
-    await main_nc.publish(subjects.tokens(request_id, "main-decode-0"), encode(TokensEmitted(
-        request_id=request_id, start_index=0, token_ids=[3], producer="MD", instance_id="main-decode-0")))
+    await main_nc.publish(
+        subjects.tokens(request_id, "main-decode-0"),
+        encode(
+            TokensEmitted(
+                request_id=request_id, start_index=0, token_ids=[3], producer="MD", instance_id="main-decode-0"
+            )
+        ),
+    )
     _, message = await asyncio.wait_for(queue.get(), 5 * RTT_MS / 1000)
     assert message.token_ids == [3] and queue.empty()
     assert label._value.get() == before + 1

@@ -27,13 +27,19 @@ def test_seeded_sampling_depends_only_on_seed_and_index():
 def test_tiny_top_p_keeps_only_the_top_token():
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(1))
     params = SamplingParams(temperature=1.0, top_p=1e-6)
-    assert {sample_token(logits, params, seed=s, token_index=0) for s in range(10)} == {
-        int(torch.argmax(logits))}
+    assert {sample_token(logits, params, seed=s, token_index=0) for s in range(10)} == {int(torch.argmax(logits))}
 
 
-@pytest.mark.parametrize("field,value", [
-    ("max_tokens", 0), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("stop", ("",)),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_tokens", 0),
+        ("temperature", -0.5),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("stop", ("",)),
+    ],
+)
 def test_invalid_sampling_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value}).validate()
@@ -66,8 +72,6 @@ def test_max_tokens_and_finish_reasons(tiny):
     assert [o.token_index for o in outputs] == [0, 1, 2]
     assert [o.finished for o in outputs] == [False, False, True]
     assert outputs[-1].finish_reason == "length"
-
-
 
 
 def test_stop_string(tiny):

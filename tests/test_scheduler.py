@@ -51,12 +51,12 @@ def test_computed_blocks_enter_the_prefix_cache_and_a_second_prompt_reuses_them(
 
 def test_the_youngest_running_sequence_is_preempted_when_nothing_fits():
     s = scheduler(num_blocks=4)
-    old = add(s, "old", 8)                 # 2 blocks
+    old = add(s, "old", 8)  # 2 blocks
     s.computed(s.schedule()[0])
     young = add(s, "young", 8, first_token=50)
-    s.computed(s.schedule()[0])            # 2 more: the pool is full
+    s.computed(s.schedule()[0])  # 2 more: the pool is full
     old.token_ids.extend(range(200, 204))  # old needs a third block
-    young.status = RequestStatus.PAUSED    # a paused sequence holds its blocks but is not a victim
+    young.status = RequestStatus.PAUSED  # a paused sequence holds its blocks but is not a victim
     batch, unfit = s.schedule()
     assert unfit is old and s.num_preemptions == 0
     young.status = RequestStatus.RUNNING

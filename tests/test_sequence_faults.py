@@ -75,10 +75,20 @@ def test_a_failed_forward_pass_ends_its_batch_and_the_next_request_is_served(tin
     assert [o.token_id for o in run_to_end(engine)["next"]] == reference_greedy(tiny, prompt, 12)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", 1e-39), ("temperature", math.nan), ("temperature", math.inf), ("top_p", math.nan),
-    ("repetition_penalty", 1e-39), ("repetition_penalty", math.nan), ("frequency_penalty", math.inf),
-    ("presence_penalty", math.nan), ("top_k", 2 ** 64 + 1)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", 1e-39),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("top_p", math.nan),
+        ("repetition_penalty", 1e-39),
+        ("repetition_penalty", math.nan),
+        ("frequency_penalty", math.inf),
+        ("presence_penalty", math.nan),
+        ("top_k", 2**64 + 1),
+    ],
+)
 def test_the_engine_refuses_out_of_range_sampling_by_name(tiny, field, value):
     engine = HfEngine(tiny, num_blocks=8)
     with pytest.raises(InvalidSampling) as refused:
@@ -96,8 +106,11 @@ def test_the_engine_refuses_token_ids_outside_its_vocabulary(tiny):
 
 def test_sampling_at_the_edges_of_the_ranges_stays_finite():
     logits = torch.linspace(-60, 60, 1000)
-    edges = [SamplingParams(temperature=0.01), SamplingParams(temperature=2.0, top_p=1e-300),
-             SamplingParams(temperature=0.01, top_k=2 ** 31 - 1, top_p=1e-45)]
+    edges = [
+        SamplingParams(temperature=0.01),
+        SamplingParams(temperature=2.0, top_p=1e-300),
+        SamplingParams(temperature=0.01, top_k=2**31 - 1, top_p=1e-45),
+    ]
     for params in edges:
         params.validate()
         assert sample_token(logits, params, seed=1, token_index=0) == 999

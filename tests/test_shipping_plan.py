@@ -14,9 +14,17 @@ FIRST_LOGPROBS = TokenLogprobs(logprob=-0.5)
 
 
 def command(pipeline: str, *, main=MAIN, relay=RELAY, resume: list[int] | None = None) -> StartPrefill:
-    return StartPrefill(request_id="router-0-abc", token_ids=list(range(100)), sampling=SamplingParams(),
-                        seed=7, pipeline=pipeline, main_decode=main, relay_decode=relay,
-                        deadline_unix_s=0.0, resume_token_ids=resume or [])
+    return StartPrefill(
+        request_id="router-0-abc",
+        token_ids=list(range(100)),
+        sampling=SamplingParams(),
+        seed=7,
+        pipeline=pipeline,
+        main_decode=main,
+        relay_decode=relay,
+        deadline_unix_s=0.0,
+        resume_token_ids=resume or [],
+    )
 
 
 def routes(plan: ShippingPlan) -> list[tuple[str, str, str]]:
@@ -25,8 +33,10 @@ def routes(plan: ShippingPlan) -> list[tuple[str, str, str]]:
 
 def test_each_pipeline_ships_to_its_receivers():
     assert routes(ShippingPlan(command("P-MD", relay=None))) == [("wan", "main-decode-0", "main_decode")]
-    assert routes(ShippingPlan(command("P-RLD-MD"))) == [("wan", "main-decode-0", "main_decode"),
-                                                         ("local", "relay-decode-0", "relay_decode")]
+    assert routes(ShippingPlan(command("P-RLD-MD"))) == [
+        ("wan", "main-decode-0", "main_decode"),
+        ("local", "relay-decode-0", "relay_decode"),
+    ]
     assert routes(ShippingPlan(command("P-RLD", main=None))) == [("local", "relay-decode-0", "relay_decode")]
 
 

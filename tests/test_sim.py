@@ -17,10 +17,20 @@ COST = LinearCostModel((0.08, 0.0016, 1e-6, 0.004, 5e-6, 0.0), 1e9, 5e9, 46080)
 BLOCK = 16
 
 
-def deployment(link: LinkSpec = LinkSpec(100e6, 0.04, 0.005), **overrides) -> Deployment:
+DEFAULT_LINK = LinkSpec(100e6, 0.04, 0.005)
+
+
+def deployment(link: LinkSpec = DEFAULT_LINK, **overrides) -> Deployment:
     role = RolePool(1, COST, 512 * (1 << 20) // (BLOCK * 46080))
-    settings = dict(md_site="site-b", pipeline_policy="auto", md_prefix_cache=True, host_cores=2, engine_thread_io=True,
-                    initial_wan_bps=link.bandwidth_bps, initial_wan_rtt_s=link.rtt_s)
+    settings = {
+        "md_site": "site-b",
+        "pipeline_policy": "auto",
+        "md_prefix_cache": True,
+        "host_cores": 2,
+        "engine_thread_io": True,
+        "initial_wan_bps": link.bandwidth_bps,
+        "initial_wan_rtt_s": link.rtt_s,
+    }
     settings.update(overrides)
     return Deployment(role, role, role, link, BLOCK, 46080, **settings)
 
@@ -30,8 +40,15 @@ def agent_records(sessions: int = 3, turns: int = 4, output: int = 24, odd: int 
     for session in range(sessions):
         prompt = 850
         for turn in range(turns):
-            records.append({"session": session, "turn": turn, "kind": "cold" if turn == 0 else "warm",
-                            "prompt_tokens": prompt, "output_tokens": output})
+            records.append(
+                {
+                    "session": session,
+                    "turn": turn,
+                    "kind": "cold" if turn == 0 else "warm",
+                    "prompt_tokens": prompt,
+                    "output_tokens": output,
+                }
+            )
             prompt += output + 45
     for i in range(odd):
         records.append({"session": 100 + i, "turn": 0, "kind": "odd", "prompt_tokens": 850, "output_tokens": 2})
@@ -97,8 +114,13 @@ def test_calls_queued_by_a_steps_outputs_run_before_the_next_step_and_later_ones
     def first_prompt_done():
         ran.append(("first", events.now))
         engine.add_serial(export_s, lambda: ran.append(("export-md", events.now)))
-        engine.add_serial(0.0, lambda: (ran.append(("export-relay", events.now)),
-                                         engine.add_serial(0.0, lambda: ran.append(("late", events.now)))))
+        engine.add_serial(
+            0.0,
+            lambda: (
+                ran.append(("export-relay", events.now)),
+                engine.add_serial(0.0, lambda: ran.append(("late", events.now))),
+            ),
+        )
 
     engine.add_chunked(Chunked(100, 0, first_prompt_done))
     engine.add_chunked(Chunked(10, 0, lambda: ran.append(("second", events.now))))
@@ -109,7 +131,7 @@ def test_calls_queued_by_a_steps_outputs_run_before_the_next_step_and_later_ones
 
 
 def test_cold_turns_are_relayed_and_warm_follow_ups_go_straight_to_main_decode():
-    simulator, result = run(agent_records())
+    _simulator, result = run(agent_records())
     by_turn = {(r.session, r.turn): r for r in result.requests}
     assert len(result.requests) == 12
     for session in range(3):
@@ -132,7 +154,7 @@ def test_every_token_arrives_and_nothing_stays_held():
 
 
 def test_odd_requests_finish_on_the_relay_with_their_wan_transfer_cancelled():
-    simulator, result = run(agent_records(sessions=1, turns=1, odd=1))
+    _simulator, result = run(agent_records(sessions=1, turns=1, odd=1))
     odd = next(r for r in result.requests if r.kind == "odd")
     assert odd.finished_on == "RLD" and odd.wan_cancelled
     prompt_kv_bytes = 850 * 46080
@@ -142,7 +164,7 @@ def test_odd_requests_finish_on_the_relay_with_their_wan_transfer_cancelled():
 
 def test_a_long_relayed_answer_is_handed_over_in_catch_up_chunks():
     # 39 MB over 20 Mbit/s: ~16 s, so the relay is far ahead when main decode holds the prompt
-    simulator, result = run(agent_records(sessions=1, turns=1, output=400), link=LinkSpec(20e6, 0.04, 0.0))
+    _simulator, result = run(agent_records(sessions=1, turns=1, output=400), link=LinkSpec(20e6, 0.04, 0.0))
     (request,) = result.requests
     assert request.pipeline == "P-RLD-MD" and request.finished_on == "MD"
     assert request.handoff_mode == "catch-up"
@@ -201,8 +223,12 @@ def test_step_noise_makes_replays_differ_by_seed_and_not_without_it():
 
     def ttfts(seed, noise):
         simulator = Simulator(deployment(LinkSpec(100e6, 0.04, 0.0), step_speeds=speeds, step_noise=noise), seed=seed)
-        return [r.ttft_s for r in sorted(simulator.run(from_records(records, BLOCK, 2, "t")).requests,
-                                         key=lambda r: (r.session, r.turn))]
+        return [
+            r.ttft_s
+            for r in sorted(
+                simulator.run(from_records(records, BLOCK, 2, "t")).requests, key=lambda r: (r.session, r.turn)
+            )
+        ]
 
     assert ttfts(1, True) == ttfts(1, True)
     assert ttfts(1, True) != ttfts(2, True)
@@ -213,8 +239,12 @@ def test_the_dispatch_delays_every_first_token_and_its_spread_parts_prompts_sent
     records = [{"session": s, "turn": 0, "kind": "cold", "prompt_tokens": 850, "output_tokens": 4} for s in (0, 1)]
 
     def prefills(seed=0, **overrides):
-        simulator = Simulator(deployment(LinkSpec(100e6, 0.04, 0.0), pipeline_policy="P-MD", md_site="site-a",
-                                         engine_wake_s=0.003, **overrides), seed=seed)
+        simulator = Simulator(
+            deployment(
+                LinkSpec(100e6, 0.04, 0.0), pipeline_policy="P-MD", md_site="site-a", engine_wake_s=0.003, **overrides
+            ),
+            seed=seed,
+        )
         return sorted(simulator.run(from_records(records, BLOCK, 2, "t")).requests, key=lambda r: r.session)
 
     base, slow = prefills(), prefills(dispatch_s=0.05)
@@ -230,10 +260,18 @@ def test_the_dispatch_delays_every_first_token_and_its_spread_parts_prompts_sent
 
 def test_sessions_share_the_blocks_their_first_prompts_start_with_and_caches_hit_them(tiny_metadata):
     common = "Here is the tool output you asked for, line by line, from the build: " * 3
-    trace = [TraceTurn(0, 0, common + "alpha " * 80, 8, "cold"), TraceTurn(1, 0, common + "beta " * 80, 8, "cold"),
-             TraceTurn(2, 0, "Something else entirely. " * 20, 8, "odd"), TraceTurn(0, 1, "more", 8, "warm")]
-    shared = shared_first_blocks(trace, tiny_metadata.tokenizer, BLOCK,
-                                 system_prompt="You are a careful coding agent. Answer briefly, in plain words.")
+    trace = [
+        TraceTurn(0, 0, common + "alpha " * 80, 8, "cold"),
+        TraceTurn(1, 0, common + "beta " * 80, 8, "cold"),
+        TraceTurn(2, 0, "Something else entirely. " * 20, 8, "odd"),
+        TraceTurn(0, 1, "more", 8, "warm"),
+    ]
+    shared = shared_first_blocks(
+        trace,
+        tiny_metadata.tokenizer,
+        BLOCK,
+        system_prompt="You are a careful coding agent. Answer briefly, in plain words.",
+    )
     assert shared[0] == shared[1] and len(shared[0]) > len(shared[2]) >= 1  # the template's start at least
     assert shared[2] == shared[0][: len(shared[2])] and all(b < 0 for b in shared[0])
     records = [{"session": s, "turn": 0, "kind": "cold", "prompt_tokens": 300, "output_tokens": 4} for s in (0, 1)]
@@ -257,8 +295,9 @@ def test_flows_sharing_the_system_prompts_blocks_wait_in_main_decodes_line():
     transfer_s = 850 * 46080 * 8 / 100e6
     ttfts = {}
     for shared in ({0: (-1, -2), 1: (-1, -2)}, None):
-        simulator = Simulator(deployment(LinkSpec(100e6, 0.04, 0.0), pipeline_policy="P-MD", md_prefix_cache=False,
-                                         engine_wake_s=0.003))
+        simulator = Simulator(
+            deployment(LinkSpec(100e6, 0.04, 0.0), pipeline_policy="P-MD", md_prefix_cache=False, engine_wake_s=0.003)
+        )
         result = simulator.run(from_records(records, BLOCK, 2, "t", shared))
         ttfts[shared is not None] = sorted(r.ttft_s for r in result.requests)
     in_line, together = ttfts[True], ttfts[False]
@@ -267,8 +306,10 @@ def test_flows_sharing_the_system_prompts_blocks_wait_in_main_decodes_line():
 
 
 def test_open_loop_sessions_run_their_turns_in_order():
-    requests = [SimRequest(0, t, "warm", 200 + 40 * t, 8, 8, tuple(range(1, (240 + 40 * t) // BLOCK + 1)), 1.0)
-                for t in range(3)]
+    requests = [
+        SimRequest(0, t, "warm", 200 + 40 * t, 8, 8, tuple(range(1, (240 + 40 * t) // BLOCK + 1)), 1.0)
+        for t in range(3)
+    ]
     simulator = Simulator(deployment())
     result = simulator.run(Workload(requests, 0, "open"))
     arrivals = [r.arrival_s for r in sorted(result.requests, key=lambda r: r.turn)]
@@ -279,8 +320,10 @@ def test_open_loop_sessions_run_their_turns_in_order():
 
 def test_profile_fit_recovers_a_linear_cost_model():
     truth = [0.05, 0.002, 3e-7, 0.004, 6e-6, 1.2e-4]
-    samples = [step_features([(n, c)], 0, 0) for n, c in ((64, 0), (512, 0), (2048, 0), (128, 1024), (512, 2048),
-                                                          (16, 1024), (64, 512))]
+    samples = [
+        step_features([(n, c)], 0, 0)
+        for n, c in ((64, 0), (512, 0), (2048, 0), (128, 1024), (512, 2048), (16, 1024), (64, 512))
+    ]
     samples += [step_features([], b, b * c) for b, c in ((1, 256), (4, 1024), (8, 512), (1, 2048))]
     import numpy as np
 

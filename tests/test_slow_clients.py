@@ -24,8 +24,10 @@ async def open_stream_and_never_read(base_url: str, body: dict) -> socket.socket
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, (url.hostname, url.port))
     payload = json.dumps(body).encode()
-    request = (f"POST {url.path}/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
-               f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
+    request = (
+        f"POST {url.path}/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    ).encode() + payload
     await asyncio.get_running_loop().sock_sendall(sock, request)
     return sock
 
@@ -34,18 +36,31 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_kv_freed(make_stac
     stack = await make_stack(router_settings={"sse_write_timeout_s": WRITE_TIMEOUT_S, "pipeline_policy": "P-MD"})
     dropped_before = SLOW_CLIENTS._value.get()
     # Log-probabilities make every event ~2 KB, so the socket buffers fill within ~100 tokens.
-    sock = await open_stream_and_never_read(stack.base_url, {
-        "model": "tiny", "stream": True, "max_tokens": 3000, "ignore_eos": True, "logprobs": True,
-        "top_logprobs": 20, "messages": [{"role": "user", "content": "Talk for a long time."}]})
+    sock = await open_stream_and_never_read(
+        stack.base_url,
+        {
+            "model": "tiny",
+            "stream": True,
+            "max_tokens": 3000,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 20,
+            "messages": [{"role": "user", "content": "Talk for a long time."}],
+        },
+    )
     try:
         await until(lambda: stack.mains[0].engine.num_sequences == 1, 15, "main decode to start")
         started = time.monotonic()
         await until(lambda: SLOW_CLIENTS._value.get() == dropped_before + 1, 30, "the router to drop the client")
         await until(lambda: engines_idle(stack), 15, "every engine to free the request")
         assert time.monotonic() - started < 30
-        async with aiohttp.ClientSession() as session:
-            async with session.post(stack.base_url + "/chat/completions", json={
-                    "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}) as reply:
-                assert reply.status == 200 and (await reply.json())["usage"]["completion_tokens"] == 4
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                stack.base_url + "/chat/completions",
+                json={"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]},
+            ) as reply,
+        ):
+            assert reply.status == 200 and (await reply.json())["usage"]["completion_tokens"] == 4
     finally:
         sock.close()

@@ -17,8 +17,9 @@ def first_stop_by_full_decode(tokenizer, outputs: list[int], stops: tuple[str, .
 
 def first_stop_by_detector(tokenizer, outputs: list[int], stops: tuple[str, ...], min_tokens: int) -> int | None:
     detector = StopDetector(tokenizer, eos_token_ids=frozenset())
-    seq = Sequence("r", [1, 2, 3], 3, SamplingParams(max_tokens=len(outputs) + 1, stop=stops,
-                                                       min_tokens=min_tokens), seed=0)
+    seq = Sequence(
+        "r", [1, 2, 3], 3, SamplingParams(max_tokens=len(outputs) + 1, stop=stops, min_tokens=min_tokens), seed=0
+    )
     for n, token in enumerate(outputs, start=1):
         seq.token_ids.append(token)
         if detector.finish_reason(seq) == "stop":
@@ -29,16 +30,33 @@ def first_stop_by_detector(tokenizer, outputs: list[int], stops: tuple[str, ...]
 def test_stop_strings_are_found_at_the_same_token_as_a_full_decode(tiny):
     tokenizer = tiny.tokenizer
     rng = random.Random(3)
-    words = "the quick brown fox jumps over lazy dogs, naïve café — 東京 ☃ end. END".split()
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "lazy",
+        "dogs,",
+        "naïve",
+        "café",
+        "—",
+        "東京",
+        "☃",
+        "end.",
+        "END",
+    ]
     for trial in range(40):
         text = " ".join(rng.choice(words) for _ in range(40))
         outputs = tokenizer.encode(text)
         decoded = tokenizer.decode(outputs, skip_special_tokens=True)
         start = rng.randrange(len(decoded) - 6)
-        stops = (decoded[start:start + rng.randint(1, 6)], "never-there")
+        stops = (decoded[start : start + rng.randint(1, 6)], "never-there")
         min_tokens = rng.choice([0, 0, 5, 20])
-        assert first_stop_by_detector(tokenizer, outputs, stops, min_tokens) == \
-            first_stop_by_full_decode(tokenizer, outputs, stops, min_tokens), (trial, stops)
+        assert first_stop_by_detector(tokenizer, outputs, stops, min_tokens) == first_stop_by_full_decode(
+            tokenizer, outputs, stops, min_tokens
+        ), (trial, stops)
 
 
 def test_eos_and_length_end_a_sequence_and_min_tokens_holds_both_off(tiny):

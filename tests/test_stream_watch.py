@@ -10,9 +10,17 @@ MAIN = InstanceRef(instance_id="main-decode-0", site="site-b")
 
 
 def watch(pipeline: str, now: float = 0.0) -> StreamWatch:
-    placement = Placement(pipeline=pipeline, prefill=PREFILL, main_decode=MAIN,
-                          relay_decode=RELAY if pipeline == "P-RLD-MD" else None, md_cached_blocks=0,
-                          md_load_blocks=0, num_prompt_blocks=4, missing_kv_bytes=0, predicted_wan_s=0.0)
+    placement = Placement(
+        pipeline=pipeline,
+        prefill=PREFILL,
+        main_decode=MAIN,
+        relay_decode=RELAY if pipeline == "P-RLD-MD" else None,
+        md_cached_blocks=0,
+        md_load_blocks=0,
+        num_prompt_blocks=4,
+        missing_kv_bytes=0,
+        predicted_wan_s=0.0,
+    )
     return StreamWatch(placement, now, first_token_timeout_s=30.0, token_timeout_s=5.0, resend_after_s=1.0)
 
 

@@ -5,14 +5,20 @@ from shared.messages import TokensEmitted
 
 
 def emitted(start: int, tokens: list[int], producer: str = "MD", finish: str | None = None):
-    return TokensEmitted(request_id="router-0-abc", start_index=start, token_ids=tokens,
-                         producer=producer, instance_id=f"{producer}-0", finish_reason=finish)
+    return TokensEmitted(
+        request_id="router-0-abc",
+        start_index=start,
+        token_ids=tokens,
+        producer=producer,
+        instance_id=f"{producer}-0",
+        finish_reason=finish,
+    )
 
 
 def test_tokens_from_two_producers_are_released_once_in_order():
     log = TokenLog()
     assert log.add(emitted(0, [10, 11], "RLD")) == [10, 11]
-    assert log.add(emitted(3, [13])) == []          # index 2 is still missing
+    assert log.add(emitted(3, [13])) == []  # index 2 is still missing
     assert log.add(emitted(0, [10, 11, 12])) == [12, 13]  # the handoff re-sends 0-2
     assert log.token_ids == [10, 11, 12, 13] and log.eager_tokens == 2
 
@@ -28,8 +34,8 @@ def test_the_final_index_completes_the_log_only_when_nothing_is_missing():
 def test_a_recovered_attempt_re_emitting_delivered_tokens_adds_nothing_twice():
     log = TokenLog()
     log.add(emitted(0, [1, 2, 3], "RLD"))
-    log.add(emitted(5, [6]))        # the failed attempt's token beyond a gap
-    log.forget_pending()            # recovery: the new attempt recomputes from index 3
+    log.add(emitted(5, [6]))  # the failed attempt's token beyond a gap
+    log.forget_pending()  # recovery: the new attempt recomputes from index 3
     assert log.add(emitted(0, [1, 2, 3, 4])) == [4]
     assert log.add(emitted(4, [5, 9], finish="stop")) == [5, 9]
     assert log.token_ids == [1, 2, 3, 4, 5, 9] and log.complete and log.eager_tokens == 3

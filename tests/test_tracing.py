@@ -3,14 +3,25 @@
 from tests.helpers import until
 from tests.test_pipeline_e2e import SLOW_WAN, chat_body, post
 
-EXPECTED_SPANS = {"router.route", "router.cache_index.query", "prefill.compute",
-                  "kv.transfer.local", "kv.transfer.wan", "relay.decode", "handoff",
-                  "main.recompute", "main.decode"}
+EXPECTED_SPANS = {
+    "router.route",
+    "router.cache_index.query",
+    "prefill.compute",
+    "kv.transfer.local",
+    "kv.transfer.wan",
+    "relay.decode",
+    "handoff",
+    "main.recompute",
+    "main.decode",
+}
 
 
 async def test_one_trace_spans_the_whole_relay_pipeline(make_stack, spans):
-    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-RLD-MD"},
-                             relay_settings={"catch_up_threshold_tokens": 10_000})
+    stack = await make_stack(
+        profile=SLOW_WAN,
+        router_settings={"pipeline_policy": "P-RLD-MD"},
+        relay_settings={"catch_up_threshold_tokens": 10_000},
+    )
     status, body = await post(stack, "/chat/completions", chat_body("Tell me about owls. " * 20, 150))
     assert status == 200 and body["pdd"]["handoff_mode"] == "one-shot"
     request_id = body["id"]
@@ -35,8 +46,11 @@ async def test_a_request_continues_the_clients_traceparent(make_stack, spans):
     stack = await make_stack(router_settings={"pipeline_policy": "P-MD"})
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     async with aiohttp.ClientSession() as session:
-        async with session.post(stack.base_url + "/chat/completions", json=chat_body("Tell me about owls.", 8),
-                                headers={"traceparent": f"00-{trace_id}-{parent_id}-01"}) as response:
+        async with session.post(
+            stack.base_url + "/chat/completions",
+            json=chat_body("Tell me about owls.", 8),
+            headers={"traceparent": f"00-{trace_id}-{parent_id}-01"},
+        ) as response:
             body = await response.json()
     assert response.status == 200, body
 

@@ -9,13 +9,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from shared.block_hash import hash_blocks  # noqa: E402
-from shared.engine.backend import BackendOptions, RequestStatus, create_backend, generate  # noqa: E402
-from shared.engine.hf_engine import HfEngine  # noqa: E402
-from shared.engine.sampling import SamplingParams  # noqa: E402
-from shared.errors import FrameOwnershipError  # noqa: E402
-from shared.kv_wire import decode_frame, frame_bytes  # noqa: E402
-from tests.helpers import prompt_of_length, reference_greedy  # noqa: E402
+from shared.block_hash import hash_blocks
+from shared.engine.backend import BackendOptions, RequestStatus, create_backend, generate
+from shared.engine.hf_engine import HfEngine
+from shared.engine.sampling import SamplingParams
+from shared.errors import FrameOwnershipError
+from shared.kv_wire import decode_frame, frame_bytes
+from tests.helpers import prompt_of_length, reference_greedy
 
 pytestmark = pytest.mark.vllm
 
@@ -31,9 +31,16 @@ def events():
 
 @pytest.fixture(scope="module")
 def vllm(smollm2, events):
-    backend = create_backend("vllm", BackendOptions(model="smollm2", block_size=BLOCK_SIZE, kv_cache_bytes=256 << 20,
-                                                    kv_listener=lambda kind, hashes: events.append((kind, hashes))),
-                             smollm2)
+    backend = create_backend(
+        "vllm",
+        BackendOptions(
+            model="smollm2",
+            block_size=BLOCK_SIZE,
+            kv_cache_bytes=256 << 20,
+            kv_listener=lambda kind, hashes: events.append((kind, hashes)),
+        ),
+        smollm2,
+    )
     yield backend
     backend.shutdown()
 
@@ -131,8 +138,10 @@ def test_a_handed_over_end_of_sequence_finishes_the_request_at_once(vllm, smollm
 def test_frames_that_are_not_the_imports_next_are_refused(vllm, hf, smollm2):
     prompt = prompt_of_length(smollm2, 96, seed=5)
     prefill(hf, "framed", prompt)
-    frames = [decode_frame(bytearray(frame_bytes(parts)), vllm.frame_expectation)
-              for parts in hf.export_frames("framed", 0, len(prompt), max_tokens_per_frame=32)]
+    frames = [
+        decode_frame(bytearray(frame_bytes(parts)), vllm.frame_expectation)
+        for parts in hf.export_frames("framed", 0, len(prompt), max_tokens_per_frame=32)
+    ]
     with pytest.raises(FrameOwnershipError):
         vllm.import_frame(frames[0])  # no import under way
     vllm.begin_import("framed", prompt, GREEDY)

@@ -18,13 +18,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from openai import OpenAI  # noqa: E402
+from openai import OpenAI
 
-from infra.launcher import load_state, process_alive  # noqa: E402
-from infra.nats_server import free_port  # noqa: E402
-from loadtest.demo_conversation import long_tool_output  # noqa: E402
-from shared.kv_layout import KvLayout  # noqa: E402
-from tests.helpers import reference_chat_answer  # noqa: E402
+from infra.launcher import load_state, process_alive
+from infra.nats_server import free_port
+from loadtest.demo_conversation import long_tool_output
+from shared.kv_layout import KvLayout
+from tests.helpers import reference_chat_answer
 
 pytestmark = pytest.mark.vllm
 PDD = str(Path(sys.executable).parent / "pdd")
@@ -56,11 +56,34 @@ def deployment(request, tmp_path_factory):
         env["PDD_CATCH_UP_THRESHOLD_TOKENS"] = CATCH_UP[request.param]
     # A slow link: the cold turn's KV takes seconds (~5) to cross, so the relay has tokens to hand
     # over; slow enough for that, fast enough that a fast relay has not finished the answer by then.
-    up = subprocess.run([PDD, "up", "--detach", "--run-dir", str(run_dir), "--http-port", str(http_port),
-                         "--nats-a-port", str(free_port()), "--nats-b-port", str(free_port()),
-                         "--wan-control-port", str(free_port()), "--bandwidth", "100mbit", "--kv-cache-mb", "512",
-                         "--timeout", "600", *DEPLOYMENTS[request.param]],
-                        capture_output=True, text=True, timeout=900, env=env)
+    up = subprocess.run(
+        [
+            PDD,
+            "up",
+            "--detach",
+            "--run-dir",
+            str(run_dir),
+            "--http-port",
+            str(http_port),
+            "--nats-a-port",
+            str(free_port()),
+            "--nats-b-port",
+            str(free_port()),
+            "--wan-control-port",
+            str(free_port()),
+            "--bandwidth",
+            "100mbit",
+            "--kv-cache-mb",
+            "512",
+            "--timeout",
+            "600",
+            *DEPLOYMENTS[request.param],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert up.returncode == 0, up.stderr[-3000:] + up.stdout[-2000:]
     pids = dict(load_state(run_dir).processes)
     client = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0, timeout=600)
@@ -74,14 +97,19 @@ def deployment(request, tmp_path_factory):
 def test_both_pipelines_are_exact_with_a_handoff_and_decode_side_cache_hits(deployment, smollm2):
     client = deployment.client
     model = client.models.list().data[0].id
-    messages = [{"role": "system", "content": "You are a careful coding agent. Answer in detail."},
-                {"role": "user", "content": "Tool output:\n" + long_tool_output(30) +
-                 "\nExplain what the project does, file by file."}]
+    messages = [
+        {"role": "system", "content": "You are a careful coding agent. Answer in detail."},
+        {
+            "role": "user",
+            "content": "Tool output:\n" + long_tool_output(30) + "\nExplain what the project does, file by file.",
+        },
+    ]
     # Long enough (EOS ignored) that the relay is still decoding when main decode has the KV,
     # whatever the machine's speed: the relay decoded 160 tokens in 11 s, before a 40 Mbit/s link
     # had carried the KV, and finished the answer itself.
-    cold = client.chat.completions.create(model=model, messages=messages, max_tokens=320, temperature=0,
-                                          extra_body={"ignore_eos": True})
+    cold = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=320, temperature=0, extra_body={"ignore_eos": True}
+    )
     expected, prompt_len = reference_chat_answer(smollm2, messages, 320, ignore_eos=True)
     assert cold.choices[0].message.content == expected
     pdd = cold.model_extra["pdd"]
@@ -90,8 +118,10 @@ def test_both_pipelines_are_exact_with_a_handoff_and_decode_side_cache_hits(depl
     if deployment.catch_up:
         assert pdd["handoff_mode"] == "catch-up" and pdd["handoff_chunks"] >= 2, pdd
 
-    messages += [{"role": "assistant", "content": cold.choices[0].message.content},
-                 {"role": "user", "content": "Name one risk of that design."}]
+    messages += [
+        {"role": "assistant", "content": cold.choices[0].message.content},
+        {"role": "user", "content": "Name one risk of that design."},
+    ]
     warm = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0)
     expected, _ = reference_chat_answer(smollm2, messages, 32)
     assert warm.choices[0].message.content == expected
@@ -105,10 +135,15 @@ def test_a_relay_on_vllm_killed_mid_stream_hands_the_stream_to_main_decode_on_vl
         pytest.skip("killed once, in the deployment whose relay and main decode both run vLLM")
     client = deployment.client
     model = client.models.list().data[0].id
-    messages = [{"role": "user", "content": "Tool output:\n" + long_tool_output(32) +
-                 "\nWrite a long essay about what this project does."}]
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=200, temperature=0,
-                                            stream=True, extra_body={"ignore_eos": True})
+    messages = [
+        {
+            "role": "user",
+            "content": "Tool output:\n" + long_tool_output(32) + "\nWrite a long essay about what this project does.",
+        }
+    ]
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     text, pdd, killed = [], None, False
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -122,14 +157,14 @@ def test_a_relay_on_vllm_killed_mid_stream_hands_the_stream_to_main_decode_on_vl
     assert [(r["from"], r["to"]) for r in pdd["recoveries"]] == [("relay-decode-0", "main-decode-0")], pdd
 
 
-def test_a_long_prompt_with_a_short_answer_finishes_on_the_relay_with_its_wan_transfer_cancelled(
-        deployment, smollm2):
+def test_a_long_prompt_with_a_short_answer_finishes_on_the_relay_with_its_wan_transfer_cancelled(deployment, smollm2):
     if deployment.name != "all-vllm":
         pytest.skip("the odd-traffic filter once, in the deployment where every engine runs vLLM")
     client = deployment.client
     messages = [{"role": "user", "content": "Tool output:\n" + long_tool_output(34) + "\nOne word: done?"}]
-    reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages,
-                                           max_tokens=4, temperature=0)
+    reply = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=messages, max_tokens=4, temperature=0
+    )
     expected, prompt_len = reference_chat_answer(smollm2, messages, 4)
     assert reply.choices[0].message.content == expected
     pdd = reply.model_extra["pdd"]

@@ -42,10 +42,16 @@ def test_a_drop_is_believed_within_one_transfer_and_rises_are_smoothed():
 async def test_router_learns_a_slow_link_and_starts_relaying(make_stack):
     # The router believes 100 Mbit/s; the link gives 5 Mbit/s. A ~700-token tiny-model prompt
     # (~360 KB of KV) is predicted at ~30 ms (P-MD) but really takes ~0.6 s (relay-worthy).
-    stack = await make_stack(profile=LinkProfile(bandwidth_bps=5e6, rtt_ms=20, jitter_ms=0, seed=4),
-                             engine_settings={"frame_tokens": 16},
-                             router_settings={"ttft_target_ms": 200, "wan_bandwidth_mbit": 100,
-                                              "wan_rtt_ms": 20, "odd_traffic_filter": False})
+    stack = await make_stack(
+        profile=LinkProfile(bandwidth_bps=5e6, rtt_ms=20, jitter_ms=0, seed=4),
+        engine_settings={"frame_tokens": 16},
+        router_settings={
+            "ttft_target_ms": 200,
+            "wan_bandwidth_mbit": 100,
+            "wan_rtt_ms": 20,
+            "odd_traffic_filter": False,
+        },
+    )
     status, first = await post(stack, "/chat/completions", chat_body("Describe a harbour. " * 140, 4))
     assert status == 200 and first["pdd"]["pipeline"] == "P-MD"
     async with aiohttp.ClientSession() as session:
@@ -58,10 +64,16 @@ async def test_router_learns_a_slow_link_and_starts_relaying(make_stack):
 
 async def test_after_the_link_drops_the_second_large_request_is_relayed(make_stack):
     # ~700-token tiny-model prompts (~360 KB of KV): ~30 ms at 100 Mbit/s, ~1.5 s at 2 Mbit/s.
-    stack = await make_stack(profile=LinkProfile(bandwidth_bps=100e6, rtt_ms=20, jitter_ms=0, seed=4),
-                             engine_settings={"frame_tokens": 16},
-                             router_settings={"ttft_target_ms": 500, "wan_bandwidth_mbit": 100,
-                                              "wan_rtt_ms": 20, "odd_traffic_filter": False})
+    stack = await make_stack(
+        profile=LinkProfile(bandwidth_bps=100e6, rtt_ms=20, jitter_ms=0, seed=4),
+        engine_settings={"frame_tokens": 16},
+        router_settings={
+            "ttft_target_ms": 500,
+            "wan_bandwidth_mbit": 100,
+            "wan_rtt_ms": 20,
+            "odd_traffic_filter": False,
+        },
+    )
     topics = iter(["a harbour", "a lighthouse", "a canal", "a bridge"])
 
     async def large_request() -> str:

@@ -37,8 +37,15 @@ async def two_receivers_behind_one_port(tiny, creds):
     for i in range(2):
         engine = HfEngine(tiny, num_blocks=32)
         handler = RecordingHandler(engine)
-        receiver = BulkReceiver(handler, engine.frame_expectation, verify_key(SECRET), path="wan", frame_timeout_s=5,
-                                receiver_id=f"main-decode-{i}", tls=tls)
+        receiver = BulkReceiver(
+            handler,
+            engine.frame_expectation,
+            verify_key(SECRET),
+            path="wan",
+            frame_timeout_s=5,
+            receiver_id=f"main-decode-{i}",
+            tls=tls,
+        )
         host, port = await receiver.start()
         receivers.append(receiver), handlers.append(handler), endpoints.append(f"{host}:{port}")
     link = WanLink(LinkProfile(bandwidth_bps=0, rtt_ms=2, jitter_ms=0), route_key=route_key(SECRET))
@@ -50,12 +57,20 @@ async def two_receivers_behind_one_port(tiny, creds):
 
 
 def flow_open_for(request_id: str, prompt: list[int], receiver_id: str) -> FlowOpen:
-    return FlowOpen(request_id=request_id, role="main_decode", token_ids=prompt, sampling=SAMPLING, seed=1,
-                    sender_id="prefill-0", receiver_id=receiver_id, unix_s=0.0, nonce="")
+    return FlowOpen(
+        request_id=request_id,
+        role="main_decode",
+        token_ids=prompt,
+        sampling=SAMPLING,
+        seed=1,
+        sender_id="prefill-0",
+        receiver_id=receiver_id,
+        unix_s=0.0,
+        nonce="",
+    )
 
 
-async def test_each_flow_reaches_the_receiver_it_names_with_tls_end_to_end(two_receivers_behind_one_port,
-                                                                         tiny, creds):
+async def test_each_flow_reaches_the_receiver_it_names_with_tls_end_to_end(two_receivers_behind_one_port, tiny, creds):
     link, link_address, handlers, endpoints = two_receivers_behind_one_port
     client_tls = client_context(str(creds.ca_file), str(creds.cert_file("prefill")), str(creds.key_file("prefill")))
     sender = HfEngine(tiny, num_blocks=64)
@@ -64,8 +79,15 @@ async def test_each_flow_reaches_the_receiver_it_names_with_tls_end_to_end(two_r
         rid = f"r{i}"
         sender.add_request(rid, prompt, SAMPLING)
         first = sender.step()[0].token_id
-        flow = await open_flow(endpoint, flow_open_for(rid, prompt, f"main-decode-{i}"), SECRET, path="wan",
-                               timeout_s=5, tls=client_tls, link=link_address)
+        flow = await open_flow(
+            endpoint,
+            flow_open_for(rid, prompt, f"main-decode-{i}"),
+            SECRET,
+            path="wan",
+            timeout_s=5,
+            tls=client_tls,
+            link=link_address,
+        )
         for parts in sender.export_frames(rid, flow.first_token_index, len(prompt), max_tokens_per_frame=16):
             await flow.send_frame(parts)
         await flow.end([first])
@@ -91,7 +113,8 @@ async def _refused(link_address: str, opening: bytes) -> bytes:
 
 @pytest.mark.parametrize("case", ["wrong key", "replayed", "stale", "not a route"])
 async def test_a_route_without_the_key_or_replayed_is_refused_before_anything_is_forwarded(
-        two_receivers_behind_one_port, case):
+    two_receivers_behind_one_port, case
+):
     link, link_address, handlers, endpoints = two_receivers_behind_one_port
     good = sign_route(endpoints[0], route_key(SECRET))
     if case == "replayed":
@@ -131,7 +154,8 @@ async def test_a_routed_port_needs_the_route_key():
 
 
 async def test_a_peer_that_never_names_its_target_is_dropped_after_the_route_timeout(
-        two_receivers_behind_one_port, monkeypatch):
+    two_receivers_behind_one_port, monkeypatch
+):
     import infra.wan_link
 
     monkeypatch.setattr(infra.wan_link, "ROUTE_TIMEOUT_S", 0.2)

@@ -25,10 +25,10 @@ from dataclasses import replace
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from loadtest.sim.cluster import Setting, Sla, build, Counts, instance_chips, preset, preset_source  # noqa: E402
-from loadtest.sim.planner import DECODE_UTILISATION, PREFILL_UTILISATION, size  # noqa: E402
+from loadtest.sim.cluster import Counts, Setting, Sla, build, instance_chips, preset, preset_source
+from loadtest.sim.planner import DECODE_UTILISATION, PREFILL_UTILISATION, size
 
 HIT_PRICE = 0.1
 """Hit tokens are billed at 10 % of a miss (the paper's 10-25 %, low end)."""
@@ -86,16 +86,21 @@ class _RequestCost:
         batch = self.decode.max_sequences
         step_s = self.decode.cost.step_s([], batch, int(batch * (prompt_tokens + output_tokens / 2)))
         decode_s = step_s * output_tokens / batch
-        return (self.prefill.price * prefill_s / PREFILL_UTILISATION
-                + self.decode.price * decode_s / DECODE_UTILISATION)
+        return self.prefill.price * prefill_s / PREFILL_UTILISATION + self.decode.price * decode_s / DECODE_UTILISATION
 
 
-def cost_model_bathtub(setting: Setting, prompt_tokens: int = 65536, output_tokens: int = 1024,
-                       hit_rates=FINE_HIT_RATES) -> list[dict]:
+def cost_model_bathtub(
+    setting: Setting, prompt_tokens: int = 65536, output_tokens: int = 1024, hit_rates=FINE_HIT_RATES
+) -> list[dict]:
     """BCR (best = 1) at each hit rate, from the cost model."""
     cost = _RequestCost(setting)
-    points = [{"hit_rate": hit, "bcr": revenue_per_request(prompt_tokens, output_tokens, hit)
-               / cost(hit, prompt_tokens, output_tokens)} for hit in hit_rates]
+    points = [
+        {
+            "hit_rate": hit,
+            "bcr": revenue_per_request(prompt_tokens, output_tokens, hit) / cost(hit, prompt_tokens, output_tokens),
+        }
+        for hit in hit_rates
+    ]
     return _normalised(points)
 
 
@@ -112,14 +117,31 @@ def simulated_bathtub(setting: Setting, sla: Sla, rate_rps: float, num_requests:
     workload = preset("agentic")
     points, start = [], None
     for hit in SIMULATED_HIT_RATES:
-        plan = size(DESIGN, setting, preset_source(workload), rate_rps, sla, num_requests=num_requests,
-                    seed=seed, start=start, fixed_hit_rate=hit)
+        plan = size(
+            DESIGN,
+            setting,
+            preset_source(workload),
+            rate_rps,
+            sla,
+            num_requests=num_requests,
+            seed=seed,
+            start=start,
+            fixed_hit_rate=hit,
+        )
         start = plan.counts
         revenue = plan.evaluation.summary["goodput_rps"] * revenue_per_request(
-            workload.context_tokens, workload.output_tokens, hit)
+            workload.context_tokens, workload.output_tokens, hit
+        )
         chips = (plan.counts.prefill + plan.counts.main_decode) * instance_chips(setting, setting.chip_a)
-        points.append({"hit_rate": hit, "bcr": revenue / chips, "prefill": plan.counts.prefill,
-                       "main_decode": plan.counts.main_decode, "meets_sla": plan.feasible})
+        points.append(
+            {
+                "hit_rate": hit,
+                "bcr": revenue / chips,
+                "prefill": plan.counts.prefill,
+                "main_decode": plan.counts.main_decode,
+                "meets_sla": plan.feasible,
+            }
+        )
     return _normalised(points)
 
 
@@ -129,15 +151,22 @@ def has_valley(points: list[dict], middle=(0.3, 0.7)) -> bool:
     return bool(inside) and min(inside) < min(points[0]["bcr"], points[-1]["bcr"])
 
 
-def tail_chunk_penalty(setting: Setting, prompt_tokens: int = 65536, output_tokens: int = 1024,
-                       hit_rates=FINE_HIT_RATES) -> list[dict]:
+def tail_chunk_penalty(
+    setting: Setting, prompt_tokens: int = 65536, output_tokens: int = 1024, hit_rates=FINE_HIT_RATES
+) -> list[dict]:
     """At each hit rate, how much dearer a request is on an engine that prefills one request at a
     time than on one that batches chunks across requests (1.0: no dearer)."""
     batched = _RequestCost(replace(setting, max_prefill_requests=0))
     alone = _RequestCost(replace(setting, max_prefill_requests=1))
-    return [{"hit_rate": hit, "cost_ratio": round(alone(hit, prompt_tokens, output_tokens)
-                                                  / batched(hit, prompt_tokens, output_tokens), 5)}
-            for hit in hit_rates]
+    return [
+        {
+            "hit_rate": hit,
+            "cost_ratio": round(
+                alone(hit, prompt_tokens, output_tokens) / batched(hit, prompt_tokens, output_tokens), 5
+            ),
+        }
+        for hit in hit_rates
+    ]
 
 
 def dips(penalty: list[dict], threshold: float = 1.01) -> list[float]:
@@ -158,16 +187,20 @@ def _normalised(points: list[dict]) -> list[dict]:
     return [{**p, "bcr": round(p["bcr"] / top, 4)} for p in points]
 
 
-def plot(by_model: dict, simulated: list[dict], simulated_model: str, penalty: list[dict], penalty_model: str,
-         path):
+def plot(by_model: dict, simulated: list[dict], simulated_model: str, penalty: list[dict], penalty_model: str, path):
     """Left: BCR against hits per model (cost model) and the simulator's re-sized points. Right:
     what prefilling one request at a time costs over batching chunks (the tail-chunk dips)."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     for name, points in by_model.items():
         left.plot([p["hit_rate"] for p in points], [p["bcr"] for p in points], label=name)
     if simulated:
-        left.plot([p["hit_rate"] for p in simulated], [p["bcr"] for p in simulated], "o", color="black",
-                  label=f"{simulated_model}, re-sized by the simulator")
+        left.plot(
+            [p["hit_rate"] for p in simulated],
+            [p["bcr"] for p in simulated],
+            "o",
+            color="black",
+            label=f"{simulated_model}, re-sized by the simulator",
+        )
     left.set_ylabel("BCR (revenue per cost, each curve's best = 1)")
     left.set_title("BCR against prefix hits, same-DC PD")
     right.plot([p["hit_rate"] for p in penalty], [p["cost_ratio"] for p in penalty])

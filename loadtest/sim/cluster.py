@@ -81,9 +81,9 @@ class Setting:
     chip_a: str = "H100-SXM"
     chip_b: str = "H200-SXM"
     model: str = "llama-3.1-8b-fp8kv"
-    link: LinkSpec = LinkSpec(25e9, 0.02, 0.002, 64 << 20)
+    link: LinkSpec = field(default_factory=lambda: LinkSpec(25e9, 0.02, 0.002, 64 << 20))
     block_size: int = 256
-    efficiency: Efficiency = Efficiency()
+    efficiency: Efficiency = field(default_factory=Efficiency)
     cache_tier_bytes: float = 256e9
     rdma_bytes_per_s: float = 50e9
     max_batch_tokens: int = 8192
@@ -106,8 +106,13 @@ def instance_chips(setting: Setting, chip_name: str) -> int:
     if given:
         return given
     spec, served = chip(chip_name), model(setting.model)
-    need = served.weight_bytes + MIN_REQUESTS_PER_INSTANCE * setting.request_tokens * served.kv_bytes_per_token / \
-        setting.efficiency.kv_memory_share
+    need = (
+        served.weight_bytes
+        + MIN_REQUESTS_PER_INSTANCE
+        * setting.request_tokens
+        * served.kv_bytes_per_token
+        / setting.efficiency.kv_memory_share
+    )
     chips = 1
     while chips * spec.hbm_bytes < need and chips < 64:
         chips *= 2
@@ -129,12 +134,14 @@ class Counts:
 
 def _role(setting: Setting, chip_name: str, count: int, price: float | None) -> RolePool:
     spec, chips = chip(chip_name, price), instance_chips(setting, chip_name)
-    cost = RooflineCostModel(spec, model(setting.model), setting.efficiency, setting.max_batch_tokens, chips,
-                             setting.max_prefill_requests)
+    cost = RooflineCostModel(
+        spec, model(setting.model), setting.efficiency, setting.max_batch_tokens, chips, setting.max_prefill_requests
+    )
     pool_blocks = cost.kv_capacity_tokens // setting.block_size
     max_sequences = max(1, cost.kv_capacity_tokens // setting.request_tokens)
-    return RolePool(count, cost, pool_blocks, max_sequences=max_sequences, price=spec.price * chips,
-                    chip=chip_name, chips=chips)
+    return RolePool(
+        count, cost, pool_blocks, max_sequences=max_sequences, price=spec.price * chips, chip=chip_name, chips=chips
+    )
 
 
 def build(design: str, counts: Counts, setting: Setting) -> Deployment:
@@ -145,12 +152,21 @@ def build(design: str, counts: Counts, setting: Setting) -> Deployment:
     spec = model(setting.model)
     tier = int(setting.cache_tier_bytes // (spec.kv_bytes_per_token * setting.block_size))
     return Deployment(
-        _role(setting, setting.chip_a, counts.prefill, None), _role(setting, setting.chip_a, relays, None),
-        _role(setting, decode_chip, counts.main_decode, decode_price), setting.link, setting.block_size,
-        spec.kv_bytes_per_token, md_site="site-a" if design == "same-dc-pd" else "site-b",
-        pipeline_policy="auto" if design == "pdd" else "P-MD", md_prefix_cache=design != "cross-dc-pd",
-        cache_tier_blocks=tier, local_bytes_per_s=setting.rdma_bytes_per_s, local_latency_s=0.0005,
-        initial_wan_bps=setting.link.bandwidth_bps, initial_wan_rtt_s=setting.link.rtt_s)
+        _role(setting, setting.chip_a, counts.prefill, None),
+        _role(setting, setting.chip_a, relays, None),
+        _role(setting, decode_chip, counts.main_decode, decode_price),
+        setting.link,
+        setting.block_size,
+        spec.kv_bytes_per_token,
+        md_site="site-a" if design == "same-dc-pd" else "site-b",
+        pipeline_policy="auto" if design == "pdd" else "P-MD",
+        md_prefix_cache=design != "cross-dc-pd",
+        cache_tier_blocks=tier,
+        local_bytes_per_s=setting.rdma_bytes_per_s,
+        local_latency_s=0.0005,
+        initial_wan_bps=setting.link.bandwidth_bps,
+        initial_wan_rtt_s=setting.link.rtt_s,
+    )
 
 
 @dataclass
@@ -193,13 +209,28 @@ def preset_source(preset: Preset) -> WorkloadSource:
     return lambda **kw: synthetic(preset, **kw)
 
 
-def evaluate(design: str, counts: Counts, setting: Setting, source: WorkloadSource, rate_rps: float, sla: Sla, *,
-             num_requests: int = 900, seed: int = 0, fixed_hit_rate: float | None = None) -> Evaluation:
+def evaluate(
+    design: str,
+    counts: Counts,
+    setting: Setting,
+    source: WorkloadSource,
+    rate_rps: float,
+    sla: Sla,
+    *,
+    num_requests: int = 900,
+    seed: int = 0,
+    fixed_hit_rate: float | None = None,
+) -> Evaluation:
     """Simulate ``num_requests`` at ``rate_rps``; judge the requests that arrived after the first
     third (the cluster fills up before that)."""
     deployment = build(design, counts, setting)
-    workload = source(rate_rps=rate_rps, num_requests=num_requests, block_size=setting.block_size,
-                      seed=seed, fixed_hit_rate=fixed_hit_rate)
+    workload = source(
+        rate_rps=rate_rps,
+        num_requests=num_requests,
+        block_size=setting.block_size,
+        seed=seed,
+        fixed_hit_rate=fixed_hit_rate,
+    )
     last_arrival = max(r.start_s for r in workload.requests)
     warmup = last_arrival / 3
     simulator = Simulator(deployment, seed=seed)
@@ -214,24 +245,41 @@ def evaluate(design: str, counts: Counts, setting: Setting, source: WorkloadSour
     itl_q = gap_quantile([g for r in measured for g in r.gaps], sla.quantile)
     summary["ttft_quantile_s"], summary["itl_quantile_s"] = ttft_q, itl_q
     summary["goodput_rps"] = round(sum(1 for r in measured if sla.request_ok(r)) / window, 3) if window else 0.0
-    busy = {role: round(sum(e.busy_s for e in engines) / len(engines) / max(simulator.events.now, 1e-9), 3)
-            for role, engines in simulator.engines.items() if engines}
-    link = (result.wan_bytes * 8 / max(simulator.events.now, 1e-9) / setting.link.bandwidth_bps
-            if design != "same-dc-pd" else 0.0)
-    return Evaluation(design, counts, deployment.cost, rate_rps, summary,
-                      ttft_q <= sla.ttft_s and itl_q <= sla.itl_s, link, max(busy, key=busy.get), busy,
-                      _waits(measured))
+    busy = {
+        role: round(sum(e.busy_s for e in engines) / len(engines) / max(simulator.events.now, 1e-9), 3)
+        for role, engines in simulator.engines.items()
+        if engines
+    }
+    link = (
+        result.wan_bytes * 8 / max(simulator.events.now, 1e-9) / setting.link.bandwidth_bps
+        if design != "same-dc-pd"
+        else 0.0
+    )
+    return Evaluation(
+        design,
+        counts,
+        deployment.cost,
+        rate_rps,
+        summary,
+        ttft_q <= sla.ttft_s and itl_q <= sla.itl_s,
+        link,
+        max(busy, key=busy.get),
+        busy,
+        _waits(measured),
+    )
 
 
 def _waits(requests) -> dict:
     """Where the slowest tenth of requests spent their time to first token."""
-    slow = sorted(requests, key=lambda r: r.ttft_s)[-max(1, len(requests) // 10):] if requests else []
+    slow = sorted(requests, key=lambda r: r.ttft_s)[-max(1, len(requests) // 10) :] if requests else []
     if not slow:
         return {}
-    return {"prefill_s": sum(r.prefill_done_s for r in slow) / len(slow),
-            "main_decode_room_s": sum(r.room_wait_s.get("md", 0.0) for r in slow) / len(slow),
-            "relay_room_s": sum(r.room_wait_s.get("relay", 0.0) for r in slow) / len(slow),
-            "ttft_s": sum(r.ttft_s for r in slow) / len(slow)}
+    return {
+        "prefill_s": sum(r.prefill_done_s for r in slow) / len(slow),
+        "main_decode_room_s": sum(r.room_wait_s.get("md", 0.0) for r in slow) / len(slow),
+        "relay_room_s": sum(r.room_wait_s.get("relay", 0.0) for r in slow) / len(slow),
+        "ttft_s": sum(r.ttft_s for r in slow) / len(slow),
+    }
 
 
 def preset(name: str) -> Preset:

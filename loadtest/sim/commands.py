@@ -30,15 +30,24 @@ def add_sim_parsers(commands):
     profile = commands.add_parser("profile", help="measure this machine's engine cost model (JSON)")
     profile.add_argument("--model", default="smollm2", help="smollm2, tiny or an HF model folder")
     profile.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    profile.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                         help="weights and KV dtype")
+    profile.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and KV dtype"
+    )
     profile.add_argument("--quick", action="store_true", help="small sizes, one repeat (a smoke run)")
     profile.add_argument("--out", default="profile.json", help="where to write the profile")
-    profile.add_argument("--no-deployment", action="store_true", help="skip the calibration runs through a "
-                         "real deployment on this machine (step speeds inside it; 1.5 minutes a run)")
-    profile.add_argument("--calibration-runs", type=int, default=None,
-                         help="fresh deployments the calibration replays its workload through; the median "
-                              "over them is kept (default 3, and 1 with --quick)")
+    profile.add_argument(
+        "--no-deployment",
+        action="store_true",
+        help="skip the calibration runs through a "
+        "real deployment on this machine (step speeds inside it; 1.5 minutes a run)",
+    )
+    profile.add_argument(
+        "--calibration-runs",
+        type=int,
+        default=None,
+        help="fresh deployments the calibration replays its workload through; the median "
+        "over them is kept (default 3, and 1 with --quick)",
+    )
     profile.set_defaults(handler=cmd_profile)
 
     sim = commands.add_parser("sim", help="the discrete-event simulator")
@@ -46,18 +55,28 @@ def add_sim_parsers(commands):
     validate = kinds.add_parser("validate", help="replay a pdd bench run folder; predicted vs measured")
     validate.add_argument("dir", help="a pdd bench run --out folder (results.json, records.json)")
     validate.add_argument("--profile", default=str(REPO_PROFILE), help="cost profile from pdd profile")
-    validate.add_argument("--cores", type=int, default=None, help="cores the engines shared (default: the "
-                          "profile's machine)")
-    validate.add_argument("--replays", type=int, default=None, help="replays of each repetition, step times "
-                          "drawn around the profile's in-deployment speeds (default 8; 1 without them)")
+    validate.add_argument(
+        "--cores", type=int, default=None, help="cores the engines shared (default: the profile's machine)"
+    )
+    validate.add_argument(
+        "--replays",
+        type=int,
+        default=None,
+        help="replays of each repetition, step times "
+        "drawn around the profile's in-deployment speeds (default 8; 1 without them)",
+    )
     # validate.STEP_SPEED_SOURCES, spelled out: importing it costs every pdd command 1.6 s
     # (tests/test_step_speeds.py keeps the two equal)
-    validate.add_argument("--step-speeds", choices=["auto", "profile", "calibration", "run"], default="auto",
-                          help="how fast each kind of step runs inside a deployment, as a factor on the "
-                               "profile's fit: calibration = measured in the run's own calibration runs "
-                               "(pdd bench run --calibrate; DIR/calibration), profile = the profile's "
-                               "calibration, run = the run's own engine-call log (DIR/engine-calls.jsonl; a "
-                               "diagnostic). auto (default): calibration if DIR has it, else profile")
+    validate.add_argument(
+        "--step-speeds",
+        choices=["auto", "profile", "calibration", "run"],
+        default="auto",
+        help="how fast each kind of step runs inside a deployment, as a factor on the "
+        "profile's fit: calibration = measured in the run's own calibration runs "
+        "(pdd bench run --calibrate; DIR/calibration), profile = the profile's "
+        "calibration, run = the run's own engine-call log (DIR/engine-calls.jsonl; a "
+        "diagnostic). auto (default): calibration if DIR has it, else profile",
+    )
     validate.add_argument("--json", action="store_true", help="machine-readable output")
     validate.set_defaults(handler=cmd_sim_validate)
     paper = kinds.add_parser("paper", help="the paper's setting at cluster scale, four designs, the bathtub")
@@ -71,14 +90,24 @@ def add_sim_parsers(commands):
     paper.set_defaults(handler=cmd_sim_paper)
 
     plan = commands.add_parser("plan", help="cheapest prefill/relay/main-decode counts for a workload, link and SLA")
-    plan.add_argument("--workload", required=True, help="a preset (agentic, chat) or a pdd bench trace "
-                      "(JSONL, from pdd bench trace --format jsonl)")
+    plan.add_argument(
+        "--workload",
+        required=True,
+        help="a preset (agentic, chat) or a pdd bench trace (JSONL, from pdd bench trace --format jsonl)",
+    )
     plan.add_argument("--link", default="25gbit,20ms", help="WAN rate,RTT[,jitter]")
-    plan.add_argument("--chips", default="H100-SXM,H200-SXM", help="chip A (prefill, relay), chip B (main "
-                      "decode), from loadtest/sim/chips.json")
+    plan.add_argument(
+        "--chips",
+        default="H100-SXM,H200-SXM",
+        help="chip A (prefill, relay), chip B (main decode), from loadtest/sim/chips.json",
+    )
     plan.add_argument("--sla", default="ttft_p99=10s,itl_p99=100ms", help="ttft_pNN=…,itl_pNN=… (s or ms)")
-    plan.add_argument("--rate", type=float, default=None, help="requests per second (default: the preset's, "
-                      "agentic 3, chat 20, a trace 3)")
+    plan.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="requests per second (default: the preset's, agentic 3, chat 20, a trace 3)",
+    )
     plan.add_argument("--model", default="llama-3.1-8b-fp8kv", help="model from chips.json")
     plan.add_argument("--requests", type=int, default=480, help="simulated requests per evaluation")
     plan.add_argument("--scan", action="store_true", help="also print the cost/latency frontier around the plan")
@@ -95,13 +124,18 @@ def cmd_profile(args) -> int:
         raise PlanInputError(f"--calibration-runs: {args.calibration_runs} (at least 1; --no-deployment skips them)")
     # the deployment's engines run on the CPU, in float32
     calibrate = not args.no_deployment and args.device == "cpu" and args.dtype == "float32"
-    profile = measure_profile(load_model(args.model, device=args.device, dtype=args.dtype), quick=args.quick,
-                              deployment_model=args.model if calibrate else None,
-                              calibration_runs=args.calibration_runs)
+    profile = measure_profile(
+        load_model(args.model, device=args.device, dtype=args.dtype),
+        quick=args.quick,
+        deployment_model=args.model if calibrate else None,
+        calibration_runs=args.calibration_runs,
+    )
     write_profile(profile, Path(args.out))
     errors = [abs(s["rel_error"]) for s in profile["samples"]]
-    print(f"{len(errors)} samples, fit error median {sorted(errors)[len(errors) // 2]:.0%}, "
-          f"max {max(errors):.0%}; profile in {args.out}")
+    print(
+        f"{len(errors)} samples, fit error median {sorted(errors)[len(errors) // 2]:.0%}, "
+        f"max {max(errors):.0%}; profile in {args.out}"
+    )
     return 0
 
 
@@ -120,8 +154,14 @@ def cmd_sim_paper(args) -> int:
     from loadtest.sim.paper import render, run_paper
 
     _check_catalogue([], args.model)
-    report = run_paper(Path(args.out), rate_rps=args.rate, num_requests=args.requests, sla=Sla(), seed=args.seed,
-                       setting=Setting(model=args.model, link=parse_link(args.link)))
+    report = run_paper(
+        Path(args.out),
+        rate_rps=args.rate,
+        num_requests=args.requests,
+        sla=Sla(),
+        seed=args.seed,
+        setting=Setting(model=args.model, link=parse_link(args.link)),
+    )
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
 
@@ -134,8 +174,12 @@ def parse_link(text: str):
     parts = [p.strip() for p in text.split(",")]
     if len(parts) not in (2, 3):
         raise PlanInputError(f"--link {text!r}: expected RATE,RTT[,JITTER] such as 25gbit,20ms")
-    return LinkSpec(parse_rate(parts[0]), parse_ms(parts[1]) / 1000, parse_ms(parts[2]) / 1000 if len(parts) == 3 else 0.0,
-                    WAN_SOCKET_BUFFER_BYTES)
+    return LinkSpec(
+        parse_rate(parts[0]),
+        parse_ms(parts[1]) / 1000,
+        parse_ms(parts[2]) / 1000 if len(parts) == 3 else 0.0,
+        WAN_SOCKET_BUFFER_BYTES,
+    )
 
 
 def parse_sla(text: str):
@@ -153,8 +197,12 @@ def parse_sla(text: str):
     if len(quantiles) > 1:
         raise PlanInputError(f"--sla {text!r}: give TTFT and ITL at the same percentile")
     sla = Sla()
-    return replace(sla, ttft_s=bounds.get("ttft", sla.ttft_s), itl_s=bounds.get("itl", sla.itl_s),
-                   quantile=quantiles.pop() if quantiles else sla.quantile)
+    return replace(
+        sla,
+        ttft_s=bounds.get("ttft", sla.ttft_s),
+        itl_s=bounds.get("itl", sla.itl_s),
+        quantile=quantiles.pop() if quantiles else sla.quantile,
+    )
 
 
 def _seconds(value: str) -> float:
@@ -185,8 +233,9 @@ def workload_source(name: str):
     from loadtest.trace import load_trace
     from shared.model_loader import load_metadata
 
-    base = from_trace(load_trace(path), load_metadata("smollm2").tokenizer, 256, concurrency=0,
-                      system_prompt=SYSTEM, name=path.name)
+    base = from_trace(
+        load_trace(path), load_metadata("smollm2").tokenizer, 256, concurrency=0, system_prompt=SYSTEM, name=path.name
+    )
     return (lambda **kw: retimed(base, **{k: v for k, v in kw.items()})), 3.0
 
 
@@ -202,8 +251,14 @@ def cmd_plan(args) -> int:
     _check_catalogue(chips, args.model)
     source, default_rate = workload_source(args.workload)
     setting = Setting(chip_a=chips[0], chip_b=chips[1], model=args.model, link=parse_link(args.link))
-    report = plan_report(setting, source, args.rate or default_rate, parse_sla(args.sla),
-                         num_requests=args.requests, with_frontier=args.scan)
+    report = plan_report(
+        setting,
+        source,
+        args.rate or default_rate,
+        parse_sla(args.sla),
+        num_requests=args.requests,
+        with_frontier=args.scan,
+    )
     report["duration_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report, indent=2) if args.json else render_plan(report))
     return 0

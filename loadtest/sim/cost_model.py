@@ -207,9 +207,9 @@ class RooflineCostModel:
         spec = self.model
         new = sum(n for n, _ in chunks)
         chunk_pairs = sum(n * (context + n / 2) for n, context in chunks)
-        flops = (2 * spec.params * (new + num_decode)
-                 + 4 * spec.num_layers * (spec.attention_dim * chunk_pairs
-                                          + (spec.decode_attention_dim or spec.attention_dim) * decode_context_tokens))
+        flops = 2 * spec.params * (new + num_decode) + 4 * spec.num_layers * (
+            spec.attention_dim * chunk_pairs + (spec.decode_attention_dim or spec.attention_dim) * decode_context_tokens
+        )
         read_tokens = sum(context for _, context in chunks) + decode_context_tokens
         moved = spec.weight_bytes_read(new + num_decode) + spec.kv_bytes_per_token * (read_tokens + new + num_decode)
         compute_s = flops / (self.chip.peak_flops * self.chips * self.efficiency.flops)
@@ -236,20 +236,37 @@ def catalogue() -> dict:
 def chip(name: str, price: float | None = None) -> ChipSpec:
     """A chip from the catalogue (``price`` overrides its assumed relative price)."""
     entry = catalogue()["chips"][name]
-    spec = ChipSpec(name, entry["peak_bf16_flops"]["value"], entry["hbm_bytes_per_s"]["value"],
-                    entry["hbm_bytes"]["value"], entry["price"]["value"],
-                    {key: value["source"] for key, value in entry.items() if isinstance(value, dict)})
-    return spec if price is None else ChipSpec(spec.name, spec.peak_flops, spec.hbm_bytes_per_s,
-                                               spec.hbm_bytes, price, spec.sources)
+    spec = ChipSpec(
+        name,
+        entry["peak_bf16_flops"]["value"],
+        entry["hbm_bytes_per_s"]["value"],
+        entry["hbm_bytes"]["value"],
+        entry["price"]["value"],
+        {key: value["source"] for key, value in entry.items() if isinstance(value, dict)},
+    )
+    return (
+        spec
+        if price is None
+        else ChipSpec(spec.name, spec.peak_flops, spec.hbm_bytes_per_s, spec.hbm_bytes, price, spec.sources)
+    )
 
 
 def model(name: str) -> ModelSpec:
     """A model from the catalogue."""
     entry = catalogue()["models"][name]
-    return ModelSpec(name, entry["params"], entry["weight_bytes"], entry["num_layers"], entry["attention_dim"],
-                     entry["kv_bytes_per_token"], entry["source"], entry.get("decode_attention_dim", 0),
-                     entry.get("expert_weight_bytes", 0.0), entry.get("num_experts", 0),
-                     entry.get("experts_per_token", 0))
+    return ModelSpec(
+        name,
+        entry["params"],
+        entry["weight_bytes"],
+        entry["num_layers"],
+        entry["attention_dim"],
+        entry["kv_bytes_per_token"],
+        entry["source"],
+        entry.get("decode_attention_dim", 0),
+        entry.get("expert_weight_bytes", 0.0),
+        entry.get("num_experts", 0),
+        entry.get("experts_per_token", 0),
+    )
 
 
 def load_linear(path: Path) -> LinearCostModel:
@@ -257,8 +274,14 @@ def load_linear(path: Path) -> LinearCostModel:
     data = json.loads(Path(path).read_text())["cost_model"]
     coefficients = list(data["coefficients"])
     coefficients += [0.0] * (len(FEATURES) - len(coefficients))  # a profile from before a term was added
-    return LinearCostModel(tuple(coefficients), data["export_bytes_per_s"], data["import_bytes_per_s"],
-                           data["kv_bytes_per_token"], data["max_batch_tokens"], data.get("source", ""))
+    return LinearCostModel(
+        tuple(coefficients),
+        data["export_bytes_per_s"],
+        data["import_bytes_per_s"],
+        data["kv_bytes_per_token"],
+        data["max_batch_tokens"],
+        data.get("source", ""),
+    )
 
 
 def linear_as_json(model: LinearCostModel) -> dict:

@@ -35,16 +35,25 @@ class RolePool:
 def router_policy() -> tuple[float, OddTrafficRule, float, float]:
     """The router's defaults: TTFT target, odd-traffic rule, initial WAN estimate (bps, s)."""
     config = RouterConfig()
-    rule = OddTrafficRule(config.odd_traffic_filter, config.odd_max_output_tokens,
-                          config.relay_step_ms / 1000, config.ttft_target_ms / 1000)
+    rule = OddTrafficRule(
+        config.odd_traffic_filter,
+        config.odd_max_output_tokens,
+        config.relay_step_ms / 1000,
+        config.ttft_target_ms / 1000,
+    )
     return config.ttft_target_ms / 1000, rule, config.wan_bandwidth_mbit * 1e6, config.wan_rtt_ms / 1000
 
 
 def handoff_policy() -> HandoffPolicy:
     """The relay's defaults."""
     config = RelayDecodeConfig()
-    return HandoffPolicy(config.catch_up_threshold_tokens, config.final_gap_tokens, config.load_watermark,
-                         config.max_catch_up_chunks, config.max_chunk_tokens)
+    return HandoffPolicy(
+        config.catch_up_threshold_tokens,
+        config.final_gap_tokens,
+        config.load_watermark,
+        config.max_catch_up_chunks,
+        config.max_chunk_tokens,
+    )
 
 
 @dataclass(frozen=True)

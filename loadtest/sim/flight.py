@@ -28,8 +28,9 @@ class Flight:
 
     def __init__(self, request: SimRequest, arrival_s: float):
         self.request, self.arrival_s = request, arrival_s
-        self.result = RequestResult(request.session, request.turn, request.kind, request.prompt_tokens,
-                                    request.output_tokens)
+        self.result = RequestResult(
+            request.session, request.turn, request.kind, request.prompt_tokens, request.output_tokens
+        )
         self.placement = None
         self.delivered = 0
         self.last_token_s = None

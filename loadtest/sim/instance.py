@@ -30,14 +30,21 @@ class Host:
     ``min(1, cores / (threads_per_engine * busy))`` of its full speed. An idle engine's loop
     starts a step ``wake_s`` after work arrives (what arrives meanwhile shares the step)."""
 
-    def __init__(self, cores: int, threads_per_engine: int, measured: dict | None = None,
-                 step_speeds: dict | None = None, rng: random.Random | None = None, wake_s: float = 0.0):
+    def __init__(
+        self,
+        cores: int,
+        threads_per_engine: int,
+        measured: dict | None = None,
+        step_speeds: dict | None = None,
+        rng: random.Random | None = None,
+        wake_s: float = 0.0,
+    ):
         self.cores, self.threads_per_engine = cores, threads_per_engine
         self.measured = {int(k): v for k, v in (measured or {}).items()}
         self.step_speeds = step_speeds or {}
         self.rng = rng
         self.wake_s = wake_s
-        self.engines: list["SimEngine"] = []
+        self.engines: list[SimEngine] = []
 
     def step_speed(self, engine: "SimEngine") -> float:
         """Speed of ``engine``'s step (or call) now."""
@@ -146,8 +153,18 @@ class _Step:
 class SimEngine:
     """One instance's engine thread."""
 
-    def __init__(self, events: EventQueue, name: str, role: str, site: str, cost, pool: SimKvPool, *,
-                 max_sequences: int, host: Host | None = None):
+    def __init__(
+        self,
+        events: EventQueue,
+        name: str,
+        role: str,
+        site: str,
+        cost,
+        pool: SimKvPool,
+        *,
+        max_sequences: int,
+        host: Host | None = None,
+    ):
         self.events, self.name, self.role, self.site = events, name, role, site
         self.cost, self.pool, self.max_sequences, self.host = cost, pool, max_sequences, host
         self.running: list[DecodeSeq] = []
@@ -329,8 +346,9 @@ class SimEngine:
                 seq.remaining -= done
                 seq.emitted += done
                 seq.context_tokens += done
-                callbacks.append(lambda seq=seq, first=step.started_s + wall_per_step: seq.on_tokens(
-                    seq, done, first, wall_per_step))
+                callbacks.append(
+                    lambda seq=seq, first=step.started_s + wall_per_step: seq.on_tokens(seq, done, first, wall_per_step)
+                )
         step.count -= done
         step.work_done -= done
         step.started_s += done * wall_per_step

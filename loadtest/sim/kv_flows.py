@@ -27,8 +27,9 @@ class KvFlows:
         if path != "md":
             self._when_room(flight, receiver, path)
             return
-        flight.claim = self._lines[receiver.name].claim(flight.key,
-                                                        list(flight.request.prompt_blocks(self.d.block_size)))
+        flight.claim = self._lines[receiver.name].claim(
+            flight.key, list(flight.request.prompt_blocks(self.d.block_size))
+        )
         self._claimed[receiver.name][flight.key] = flight
         self._wait_in_line(flight, receiver)
 
@@ -97,7 +98,11 @@ class KvFlows:
         flight.shipped.add(path)
         first = flight.first_needed[path]
         num_bytes = (flight.request.prompt_tokens - first) * self.d.kv_bytes_per_token
-        export_s = 0.0 if first in flight.exported else self.by_name[flight.placement.prefill.instance_id].cost.export_s(num_bytes)
+        export_s = (
+            0.0
+            if first in flight.exported
+            else self.by_name[flight.placement.prefill.instance_id].cost.export_s(num_bytes)
+        )
         flight.exported.add(first)
         prefill = self.by_name[flight.placement.prefill.instance_id]
         prefill.add_serial(export_s, lambda: self._send(flight, path, num_bytes))
@@ -105,7 +110,9 @@ class KvFlows:
     def _send(self, flight: Flight, path: str, num_bytes: int):
         if path == "relay":
             relay = self.by_name[flight.placement.relay_decode.instance_id]
-            self.local.send(num_bytes, lambda _: self.import_kv(relay, num_bytes, lambda: self.sim.relay.start(flight, relay)))
+            self.local.send(
+                num_bytes, lambda _: self.import_kv(relay, num_bytes, lambda: self.sim.relay.start(flight, relay))
+            )
             return
         if flight.odd.state.value == "wan_cancelled":
             self.claim_done(flight)

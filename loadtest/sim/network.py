@@ -27,7 +27,7 @@ class LinkSpec:
 
 
 class _Flow:
-    __slots__ = ("remaining_bytes", "num_bytes", "on_done", "started_s", "cancelled")
+    __slots__ = ("cancelled", "num_bytes", "on_done", "remaining_bytes", "started_s")
 
     def __init__(self, num_bytes: int, on_done: Callable[[float], None], started_s: float):
         self.remaining_bytes = float(num_bytes)

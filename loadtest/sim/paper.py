@@ -15,17 +15,22 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from loadtest.sim import bathtub  # noqa: E402
-from loadtest.sim.cluster import DESIGNS, Setting, Sla, instance_chips, preset, preset_source  # noqa: E402
-from loadtest.sim.planner import Plan, size  # noqa: E402
+from loadtest.sim import bathtub
+from loadtest.sim.cluster import DESIGNS, Setting, Sla, instance_chips, preset, preset_source
+from loadtest.sim.planner import Plan, size
 
 PAPER = {
-    "same_dc_chips_a": 88, "pdd_chips_a": 43, "pdd_chips_b": 32,
+    "same_dc_chips_a": 88,
+    "pdd_chips_a": 43,
+    "pdd_chips_b": 32,
     "cost_change_at_premium": {"0.2": -0.071, "0.3": -0.035},
-    "ttft_change_vs_cross_dc_pd": -0.515, "goodput_change": 0.278, "bcr_change_up_to": 0.375,
-    "rld_token_share": 0.062, "bathtub_dips_at_hit_rate": [0.2, 0.4, 0.7],
+    "ttft_change_vs_cross_dc_pd": -0.515,
+    "goodput_change": 0.278,
+    "bcr_change_up_to": 0.375,
+    "rld_token_share": 0.062,
+    "bathtub_dips_at_hit_rate": [0.2, 0.4, 0.7],
     "source": "the PDD technical report (Infinigence-AI, 2026), as summarised in the project brief",
 }
 PREMIUMS = (0.2, 0.3)
@@ -59,11 +64,15 @@ def design_figures(plans: dict[str, Plan], setting: Setting) -> dict:
         chips_a, chips_b = _chips(plan, design, setting)
         cost = _cost(plan, design, PREMIUMS[0], setting)
         out[design] = {
-            "chips_a": chips_a, "chips_b": chips_b,
-            "prefill": plan.counts.prefill, "relay_decode": plan.counts.relay_decode if design == "pdd" else 0,
-            "main_decode": plan.counts.main_decode, "meets_sla": plan.feasible,
+            "chips_a": chips_a,
+            "chips_b": chips_b,
+            "prefill": plan.counts.prefill,
+            "relay_decode": plan.counts.relay_decode if design == "pdd" else 0,
+            "main_decode": plan.counts.main_decode,
+            "meets_sla": plan.feasible,
             "cost_rel_same_dc": {str(p): round(_cost(plan, design, p, setting) / base[p], 4) for p in PREMIUMS},
-            "ttft_p50_ms": summary["ttft_ms"]["p50"], "ttft_p99_ms": summary["ttft_ms"]["p99"],
+            "ttft_p50_ms": summary["ttft_ms"]["p50"],
+            "ttft_p99_ms": summary["ttft_ms"]["p99"],
             "ttft_mean_ms": summary["ttft_ms"]["mean"],
             "goodput_rps": summary["goodput_rps"],
             "bcr": round(summary["goodput_rps"] / cost, 5) if cost else 0.0,
@@ -100,39 +109,67 @@ def bathtub_figures(setting: Setting, sla: Sla, rate_rps: float, num_requests: i
     penalty = bathtub.tail_chunk_penalty(paper_class)
     bathtub.plot(by_model, simulated, setting.model, penalty, PAPER_CLASS_MODEL, png)
     return {
-        "bathtub": by_model[PAPER_CLASS_MODEL], "bathtub_model": PAPER_CLASS_MODEL,
+        "bathtub": by_model[PAPER_CLASS_MODEL],
+        "bathtub_model": PAPER_CLASS_MODEL,
         "bathtub_valley": {name: bathtub.has_valley(points) for name, points in by_model.items()},
-        "decode_share_of_cold_prefill": {name: round(bathtub.decode_share_of_cold_prefill(
-            replace(setting, model=name)), 4) for name in BATHTUB_MODELS},
+        "decode_share_of_cold_prefill": {
+            name: round(bathtub.decode_share_of_cold_prefill(replace(setting, model=name)), 4)
+            for name in BATHTUB_MODELS
+        },
         "bathtub_by_model": by_model,
         "bathtub_simulated": {"model": setting.model, "points": simulated},
-        "tail_chunk": {"model": PAPER_CLASS_MODEL, "max_batch_tokens": setting.max_batch_tokens,
-                       "worst_cost_ratio": max(p["cost_ratio"] for p in penalty),
-                       "dips_at_hit_rate": bathtub.dips(penalty, 1.005), "cost_ratio": penalty[::4]},
+        "tail_chunk": {
+            "model": PAPER_CLASS_MODEL,
+            "max_batch_tokens": setting.max_batch_tokens,
+            "worst_cost_ratio": max(p["cost_ratio"] for p in penalty),
+            "dips_at_hit_rate": bathtub.dips(penalty, 1.005),
+            "cost_ratio": penalty[::4],
+        },
     }
 
 
-def run_paper(out: Path, *, rate_rps: float, num_requests: int, sla: Sla, setting: Setting | None = None,
-              seed: int = 0, bathtub_requests: int | None = None) -> dict:
+def run_paper(
+    out: Path,
+    *,
+    rate_rps: float,
+    num_requests: int,
+    sla: Sla,
+    setting: Setting | None = None,
+    seed: int = 0,
+    bathtub_requests: int | None = None,
+) -> dict:
     """Size the four designs, run the bathtub, write ``paper.json`` and the PNGs."""
     started = time.perf_counter()
     setting = setting or Setting()
     out.mkdir(parents=True, exist_ok=True)
     source = preset_source(preset("agentic"))
-    plans = {design: size(design, setting, source, rate_rps, sla, num_requests=num_requests, seed=seed)
-             for design in DESIGNS}
+    plans = {
+        design: size(design, setting, source, rate_rps, sla, num_requests=num_requests, seed=seed) for design in DESIGNS
+    }
     designs = design_figures(plans, setting)
-    report = {"designs": designs, **bathtub_figures(setting, sla, rate_rps, bathtub_requests or num_requests // 2,
-                                                    seed, out / "bathtub.png"),
-              "paper": PAPER,
-              "setting": {"chip_a": setting.chip_a, "chip_b": setting.chip_b, "model": setting.model,
-                          "chips_per_instance": {"a": instance_chips(setting, setting.chip_a),
-                                                 "b": instance_chips(setting, setting.chip_b)},
-                          "link_gbit": setting.link.bandwidth_bps / 1e9, "link_rtt_ms": setting.link.rtt_s * 1000,
-                          "rate_rps": rate_rps, "requests": num_requests, "sla": sla.__dict__,
-                          "hit_price": bathtub.HIT_PRICE, "output_price": bathtub.OUTPUT_PRICE,
-                          "cache_tier_gb": setting.cache_tier_bytes / 1e9},
-              "duration_s": 0.0}
+    report = {
+        "designs": designs,
+        **bathtub_figures(setting, sla, rate_rps, bathtub_requests or num_requests // 2, seed, out / "bathtub.png"),
+        "paper": PAPER,
+        "setting": {
+            "chip_a": setting.chip_a,
+            "chip_b": setting.chip_b,
+            "model": setting.model,
+            "chips_per_instance": {
+                "a": instance_chips(setting, setting.chip_a),
+                "b": instance_chips(setting, setting.chip_b),
+            },
+            "link_gbit": setting.link.bandwidth_bps / 1e9,
+            "link_rtt_ms": setting.link.rtt_s * 1000,
+            "rate_rps": rate_rps,
+            "requests": num_requests,
+            "sla": sla.__dict__,
+            "hit_price": bathtub.HIT_PRICE,
+            "output_price": bathtub.OUTPUT_PRICE,
+            "cache_tier_gb": setting.cache_tier_bytes / 1e9,
+        },
+        "duration_s": 0.0,
+    }
     plot_designs(designs, out / "designs.png")
     report["duration_s"] = round(time.perf_counter() - started, 1)
     (out / "paper.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -142,33 +179,53 @@ def run_paper(out: Path, *, rate_rps: float, num_requests: int, sla: Sla, settin
 def render(report: dict) -> str:
     """The designs beside the paper's figures."""
     d, paper = report["designs"], report["paper"]
-    lines = [f"{'design':<16} {'chips A':>7} {'chips B':>7} {'cost@20%':>8} {'cost@30%':>8} {'TTFT p50':>9} "
-             f"{'TTFT p99':>9} {'goodput':>8} {'BCR':>8} {'RLD share':>9} {'link':>5} SLA"]
+    lines = [
+        (
+            f"{'design':<16} {'chips A':>7} {'chips B':>7} {'cost@20%':>8} {'cost@30%':>8} {'TTFT p50':>9} "
+            f"{'TTFT p99':>9} {'goodput':>8} {'BCR':>8} {'RLD share':>9} {'link':>5} SLA"
+        )
+    ]
     for name, f in d.items():
-        lines.append(f"{name:<16} {f['chips_a']:>7} {f['chips_b']:>7} {f['cost_rel_same_dc']['0.2']:>8.3f} "
-                     f"{f['cost_rel_same_dc']['0.3']:>8.3f} {f['ttft_p50_ms']:>9,.0f} {f['ttft_p99_ms']:>9,.0f} "
-                     f"{f['goodput_rps']:>8.2f} {f['bcr']:>8.4f} {f['rld_token_share']:>9.3f} "
-                     f"{f['link_utilisation']:>5.2f} {'met' if f['meets_sla'] else 'MISSED'}")
+        lines.append(
+            f"{name:<16} {f['chips_a']:>7} {f['chips_b']:>7} {f['cost_rel_same_dc']['0.2']:>8.3f} "
+            f"{f['cost_rel_same_dc']['0.3']:>8.3f} {f['ttft_p50_ms']:>9,.0f} {f['ttft_p99_ms']:>9,.0f} "
+            f"{f['goodput_rps']:>8.2f} {f['bcr']:>8.4f} {f['rld_token_share']:>9.3f} "
+            f"{f['link_utilisation']:>5.2f} {'met' if f['meets_sla'] else 'MISSED'}"
+        )
     pdd, same, cross = d["pdd"], d["same-dc-pd"], d["cross-dc-pd"]
-    lines += ["", "ours vs the paper's:",
-              f"  cost of PDD / same-DC PD: {pdd['cost_rel_same_dc']['0.2'] - 1:+.1%} at +20 %, "
-              f"{pdd['cost_rel_same_dc']['0.3'] - 1:+.1%} at +30 % (paper: -7.1 % / -3.5 %)",
-              f"  chips: same-DC {same['chips_a']} A; PDD {pdd['chips_a']} A + {pdd['chips_b']} B "
-              f"(paper: 88 A; 43 A + 32 B)",
-              f"  TTFT p50 PDD / cross-DC PD: {_change(pdd['ttft_p50_ms'], cross['ttft_p50_ms'])}, "
-              f"mean {_change(pdd['ttft_mean_ms'], cross['ttft_mean_ms'])} (paper: -51.5 %)",
-              f"  BCR PDD / same-DC PD: {_change(pdd['bcr'], same['bcr'])} (paper: up to +37.5 %)",
-              f"  relay token share: {pdd['rld_token_share']:.3f} (paper: 0.062)",
-              f"  bathtub, {report['bathtub_model']} (hit rate: BCR): " + ", ".join(
-                  f"{p['hit_rate']:g}: {p['bcr']:.2f}" for p in report["bathtub"][::20]),
-              "  a valley (BCR lower mid-way than at both ends): " + ", ".join(
-                  f"{name} {'yes' if valley else 'no'} (decode {report['decode_share_of_cold_prefill'][name]:.0%} "
-                  f"of a cold prefill)" for name, valley in report["bathtub_valley"].items()),
-              f"  simulated, {report['bathtub_simulated']['model']} re-sized: " + ", ".join(
-                  f"{p['hit_rate']:g}: {p['bcr']:.2f}" for p in report["bathtub_simulated"]["points"]),
-              f"  tail chunks, one request per step: at most {report['tail_chunk']['worst_cost_ratio'] - 1:+.1%} "
-              f"cost, dips at {report['tail_chunk']['dips_at_hit_rate']} (paper: dips at 0.2, 0.4, 0.7)",
-              f"{report['duration_s']} s; paper figures from {paper['source']}"]
+    lines += [
+        "",
+        "ours vs the paper's:",
+        (
+            f"  cost of PDD / same-DC PD: {pdd['cost_rel_same_dc']['0.2'] - 1:+.1%} at +20 %, "
+            f"{pdd['cost_rel_same_dc']['0.3'] - 1:+.1%} at +30 % (paper: -7.1 % / -3.5 %)"
+        ),
+        (
+            f"  chips: same-DC {same['chips_a']} A; PDD {pdd['chips_a']} A + {pdd['chips_b']} B "
+            f"(paper: 88 A; 43 A + 32 B)"
+        ),
+        (
+            f"  TTFT p50 PDD / cross-DC PD: {_change(pdd['ttft_p50_ms'], cross['ttft_p50_ms'])}, "
+            f"mean {_change(pdd['ttft_mean_ms'], cross['ttft_mean_ms'])} (paper: -51.5 %)"
+        ),
+        f"  BCR PDD / same-DC PD: {_change(pdd['bcr'], same['bcr'])} (paper: up to +37.5 %)",
+        f"  relay token share: {pdd['rld_token_share']:.3f} (paper: 0.062)",
+        f"  bathtub, {report['bathtub_model']} (hit rate: BCR): "
+        + ", ".join(f"{p['hit_rate']:g}: {p['bcr']:.2f}" for p in report["bathtub"][::20]),
+        "  a valley (BCR lower mid-way than at both ends): "
+        + ", ".join(
+            f"{name} {'yes' if valley else 'no'} (decode {report['decode_share_of_cold_prefill'][name]:.0%} "
+            f"of a cold prefill)"
+            for name, valley in report["bathtub_valley"].items()
+        ),
+        f"  simulated, {report['bathtub_simulated']['model']} re-sized: "
+        + ", ".join(f"{p['hit_rate']:g}: {p['bcr']:.2f}" for p in report["bathtub_simulated"]["points"]),
+        (
+            f"  tail chunks, one request per step: at most {report['tail_chunk']['worst_cost_ratio'] - 1:+.1%} "
+            f"cost, dips at {report['tail_chunk']['dips_at_hit_rate']} (paper: dips at 0.2, 0.4, 0.7)"
+        ),
+        f"{report['duration_s']} s; paper figures from {paper['source']}",
+    ]
     return "\n".join(lines)
 
 

@@ -67,18 +67,27 @@ def _reused_blocks(request, previous: tuple[int, ...]) -> int:
     return count
 
 
-def first_guess(design: str, setting: Setting, source: WorkloadSource, rate_rps: float, *,
-                utilisation: float = PREFILL_UTILISATION, num_requests: int = 200) -> Counts:
+def first_guess(
+    design: str,
+    setting: Setting,
+    source: WorkloadSource,
+    rate_rps: float,
+    *,
+    utilisation: float = PREFILL_UTILISATION,
+    num_requests: int = 200,
+) -> Counts:
     """Counts from the cost model alone: prefill busy ``utilisation`` of the time, decoders
     holding as many requests as their pools fit."""
     deployment = build(design, Counts(1, 1, 1), setting)
-    workload = source(rate_rps=rate_rps, num_requests=num_requests, block_size=setting.block_size, seed=0,
-                      fixed_hit_rate=None)
+    workload = source(
+        rate_rps=rate_rps, num_requests=num_requests, block_size=setting.block_size, seed=0, fixed_hit_rate=None
+    )
     cost = deployment.prefill.cost
     prefill_s, previous = 0.0, {}
     for request in workload.requests:
-        cached = min(_reused_blocks(request, previous.get(request.session, ())) * setting.block_size,
-                     request.prompt_tokens - 1)
+        cached = min(
+            _reused_blocks(request, previous.get(request.session, ())) * setting.block_size, request.prompt_tokens - 1
+        )
         previous[request.session] = request.block_ids
         for start in range(cached, request.prompt_tokens, setting.max_batch_tokens):
             prefill_s += cost.step_s([(min(setting.max_batch_tokens, request.prompt_tokens - start), start)])
@@ -93,15 +102,34 @@ def first_guess(design: str, setting: Setting, source: WorkloadSource, rate_rps:
     return Counts(max(1, prefill), _minimum(design, "relay_decode") + (1 if design == "pdd" else 0), max(1, decoders))
 
 
-def size(design: str, setting: Setting, source: WorkloadSource, rate_rps: float, sla: Sla, *, num_requests: int = 600,
-         seed: int = 0, start: Counts | None = None, fixed_hit_rate: float | None = None) -> Plan:
+def size(
+    design: str,
+    setting: Setting,
+    source: WorkloadSource,
+    rate_rps: float,
+    sla: Sla,
+    *,
+    num_requests: int = 600,
+    seed: int = 0,
+    start: Counts | None = None,
+    fixed_hit_rate: float | None = None,
+) -> Plan:
     """The cheapest counts found (see the module's docstring)."""
     runs = {}
 
     def run(counts: Counts) -> Evaluation:
         if counts not in runs:
-            runs[counts] = evaluate(design, counts, setting, source, rate_rps, sla, num_requests=num_requests,
-                                    seed=seed, fixed_hit_rate=fixed_hit_rate)
+            runs[counts] = evaluate(
+                design,
+                counts,
+                setting,
+                source,
+                rate_rps,
+                sla,
+                num_requests=num_requests,
+                seed=seed,
+                fixed_hit_rate=fixed_hit_rate,
+            )
         return runs[counts]
 
     counts = start or first_guess(design, setting, source, rate_rps)
@@ -123,8 +151,11 @@ def size(design: str, setting: Setting, source: WorkloadSource, rate_rps: float,
             if trial.meets_sla:
                 counts, current, shrunk = trial.counts, trial, True
                 break
-    fewer = {role: (run(counts.bump(role, -1)) if getattr(counts, role) > _minimum(design, role) else None)
-             for role in ROLES if design == "pdd" or role != "relay_decode"}
+    fewer = {
+        role: (run(counts.bump(role, -1)) if getattr(counts, role) > _minimum(design, role) else None)
+        for role in ROLES
+        if design == "pdd" or role != "relay_decode"
+    }
     return Plan(current, fewer, len(runs))
 
 
@@ -151,8 +182,18 @@ def _grow(design: str, evaluation: Evaluation, sla: Sla) -> str | None:
     return None
 
 
-def max_goodput(design: str, counts: Counts, setting: Setting, source: WorkloadSource, sla: Sla, low_rps: float,
-                *, num_requests: int = 600, seed: int = 0, steps: int = 5) -> float:
+def max_goodput(
+    design: str,
+    counts: Counts,
+    setting: Setting,
+    source: WorkloadSource,
+    sla: Sla,
+    low_rps: float,
+    *,
+    num_requests: int = 600,
+    seed: int = 0,
+    steps: int = 5,
+) -> float:
     """The highest rate at which ``counts`` still meet the SLA (bisection from ``low_rps``, which
     must meet it, up to twice that)."""
     low, high = low_rps, 2 * low_rps
@@ -169,14 +210,20 @@ def max_goodput(design: str, counts: Counts, setting: Setting, source: WorkloadS
 
 def _row(evaluation: Evaluation) -> dict:
     summary = evaluation.summary
-    return {"prefill": evaluation.counts.prefill, "relay_decode": evaluation.counts.relay_decode,
-            "main_decode": evaluation.counts.main_decode, "cost": round(evaluation.cost, 3),
-            "meets_sla": evaluation.meets_sla, "ttft_q_ms": round(summary["ttft_quantile_s"] * 1000, 1),
-            "itl_q_ms": round(summary["itl_quantile_s"] * 1000, 1)}
+    return {
+        "prefill": evaluation.counts.prefill,
+        "relay_decode": evaluation.counts.relay_decode,
+        "main_decode": evaluation.counts.main_decode,
+        "cost": round(evaluation.cost, 3),
+        "meets_sla": evaluation.meets_sla,
+        "ttft_q_ms": round(summary["ttft_quantile_s"] * 1000, 1),
+        "itl_q_ms": round(summary["itl_quantile_s"] * 1000, 1),
+    }
 
 
-def frontier(setting: Setting, source: WorkloadSource, rate_rps: float, sla: Sla, plan: Plan, *,
-         num_requests: int, seed: int = 0) -> list[dict]:
+def frontier(
+    setting: Setting, source: WorkloadSource, rate_rps: float, sla: Sla, plan: Plan, *, num_requests: int, seed: int = 0
+) -> list[dict]:
     """The cost/latency frontier around the plan: counts from one fewer to two more of each
     service, each simulated; the rows no cheaper row beats on TTFT."""
     base = plan.counts
@@ -187,8 +234,9 @@ def frontier(setting: Setting, source: WorkloadSource, rate_rps: float, sla: Sla
                 counts = Counts(base.prefill + dp, base.relay_decode + dr, base.main_decode + dm)
                 if min(counts.prefill, counts.relay_decode, counts.main_decode) < 1:
                     continue
-                rows.append(_row(evaluate("pdd", counts, setting, source, rate_rps, sla,
-                                          num_requests=num_requests, seed=seed)))
+                rows.append(
+                    _row(evaluate("pdd", counts, setting, source, rate_rps, sla, num_requests=num_requests, seed=seed))
+                )
     rows.sort(key=lambda r: (r["cost"], r["ttft_q_ms"]))
     front, best = [], float("inf")
     for row in rows:
@@ -198,22 +246,36 @@ def frontier(setting: Setting, source: WorkloadSource, rate_rps: float, sla: Sla
     return front
 
 
-def plan_report(setting: Setting, source: WorkloadSource, rate_rps: float, sla: Sla, *, num_requests: int,
-                with_frontier: bool = False, seed: int = 0) -> dict:
+def plan_report(
+    setting: Setting,
+    source: WorkloadSource,
+    rate_rps: float,
+    sla: Sla,
+    *,
+    num_requests: int,
+    with_frontier: bool = False,
+    seed: int = 0,
+) -> dict:
     """``pdd plan``'s answer (its ``--json`` keys first)."""
     plan = size("pdd", setting, source, rate_rps, sla, num_requests=num_requests, seed=seed)
     evaluation = plan.evaluation
     report = {
-        "prefill": plan.counts.prefill, "relay_decode": plan.counts.relay_decode,
-        "main_decode": plan.counts.main_decode, "link_utilisation": round(evaluation.link_utilisation, 3),
-        "rld_token_share": evaluation.summary["rld_token_share"], "meets_sla": plan.feasible,
-        "cost": round(evaluation.cost, 3), "rate_rps": rate_rps,
+        "prefill": plan.counts.prefill,
+        "relay_decode": plan.counts.relay_decode,
+        "main_decode": plan.counts.main_decode,
+        "link_utilisation": round(evaluation.link_utilisation, 3),
+        "rld_token_share": evaluation.summary["rld_token_share"],
+        "meets_sla": plan.feasible,
+        "cost": round(evaluation.cost, 3),
+        "rate_rps": rate_rps,
         "sla": {"ttft_s": sla.ttft_s, "itl_s": sla.itl_s, "quantile": sla.quantile},
         "ttft_q_ms": round(evaluation.summary["ttft_quantile_s"] * 1000, 1),
         "itl_q_ms": round(evaluation.summary["itl_quantile_s"] * 1000, 1),
         "one_fewer_meets_sla": {role: (None if e is None else e.meets_sla) for role, e in plan.fewer.items()},
-        "bottleneck": evaluation.bottleneck, "busy_share": evaluation.busy_share,
-        "chips": {"a": setting.chip_a, "b": setting.chip_b}, "model": setting.model,
+        "bottleneck": evaluation.bottleneck,
+        "busy_share": evaluation.busy_share,
+        "chips": {"a": setting.chip_a, "b": setting.chip_b},
+        "model": setting.model,
         "evaluations": plan.evaluations,
     }
     if with_frontier:
@@ -225,21 +287,35 @@ def render_plan(report: dict) -> str:
     """The plan as a user reads it."""
     q = f"p{report['sla']['quantile'] * 100:g}"
     verdict = "meets" if report["meets_sla"] else "does NOT meet"
-    lines = [f"PDD for {report['rate_rps']} rps on {report['chips']['a']} (prefill, relay) + "
-             f"{report['chips']['b']} (main decode), {report['model']}:",
-             f"  prefill {report['prefill']}, relay_decode {report['relay_decode']}, "
-             f"main_decode {report['main_decode']}  (cost {report['cost']} in chip-A units)",
-             f"  {verdict} the SLA: TTFT {q} {report['ttft_q_ms'] / 1000:.2f} s (bound {report['sla']['ttft_s']} s), "
-             f"ITL {q} {report['itl_q_ms']:.0f} ms (bound {report['sla']['itl_s'] * 1000:.0f} ms)",
-             f"  link utilisation {report['link_utilisation']:.0%}, relay token share {report['rld_token_share']:.3f}, "
-             f"busiest: {report['bottleneck']}",
-             "  one instance fewer meets the SLA: " + ", ".join(
-                 f"{role} {'yes' if ok else 'no' if ok is not None else '(at its minimum)'}"
-                 for role, ok in report["one_fewer_meets_sla"].items()),
-             f"  {report['evaluations']} simulations, {report.get('duration_s', 0)} s"]
+    lines = [
+        (
+            f"PDD for {report['rate_rps']} rps on {report['chips']['a']} (prefill, relay) + "
+            f"{report['chips']['b']} (main decode), {report['model']}:"
+        ),
+        (
+            f"  prefill {report['prefill']}, relay_decode {report['relay_decode']}, "
+            f"main_decode {report['main_decode']}  (cost {report['cost']} in chip-A units)"
+        ),
+        (
+            f"  {verdict} the SLA: TTFT {q} {report['ttft_q_ms'] / 1000:.2f} s (bound {report['sla']['ttft_s']} s), "
+            f"ITL {q} {report['itl_q_ms']:.0f} ms (bound {report['sla']['itl_s'] * 1000:.0f} ms)"
+        ),
+        (
+            f"  link utilisation {report['link_utilisation']:.0%}, relay token share {report['rld_token_share']:.3f}, "
+            f"busiest: {report['bottleneck']}"
+        ),
+        "  one instance fewer meets the SLA: "
+        + ", ".join(
+            f"{role} {'yes' if ok else 'no' if ok is not None else '(at its minimum)'}"
+            for role, ok in report["one_fewer_meets_sla"].items()
+        ),
+        f"  {report['evaluations']} simulations, {report.get('duration_s', 0)} s",
+    ]
     if "frontier" in report:
         lines += ["", f"cost/latency frontier (TTFT {q}):", "  cost   P  RLD  MD   TTFT     ITL   SLA"]
         for row in report["frontier"]:
-            lines.append(f"  {row['cost']:5.1f} {row['prefill']:3} {row['relay_decode']:4} {row['main_decode']:3} "
-                         f"{row['ttft_q_ms'] / 1000:6.2f}s {row['itl_q_ms']:5.0f}ms {'met' if row['meets_sla'] else '-'}")
+            lines.append(
+                f"  {row['cost']:5.1f} {row['prefill']:3} {row['relay_decode']:4} {row['main_decode']:3} "
+                f"{row['ttft_q_ms'] / 1000:6.2f}s {row['itl_q_ms']:5.0f}ms {'met' if row['meets_sla'] else '-'}"
+            )
     return "\n".join(lines)

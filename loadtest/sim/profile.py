@@ -7,6 +7,7 @@ and extends of handed-over tokens. A non-negative least-squares fit over
 the samples and the fit's error on each, so a reader can see how well a line explains them.
 """
 
+import functools
 import json
 import os
 import platform
@@ -27,11 +28,26 @@ from shared.engine.sampling import SamplingParams
 from shared.model_loader import LoadedModel
 
 SIZES = {
-    "full": {"cold": (128, 512, 1024, 2048), "cached": ((512, 128), (1024, 128), (1024, 512), (2048, 256)),
-             "decode": ((1, 256), (1, 1024), (1, 2048), (4, 256), (4, 1024), (8, 512)),
-             "extend": (16, 64, 100), "extend_context": 1024, "repeats": 3, "steps": 8, "transfer_context": 1024},
-    "quick": {"cold": (32, 128), "cached": ((64, 32), (128, 64)), "decode": ((1, 64), (4, 64)),
-              "extend": (8, 32), "extend_context": 64, "repeats": 1, "steps": 2, "transfer_context": 64},
+    "full": {
+        "cold": (128, 512, 1024, 2048),
+        "cached": ((512, 128), (1024, 128), (1024, 512), (2048, 256)),
+        "decode": ((1, 256), (1, 1024), (1, 2048), (4, 256), (4, 1024), (8, 512)),
+        "extend": (16, 64, 100),
+        "extend_context": 1024,
+        "repeats": 3,
+        "steps": 8,
+        "transfer_context": 1024,
+    },
+    "quick": {
+        "cold": (32, 128),
+        "cached": ((64, 32), (128, 64)),
+        "decode": ((1, 64), (4, 64)),
+        "extend": (8, 32),
+        "extend_context": 64,
+        "repeats": 1,
+        "steps": 2,
+        "transfer_context": 64,
+    },
 }
 
 
@@ -58,11 +74,23 @@ def prefill_samples(loaded: LoadedModel, sizes: dict) -> list[dict]:
         return elapsed
 
     for new in sizes["cold"]:
-        samples.append({"kind": "prefill", "new": new, "context": 0,
-                        "seconds": _median_s(lambda: prefill(new, 0), sizes["repeats"])})
+        samples.append(
+            {
+                "kind": "prefill",
+                "new": new,
+                "context": 0,
+                "seconds": _median_s(functools.partial(prefill, new, 0), sizes["repeats"]),
+            }
+        )
     for cached, new in sizes["cached"]:
-        samples.append({"kind": "prefill", "new": new, "context": cached,
-                        "seconds": _median_s(lambda: prefill(new, cached), sizes["repeats"])})
+        samples.append(
+            {
+                "kind": "prefill",
+                "new": new,
+                "context": cached,
+                "seconds": _median_s(functools.partial(prefill, new, cached), sizes["repeats"]),
+            }
+        )
     return samples
 
 
@@ -73,13 +101,17 @@ def decode_samples(loaded: LoadedModel, sizes: dict) -> list[dict]:
         steps = sizes["steps"]
         engine = HfEngine(loaded, num_blocks=batch * ((context + steps + 16) // 16 + 2) + 8, max_batch_tokens=context)
         for i in range(batch):
-            engine.add_request(f"d{i}", synthetic_prompt(loaded, context, 300 + i),
-                               SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+            engine.add_request(
+                f"d{i}",
+                synthetic_prompt(loaded, context, 300 + i),
+                SamplingParams(max_tokens=steps + 4, ignore_eos=True),
+            )
             engine.step()
         engine.step()  # warm-up
         times = [_timed_step(engine) for _ in range(steps)]
-        samples.append({"kind": "decode", "batch": batch, "context": context + 1 + steps // 2,
-                        "seconds": statistics.median(times)})
+        samples.append(
+            {"kind": "decode", "batch": batch, "context": context + 1 + steps // 2, "seconds": statistics.median(times)}
+        )
     return samples
 
 
@@ -94,7 +126,7 @@ def extend_samples(loaded: LoadedModel, sizes: dict) -> list[dict]:
     for n in sizes["extend"]:
         handed = synthetic_prompt(loaded, n, 77)
 
-        def once() -> float:
+        def once(n: int = n, handed: list[int] = handed) -> float:
             engine.begin_import("x", prompt, SamplingParams(max_tokens=n + 8, ignore_eos=True))
             engine.finish_import("x", [])
             engine.extend("x", handed)
@@ -119,12 +151,24 @@ def fit(samples: list[dict], transfer: dict, kv_bytes_per_token: int, source: st
     features = np.stack([features_of(s) for s in samples])
     seconds = np.asarray([s["seconds"] for s in samples])
     coefficients = nonnegative_least_squares(features / seconds[:, None], np.ones_like(seconds))
-    return LinearCostModel(tuple(float(c) for c in coefficients), transfer["export_gb_s"] * 1e9,
-                           transfer["import_gb_s"] * 1e9, kv_bytes_per_token, DEFAULT_MAX_BATCH_TOKENS, source)
+    return LinearCostModel(
+        tuple(float(c) for c in coefficients),
+        transfer["export_gb_s"] * 1e9,
+        transfer["import_gb_s"] * 1e9,
+        kv_bytes_per_token,
+        DEFAULT_MAX_BATCH_TOKENS,
+        source,
+    )
 
 
-def measure_profile(loaded: LoadedModel, *, quick: bool = False, contention: bool = True,
-                    deployment_model: str | None = None, calibration_runs: int | None = None) -> dict:
+def measure_profile(
+    loaded: LoadedModel,
+    *,
+    quick: bool = False,
+    contention: bool = True,
+    deployment_model: str | None = None,
+    calibration_runs: int | None = None,
+) -> dict:
     """Measure, fit, and return the profile JSON (``contention``: also how engines sharing the
     machine slow each other, see :func:`contention_samples`; ``deployment_model``: also how fast
     each kind of step runs inside a deployment of that model, over ``calibration_runs`` fresh
@@ -133,24 +177,41 @@ def measure_profile(loaded: LoadedModel, *, quick: bool = False, contention: boo
     samples = prefill_samples(loaded, sizes) + decode_samples(loaded, sizes) + extend_samples(loaded, sizes)
     transfer = bench_transfer(loaded, sizes["transfer_context"], sizes["repeats"])
     kv_bytes = transfer["kv_bytes"] // sizes["transfer_context"]
-    source = (f"{loaded.name} on {loaded.device} ({platform.machine()}, {platform.processor() or 'cpu'}), "
-              f"{datetime.now(UTC).date().isoformat()}")
+    source = (
+        f"{loaded.name} on {loaded.device} ({platform.machine()}, {platform.processor() or 'cpu'}), "
+        f"{datetime.now(UTC).date().isoformat()}"
+    )
     model = fit(samples, transfer, kv_bytes, source)
     local_bytes_per_s = loopback_bytes_per_s(loaded, megabytes=16 if quick else 64, repeats=sizes["repeats"])
     for sample in samples:
         predicted = float(np.dot(model.coefficients, features_of(sample)))
         sample["predicted_seconds"] = round(predicted, 5)
         sample["rel_error"] = round(predicted / sample["seconds"] - 1, 3)
-    deployment_steps = (calibrate(deployment_model, model, quick=quick, runs=calibration_runs)
-                        if deployment_model else None)
-    return {"model": loaded.name, "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
-            "quick": quick, "host_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "shared_host_speed": (contention_samples(loaded.name, max_processes=2 if quick else 3,
-                                                     steps=sizes["steps"]) if contention else None), "cost_model": linear_as_json(model), "samples": samples, "kv_transfer": transfer,
-            "local_path": {"bytes_per_s": round(local_bytes_per_s),
-                           "source": "the bulk channel's sender and receiver on loopback, plaintext (as the "
-                                     "deployment's local path), median of the repeats"},
-            "deployment_steps": deployment_steps}
+    deployment_steps = (
+        calibrate(deployment_model, model, quick=quick, runs=calibration_runs) if deployment_model else None
+    )
+    return {
+        "model": loaded.name,
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "quick": quick,
+        "host_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "shared_host_speed": (
+            contention_samples(loaded.name, max_processes=2 if quick else 3, steps=sizes["steps"])
+            if contention
+            else None
+        ),
+        "cost_model": linear_as_json(model),
+        "samples": samples,
+        "kv_transfer": transfer,
+        "local_path": {
+            "bytes_per_s": round(local_bytes_per_s),
+            "source": "the bulk channel's sender and receiver on loopback, plaintext (as the "
+            "deployment's local path), median of the repeats",
+        },
+        "deployment_steps": deployment_steps,
+    }
 
 
 def write_profile(profile: dict, path: Path):
@@ -167,8 +228,9 @@ def _contended_worker(model_name: str, index: int, kind: str, steps: int, barrie
     engine = HfEngine(loaded, num_blocks=512, max_batch_tokens=4096)
     seeds = iter(range(20_000, 30_000))
     if kind == "decode":
-        engine.add_request("d", synthetic_prompt(loaded, 512, 7),
-                           SamplingParams(max_tokens=3 * steps + 8, ignore_eos=True))
+        engine.add_request(
+            "d", synthetic_prompt(loaded, 512, 7), SamplingParams(max_tokens=3 * steps + 8, ignore_eos=True)
+        )
         engine.step()
 
     def once() -> float:
@@ -201,8 +263,10 @@ def contention_samples(model_name: str, *, max_processes: int, steps: int) -> di
     for k in range(2, max_processes + 1):
         barrier, results = context.Barrier(k), context.Queue()
         kinds = ["decode" if i % 2 == 0 else "prefill" for i in range(k)]
-        workers = [context.Process(target=_contended_worker, args=(model_name, i, kind, steps, barrier, results))
-                   for i, kind in enumerate(kinds)]
+        workers = [
+            context.Process(target=_contended_worker, args=(model_name, i, kind, steps, barrier, results))
+            for i, kind in enumerate(kinds)
+        ]
         for worker in workers:
             worker.start()
         try:

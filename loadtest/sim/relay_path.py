@@ -19,9 +19,13 @@ class RelayPath:
         relay.pool.set_chain(request.session, request.prompt_blocks(self.d.block_size))
         flight.machine = HandoffMachine(f"r{request.session}.{request.turn}", self.handoff)
         self.sim.deliver(flight, 1, self.events.now, 0.0, "RLD")
-        flight.relay_seq = DecodeSeq(flight, request.output_tokens - 1, request.prompt_tokens + 1,
-                                     lambda s, n, first, gap: self._relay_tokens(flight, relay, n, first, gap),
-                                     lambda s: self._relay_finished(flight, relay))
+        flight.relay_seq = DecodeSeq(
+            flight,
+            request.output_tokens - 1,
+            request.prompt_tokens + 1,
+            lambda s, n, first, gap: self._relay_tokens(flight, relay, n, first, gap),
+            lambda s: self._relay_finished(flight, relay),
+        )
         if request.output_tokens <= 1:
             self._relay_finished(flight, relay)
             return
@@ -62,8 +66,10 @@ class RelayPath:
         main = self.sim.main_of(flight)
         tokens = end - chunk.start_index
         context = flight.request.prompt_tokens + chunk.start_index
-        self.events.after(self.sim.one_way(), lambda: main.add_chunked(
-            Chunked(tokens, context, lambda: self._extended(flight, relay, main, chunk, end))))
+        self.events.after(
+            self.sim.one_way(),
+            lambda: main.add_chunked(Chunked(tokens, context, lambda: self._extended(flight, relay, main, chunk, end))),
+        )
 
     def _extended(self, flight: Flight, relay: SimEngine, main: SimEngine, chunk, end: int):
         if chunk.final:
@@ -111,6 +117,9 @@ class RelayPath:
             return
         flight.relay_freed = True
         relay.drop(flight.relay_seq)
-        relay.pool.unpin(request.session, self.sim.blocks(request),
-                         request.block_ids[: (request.prompt_tokens + emitted) // self.d.block_size])
+        relay.pool.unpin(
+            request.session,
+            self.sim.blocks(request),
+            request.block_ids[: (request.prompt_tokens + emitted) // self.d.block_size],
+        )
         self.sim.flows.release_room(flight, "relay")

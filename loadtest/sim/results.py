@@ -99,7 +99,8 @@ class SimResult:
         good = [r for r in done if r.ttft_s <= ttft_slo_s and r.max_gap_s <= itl_slo_s]
         if window_s is None:
             window_s = max((r.arrival_s + r.e2e_s for r in done), default=0.0) - min(
-                (r.arrival_s for r in done), default=0.0)
+                (r.arrival_s for r in done), default=0.0
+            )
         output = sum(r.output_tokens for r in done)
         pipelines: dict[str, int] = {}
         for r in done:

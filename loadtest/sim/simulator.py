@@ -42,24 +42,43 @@ class Simulator:
         target_s, rule, bandwidth, rtt = router_policy()
         self.ttft_target_s = deployment.ttft_target_s if deployment.ttft_target_s is not None else target_s
         self.odd_rule = deployment.odd_rule or rule
-        self.estimator = WanEstimator(deployment.initial_wan_bps or bandwidth,
-                                      deployment.initial_wan_rtt_s if deployment.initial_wan_rtt_s is not None else rtt)
+        self.estimator = WanEstimator(
+            deployment.initial_wan_bps or bandwidth,
+            deployment.initial_wan_rtt_s if deployment.initial_wan_rtt_s is not None else rtt,
+        )
         self.handoff = deployment.handoff or handoff_policy()
         self.registry = InstanceRegistry(ttl_s=1e12)
-        host = (Host(deployment.host_cores, deployment.threads_per_engine, deployment.host_speed,
-                     deployment.step_speeds, random.Random(seed) if deployment.step_noise else None,
-                     deployment.engine_wake_s)
-                if deployment.host_cores else None)
+        host = (
+            Host(
+                deployment.host_cores,
+                deployment.threads_per_engine,
+                deployment.host_speed,
+                deployment.step_speeds,
+                random.Random(seed) if deployment.step_noise else None,
+                deployment.engine_wake_s,
+            )
+            if deployment.host_cores
+            else None
+        )
         self.engines: dict[str, list[SimEngine]] = {}
         for role, spec, site, caching in (
-                ("prefill", deployment.prefill, "site-a", True),
-                ("relay_decode", deployment.relay_decode, "site-a", True),
-                ("main_decode", deployment.main_decode, deployment.md_site, deployment.md_prefix_cache)):
+            ("prefill", deployment.prefill, "site-a", True),
+            ("relay_decode", deployment.relay_decode, "site-a", True),
+            ("main_decode", deployment.main_decode, deployment.md_site, deployment.md_prefix_cache),
+        ):
             self.engines[role] = [
-                SimEngine(self.events, f"{role}-{i}", role, site, spec.cost,
-                          SimKvPool(spec.pool_blocks, caching=caching, tier_blocks=deployment.cache_tier_blocks),
-                          max_sequences=spec.max_sequences, host=host)
-                for i in range(spec.count)]
+                SimEngine(
+                    self.events,
+                    f"{role}-{i}",
+                    role,
+                    site,
+                    spec.cost,
+                    SimKvPool(spec.pool_blocks, caching=caching, tier_blocks=deployment.cache_tier_blocks),
+                    max_sequences=spec.max_sequences,
+                    host=host,
+                )
+                for i in range(spec.count)
+            ]
         self.by_name = {e.name: e for engines in self.engines.values() for e in engines}
         self.results: list[RequestResult] = []
         self._sessions: dict[int, list[SimRequest]] = defaultdict(list)
@@ -86,7 +105,7 @@ class Simulator:
             turns.sort(key=lambda r: r.turn)
         order = sorted(self._sessions, key=lambda s: (self._sessions[s][0].start_s, s))
         if workload.concurrency:  # closed loop: sessions wait for a free slot
-            self._pending_sessions = order[workload.concurrency:]
+            self._pending_sessions = order[workload.concurrency :]
             for session in order[: workload.concurrency]:
                 self.events.at(0.0, lambda s=session: self._next_turn(s))
         else:  # open loop: every session at its start, its turns one after another
@@ -97,8 +116,13 @@ class Simulator:
                     self.events.at(first.start_s - first.think_s, lambda r=first: self._warm(r))
                 self.events.at(first.start_s - first.think_s, lambda s=session: self._next_turn(s))
         self.events.run(until_s)
-        return SimResult(self.results, self.wan.bytes_carried, self.d, self.events.now,
-                         {name: e.busy_s for name, e in self.by_name.items()})
+        return SimResult(
+            self.results,
+            self.wan.bytes_carried,
+            self.d,
+            self.events.now,
+            {name: e.busy_s for name, e in self.by_name.items()},
+        )
 
     def _next_turn(self, session: int):
         turns = self._sessions[session]
@@ -121,12 +145,19 @@ class Simulator:
 
     def _report(self, engine: SimEngine):
         busy = len(engine.running) + len(engine.waiting) if engine.role != "prefill" else len(engine.chunks)
-        self.registry.observe(LoadReported(
-            instance=InstanceRef(instance_id=engine.name, site=engine.site), service=engine.role,
-            active_sequences=busy, max_sequences=engine.max_sequences,
-            free_blocks=engine.pool.capacity_blocks - engine.pool.used_blocks,
-            used_blocks=engine.pool.pinned_blocks, total_blocks=engine.pool.capacity_blocks,
-            pending_tokens=sum(work.remaining for work in engine.chunks), unix_s=0.0))
+        self.registry.observe(
+            LoadReported(
+                instance=InstanceRef(instance_id=engine.name, site=engine.site),
+                service=engine.role,
+                active_sequences=busy,
+                max_sequences=engine.max_sequences,
+                free_blocks=engine.pool.capacity_blocks - engine.pool.used_blocks,
+                used_blocks=engine.pool.pinned_blocks,
+                total_blocks=engine.pool.capacity_blocks,
+                pending_tokens=sum(work.remaining for work in engine.chunks),
+                unix_s=0.0,
+            )
+        )
 
     def _arrive(self, request: SimRequest):
         flight = Flight(request, self.events.now)
@@ -138,10 +169,17 @@ class Simulator:
         for engine in self.by_name.values():
             self._report(engine)
         flight.placement = place(
-            self.registry, hits, num_prompt_tokens=request.prompt_tokens, block_size=self.d.block_size,
-            kv_bytes_per_token=self.d.kv_bytes_per_token, wan=self.estimator.current(),
-            ttft_target_s=self.ttft_target_s, policy=self.d.pipeline_policy, odd_rule=self.odd_rule,
-            max_tokens=request.max_tokens)
+            self.registry,
+            hits,
+            num_prompt_tokens=request.prompt_tokens,
+            block_size=self.d.block_size,
+            kv_bytes_per_token=self.d.kv_bytes_per_token,
+            wan=self.estimator.current(),
+            ttft_target_s=self.ttft_target_s,
+            policy=self.d.pipeline_policy,
+            odd_rule=self.odd_rule,
+            max_tokens=request.max_tokens,
+        )
         placement = flight.placement
         self.registry.assign(placement.instance_ids, placement.num_prompt_blocks, placement.compute_blocks)
         flight.result.pipeline = placement.pipeline
@@ -177,25 +215,19 @@ class Simulator:
         engine.pool.pin(request.session, math.ceil(request.prompt_tokens / self.d.block_size))
         engine.add_chunked(Chunked(request.prompt_tokens - cached, cached, lambda: self._prefilled(flight, engine)))
 
-
-
-
-
-
-
     def _prefilled(self, flight: Flight, engine: SimEngine):
         request = flight.request
         # the router stops counting the request on its prefill instance at PrefillCompleted
         self.registry.release([engine.name], flight.placement.num_prompt_blocks, flight.placement.compute_blocks)
-        engine.pool.unpin(request.session, math.ceil(request.prompt_tokens / self.d.block_size),
-                          request.prompt_blocks(self.d.block_size))
+        engine.pool.unpin(
+            request.session,
+            math.ceil(request.prompt_tokens / self.d.block_size),
+            request.prompt_blocks(self.d.block_size),
+        )
         flight.result.prefill_done_s = self.events.now - flight.arrival_s
         flight.prefilled = True
         for path in ("md", "relay"):
             self.flows.maybe_ship(flight, path)
-
-
-
 
     # ----- main decode ---------------------------------------------------------------------
 
@@ -208,7 +240,6 @@ class Simulator:
             self.estimator.add_rtt(flight.handshake_s)
         main = self.main_of(flight)
         self.flows.import_kv(main, num_bytes, lambda: self.md_holds_prompt(flight, main))
-
 
     def blocks(self, request: SimRequest) -> int:
         return math.ceil((request.prompt_tokens + request.output_tokens) / self.d.block_size)
@@ -238,13 +269,21 @@ class Simulator:
         if remaining <= 0:
             self._md_finished(flight, main)
             return
-        seq = DecodeSeq(flight, remaining, context, lambda s, n, first, gap: self.deliver(flight, n, first, gap, "MD"),
-                        lambda s: self._md_finished(flight, main), blocks=0)
+        seq = DecodeSeq(
+            flight,
+            remaining,
+            context,
+            lambda s, n, first, gap: self.deliver(flight, n, first, gap, "MD"),
+            lambda s: self._md_finished(flight, main),
+            blocks=0,
+        )
         main.add_decode(seq)
 
     def _md_finished(self, flight: Flight, main: SimEngine):
         request = flight.request
-        self.unpin_main(flight, request.block_ids[: (request.prompt_tokens + request.output_tokens) // self.d.block_size])
+        self.unpin_main(
+            flight, request.block_ids[: (request.prompt_tokens + request.output_tokens) // self.d.block_size]
+        )
         flight.result.finished_on = "MD"
 
     def _pin_main(self, flight: Flight, main: SimEngine):
@@ -259,16 +298,6 @@ class Simulator:
         self.flows.release_room(flight)
 
     # ----- relay and handoff ---------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
 
     # ----- the client's view -----------------------------------------------------------------
 

@@ -78,13 +78,18 @@ def measure_step_speeds(calls: list[dict], cost: LinearCostModel) -> dict:
         start, end = call["start_s"], call["end_s"]
         if (start, end) == first[call["instance"]] or end <= start:
             continue
-        overlap = sum(max(0.0, min(end, e) - max(start, s)) for instance, spans in by_instance.items()
-                      if instance != call["instance"] for s, e in spans) / (end - start)
+        overlap = sum(
+            max(0.0, min(end, e) - max(start, s))
+            for instance, spans in by_instance.items()
+            if instance != call["instance"]
+            for s, e in spans
+        ) / (end - start)
         if ALONE_OVERLAP <= overlap < BESIDE_OVERLAP:
             continue
         condition = "alone" if overlap < ALONE_OVERLAP else "beside"
         ratios.setdefault((step_kind(call["batch"]), condition), []).append(
-            (end - start) / predicted_s(call["batch"], cost))
+            (end - start) / predicted_s(call["batch"], cost)
+        )
     speeds = {}
     for kind in KINDS:
         row = {}
@@ -135,8 +140,11 @@ def measure_dispatch(calls: list[dict], records: list) -> dict | None:
     for call in calls:
         if call["call"] == "add_request" and call.get("request"):
             queued.setdefault(call["request"], call["queued_s"])
-    delays = [queued[r.request_id] - r.sent_unix_s for r in records
-              if r.request_id in queued and r.sent_unix_s is not None and queued[r.request_id] > r.sent_unix_s]
+    delays = [
+        queued[r.request_id] - r.sent_unix_s
+        for r in records
+        if r.request_id in queued and r.sent_unix_s is not None and queued[r.request_id] > r.sent_unix_s
+    ]
     if not delays:
         return None
     return {"median_s": round(statistics.median(delays), 4), "spread": log_spread(delays), "requests": len(delays)}
@@ -156,12 +164,16 @@ def calibration_workload(*, quick: bool) -> list[tuple[int, dict]]:
     """The calibration's two phases, as ``(concurrency, trace shape)``: one session at a time
     (steps alone), then two at once (steps beside each other)."""
     if quick:
-        return [(1, dict(sessions=1, turns=2, cold_lines=8, max_tokens=8)),
-                (2, dict(sessions=2, turns=2, cold_lines=8, max_tokens=8))]
+        return [
+            (1, {"sessions": 1, "turns": 2, "cold_lines": 8, "max_tokens": 8}),
+            (2, {"sessions": 2, "turns": 2, "cold_lines": 8, "max_tokens": 8}),
+        ]
     # long enough answers that two sessions often decode at once (two-sequence steps)
     # four cold prompts alone: the prompt factor's steps are the fewest and spread the most
-    return [(1, dict(sessions=4, turns=3, cold_lines=40, max_tokens=24)),
-            (2, dict(sessions=4, turns=3, cold_lines=40, max_tokens=40))]
+    return [
+        (1, {"sessions": 4, "turns": 3, "cold_lines": 40, "max_tokens": 24}),
+        (2, {"sessions": 4, "turns": 3, "cold_lines": 40, "max_tokens": 40}),
+    ]
 
 
 CALIBRATION_RUNS = 3
@@ -181,10 +193,13 @@ def calibrate(model: str, cost: LinearCostModel, *, quick: bool = False, runs: i
     phases = calibration_workload(quick=quick)
     each = [_calibration_run(model, cost, phases) for _ in range(runs or (1 if quick else CALIBRATION_RUNS))]
     shapes = ", ".join(f"{shape['sessions']} x {shape['turns']} turns at concurrency {c}" for c, shape in phases)
-    return {**combine_runs(each), "runs": each,
-            "source": f"traces of {shapes} (seeds from {CALIBRATION_SEED}) through {len(each)} fresh PDD "
-                      "deployment(s) on this machine: the engine-call log's steps against the fit, the median "
-                      "over the runs"}
+    return {
+        **combine_runs(each),
+        "runs": each,
+        "source": f"traces of {shapes} (seeds from {CALIBRATION_SEED}) through {len(each)} fresh PDD "
+        "deployment(s) on this machine: the engine-call log's steps against the fit, the median "
+        "over the runs",
+    }
 
 
 def combine_runs(runs: list[dict]) -> dict:
@@ -198,15 +213,29 @@ def combine_runs(runs: list[dict]) -> dict:
     kinds = {}
     for kind in KINDS:
         rows = [run["kinds"][kind] for run in runs]
-        kinds[kind] = {"alone": median(r["alone"] for r in rows), "alone_steps": sum(r["alone_steps"] for r in rows),
-                       "beside": median(r["beside"] for r in rows),
-                       "beside_steps": sum(r["beside_steps"] for r in rows),
-                       "spread": median(r["spread"] for r in rows)}
+        kinds[kind] = {
+            "alone": median(r["alone"] for r in rows),
+            "alone_steps": sum(r["alone_steps"] for r in rows),
+            "beside": median(r["beside"] for r in rows),
+            "beside_steps": sum(r["beside_steps"] for r in rows),
+            "spread": median(r["spread"] for r in rows),
+        }
     dispatches = [run["dispatch"] for run in runs if run.get("dispatch")]
-    dispatch = ({"median_s": median(d["median_s"] for d in dispatches), "spread": median(d["spread"] for d in dispatches),
-                 "requests": sum(d["requests"] for d in dispatches)} if dispatches else None)
-    return {"kinds": kinds, "wake_s": median(run["wake_s"] for run in runs), "dispatch": dispatch,
-            "requests": sum(run["requests"] for run in runs)}
+    dispatch = (
+        {
+            "median_s": median(d["median_s"] for d in dispatches),
+            "spread": median(d["spread"] for d in dispatches),
+            "requests": sum(d["requests"] for d in dispatches),
+        }
+        if dispatches
+        else None
+    )
+    return {
+        "kinds": kinds,
+        "wake_s": median(run["wake_s"] for run in runs),
+        "dispatch": dispatch,
+        "requests": sum(run["requests"] for run in runs),
+    }
 
 
 def _calibration_run(model: str, cost: LinearCostModel, phases: list[tuple[int, dict]]) -> dict:
@@ -219,8 +248,12 @@ def _calibration_run(model: str, cost: LinearCostModel, phases: list[tuple[int, 
 
 def measure_run(calls: list[dict], records: list, cost: LinearCostModel) -> dict:
     """One calibration run's figures: step speeds, wake-up, dispatch and its request count."""
-    return {"kinds": measure_step_speeds(calls, cost), "wake_s": measure_wake_s(calls),
-            "dispatch": measure_dispatch(calls, records), "requests": len(records)}
+    return {
+        "kinds": measure_step_speeds(calls, cost),
+        "wake_s": measure_wake_s(calls),
+        "dispatch": measure_dispatch(calls, records),
+        "requests": len(records),
+    }
 
 
 def read_call_log(path: Path) -> list[dict]:
@@ -236,8 +269,9 @@ def record_calibration(model: str, phases: list[tuple[int, dict]], log_path: Pat
     from loadtest.runner import run_trace
     from loadtest.trace import generate_trace
 
-    bench = argparse.Namespace(model=model, kv_cache_mb=512, bandwidth="100mbit", rtt="40ms", jitter="5ms",
-                               seed=CALIBRATION_SEED, engine="hf")
+    bench = argparse.Namespace(
+        model=model, kv_cache_mb=512, bandwidth="100mbit", rtt="40ms", jitter="5ms", seed=CALIBRATION_SEED, engine="hf"
+    )
     records = []
     previous = os.environ.get("PDD_ENGINE_CALL_LOG")
     os.environ["PDD_ENGINE_CALL_LOG"] = str(log_path)  # read once, at each service's start
@@ -245,8 +279,7 @@ def record_calibration(model: str, phases: list[tuple[int, dict]], log_path: Pat
         with mode_deployment("pdd", bench) as deployment:
             for index, (concurrency, shape) in enumerate(phases):
                 trace = generate_trace(CALIBRATION_SEED + index, **shape)
-                done, _ = asyncio.run(run_trace(deployment.router_url, trace, concurrency=concurrency,
-                                                progress=False))
+                done, _ = asyncio.run(run_trace(deployment.router_url, trace, concurrency=concurrency, progress=False))
                 records += done
     finally:
         if previous is None:

@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from infra.wan_link import parse_profile
 from loadtest.bench import MODES
 from loadtest.sim.cost_model import LinearCostModel, load_linear
 from loadtest.sim.deployment import Deployment, RolePool
@@ -20,15 +21,18 @@ from loadtest.sim.results import SimResult
 from loadtest.sim.simulator import Simulator
 from loadtest.sim.step_speeds import RUN_CALIBRATION_FOLDER, measure_step_speeds, read_call_log, run_calibration
 from loadtest.sim.workload import load_bench_records
-from infra.wan_link import parse_profile
 from shared.errors import PddError
 
 BLOCK_SIZE = 16
 REPLAYS = 8
 """Replays of each repetition when step times are drawn: two closed-loop sessions on a shared
 host can line up in different orders from run to run, and one replay shows only one of them."""
-TARGETS = {"ttft_p50_ms": ("rel", 0.25), "ttft_p90_ms": ("rel", 0.25), "wan_kv_bytes": ("rel", 0.05),
-           "rld_token_share": ("abs", 0.05)}
+TARGETS = {
+    "ttft_p50_ms": ("rel", 0.25),
+    "ttft_p90_ms": ("rel", 0.25),
+    "wan_kv_bytes": ("rel", 0.05),
+    "rld_token_share": ("abs", 0.05),
+}
 """What validation must meet (the issue's point 3); the other metrics are reported, not judged."""
 
 
@@ -51,10 +55,18 @@ def socket_buffer_bytes() -> int:
     return send + window
 
 
-def bench_deployment(config: dict, mode: str, cost: LinearCostModel, host_cores: int,
-                     host_speed: dict | None = None, local_bytes_per_s: float | None = None,
-                     step_speeds: dict | None = None, step_noise: bool = False,
-                     engine_wake_s: float = 0.0, dispatch: dict | None = None) -> Deployment:
+def bench_deployment(
+    config: dict,
+    mode: str,
+    cost: LinearCostModel,
+    host_cores: int,
+    host_speed: dict | None = None,
+    local_bytes_per_s: float | None = None,
+    step_speeds: dict | None = None,
+    step_noise: bool = False,
+    engine_wake_s: float = 0.0,
+    dispatch: dict | None = None,
+) -> Deployment:
     """The deployment ``pdd bench run`` started for ``mode`` (``local_bytes_per_s``: the
     profile's measured local path; None: the simulator's default; ``dispatch``: the profile's
     measured client-to-prefill path, ``deployment_steps.dispatch``)."""
@@ -63,16 +75,28 @@ def bench_deployment(config: dict, mode: str, cost: LinearCostModel, host_cores:
     spec = MODES[mode]
     role = RolePool(1, cost, pool_blocks)
     wan = LinkSpec(link.bandwidth_bps, link.rtt_ms / 1000, link.jitter_ms / 1000, socket_buffer_bytes())
-    return Deployment(role, role, role, wan,
-                      BLOCK_SIZE, cost.kv_bytes_per_token, md_site=spec["md_site"],
-                      pipeline_policy=spec["pipeline_policy"], md_prefix_cache=spec["md_prefix_cache"],
-                      host_cores=host_cores, host_speed=host_speed, step_speeds=step_speeds, step_noise=step_noise,
-                      engine_wake_s=engine_wake_s,
-                      dispatch_s=dispatch["median_s"] if dispatch else None,
-                      dispatch_spread=dispatch["spread"] if dispatch else 0.0,
-                      engine_thread_io=True, initial_wan_bps=link.bandwidth_bps,
-                      initial_wan_rtt_s=link.rtt_ms / 1000,
-                      local_bytes_per_s=local_bytes_per_s or Deployment.local_bytes_per_s)
+    return Deployment(
+        role,
+        role,
+        role,
+        wan,
+        BLOCK_SIZE,
+        cost.kv_bytes_per_token,
+        md_site=spec["md_site"],
+        pipeline_policy=spec["pipeline_policy"],
+        md_prefix_cache=spec["md_prefix_cache"],
+        host_cores=host_cores,
+        host_speed=host_speed,
+        step_speeds=step_speeds,
+        step_noise=step_noise,
+        engine_wake_s=engine_wake_s,
+        dispatch_s=dispatch["median_s"] if dispatch else None,
+        dispatch_spread=dispatch["spread"] if dispatch else 0.0,
+        engine_thread_io=True,
+        initial_wan_bps=link.bandwidth_bps,
+        initial_wan_rtt_s=link.rtt_ms / 1000,
+        local_bytes_per_s=local_bytes_per_s or Deployment.local_bytes_per_s,
+    )
 
 
 class ValidateInputError(PddError, ValueError):
@@ -85,8 +109,10 @@ def run_step_speeds(folder: Path, cost: LinearCostModel) -> dict:
     """``measure_step_speeds`` of the run's own engine-call log (every mode's deployments)."""
     path = folder / "engine-calls.jsonl"
     if not path.exists():
-        raise ValidateInputError(f"--step-speeds run: {path} is missing (run pdd bench run with "
-                                 f"PDD_ENGINE_CALL_LOG=<its --out folder>/engine-calls.jsonl)")
+        raise ValidateInputError(
+            f"--step-speeds run: {path} is missing (run pdd bench run with "
+            f"PDD_ENGINE_CALL_LOG=<its --out folder>/engine-calls.jsonl)"
+        )
     return measure_step_speeds(read_call_log(path), cost)
 
 
@@ -97,8 +123,12 @@ def predict_mode(folder: Path, config: dict, mode: str, make_deployment, replays
     workloads = list(load_bench_records(folder, mode, BLOCK_SIZE))
     runs: list[list[SimResult]] = []
     for replay in range(replays):
-        runs.append([Simulator(make_deployment(mode), seed=config.get("seed", 0) + index + 1000 * replay).run(workload)
-                     for index, workload in enumerate(workloads)])
+        runs.append(
+            [
+                Simulator(make_deployment(mode), seed=config.get("seed", 0) + index + 1000 * replay).run(workload)
+                for index, workload in enumerate(workloads)
+            ]
+        )
     pooled = _pooled([result for results in runs for result in results], config)
     return pooled, [_pooled(results, config) for results in runs]
 
@@ -114,8 +144,12 @@ def _pooled(results: list[SimResult], config: dict) -> dict:
 
 def _pair(predicted, measured) -> dict:
     rel = None if not measured or predicted is None else round(predicted / measured - 1, 4)
-    return {"predicted": predicted, "measured": measured, "rel_error": rel,
-            "abs_error": None if predicted is None or measured is None else round(predicted - measured, 4)}
+    return {
+        "predicted": predicted,
+        "measured": measured,
+        "rel_error": rel,
+        "abs_error": None if predicted is None or measured is None else round(predicted - measured, 4),
+    }
 
 
 def _figures(summary: dict) -> dict:
@@ -154,8 +188,13 @@ engine-call log, a diagnostic), ``auto`` (the run's calibration if it has one, e
 profile's)."""
 
 
-def validate(folder: Path, profile_path: Path, host_cores: int | None = None, replays: int | None = None,
-             step_speeds_from: str = "auto") -> dict:
+def validate(
+    folder: Path,
+    profile_path: Path,
+    host_cores: int | None = None,
+    replays: int | None = None,
+    step_speeds_from: str = "auto",
+) -> dict:
     """Every mode of the run in ``folder``: ``{"modes": {mode: {metric: {...}}}}``.
 
     With in-deployment step speeds, each repetition is replayed ``replays`` times (default
@@ -181,17 +220,28 @@ def validate(folder: Path, profile_path: Path, host_cores: int | None = None, re
         if own is not None:
             calibration, source = own, f"the run's own calibration ({len(own['runs'])} run(s))"
         elif step_speeds_from == "calibration":
-            raise ValidateInputError(f"--step-speeds calibration: {folder / RUN_CALIBRATION_FOLDER} is missing "
-                                     f"(run pdd bench run with --calibrate)")
+            raise ValidateInputError(
+                f"--step-speeds calibration: {folder / RUN_CALIBRATION_FOLDER} is missing "
+                f"(run pdd bench run with --calibrate)"
+            )
     step_speeds = calibration.get("kinds")
     if step_speeds_from == "run":
         step_speeds, source = run_step_speeds(folder, cost), "the run's own call log"
     replays = (replays or REPLAYS) if step_speeds else 1
 
     def make_deployment(mode: str) -> Deployment:
-        return bench_deployment(config, mode, cost, cores, profile.get("shared_host_speed"), local_bytes_per_s,
-                                step_speeds, step_noise=replays > 1, engine_wake_s=calibration.get("wake_s") or 0.0,
-                                dispatch=calibration.get("dispatch"))
+        return bench_deployment(
+            config,
+            mode,
+            cost,
+            cores,
+            profile.get("shared_host_speed"),
+            local_bytes_per_s,
+            step_speeds,
+            step_noise=replays > 1,
+            engine_wake_s=calibration.get("wake_s") or 0.0,
+            dispatch=calibration.get("dispatch"),
+        )
 
     modes = {}
     for mode, measured in results["modes"].items():
@@ -199,20 +249,32 @@ def validate(folder: Path, profile_path: Path, host_cores: int | None = None, re
             continue
         predicted, each = predict_mode(folder, config, mode, make_deployment, replays)
         modes[mode] = compare(predicted, measured, each)
-    return {"modes": modes, "profile": str(profile_path), "run": str(folder), "host_cores": cores,
-            "replays": replays, "step_speeds": source,
-            "dispatch": calibration.get("dispatch")}
+    return {
+        "modes": modes,
+        "profile": str(profile_path),
+        "run": str(folder),
+        "host_cores": cores,
+        "replays": replays,
+        "step_speeds": source,
+        "dispatch": calibration.get("dispatch"),
+    }
 
 
 def render(report: dict) -> str:
     """The comparison as a table."""
     dispatch = report.get("dispatch")
-    dispatch = (f", dispatch {dispatch['median_s'] * 1000:.1f} ms (spread {dispatch['spread']:.2f})" if dispatch
-                else "")
-    lines = [f"run {report['run']}, profile {report['profile']}, {report['host_cores']} cores, "
-             f"step speeds {report['step_speeds']}{dispatch}, {report['replays']} replay(s) per repetition", "",
-             f"{'mode':<18} {'metric':<16} {'predicted':>14} {'measured':>14} {'error':>9}  {'target':<7} "
-             f"{'replays range':>25}"]
+    dispatch = f", dispatch {dispatch['median_s'] * 1000:.1f} ms (spread {dispatch['spread']:.2f})" if dispatch else ""
+    lines = [
+        (
+            f"run {report['run']}, profile {report['profile']}, {report['host_cores']} cores, "
+            f"step speeds {report['step_speeds']}{dispatch}, {report['replays']} replay(s) per repetition"
+        ),
+        "",
+        (
+            f"{'mode':<18} {'metric':<16} {'predicted':>14} {'measured':>14} {'error':>9}  {'target':<7} "
+            f"{'replays range':>25}"
+        ),
+    ]
     for mode, metrics in report["modes"].items():
         for metric, pair in metrics.items():
             error = "" if pair["rel_error"] is None else f"{pair['rel_error'] * 100:+.0f}%"
@@ -221,8 +283,10 @@ def render(report: dict) -> str:
             verdict = {True: "met", False: "MISSED"}.get(pair.get("within_target"), "")
             spread = pair.get("predicted_range")
             spread = f"{_fmt(spread[0])} – {_fmt(spread[1])}" if spread else ""
-            lines.append(f"{mode:<18} {metric:<16} {_fmt(pair['predicted']):>14} {_fmt(pair['measured']):>14} "
-                         f"{error:>9}  {verdict:<7} {spread:>25}".rstrip())
+            lines.append(
+                f"{mode:<18} {metric:<16} {_fmt(pair['predicted']):>14} {_fmt(pair['measured']):>14} "
+                f"{error:>9}  {verdict:<7} {spread:>25}".rstrip()
+            )
     return "\n".join(lines)
 
 

@@ -76,8 +76,9 @@ class _BlockNames:
         return reused + tuple(next(self._next) for _ in range(total_blocks - len(reused)))
 
 
-def from_records(records: list[dict], block_size: int, concurrency: int, name: str,
-                 shared: dict[int, tuple[int, ...]] | None = None) -> Workload:
+def from_records(
+    records: list[dict], block_size: int, concurrency: int, name: str, shared: dict[int, tuple[int, ...]] | None = None
+) -> Workload:
     """A measured run's requests (``records.json`` of one mode): its prompt and output lengths,
     each follow-up reusing the previous turn's prompt and answer (and a session's first prompt
     its ``shared`` leading blocks, see :func:`shared_first_blocks`)."""
@@ -102,9 +103,16 @@ def load_bench_records(folder: Path, mode: str, block_size: int) -> list[Workloa
     config = json.loads((Path(folder) / "results.json").read_text())["config"]
     shared = _run_shared_blocks(str(folder), config.get("model") or "smollm2", block_size)
     repetitions = sorted({r.get("repetition", 0) for r in records})
-    return [from_records([r for r in records if r.get("repetition", 0) == rep and not r.get("error")],
-                         block_size, config.get("concurrency", 2), f"{folder}:{mode}:{rep}", shared)
-            for rep in repetitions]
+    return [
+        from_records(
+            [r for r in records if r.get("repetition", 0) == rep and not r.get("error")],
+            block_size,
+            config.get("concurrency", 2),
+            f"{folder}:{mode}:{rep}",
+            shared,
+        )
+        for rep in repetitions
+    ]
 
 
 @functools.lru_cache(maxsize=8)
@@ -128,12 +136,16 @@ def shared_first_blocks(trace: list, tokenizer, block_size: int, *, system_promp
     prompts = {}
     for turn in sorted(trace, key=lambda t: (t.session, t.turn)):
         if turn.session not in prompts:
-            text = tokenizer.apply_chat_template([{"role": "system", "content": system_prompt},
-                                                  {"role": "user", "content": turn.content}],
-                                                 add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(
+                [{"role": "system", "content": system_prompt}, {"role": "user", "content": turn.content}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
             prompts[turn.session] = tokenizer.encode(text, add_special_tokens=False)
+
     def prefixes(tokens):
         return [tuple(tokens[: (j + 1) * block_size]) for j in range(len(tokens) // block_size)]
+
     seen: dict[tuple, int] = {}
     for tokens in prompts.values():
         for prefix in prefixes(tokens):
@@ -152,8 +164,14 @@ def shared_first_blocks(trace: list, tokenizer, block_size: int, *, system_promp
 
 # ----- presets ---------------------------------------------------------------------------
 
-HIT_BUCKETS = [((0.0, 0.9), 0.12), ((0.9, 0.95), 0.13), ((0.95, 0.97), 0.15), ((0.97, 0.98), 0.15),
-               ((0.98, 0.99), 0.15), ((0.99, 1.0), 0.30)]
+HIT_BUCKETS = [
+    ((0.0, 0.9), 0.12),
+    ((0.9, 0.95), 0.13),
+    ((0.95, 0.97), 0.15),
+    ((0.97, 0.98), 0.15),
+    ((0.98, 0.99), 0.15),
+    ((0.99, 1.0), 0.30),
+]
 """The agentic preset's prefix-hit distribution: seven-bucket shape of the paper's traffic
 (0-90 % up to 99-100 %), 75 % of requests above 95 %, mean 0.91."""
 
@@ -186,12 +204,20 @@ PRESETS = {
 
 def draw_hit_rate(rng: random.Random, buckets: list) -> float:
     """A hit rate from the bucket distribution."""
-    (low, high), = rng.choices([b for b, _ in buckets], weights=[w for _, w in buckets])
+    ((low, high),) = rng.choices([b for b, _ in buckets], weights=[w for _, w in buckets])
     return rng.uniform(low, high)
 
 
-def synthetic(preset: Preset, *, rate_rps: float, num_requests: int, block_size: int, seed: int = 0,
-              fixed_hit_rate: float | None = None, name: str = "") -> Workload:
+def synthetic(
+    preset: Preset,
+    *,
+    rate_rps: float,
+    num_requests: int,
+    block_size: int,
+    seed: int = 0,
+    fixed_hit_rate: float | None = None,
+    name: str = "",
+) -> Workload:
     """Open-loop requests at Poisson times, ``rate_rps`` per second. Each is the next turn of its
     own session: the hit rate it draws (or ``fixed_hit_rate``) is the share of its prompt that
     the session sent before, and that history lands in the caches of the session's home
@@ -205,17 +231,30 @@ def synthetic(preset: Preset, *, rate_rps: float, num_requests: int, block_size:
         hit = 0.0 if odd else fixed_hit_rate if fixed_hit_rate is not None else draw_hit_rate(rng, preset.hit_buckets)
         output = rng.randint(2, 8) if odd else max(1, int(preset.output_tokens * rng.uniform(0.75, 1.25)))
         ids = names.chain((), (prompt + output) // block_size)
-        requests.append(SimRequest(index, 0, "odd" if odd else "warm", prompt, output,
-                                   output if odd else output + 64, ids, arrival, preset.think_s,
-                                   history_blocks=int(prompt * hit) // block_size))
+        requests.append(
+            SimRequest(
+                index,
+                0,
+                "odd" if odd else "warm",
+                prompt,
+                output,
+                output if odd else output + 64,
+                ids,
+                arrival,
+                preset.think_s,
+                history_blocks=int(prompt * hit) // block_size,
+            )
+        )
     return Workload(requests, 0, name or f"synthetic rate={rate_rps}")
 
 
-def from_trace(trace: list, tokenizer, block_size: int, *, concurrency: int, system_prompt: str,
-               name: str = "trace") -> Workload:
+def from_trace(
+    trace: list, tokenizer, block_size: int, *, concurrency: int, system_prompt: str, name: str = "trace"
+) -> Workload:
     """A ``pdd bench`` trace (``loadtest.trace.TraceTurn``), in tokens as the benchmark's client
     sends it: each turn's prompt is the session's history so far under the chat template, and
     each answer is taken to use its whole ``max_tokens``. Open-loop traces keep their start times."""
+
     def template(messages) -> int:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return len(tokenizer.encode(text, add_special_tokens=False))
@@ -231,19 +270,30 @@ def from_trace(trace: list, tokenizer, block_size: int, *, concurrency: int, sys
         prompt = 0
         for index, turn in enumerate(sorted(turns, key=lambda t: t.turn)):
             added = len(tokenizer.encode(turn.content, add_special_tokens=False)) + marker_tokens
-            prompt = (template([{"role": "system", "content": system_prompt},
-                                {"role": "user", "content": turn.content}]) if index == 0 else prompt + added)
+            prompt = (
+                template([{"role": "system", "content": system_prompt}, {"role": "user", "content": turn.content}])
+                if index == 0
+                else prompt + added
+            )
             output = max(1, turn.max_tokens)
             ids = names.chain(context[: prompt // block_size], (prompt + output) // block_size)
-            requests.append(SimRequest(session, turn.turn, turn.kind, prompt, output, turn.max_tokens, ids,
-                                       turn.start_s))
+            requests.append(
+                SimRequest(session, turn.turn, turn.kind, prompt, output, turn.max_tokens, ids, turn.start_s)
+            )
             context = ids
             prompt += output + marker_tokens
     return Workload(requests, concurrency, name)
 
 
-def retimed(base: Workload, *, rate_rps: float, num_requests: int, block_size: int, seed: int = 0,
-            fixed_hit_rate: float | None = None) -> Workload:
+def retimed(
+    base: Workload,
+    *,
+    rate_rps: float,
+    num_requests: int,
+    block_size: int,
+    seed: int = 0,
+    fixed_hit_rate: float | None = None,
+) -> Workload:
     """``base``'s sessions repeated (each copy its own conversation) until ``num_requests``, the
     sessions starting at Poisson times so that requests come at ``rate_rps``; turns follow
     answers. ``fixed_hit_rate`` does not apply to a trace (its prefixes are what they are)."""
@@ -260,7 +310,17 @@ def retimed(base: Workload, *, rate_rps: float, num_requests: int, block_size: i
         renamed: dict[int, int] = {}
         for request in turns:
             ids = tuple(renamed.setdefault(b, next(names._next)) for b in request.block_ids)
-            requests.append(SimRequest(copy, request.turn, request.kind, request.prompt_tokens,
-                                       request.output_tokens, request.max_tokens, ids, start))
+            requests.append(
+                SimRequest(
+                    copy,
+                    request.turn,
+                    request.kind,
+                    request.prompt_tokens,
+                    request.output_tokens,
+                    request.max_tokens,
+                    ids,
+                    start,
+                )
+            )
         copy += 1
     return Workload(requests[:num_requests], 0, f"{base.name} at {rate_rps} rps")

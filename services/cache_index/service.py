@@ -58,8 +58,12 @@ class CacheIndexService(Service):
         await self.subscribe(subjects.LOAD_ALL, _load_decoder, self._on_load)
         for site in filter(None, (s.strip() for s in self.config.kv_event_sites.split(","))):
             await replay(self.nc, site, self._on_kv_msg)
-        await self.subscribe(subjects.shared_work(self.config.site, self.service_name, subjects.OVERLAP),
-                             _query_decoder, self._on_query, queue=f"{self.service_name}-{self.config.site}")
+        await self.subscribe(
+            subjects.shared_work(self.config.site, self.service_name, subjects.OVERLAP),
+            _query_decoder,
+            self._on_query,
+            queue=f"{self.service_name}-{self.config.site}",
+        )
 
     def _index(self, instance_id: str, site: str) -> PublisherSync:
         index = self.instances.get(instance_id)
@@ -107,7 +111,7 @@ class CacheIndexService(Service):
             dump = self.bad_messages.decode(_dump_decoder, reply, "reply:dump")
             if dump is None:
                 raise nats.errors.Error("the dump reply did not decode")
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        except (TimeoutError, nats.errors.Error) as exc:
             index.dump_failed()
             self.log.warning("instance_dump_failed", instance=instance_id, error=str(exc) or type(exc).__name__)
             return
@@ -129,6 +133,9 @@ class CacheIndexService(Service):
             self.log.warning("overlap_query_refused", hash_scheme=query.hash_scheme, expected=HASH_SCHEME_VERSION)
             await msg.respond(encode(OverlapReply(hit_blocks={})))
             return
-        hits = {instance_id: index.leading_hits(query.block_hashes)
-                for instance_id, index in self.instances.items() if index.routable}
+        hits = {
+            instance_id: index.leading_hits(query.block_hashes)
+            for instance_id, index in self.instances.items()
+            if index.routable
+        }
         await msg.respond(encode(OverlapReply(hit_blocks=hits)))

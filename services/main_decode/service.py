@@ -41,18 +41,27 @@ class MainDecodeService(DecodeService):
 
     async def on_start(self):
         await super().on_start()
-        await self.subscribe(subjects.handoff(self.config.site, self.instance_id, "*"),
-                             _handoff_decoder, self._on_handoff_msg)
+        await self.subscribe(
+            subjects.handoff(self.config.site, self.instance_id, "*"), _handoff_decoder, self._on_handoff_msg
+        )
 
     async def _on_import_complete(self, state: ImportState, seq: RequestView, stats: FlowStats):
         rid = seq.request_id
         if state.flow_open.relay_instance_id:  # before KvReady: the relay hands over once it hears it
             self._relays[rid] = state.flow_open.relay_instance_id
-        await self.publish(subjects.request_events(rid, self.instance_id), KvReady(
-            request_id=rid, instance_id=self.instance_id, site=self.config.site,
-            cached_tokens=state.cached_tokens, imported_tokens=seq.num_imported_tokens,
-            wan_kv_bytes=stats.bytes_received, transfer_s=stats.transfer_s,
-            throughput_bps=(stats.streaming_bytes_per_s or 0.0) * 8))
+        await self.publish(
+            subjects.request_events(rid, self.instance_id),
+            KvReady(
+                request_id=rid,
+                instance_id=self.instance_id,
+                site=self.config.site,
+                cached_tokens=state.cached_tokens,
+                imported_tokens=seq.num_imported_tokens,
+                wan_kv_bytes=stats.bytes_received,
+                transfer_s=stats.transfer_s,
+                throughput_bps=(stats.streaming_bytes_per_s or 0.0) * 8,
+            ),
+        )
         self._traceparents[rid] = state.flow_open.traceparent
         if seq.output_token_ids:
             self.start_span(rid, "main.decode", state.flow_open.traceparent, pipeline="P-MD")
@@ -64,9 +73,17 @@ class MainDecodeService(DecodeService):
     async def _accept_handoff(self, handoff: HandoffTokens, msg):
         rid = handoff.request_id
         parent = context_from(headers=msg.headers)
-        recompute = _tracer.start_span("main.recompute", context=parent, attributes={
-            "request_id": rid, "tokens": len(handoff.token_ids), "chunk": handoff.chunk,
-            "mode": handoff.mode, "final": handoff.final})
+        recompute = _tracer.start_span(
+            "main.recompute",
+            context=parent,
+            attributes={
+                "request_id": rid,
+                "tokens": len(handoff.token_ids),
+                "chunk": handoff.chunk,
+                "mode": handoff.mode,
+                "final": handoff.final,
+            },
+        )
         try:
             seq = await self.worker.call(self._extend, handoff)
             if not handoff.final:
@@ -76,23 +93,41 @@ class MainDecodeService(DecodeService):
                 self._absorbing[rid] = absorbed
                 self.loop.wake()
                 await asyncio.wait_for(absorbed, self.config.handoff_timeout_s)
-        except (PddError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, PddError) as exc:
             recompute.end()
             self._absorbing.pop(rid, None)
             if isinstance(exc, HandoffRefused):
                 REFUSED_MESSAGES.labels(self.service_name, "handoff").inc()
             self.log.warning("handoff_refused", request_id=rid, error=str(exc) or "timeout")
-            await msg.respond(encode(RequestFailed(
-                request_id=rid, instance_id=self.instance_id,
-                code=getattr(exc, "code", "timeout"), message=str(exc) or "absorbing timed out")))
+            await msg.respond(
+                encode(
+                    RequestFailed(
+                        request_id=rid,
+                        instance_id=self.instance_id,
+                        code=getattr(exc, "code", "timeout"),
+                        message=str(exc) or "absorbing timed out",
+                    )
+                )
+            )
             return
-        accepted = HandoffAccepted(request_id=rid, instance_id=self.instance_id,
-                                   next_index=len(seq.output_token_ids), chunk=handoff.chunk,
-                                   mode=handoff.mode, final=handoff.final)
+        accepted = HandoffAccepted(
+            request_id=rid,
+            instance_id=self.instance_id,
+            next_index=len(seq.output_token_ids),
+            chunk=handoff.chunk,
+            mode=handoff.mode,
+            final=handoff.final,
+        )
         await msg.respond(encode(accepted))
         await self.publish(subjects.request_events(rid, self.instance_id), accepted)
-        self.log.info("handoff_accepted", request_id=rid, tokens=len(handoff.token_ids),
-                      chunk=handoff.chunk, mode=handoff.mode, final=handoff.final)
+        self.log.info(
+            "handoff_accepted",
+            request_id=rid,
+            tokens=len(handoff.token_ids),
+            chunk=handoff.chunk,
+            mode=handoff.mode,
+            final=handoff.final,
+        )
         HANDOFF_CHUNKS.labels(handoff.mode).inc()
         if not handoff.final:
             recompute.end()
@@ -121,8 +156,9 @@ class MainDecodeService(DecodeService):
         if any(not 0 <= t < vocab for t in handoff.token_ids):
             raise HandoffRefused("handoff holds token ids outside the vocabulary")
         if handoff.start_index != len(seq.output_token_ids):
-            raise InvalidRequestState(f"handoff starts at {handoff.start_index}, main decode "
-                                      f"holds {len(seq.output_token_ids)} output tokens")
+            raise InvalidRequestState(
+                f"handoff starts at {handoff.start_index}, main decode holds {len(seq.output_token_ids)} output tokens"
+            )
         return self.engine.extend(handoff.request_id, handoff.token_ids, sample=handoff.final)
 
     async def _on_outputs(self, outputs: list[StepOutput]):

@@ -71,16 +71,30 @@ class PrefillService(EngineService):
     async def on_start(self):
         config = self.config
         self._slots = asyncio.Semaphore(config.max_sequences)
-        self._bulk_tls = client_context(config.tls_ca_file, config.tls_cert_file, config.tls_key_file) \
-            if config.tls_ca_file else None
-        self._loop = EngineLoop(self.worker, self._on_outputs, between_steps=self._await_exports_queued,
-                                step_seconds=ENGINE_STEP_SECONDS.labels(config.served_model_name, self.service_name))
+        self._bulk_tls = (
+            client_context(config.tls_ca_file, config.tls_cert_file, config.tls_key_file)
+            if config.tls_ca_file
+            else None
+        )
+        self._loop = EngineLoop(
+            self.worker,
+            self._on_outputs,
+            between_steps=self._await_exports_queued,
+            step_seconds=ENGINE_STEP_SECONDS.labels(config.served_model_name, self.service_name),
+        )
         self.watch(self._loop.start())
         site = self.config.site
-        await self.subscribe(subjects.instance_work(site, self.service_name, self.instance_id,
-                                                    subjects.START_PREFILL), _start_decoder, self._on_start_msg)
-        await self.subscribe(subjects.shared_work(site, self.service_name, subjects.START_PREFILL),
-                             _start_decoder, self._on_start_msg, queue=f"{self.service_name}-{site}")
+        await self.subscribe(
+            subjects.instance_work(site, self.service_name, self.instance_id, subjects.START_PREFILL),
+            _start_decoder,
+            self._on_start_msg,
+        )
+        await self.subscribe(
+            subjects.shared_work(site, self.service_name, subjects.START_PREFILL),
+            _start_decoder,
+            self._on_start_msg,
+            queue=f"{self.service_name}-{site}",
+        )
 
     async def on_stop(self):
         # Finish what was accepted; refuse nothing silently (subscriptions drain with NATS).
@@ -121,11 +135,11 @@ class PrefillService(EngineService):
                 reply, sending = await self._prefill(cmd, context_from(headers=msg.headers))
         except asyncio.CancelledError:
             reply, sending = self._failure(cmd, "cancelled", "request cancelled"), None
-        except (PddError, ConnectionError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, PddError, ConnectionError, OSError) as exc:
             code = getattr(exc, "code", "timeout" if isinstance(exc, asyncio.TimeoutError) else "bulk_unreachable")
             log.warning("prefill_failed", code=code, error=str(exc) or type(exc).__name__)
             reply, sending = self._failure(cmd, code, str(exc) or type(exc).__name__), None
-        except Exception as exc:  # noqa: BLE001 - a bug met by one request fails that request only
+        except Exception as exc:
             log.exception("prefill_crashed")
             reply, sending = self._failure(cmd, "internal_error", repr(exc)), None
         # The router learns the KV plan now; the frames keep streaming meanwhile.
@@ -136,16 +150,26 @@ class PrefillService(EngineService):
         if sending is not None:
             try:
                 await sending
-                log.info("kv_shipped", **{f"{p}_bytes": n for p, n in reply.bytes_per_path.items()},
-                         cached_tokens=reply.cached_tokens)
-            except (PddError, ConnectionError, asyncio.TimeoutError, OSError) as exc:
+                log.info(
+                    "kv_shipped",
+                    **{f"{p}_bytes": n for p, n in reply.bytes_per_path.items()},
+                    cached_tokens=reply.cached_tokens,
+                )
+            except (TimeoutError, PddError, ConnectionError, OSError) as exc:
                 log.warning("kv_shipping_failed", error=str(exc) or type(exc).__name__)
-                await self.publish(subjects.request_events(cmd.request_id, self.instance_id), self._failure(
-                    cmd, "kv_transfer_failed", f"KV transfer failed: {exc or type(exc).__name__}"))
+                await self.publish(
+                    subjects.request_events(cmd.request_id, self.instance_id),
+                    self._failure(cmd, "kv_transfer_failed", f"KV transfer failed: {exc or type(exc).__name__}"),
+                )
 
     def _failure(self, cmd: StartPrefill, code: str, message: str) -> RequestFailed:
-        return RequestFailed(request_id=cmd.request_id, instance_id=self.instance_id, code=code,
-                             message=message, retryable=code != "cancelled")
+        return RequestFailed(
+            request_id=cmd.request_id,
+            instance_id=self.instance_id,
+            code=code,
+            message=message,
+            retryable=code != "cancelled",
+        )
 
     async def _prefill(self, cmd: StartPrefill, parent):
         """Compute, export and free; return the completion and the coroutine still sending.
@@ -155,16 +179,21 @@ class PrefillService(EngineService):
         """
         rid = cmd.request_id
         plan = ShippingPlan(cmd)
-        spans = {p.path: _tracer.start_span(f"kv.transfer.{p.path}", context=parent,
-                                            attributes={"request_id": rid, "path": p.path})
-                 for p in plan.paths}
-        opens = {p.path: asyncio.create_task(self._open(cmd, spans[p.path], p.path, p.receiver, p.role))
-                 for p in plan.paths}
+        spans = {
+            p.path: _tracer.start_span(
+                f"kv.transfer.{p.path}", context=parent, attributes={"request_id": rid, "path": p.path}
+            )
+            for p in plan.paths
+        }
+        opens = {
+            p.path: asyncio.create_task(self._open(cmd, spans[p.path], p.path, p.receiver, p.role)) for p in plan.paths
+        }
         flows: dict[str, BulkFlow] = {}
         ships: dict[str, asyncio.Task] = {}
         try:
-            with _tracer.start_as_current_span("prefill.compute", context=parent,
-                                               attributes={"request_id": rid}) as span:
+            with _tracer.start_as_current_span(
+                "prefill.compute", context=parent, attributes={"request_id": rid}
+            ) as span:
                 started = time.perf_counter()
                 first, cached_tokens = await self._compute_first_token(cmd)
                 first_token = first.token_id
@@ -174,9 +203,22 @@ class PrefillService(EngineService):
             loop = asyncio.get_running_loop()
             exports = self._export_open_paths(plan, rid, opens)
             exported = {p.path: loop.create_future() for p in plan.paths}
-            ships = {p.path: asyncio.create_task(self._ship(
-                plan, rid, p.path, spans[p.path], plan.end_tokens(p.role, first.token_id, first.logprobs),
-                opens[p.path], flows, exports, exported[p.path])) for p in plan.paths}
+            ships = {
+                p.path: asyncio.create_task(
+                    self._ship(
+                        plan,
+                        rid,
+                        p.path,
+                        spans[p.path],
+                        plan.end_tokens(p.role, first.token_id, first.logprobs),
+                        opens[p.path],
+                        flows,
+                        exports,
+                        exported[p.path],
+                    )
+                )
+                for p in plan.paths
+            }
             frames = {path: await future for path, future in exported.items()}
             await self.worker.call(self.engine.free, rid)
         except BaseException:
@@ -187,10 +229,15 @@ class PrefillService(EngineService):
         finally:
             self._export_submitted(rid)
         completed = PrefillCompleted(
-            request_id=rid, instance_id=self.instance_id, first_token=first_token,
-            prompt_tokens=len(cmd.token_ids), cached_tokens=cached_tokens, compute_s=compute_s,
+            request_id=rid,
+            instance_id=self.instance_id,
+            first_token=first_token,
+            prompt_tokens=len(cmd.token_ids),
+            cached_tokens=cached_tokens,
+            compute_s=compute_s,
             bytes_per_path={path: sum(_frame_size(f) for f in frames[path]) for path in frames},
-            wan_rtt_s=flows["wan"].handshake_s if "wan" in flows else 0.0)
+            wan_rtt_s=flows["wan"].handshake_s if "wan" in flows else 0.0,
+        )
 
         async def send_all():
             try:
@@ -204,8 +251,18 @@ class PrefillService(EngineService):
 
         return completed, send_all()
 
-    async def _ship(self, plan: ShippingPlan, request_id: str, path: str, span, end_tokens: tuple[list, list],
-                    opening, flows: dict, exports: dict, exported: asyncio.Future):
+    async def _ship(
+        self,
+        plan: ShippingPlan,
+        request_id: str,
+        path: str,
+        span,
+        end_tokens: tuple[list, list],
+        opening,
+        flows: dict,
+        exports: dict,
+        exported: asyncio.Future,
+    ):
         """One path: wait for its flow, export from where its receiver stands, send."""
         try:
             flow = flows[path] = await opening
@@ -226,15 +283,20 @@ class PrefillService(EngineService):
     def _export(self, request_id: str, export: ExportRange) -> asyncio.Future:
         """Queue the export on the engine thread now (before any step asked for later)."""
         return self.worker.submit(
-            self.engine.export_frames, request_id, export.start, export.end,
-            max_tokens_per_frame=self.config.frame_tokens, traceparent=current_traceparent())
+            self.engine.export_frames,
+            request_id,
+            export.start,
+            export.end,
+            max_tokens_per_frame=self.config.frame_tokens,
+            traceparent=current_traceparent(),
+        )
 
     def _export_open_paths(self, plan: ShippingPlan, request_id: str, opens: dict) -> dict:
         """Queue the exports of the paths whose flows are already open, and let the engine
         step again: a prompt's KV then leaves before the next prompt's prefill, instead of
         waiting behind that whole step."""
         exports: dict[ExportRange, asyncio.Future] = {}
-        for path, opening in opens.items():
+        for opening in opens.values():
             if not opening.done() or opening.cancelled() or opening.exception() is not None:
                 continue
             export = plan.export_range(opening.result().first_token_index)
@@ -262,8 +324,7 @@ class PrefillService(EngineService):
         """Stop every flow of a failed or cancelled request and free its sequence."""
         for task in [*opens.values(), *ships.values()]:
             task.cancel()
-        await asyncio.gather(*(f.cancel("prefill failed or cancelled") for f in flows.values()),
-                             return_exceptions=True)
+        await asyncio.gather(*(f.cancel("prefill failed or cancelled") for f in flows.values()), return_exceptions=True)
         await self.worker.call(self.engine.abort, rid)
 
     async def _compute_first_token(self, cmd: StartPrefill) -> tuple[StepOutput, int]:
@@ -271,8 +332,7 @@ class PrefillService(EngineService):
         self._first_tokens[cmd.request_id] = future
         # The prefill samples exactly one token, with the request's own seed and parameters.
         sampling = msgspec.structs.replace(cmd.sampling, max_tokens=1, min_tokens=min(1, cmd.sampling.min_tokens))
-        seq = await self.worker.call(self.engine.add_request, cmd.request_id, cmd.token_ids,
-                                     sampling, cmd.seed)
+        seq = await self.worker.call(self.engine.add_request, cmd.request_id, cmd.token_ids, sampling, cmd.seed)
         block_size = self.engine.block_size
         PREFIX_HIT_BLOCKS.labels(self.service_name).inc(seq.num_cached_tokens // block_size)
         PREFIX_LOOKUP_BLOCKS.labels(self.service_name).inc(len(cmd.token_ids) // block_size)
@@ -284,25 +344,38 @@ class PrefillService(EngineService):
             self._first_tokens.pop(cmd.request_id, None)
         return first_token, seq.num_cached_tokens
 
-    async def _open(self, cmd: StartPrefill, span, path: str, target: InstanceRef,
-                    role: str) -> BulkFlow:
+    async def _open(self, cmd: StartPrefill, span, path: str, target: InstanceRef, role: str) -> BulkFlow:
         with trace.use_span(span, end_on_exit=False):
             flow_open = FlowOpen(
-                request_id=cmd.request_id, role=role, token_ids=cmd.token_ids,
-                sampling=cmd.sampling, seed=cmd.seed, traceparent=current_traceparent(),
+                request_id=cmd.request_id,
+                role=role,
+                token_ids=cmd.token_ids,
+                sampling=cmd.sampling,
+                seed=cmd.seed,
+                traceparent=current_traceparent(),
                 relay_instance_id=cmd.relay_decode.instance_id if cmd.relay_decode else None,
                 main_decode_instance_id=cmd.main_decode.instance_id if cmd.main_decode else None,
-                sender_id=self.instance_id, receiver_id=target.instance_id,
-                receiver_incarnation=target.incarnation, unix_s=0.0, nonce="")
-            return await open_flow(target.bulk_endpoint, flow_open, self.config.bulk_secret,
-                                   path=path, timeout_s=self.config.connect_timeout_s,
-                                   accept_timeout_s=self.config.accept_timeout_s,
-                                   tls=self._bulk_tls if path == "wan" or self.config.bulk_tls_local else None,
-                                   tls_name=RECEIVER_TLS_NAME[role],
-                                   link=target.bulk_link if target.site != self.config.site else "")
+                sender_id=self.instance_id,
+                receiver_id=target.instance_id,
+                receiver_incarnation=target.incarnation,
+                unix_s=0.0,
+                nonce="",
+            )
+            return await open_flow(
+                target.bulk_endpoint,
+                flow_open,
+                self.config.bulk_secret,
+                path=path,
+                timeout_s=self.config.connect_timeout_s,
+                accept_timeout_s=self.config.accept_timeout_s,
+                tls=self._bulk_tls if path == "wan" or self.config.bulk_tls_local else None,
+                tls_name=RECEIVER_TLS_NAME[role],
+                link=target.bulk_link if target.site != self.config.site else "",
+            )
 
     async def _send(self, flow: BulkFlow, span, frames: list, end_tokens: tuple[list, list]) -> int:
         with trace.use_span(span, end_on_exit=False):
+
             async def stream():
                 for parts in frames:
                     await flow.send_frame(parts)

@@ -52,8 +52,9 @@ class ShippingPlan:
         self._cmd = cmd
         self.paths = _paths(cmd)
 
-    def end_tokens(self, role: str, first_token: int,
-                   first_logprobs: TokenLogprobs | None) -> tuple[list[int], list[TokenLogprobs]]:
+    def end_tokens(
+        self, role: str, first_token: int, first_logprobs: TokenLogprobs | None
+    ) -> tuple[list[int], list[TokenLogprobs]]:
         """The output tokens (and their log-probabilities) that end the flow to ``role``."""
         cmd = self._cmd
         if role == "main_decode" and cmd.pipeline == "P-RLD-MD":

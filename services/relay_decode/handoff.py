@@ -122,8 +122,11 @@ class HandoffMachine:
         gap = emitted - self.handed_index
         if gap <= 0:
             return None  # the final chunk needs at least one token: wait for the next
-        final = (gap <= self.policy.final_gap_tokens or load >= self.policy.load_watermark
-                 or self.chunks + 1 >= self.policy.max_chunks)
+        final = (
+            gap <= self.policy.final_gap_tokens
+            or load >= self.policy.load_watermark
+            or self.chunks + 1 >= self.policy.max_chunks
+        )
         end = emitted if final else self.handed_index + min(gap, self.policy.max_chunk_tokens)
         return self._chunk(end, final=final)
 
@@ -145,8 +148,15 @@ class HandoffMachine:
     def _chunk(self, emitted: int, final: bool) -> HandoffChunk:
         self.chunks += 1
         self.in_flight = HandoffChunk(self.handed_index, emitted, final, self.mode, self.chunks)
-        log.info("handoff_chunk", request_id=self.request_id, mode=self.mode, chunk=self.chunks,
-                 start=self.handed_index, end=emitted, final=final)
+        log.info(
+            "handoff_chunk",
+            request_id=self.request_id,
+            mode=self.mode,
+            chunk=self.chunks,
+            start=self.handed_index,
+            end=emitted,
+            final=final,
+        )
         return self.in_flight
 
     def _expect(self, state: HandoffState):
@@ -154,7 +164,6 @@ class HandoffMachine:
             raise IllegalTransition(f"{self.request_id}: {self.state.value}, expected {state.value}")
 
     def _move(self, state: HandoffState, **why):
-        log.info("handoff_state", request_id=self.request_id, previous=self.state.value,
-                 state=state.value, **why)
+        log.info("handoff_state", request_id=self.request_id, previous=self.state.value, state=state.value, **why)
         self.state = state
         self.history.append(state.value)

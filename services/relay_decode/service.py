@@ -49,9 +49,13 @@ class RelayDecodeService(DecodeService):
     def __init__(self, config: RelayDecodeConfig, loaded=None):
         super().__init__(config, loaded)
         self.config: RelayDecodeConfig = config
-        self.policy = HandoffPolicy(config.catch_up_threshold_tokens, config.final_gap_tokens,
-                                    config.load_watermark, config.max_catch_up_chunks,
-                                    config.max_chunk_tokens)
+        self.policy = HandoffPolicy(
+            config.catch_up_threshold_tokens,
+            config.final_gap_tokens,
+            config.load_watermark,
+            config.max_catch_up_chunks,
+            config.max_chunk_tokens,
+        )
         self.machines: dict[str, HandoffMachine] = {}
         self._main: dict[str, KvReady] = {}
         self._main_decoders: dict[str, str | None] = {}  # the main decoder each FlowOpen named
@@ -128,25 +132,45 @@ class RelayDecodeService(DecodeService):
             HANDOFF_SECONDS.labels(self.config.served_model_name, machine.mode).observe(time.perf_counter() - started)
             await self.worker.call(self.engine.abort, rid)
             self.end_span(rid, handoff_mode=machine.mode, handoff_chunks=machine.chunks)
-            self.log.info("handed_over", request_id=rid, mode=machine.mode, chunks=machine.chunks,
-                          tokens=machine.handed_index, main_decode=ready.instance_id)
+            self.log.info(
+                "handed_over",
+                request_id=rid,
+                mode=machine.mode,
+                chunks=machine.chunks,
+                tokens=machine.handed_index,
+                main_decode=ready.instance_id,
+            )
             await self._forget(rid)
 
     async def _send_chunk(self, rid: str, subject: str, chunk: HandoffChunk, tokens: list[int]):
-        handoff = HandoffTokens(request_id=rid, start_index=chunk.start_index, token_ids=tokens,
-                                final=chunk.final, mode=chunk.mode, chunk=chunk.chunk,
-                                relay_instance_id=self.instance_id)
-        span = _tracer.start_span("handoff", context=context_from(self._traceparents.get(rid)), attributes={
-            "request_id": rid, "mode": chunk.mode, "chunk": chunk.chunk, "tokens": len(tokens),
-            "final": chunk.final})
+        handoff = HandoffTokens(
+            request_id=rid,
+            start_index=chunk.start_index,
+            token_ids=tokens,
+            final=chunk.final,
+            mode=chunk.mode,
+            chunk=chunk.chunk,
+            relay_instance_id=self.instance_id,
+        )
+        span = _tracer.start_span(
+            "handoff",
+            context=context_from(self._traceparents.get(rid)),
+            attributes={
+                "request_id": rid,
+                "mode": chunk.mode,
+                "chunk": chunk.chunk,
+                "tokens": len(tokens),
+                "final": chunk.final,
+            },
+        )
         try:
             with trace.use_span(span, end_on_exit=False):
-                reply = await self.nc.request(subject, encode(handoff), headers=trace_headers(),
-                                              timeout=self.config.handoff_timeout_s)
+                reply = await self.nc.request(
+                    subject, encode(handoff), headers=trace_headers(), timeout=self.config.handoff_timeout_s
+                )
             answer = self.bad_messages.decode(_reply_decoder, reply, "reply:handoff")
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            self.log.warning("handoff_failed", request_id=rid, chunk=chunk.chunk,
-                             error=str(exc) or type(exc).__name__)
+        except (TimeoutError, nats.errors.Error) as exc:
+            self.log.warning("handoff_failed", request_id=rid, chunk=chunk.chunk, error=str(exc) or type(exc).__name__)
             answer = None
         span.set_attribute("accepted", isinstance(answer, HandoffAccepted))
         span.end()
@@ -159,8 +183,8 @@ class RelayDecodeService(DecodeService):
             return None
         if chunk.final:
             self.engine.pause(rid)
-            return list(seq.output_token_ids[chunk.start_index:])
-        return list(seq.output_token_ids[chunk.start_index:chunk.end_index])
+            return list(seq.output_token_ids[chunk.start_index :])
+        return list(seq.output_token_ids[chunk.start_index : chunk.end_index])
 
     def _emitted(self, rid: str) -> int | None:
         seq = self.engine.request(rid)

@@ -37,8 +37,9 @@ def capacity_of(registry: InstanceRegistry) -> int:
 class Admission:
     """Slots for requests in flight and a bounded wait line for the rest."""
 
-    def __init__(self, registry: InstanceRegistry, *, max_in_flight: int = 0, max_queued: int = 0,
-                 queue_timeout_s: float = 30.0):
+    def __init__(
+        self, registry: InstanceRegistry, *, max_in_flight: int = 0, max_queued: int = 0, queue_timeout_s: float = 30.0
+    ):
         self._registry = registry
         self._max_in_flight, self._max_queued = max_in_flight, max_queued
         self._queue_timeout_s = queue_timeout_s
@@ -73,17 +74,19 @@ class Admission:
             return 0.0
         max_queued = self._max_queued or max(1, self.limit)
         if len(self._waiters) >= max_queued:
-            raise Overloaded(f"server busy: {self.in_flight} requests running and {len(self._waiters)} "
-                             "waiting", self.retry_after_s())
+            raise Overloaded(
+                f"server busy: {self.in_flight} requests running and {len(self._waiters)} waiting", self.retry_after_s()
+            )
         started, waiter = time.monotonic(), asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
             await asyncio.wait_for(asyncio.shield(waiter), self._queue_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if waiter.done() and not waiter.cancelled():  # granted just as time ran out: keep it
                 return time.monotonic() - started
-            raise Overloaded(f"server busy: no slot within {self._queue_timeout_s:.0f} s",
-                             self.retry_after_s()) from None
+            raise Overloaded(
+                f"server busy: no slot within {self._queue_timeout_s:.0f} s", self.retry_after_s()
+            ) from None
         except BaseException:
             if waiter.done() and not waiter.cancelled():
                 self.in_flight -= 1  # granted, but the client left: hand it on

@@ -19,9 +19,9 @@ class Detokenizer:
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []
         self._prefix_offset = 0  # the decode window starts here: [prefix, read) is context
-        self._read_offset = 0    # tokens past this are new since the last clean boundary
+        self._read_offset = 0  # tokens past this are new since the last clean boundary
         self._num_window_chars = 0  # chars of the window's text passed on already (past the context)
-        self._pending = ""       # decoded, not emitted yet (a possible stop string's start)
+        self._pending = ""  # decoded, not emitted yet (a possible stop string's start)
         self._emitted: list[str] = []
         self.stopped = False
 
@@ -40,7 +40,7 @@ class Detokenizer:
         if cut >= 0:
             self.stopped = True
             return self._emit(self._pending[:cut])
-        return self._emit(self._pending[:max(0, len(self._pending) - self._hold)])
+        return self._emit(self._pending[: max(0, len(self._pending) - self._hold)])
 
     def flush(self) -> str:
         """The held-back rest, at the end of generation."""
@@ -57,8 +57,8 @@ class Detokenizer:
         grows while batches keep ending inside a character (at most 3 tokens for UTF-8 text).
         """
         decode = self._tokenizer.decode
-        context = decode(self.token_ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
-        text = decode(self.token_ids[self._prefix_offset:], skip_special_tokens=True)
+        context = decode(self.token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        text = decode(self.token_ids[self._prefix_offset :], skip_special_tokens=True)
         incomplete = text.endswith(REPLACEMENT_CHAR) and not final
         stable = text.rstrip(REPLACEMENT_CHAR) if incomplete else text
         start = len(context) + self._num_window_chars
@@ -70,7 +70,7 @@ class Detokenizer:
         return new
 
     def _emit(self, text: str) -> str:
-        self._pending = self._pending[len(text):]
+        self._pending = self._pending[len(text) :]
         if text:
             self._emitted.append(text)
         return text

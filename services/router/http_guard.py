@@ -35,8 +35,9 @@ def openai_errors() -> web.middleware:
             return web.json_response(_from_http(exc).body(), status=exc.status)
         except Exception:
             log.exception("http_handler_failed", path=request.path)
-            return web.json_response(ApiError(500, "internal error", type="server_error",
-                                              code="internal_error").body(), status=500)
+            return web.json_response(
+                ApiError(500, "internal error", type="server_error", code="internal_error").body(), status=500
+            )
 
     return middleware
 
@@ -45,11 +46,16 @@ def _from_http(exc: web.HTTPException) -> ApiError:
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return ApiError(413, exc.text or "request body too large", code="request_too_large")
     if isinstance(exc, web.HTTPNotFound):
-        return ApiError(404, "no such path; this server offers /v1/chat/completions, /v1/completions, "
-                             "/v1/models, /tokenize, /detokenize, /version, /health and /metrics", code="not_found")
+        return ApiError(
+            404,
+            "no such path; this server offers /v1/chat/completions, /v1/completions, "
+            "/v1/models, /tokenize, /detokenize, /version, /health and /metrics",
+            code="not_found",
+        )
     if isinstance(exc, web.HTTPMethodNotAllowed):
-        return ApiError(405, f"method not allowed; use {', '.join(sorted(exc.allowed_methods))}",
-                        code="method_not_allowed")
+        return ApiError(
+            405, f"method not allowed; use {', '.join(sorted(exc.allowed_methods))}", code="method_not_allowed"
+        )
     return ApiError(exc.status, exc.reason or "request refused")
 
 
@@ -65,8 +71,9 @@ def api_keys(keys: frozenset[str], metrics_keyed: bool = False) -> web.middlewar
             # Compare against every key so the time taken does not tell which one was close.
             matches = [hmac.compare_digest(given.strip().encode(), key.encode()) for key in keys]
             if scheme.lower() != "bearer" or not any(matches):
-                raise ApiError(401, "missing or incorrect API key (send Authorization: Bearer <key>)",
-                               code="invalid_api_key")
+                raise ApiError(
+                    401, "missing or incorrect API key (send Authorization: Bearer <key>)", code="invalid_api_key"
+                )
         return await handler(request)
 
     return middleware
@@ -78,10 +85,17 @@ def json_content() -> web.middleware:
     @web.middleware
     async def middleware(request: web.Request, handler):
         content_type = request.headers.get("Content-Type")
-        if request.method == "POST" and content_type is not None \
-                and request.content_type not in JSON_TYPES and not request.content_type.endswith("+json"):
-            raise ApiError(415, f"Content-Type must be application/json, got {request.content_type!r}",
-                           code="unsupported_media_type")
+        if (
+            request.method == "POST"
+            and content_type is not None
+            and request.content_type not in JSON_TYPES
+            and not request.content_type.endswith("+json")
+        ):
+            raise ApiError(
+                415,
+                f"Content-Type must be application/json, got {request.content_type!r}",
+                code="unsupported_media_type",
+            )
         return await handler(request)
 
     return middleware

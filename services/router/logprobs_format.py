@@ -53,16 +53,18 @@ class LogprobsFormatter:
     def _alternative(self, token_id: int, logprob: float | None) -> dict:
         return {"token": self.text(token_id), "logprob": logprob, "bytes": self.bytes(token_id)}
 
-    def completion(self, token_ids: list[int], logprobs: list[TokenLogprobs | None],
-                   text_offset: int = 0) -> dict:
+    def completion(self, token_ids: list[int], logprobs: list[TokenLogprobs | None], text_offset: int = 0) -> dict:
         """``choices[].logprobs`` of a text completion; offsets count from ``text_offset``."""
         texts = [self.text(t) for t in token_ids]
         offsets, at = [], text_offset
         for text in texts:
             offsets.append(at)
             at += len(text)
-        return {"tokens": texts,
-                "token_logprobs": [lp.logprob if lp else None for lp in logprobs],
-                "top_logprobs": [{self.text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
-                                 if lp else None for lp in logprobs],
-                "text_offset": offsets}
+        return {
+            "tokens": texts,
+            "token_logprobs": [lp.logprob if lp else None for lp in logprobs],
+            "top_logprobs": [
+                {self.text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)} if lp else None for lp in logprobs
+            ],
+            "text_offset": offsets,
+        }

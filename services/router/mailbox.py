@@ -32,8 +32,9 @@ class RequestMailbox:
     async def start(self):
         """Subscribe and make sure the local server has registered the interest."""
         for kind, subject, message_decoder in (
-                ("tokens", subjects.tokens_of_origin(self.origin), _tokens_decoder),
-                ("event", subjects.request_events_of_origin(self.origin), _event_decoder)):
+            ("tokens", subjects.tokens_of_origin(self.origin), _tokens_decoder),
+            ("event", subjects.request_events_of_origin(self.origin), _event_decoder),
+        ):
             await self._nc.subscribe(subject, cb=self._deliver(kind, subject, message_decoder))
         await self._nc.flush()
 
@@ -61,4 +62,5 @@ class RequestMailbox:
             message = self._bad_messages.decode(message_decoder, msg, subscribed)
             if message is not None:
                 queue.put_nowait((kind, message))
+
         return callback

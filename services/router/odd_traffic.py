@@ -50,9 +50,12 @@ class OddTrafficRule:
 
     def is_odd(self, max_tokens: int, predicted_wan_s: float) -> bool:
         """Whether the relay would finish before the KV lands, on a long prompt."""
-        return (self.enabled and max_tokens <= self.max_output_tokens
-                and predicted_wan_s > self.min_wan_s
-                and predicted_wan_s > max_tokens * self.relay_step_s)
+        return (
+            self.enabled
+            and max_tokens <= self.max_output_tokens
+            and predicted_wan_s > self.min_wan_s
+            and predicted_wan_s > max_tokens * self.relay_step_s
+        )
 
 
 class OddTrafficTracker:

@@ -25,7 +25,7 @@ from shared.engine.sampling import (
 )
 from shared.errors import InvalidSampling
 
-SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 """Seeds are 64-bit signed integers, as in vLLM (they travel as msgpack integers)."""
 MAX_STOP_CHARS = 512
 MAX_JSON_DEPTH = 64
@@ -70,8 +70,11 @@ def _check_unicode(text: str, path: str):
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
-            raise ApiError(400, f"'{path or 'body'}' holds a lone surrogate (not valid Unicode)",
-                           param=path.split(".")[0].split("[")[0] or None) from None
+            raise ApiError(
+                400,
+                f"'{path or 'body'}' holds a lone surrogate (not valid Unicode)",
+                param=path.split(".")[0].split("[")[0] or None,
+            ) from None
 
 
 @dataclass
@@ -102,10 +105,12 @@ def _number(body: dict, name: str, kind, default, low=None, high=None, low_open=
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) \
-            or (isinstance(value, float) and not math.isfinite(value)):
-        raise ApiError(400, f"'{name}' must be {'a finite number' if kind is float else 'an integer'}",
-                       param=name)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float) if kind is float else int)
+        or (isinstance(value, float) and not math.isfinite(value))
+    ):
+        raise ApiError(400, f"'{name}' must be {'a finite number' if kind is float else 'an integer'}", param=name)
     if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
         bounds = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high is not None else "")
         raise ApiError(400, f"'{name}' must be {bounds}, got {value}", param=name)
@@ -124,13 +129,18 @@ def parse_sampling(body: dict, default_max_tokens: int, chat: bool) -> SamplingP
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", float, 1.0, low=0, high=MAX_TEMPERATURE),
         top_p=_number(body, "top_p", float, 1.0, low=0, high=1, low_open=True),
-        top_k=_top_k(body), seed=_seed(body), stop=_stop(body), ignore_eos=_flag(body, "ignore_eos"),
+        top_k=_top_k(body),
+        seed=_seed(body),
+        stop=_stop(body),
+        ignore_eos=_flag(body, "ignore_eos"),
         min_tokens=_number(body, "min_tokens", int, 0, low=0, high=max_tokens),
-        repetition_penalty=_number(body, "repetition_penalty", float, 1.0,
-                                   low=MIN_REPETITION_PENALTY, high=MAX_REPETITION_PENALTY),
+        repetition_penalty=_number(
+            body, "repetition_penalty", float, 1.0, low=MIN_REPETITION_PENALTY, high=MAX_REPETITION_PENALTY
+        ),
         frequency_penalty=_number(body, "frequency_penalty", float, 0.0, low=-MAX_ABS_PENALTY, high=MAX_ABS_PENALTY),
         presence_penalty=_number(body, "presence_penalty", float, 0.0, low=-MAX_ABS_PENALTY, high=MAX_ABS_PENALTY),
-        logprobs=_logprobs(body, chat))
+        logprobs=_logprobs(body, chat),
+    )
     return checked(params)
 
 
@@ -150,8 +160,7 @@ def _top_k(body: dict) -> int:
 
 def _seed(body: dict) -> int | None:
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                             or not SEED_MIN <= seed <= SEED_MAX):
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX):
         raise ApiError(400, f"'seed' must be an integer in [{SEED_MIN}, {SEED_MAX}]", param="seed")
     return seed
 
@@ -167,8 +176,11 @@ def _stop(body: dict) -> tuple[str, ...]:
     else:
         raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
     if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
-        raise ApiError(400, f"'stop' takes up to {MAX_STOP_STRINGS} non-empty strings of at most "
-                            f"{MAX_STOP_CHARS} characters", param="stop")
+        raise ApiError(
+            400,
+            f"'stop' takes up to {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters",
+            param="stop",
+        )
     return stop
 
 
@@ -205,8 +217,16 @@ def chat_messages(body: dict) -> list[dict]:
         raise ApiError(400, "'messages' must be a non-empty array", param="messages")
     flat = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool", "developer"):
-            raise ApiError(400, f"messages[{i}] needs a role of system, user, assistant, tool or developer", param="messages")
+        if not isinstance(message, dict) or message.get("role") not in (
+            "system",
+            "user",
+            "assistant",
+            "tool",
+            "developer",
+        ):
+            raise ApiError(
+                400, f"messages[{i}] needs a role of system, user, assistant, tool or developer", param="messages"
+            )
         content = message.get("content", "")
         if content is None and message["role"] == "assistant":
             content = ""
@@ -245,25 +265,51 @@ def stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage", False)) and stream
 
 
-def completion_body(req: ParsedRequest, request_id: str, text: str, finish_reason: str,
-                    num_output_tokens: int, pdd: dict[str, Any], cached_tokens: int = 0,
-                    logprobs: dict | None = None) -> dict:
+def completion_body(
+    req: ParsedRequest,
+    request_id: str,
+    text: str,
+    finish_reason: str,
+    num_output_tokens: int,
+    pdd: dict[str, Any],
+    cached_tokens: int = 0,
+    logprobs: dict | None = None,
+) -> dict:
     """The non-streaming response (``logprobs``: the choice's, already in its endpoint's shape)."""
     usage = usage_of(req, num_output_tokens, cached_tokens)
     if req.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
-    return {"id": request_id, "object": obj, "created": req.created, "model": req.model,
-            "system_fingerprint": req.system_fingerprint, "choices": [choice], "usage": usage, "pdd": pdd}
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": req.created,
+        "model": req.model,
+        "system_fingerprint": req.system_fingerprint,
+        "choices": [choice],
+        "usage": usage,
+        "pdd": pdd,
+    }
 
 
-def chunk_body(req: ParsedRequest, request_id: str, delta_text: str | None,
-               finish_reason: str | None = None, *, first: bool = False,
-               pdd: dict | None = None, logprobs: dict | None = None) -> dict:
+def chunk_body(
+    req: ParsedRequest,
+    request_id: str,
+    delta_text: str | None,
+    finish_reason: str | None = None,
+    *,
+    first: bool = False,
+    pdd: dict | None = None,
+    logprobs: dict | None = None,
+) -> dict:
     """One streaming chunk (``delta_text`` None with a finish reason for the last one)."""
     if req.chat:
         delta: dict[str, Any] = {}
@@ -276,8 +322,14 @@ def chunk_body(req: ParsedRequest, request_id: str, delta_text: str | None,
     else:
         choice = {"index": 0, "text": delta_text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
-    body = {"id": request_id, "object": obj, "created": req.created, "model": req.model,
-            "system_fingerprint": req.system_fingerprint, "choices": [choice]}
+    body = {
+        "id": request_id,
+        "object": obj,
+        "created": req.created,
+        "model": req.model,
+        "system_fingerprint": req.system_fingerprint,
+        "choices": [choice],
+    }
     if pdd is not None:
         body["pdd"] = pdd
     return body
@@ -286,17 +338,26 @@ def chunk_body(req: ParsedRequest, request_id: str, delta_text: str | None,
 def usage_chunk(req: ParsedRequest, request_id: str, num_output_tokens: int, cached_tokens: int = 0) -> dict:
     """The final ``include_usage`` chunk (no choices)."""
     obj = "chat.completion.chunk" if req.chat else "text_completion"
-    return {"id": request_id, "object": obj, "created": req.created, "model": req.model,
-            "system_fingerprint": req.system_fingerprint, "choices": [],
-            "usage": usage_of(req, num_output_tokens, cached_tokens)}
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": req.created,
+        "model": req.model,
+        "system_fingerprint": req.system_fingerprint,
+        "choices": [],
+        "usage": usage_of(req, num_output_tokens, cached_tokens),
+    }
 
 
 def usage_of(req: ParsedRequest, num_output_tokens: int, cached_tokens: int = 0) -> dict:
     """OpenAI usage counts; ``cached_tokens``: prompt tokens prefill took from its prefix cache."""
     prompt = len(req.prompt_token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": num_output_tokens,
-            "total_tokens": prompt + num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": prompt + num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def gen_ai_request_attributes(req: ParsedRequest) -> dict[str, Any]:
@@ -304,8 +365,10 @@ def gen_ai_request_attributes(req: ParsedRequest) -> dict[str, Any]:
     sampling = req.sampling
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": "chat" if req.chat else "text_completion",
-        "gen_ai.provider.name": "pdd", "gen_ai.request.model": req.model,
-        "gen_ai.request.max_tokens": sampling.max_tokens, "gen_ai.request.temperature": sampling.temperature,
+        "gen_ai.provider.name": "pdd",
+        "gen_ai.request.model": req.model,
+        "gen_ai.request.max_tokens": sampling.max_tokens,
+        "gen_ai.request.temperature": sampling.temperature,
         "gen_ai.request.top_p": sampling.top_p,
         "gen_ai.request.frequency_penalty": sampling.frequency_penalty,
         "gen_ai.request.presence_penalty": sampling.presence_penalty,

@@ -23,8 +23,7 @@ class Recovery:
 
     def as_pdd(self) -> dict:
         """The entry in ``pdd.recoveries``."""
-        return {"from": self.from_instance, "to": self.to_instance, "reason": self.reason,
-                "at_token": self.at_token}
+        return {"from": self.from_instance, "to": self.to_instance, "reason": self.reason, "at_token": self.at_token}
 
 
 @dataclass
@@ -62,20 +61,33 @@ class RequestOutcome:
         self.predicted_wan_ms = placement.predicted_wan_s * 1000
         self.odd_traffic = placement.odd_traffic
         self.degraded_reason = placement.degraded_reason
-        self.instances = {role: ref.instance_id for role, ref in (
-            ("prefill", placement.prefill), ("main_decode", placement.main_decode),
-            ("relay_decode", placement.relay_decode)) if ref is not None}
+        self.instances = {
+            role: ref.instance_id
+            for role, ref in (
+                ("prefill", placement.prefill),
+                ("main_decode", placement.main_decode),
+                ("relay_decode", placement.relay_decode),
+            )
+            if ref is not None
+        }
 
     def as_pdd(self) -> dict:
         """The ``pdd`` extension object."""
         return {
-            "pipeline": self.pipeline, "finished_on": self.finished_on,
-            "handoff_mode": self.handoff_mode, "handoff_chunks": self.handoff_chunks,
-            "eager_tokens": self.eager_tokens, "prompt_tokens": self.prompt_tokens,
-            "cached_blocks_md": self.cached_blocks_md, "wan_kv_bytes": self.wan_kv_bytes,
-            "odd_traffic": self.odd_traffic, "ttft_ms": self.ttft_ms,
+            "pipeline": self.pipeline,
+            "finished_on": self.finished_on,
+            "handoff_mode": self.handoff_mode,
+            "handoff_chunks": self.handoff_chunks,
+            "eager_tokens": self.eager_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_blocks_md": self.cached_blocks_md,
+            "wan_kv_bytes": self.wan_kv_bytes,
+            "odd_traffic": self.odd_traffic,
+            "ttft_ms": self.ttft_ms,
             "predicted_wan_ms": round(self.predicted_wan_ms, 1),
-            "kv_transfer_ms": self.kv_transfer_ms, "instances": self.instances,
+            "kv_transfer_ms": self.kv_transfer_ms,
+            "instances": self.instances,
             "recoveries": [r.as_pdd() for r in self.recoveries],
-            "degraded": self.degraded_reason or None, "queue_ms": round(self.queue_ms, 1),
+            "degraded": self.degraded_reason or None,
+            "queue_ms": round(self.queue_ms, 1),
         }

@@ -98,14 +98,13 @@ def prefill_cost_blocks(state: InstanceState, hits: dict[str, int], num_prompt_b
 
 
 def _pick(candidates: list[InstanceState], hits: dict[str, int], num_prompt_blocks: int) -> InstanceState:
-    return min(candidates, key=lambda s: (
-        placement_cost_blocks(s, hits, num_prompt_blocks), s.last_placed))
+    return min(candidates, key=lambda s: (placement_cost_blocks(s, hits, num_prompt_blocks), s.last_placed))
 
 
-def _pick_prefill(candidates: list[InstanceState], hits: dict[str, int], num_prompt_blocks: int,
-                  block_size: int) -> InstanceState:
-    return min(candidates, key=lambda s: (
-        prefill_cost_blocks(s, hits, num_prompt_blocks, block_size), s.last_placed))
+def _pick_prefill(
+    candidates: list[InstanceState], hits: dict[str, int], num_prompt_blocks: int, block_size: int
+) -> InstanceState:
+    return min(candidates, key=lambda s: (prefill_cost_blocks(s, hits, num_prompt_blocks, block_size), s.last_placed))
 
 
 def _live(registry: InstanceRegistry, service: str, avoid: frozenset[str]) -> list[InstanceState]:
@@ -114,10 +113,20 @@ def _live(registry: InstanceRegistry, service: str, avoid: frozenset[str]) -> li
     return [s for s in live if s.report.instance.instance_id not in avoid] or live
 
 
-def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens: int,
-          block_size: int, kv_bytes_per_token: int, wan: WanEstimate,
-          ttft_target_s: float, policy: str = "auto", odd_rule=None, max_tokens: int = 0,
-          avoid: frozenset[str] = frozenset()) -> Placement:
+def place(
+    registry: InstanceRegistry,
+    hits: dict[str, int],
+    *,
+    num_prompt_tokens: int,
+    block_size: int,
+    kv_bytes_per_token: int,
+    wan: WanEstimate,
+    ttft_target_s: float,
+    policy: str = "auto",
+    odd_rule=None,
+    max_tokens: int = 0,
+    avoid: frozenset[str] = frozenset(),
+) -> Placement:
     """Choose instances and pipeline for a prompt (``policy`` forces one for baselines).
 
     ``avoid`` names instances that already failed this request (a recovery): they are
@@ -129,13 +138,13 @@ def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens
     prefills, mains = _live(registry, "prefill", avoid), _live(registry, "main_decode", avoid)
     relays = _live(registry, "relay_decode", avoid)
     if not prefills or not (mains or relays):
-        raise NoInstances("no live " + ("prefill" if not prefills else "main_decode or relay_decode")
-                          + " instance")
+        raise NoInstances("no live " + ("prefill" if not prefills else "main_decode or relay_decode") + " instance")
     num_prompt_blocks = -(-num_prompt_tokens // block_size)
     prefill = _pick_prefill(prefills, hits, num_prompt_blocks, block_size)
     prefill_compute_blocks = max(0, num_prompt_blocks - hits.get(prefill.report.instance.instance_id, 0))
     if not mains:
         return _relay_only(prefill, relays, num_prompt_blocks, prefill_compute_blocks)
+
     def missing_bytes_at(state: InstanceState) -> int:
         cached = hits.get(state.report.instance.instance_id, 0)
         return max(0, num_prompt_tokens - cached * block_size) * kv_bytes_per_token
@@ -154,12 +163,17 @@ def place(registry: InstanceRegistry, hits: dict[str, int], *, num_prompt_tokens
         relay = _least_busy(relays)
     return Placement(
         pipeline="P-RLD-MD" if relay else "P-MD",
-        prefill=prefill.report.instance, main_decode=main.report.instance,
+        prefill=prefill.report.instance,
+        main_decode=main.report.instance,
         relay_decode=relay.report.instance if relay else None,
-        md_cached_blocks=cached_blocks, md_load_blocks=main.load_blocks,
-        num_prompt_blocks=num_prompt_blocks, missing_kv_bytes=missing_bytes,
-        predicted_wan_s=predicted_s, odd_traffic=odd and relay is not None,
-        prefill_compute_blocks=prefill_compute_blocks)
+        md_cached_blocks=cached_blocks,
+        md_load_blocks=main.load_blocks,
+        num_prompt_blocks=num_prompt_blocks,
+        missing_kv_bytes=missing_bytes,
+        predicted_wan_s=predicted_s,
+        odd_traffic=odd and relay is not None,
+        prefill_compute_blocks=prefill_compute_blocks,
+    )
 
 
 def _with_room(instances: list[InstanceState]) -> list[InstanceState]:
@@ -171,8 +185,9 @@ def _least_busy(relays: list[InstanceState]) -> InstanceState:
     return min(relays, key=lambda s: (s.load_sequences, s.last_placed))
 
 
-def _relay_only(prefill: InstanceState, relays: list[InstanceState], num_prompt_blocks: int,
-                prefill_compute_blocks: int) -> Placement:
+def _relay_only(
+    prefill: InstanceState, relays: list[InstanceState], num_prompt_blocks: int, prefill_compute_blocks: int
+) -> Placement:
     """Degraded mode: no main decoder is live, the relay finishes the request at site A.
 
     Admission is bounded by the relays' own capacity: the small relay pool must not take
@@ -182,7 +197,16 @@ def _relay_only(prefill: InstanceState, relays: list[InstanceState], num_prompt_
     if not room:
         raise NoInstances("no main decoder is reachable and the relay pool is full")
     relay = _least_busy(room)
-    return Placement(pipeline="P-RLD", prefill=prefill.report.instance, main_decode=None,
-                     relay_decode=relay.report.instance, md_cached_blocks=0, md_load_blocks=0,
-                     num_prompt_blocks=num_prompt_blocks, missing_kv_bytes=0, predicted_wan_s=0.0,
-                     degraded_reason="no main decoder is reachable", prefill_compute_blocks=prefill_compute_blocks)
+    return Placement(
+        pipeline="P-RLD",
+        prefill=prefill.report.instance,
+        main_decode=None,
+        relay_decode=relay.report.instance,
+        md_cached_blocks=0,
+        md_load_blocks=0,
+        num_prompt_blocks=num_prompt_blocks,
+        missing_kv_bytes=0,
+        predicted_wan_s=0.0,
+        degraded_reason="no main decoder is reachable",
+        prefill_compute_blocks=prefill_compute_blocks,
+    )

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from shared.messages import InstanceRef, LoadReported
 
 
-
 @dataclass
 class InstanceState:
     """Last heartbeat of an instance and when it came.
@@ -91,9 +90,10 @@ class InstanceRegistry:
     def live(self, service: str) -> list[InstanceState]:
         """Live instances of ``service``, sorted by id (stable placement ties)."""
         cutoff = time.monotonic() - self._ttl_s
-        return sorted((s for s in self._instances.values()
-                       if s.report.service == service and s.seen_monotonic >= cutoff),
-                      key=lambda s: s.report.instance.instance_id)
+        return sorted(
+            (s for s in self._instances.values() if s.report.service == service and s.seen_monotonic >= cutoff),
+            key=lambda s: s.report.instance.instance_id,
+        )
 
     def forget(self, instance_id: str):
         """Stop placing on an instance that failed a request as if gone (its next heartbeat, or a
@@ -149,5 +149,4 @@ class InstanceRegistry:
     def summary(self) -> dict[str, list[str]]:
         """Live instance ids per service (for /health)."""
         services = {"prefill", "relay_decode", "main_decode", "cache_index"}
-        return {service: [s.report.instance.instance_id for s in self.live(service)]
-                for service in sorted(services)}
+        return {service: [s.report.instance.instance_id for s in self.live(service)] for service in sorted(services)}

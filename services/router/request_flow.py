@@ -103,12 +103,25 @@ def new_request_id(origin: str) -> str:
 class RequestFlow:
     """Runs one request; iterate ``tokens()`` for ordered output token batches."""
 
-    def __init__(self, nc: nats.NATS, mailbox: RequestMailbox, registry: InstanceRegistry, *,
-                 wan: WanEstimator, request_id: str,
-                 prompt_token_ids: list[int], sampling: SamplingParams, placement: Placement,
-                 first_token_timeout_s: float, token_timeout_s: float, started: float,
-                 block_size: int, replace: Replacer | None = None, max_recoveries: int = 0,
-                 recovery_wait_s: float = 0.0):
+    def __init__(
+        self,
+        nc: nats.NATS,
+        mailbox: RequestMailbox,
+        registry: InstanceRegistry,
+        *,
+        wan: WanEstimator,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        placement: Placement,
+        first_token_timeout_s: float,
+        token_timeout_s: float,
+        started: float,
+        block_size: int,
+        replace: Replacer | None = None,
+        max_recoveries: int = 0,
+        recovery_wait_s: float = 0.0,
+    ):
         self.nc, self.mailbox, self.registry, self.wan = nc, mailbox, registry, wan
         self.request_id = request_id
         self.prompt_token_ids, self.sampling, self.placement = prompt_token_ids, sampling, placement
@@ -122,8 +135,11 @@ class RequestFlow:
         self.attempt, self.attempt_id = 0, request_id
         self._avoid: set[str] = set()
         self._wan_bytes_before = 0
-        self.outcome = RequestOutcome(pipeline=placement.pipeline, prompt_tokens=len(prompt_token_ids),
-                                      cached_blocks_md=placement.md_cached_blocks)
+        self.outcome = RequestOutcome(
+            pipeline=placement.pipeline,
+            prompt_tokens=len(prompt_token_ids),
+            cached_blocks_md=placement.md_cached_blocks,
+        )
         self.outcome.place(placement)
         self._queue: asyncio.Queue | None = None
         self._start_attempt_state()
@@ -131,8 +147,13 @@ class RequestFlow:
     def _start_attempt_state(self):
         self.odd = OddTrafficTracker(self.attempt_id, self.placement.odd_traffic)
         self._wan_bytes_final = False
-        self.watch = StreamWatch(self.placement, time.monotonic(), first_token_timeout_s=self.first_token_timeout_s,
-                                 token_timeout_s=self.token_timeout_s, resend_after_s=RESEND_AFTER_S)
+        self.watch = StreamWatch(
+            self.placement,
+            time.monotonic(),
+            first_token_timeout_s=self.first_token_timeout_s,
+            token_timeout_s=self.token_timeout_s,
+            resend_after_s=RESEND_AFTER_S,
+        )
 
     async def tokens(self) -> AsyncIterator[list[int]]:
         """Ordered batches of new output token IDs until the request finishes.
@@ -157,8 +178,11 @@ class RequestFlow:
         finally:
             self._release(self._counted)
             self.mailbox.close(self.attempt_id)
-            await self._cancel(self.attempt_id, "finished" if completed else "stop",
-                               "request finished" if completed else "client gone or request failed")
+            await self._cancel(
+                self.attempt_id,
+                "finished" if completed else "stop",
+                "request finished" if completed else "client gone or request failed",
+            )
 
     def _assign(self, placement):
         """Count the request on the instances it runs on (placement weighs their load)."""
@@ -181,8 +205,10 @@ class RequestFlow:
 
     async def _cancel(self, attempt_id: str, kind: str, reason: str):
         try:
-            await self.nc.publish(subjects.cancel(subjects.origin_of(attempt_id)), encode(CancelRequest(
-                request_id=attempt_id, kind=kind, reason=reason)))
+            await self.nc.publish(
+                subjects.cancel(subjects.origin_of(attempt_id)),
+                encode(CancelRequest(request_id=attempt_id, kind=kind, reason=reason)),
+            )
         except nats.errors.Error:
             log.warning("cancel_not_sent", request_id=self.request_id, attempt_id=attempt_id)
 
@@ -206,15 +232,24 @@ class RequestFlow:
         self.placement = placement
         self.outcome.place(placement)
         self._start_attempt_state()
-        recovery = Recovery(failure.instance_id, self.watch.producer().instance_id, failure.reason,
-                            self.log.next_index)
+        recovery = Recovery(failure.instance_id, self.watch.producer().instance_id, failure.reason, self.log.next_index)
         self.outcome.recoveries.append(recovery)
         RECOVERIES.labels(failure.reason).inc()
-        log.warning("request_recovering", request_id=self.request_id, attempt=self.attempt,
-                    attempt_id=self.attempt_id, pipeline=placement.pipeline, error=str(failure),
-                    **recovery.as_pdd())
-        attributes = {"request_id": self.request_id, "attempt": self.attempt,
-                      "pipeline": placement.pipeline, **recovery.as_pdd()}
+        log.warning(
+            "request_recovering",
+            request_id=self.request_id,
+            attempt=self.attempt,
+            attempt_id=self.attempt_id,
+            pipeline=placement.pipeline,
+            error=str(failure),
+            **recovery.as_pdd(),
+        )
+        attributes = {
+            "request_id": self.request_id,
+            "attempt": self.attempt,
+            "pipeline": placement.pipeline,
+            **recovery.as_pdd(),
+        }
         trace.get_current_span().add_event("recovery", attributes)
         _tracer.start_span("router.recovery", attributes=attributes).end()
 
@@ -232,13 +267,14 @@ class RequestFlow:
 
     async def _cancel_wan_transfer(self):
         """Odd traffic the relay finished: stop the WAN flow, learn how much had crossed."""
-        await self._cancel(self.attempt_id, "stop",
-                           "odd traffic: the relay finished before main decode's KV was complete")
+        await self._cancel(
+            self.attempt_id, "stop", "odd traffic: the relay finished before main decode's KV was complete"
+        )
         deadline = time.monotonic() + ODD_CANCEL_REPORT_S
         while time.monotonic() < deadline:
             try:
-                kind, item = await asyncio.wait_for(self._queue.get(), deadline - time.monotonic())
-            except asyncio.TimeoutError:
+                _kind, item = await asyncio.wait_for(self._queue.get(), deadline - time.monotonic())
+            except TimeoutError:
                 break
             event = item
             if isinstance(event, KvImportAborted):
@@ -251,17 +287,24 @@ class RequestFlow:
     async def _dispatch(self, queue: asyncio.Queue):
         p = self.placement
         command = StartPrefill(
-            request_id=self.attempt_id, attempt=self.attempt, token_ids=self.prompt_token_ids,
-            sampling=self.sampling, seed=self.seed, pipeline=p.pipeline, main_decode=p.main_decode,
-            relay_decode=p.relay_decode, deadline_unix_s=time.time() + self.first_token_timeout_s,
-            resume_token_ids=list(self.log.token_ids))
-        subject = subjects.instance_work(p.prefill.site, "prefill", p.prefill.instance_id,
-                                         subjects.START_PREFILL)
+            request_id=self.attempt_id,
+            attempt=self.attempt,
+            token_ids=self.prompt_token_ids,
+            sampling=self.sampling,
+            seed=self.seed,
+            pipeline=p.pipeline,
+            main_decode=p.main_decode,
+            relay_decode=p.relay_decode,
+            deadline_unix_s=time.time() + self.first_token_timeout_s,
+            resume_token_ids=list(self.log.token_ids),
+        )
+        subject = subjects.instance_work(p.prefill.site, "prefill", p.prefill.instance_id, subjects.START_PREFILL)
         try:
-            reply = await self.nc.request(subject, encode(command), headers=trace_headers(),
-                                          timeout=self.first_token_timeout_s)
+            reply = await self.nc.request(
+                subject, encode(command), headers=trace_headers(), timeout=self.first_token_timeout_s
+            )
             queue.put_nowait(("prefill", _prefill_reply_decoder.decode(reply.data)))
-        except (nats.errors.Error, asyncio.TimeoutError, msgspec.DecodeError) as exc:
+        except (TimeoutError, nats.errors.Error, msgspec.DecodeError) as exc:
             queue.put_nowait(("prefill", exc))
 
     async def _ordered_tokens(self) -> AsyncIterator[list[int]]:
@@ -269,12 +312,15 @@ class RequestFlow:
             # A new attempt waits for its first token as long as a new request does.
             timeout = self.watch.timeout_exceeded(time.monotonic())
             if timeout is not None:
-                raise InstanceFailed(f"no token for {timeout:.0f} s (request {self.request_id})",
-                                     self.watch.producer().instance_id, "timeout")
+                raise InstanceFailed(
+                    f"no token for {timeout:.0f} s (request {self.request_id})",
+                    self.watch.producer().instance_id,
+                    "timeout",
+                )
             await self._repair_gap()
             try:
                 kind, item = await asyncio.wait_for(self._queue.get(), LIVENESS_TICK_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._check_liveness()
                 continue
             if kind != "tokens":
@@ -283,8 +329,9 @@ class RequestFlow:
             if not self.watch.may_write(item.instance_id):
                 # Only the instances this attempt was placed on write its stream.
                 REFUSED_MESSAGES.labels("router", "tokens_from_unplaced_instance").inc()
-                log.warning("tokens_refused", request_id=self.request_id, instance=item.instance_id,
-                            reason="not placed on it")
+                log.warning(
+                    "tokens_refused", request_id=self.request_id, instance=item.instance_id, reason="not placed on it"
+                )
                 continue
             batch = self.log.add(item)
             self.outcome.finish_reason, self.outcome.finished_on = self.log.finish_reason, self.log.finished_on
@@ -303,23 +350,31 @@ class RequestFlow:
         if not self.watch.resend_due(time.monotonic()):
             return
         (log.info if self.log.has_gap else log.debug)(
-            "tokens_resend_requested", request_id=self.request_id, attempt_id=self.attempt_id,
-            from_index=self.log.next_index, gap=self.log.has_gap)
+            "tokens_resend_requested",
+            request_id=self.request_id,
+            attempt_id=self.attempt_id,
+            from_index=self.log.next_index,
+            gap=self.log.has_gap,
+        )
         resend = encode(ResendTokens(request_id=self.attempt_id, from_index=self.log.next_index))
-        for ref, service in ((self.placement.relay_decode, "relay_decode"),
-                             (self.placement.main_decode, "main_decode")):
+        for ref, service in (
+            (self.placement.relay_decode, "relay_decode"),
+            (self.placement.main_decode, "main_decode"),
+        ):
             if ref is not None:
                 try:
-                    await self.nc.publish(subjects.instance_work(ref.site, service, ref.instance_id,
-                                                                 subjects.RESEND), resend)
+                    await self.nc.publish(
+                        subjects.instance_work(ref.site, service, ref.instance_id, subjects.RESEND), resend
+                    )
                 except nats.errors.Error:
                     return  # NATS itself is down: ask again on the next tick
 
     def _on_event(self, event):
         prefill = self.placement.prefill.instance_id
         if isinstance(event, BaseException):
-            raise InstanceFailed(f"prefill {prefill} did not answer: {type(event).__name__} {event}",
-                                 prefill, "prefill_unreachable")
+            raise InstanceFailed(
+                f"prefill {prefill} did not answer: {type(event).__name__} {event}", prefill, "prefill_unreachable"
+            )
         if isinstance(event, RequestFailed):
             self._on_failure(event)
         elif isinstance(event, PrefillCompleted):
@@ -345,8 +400,9 @@ class RequestFlow:
         message = f"{event.instance_id}: {event.code}: {event.message}"
         if not self.watch.failure_matters(event.instance_id):
             # E.g. main decode's import broke while the relay streams: the relay finishes.
-            log.warning("failure_not_on_stream_path", request_id=self.request_id,
-                        instance=event.instance_id, code=event.code)
+            log.warning(
+                "failure_not_on_stream_path", request_id=self.request_id, instance=event.instance_id, code=event.code
+            )
             return
         if event.retryable:
             raise InstanceFailed(message, event.instance_id, event.code)
@@ -355,5 +411,8 @@ class RequestFlow:
     def _check_liveness(self):
         for ref in self.watch.needed():
             if self.registry.is_dead(ref):
-                raise InstanceFailed(f"instance {ref.instance_id} stopped responding "
-                                     f"(request {self.request_id})", ref.instance_id, "instance_unresponsive")
+                raise InstanceFailed(
+                    f"instance {ref.instance_id} stopped responding (request {self.request_id})",
+                    ref.instance_id,
+                    "instance_unresponsive",
+                )

@@ -21,8 +21,15 @@ from shared.messages import InstanceRef
 class StreamWatch:
     """What one attempt's stream depends on."""
 
-    def __init__(self, placement: Placement, now: float, *, first_token_timeout_s: float,
-                 token_timeout_s: float, resend_after_s: float):
+    def __init__(
+        self,
+        placement: Placement,
+        now: float,
+        *,
+        first_token_timeout_s: float,
+        token_timeout_s: float,
+        resend_after_s: float,
+    ):
         self.placement = placement
         self.first_token_timeout_s, self.token_timeout_s = first_token_timeout_s, token_timeout_s
         self.resend_after_s = resend_after_s

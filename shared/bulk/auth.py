@@ -88,8 +88,7 @@ class FlowAuthenticator:
         """None if authentic and fresh, else why not."""
         now = time.time() if now is None else now
         try:
-            self._public_key.verify(bytes.fromhex(flow_open.mac),
-                                    encode(msgspec.structs.replace(flow_open, mac="")))
+            self._public_key.verify(bytes.fromhex(flow_open.mac), encode(msgspec.structs.replace(flow_open, mac="")))
         except (InvalidSignature, ValueError):
             return "bad signature: the peer does not hold this deployment's flow signing key"
         if self._receiver_id and flow_open.receiver_id != self._receiver_id:

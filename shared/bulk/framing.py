@@ -31,9 +31,9 @@ async def write_control(writer: asyncio.StreamWriter, message: BulkControl):
     await writer.drain()
 
 
-async def read_message(reader: asyncio.StreamReader, expect: kv_wire.FrameExpectation | None,
-                       max_control_bytes: int = MAX_CONTROL_BYTES
-                       ) -> tuple[BulkControl | kv_wire.KvFrame | None, int]:
+async def read_message(
+    reader: asyncio.StreamReader, expect: kv_wire.FrameExpectation | None, max_control_bytes: int = MAX_CONTROL_BYTES
+) -> tuple[BulkControl | kv_wire.KvFrame | None, int]:
     """Read the next control message or validated KV frame, with its size in bytes.
 
     A control message declaring more than ``max_control_bytes`` is refused before any of it
@@ -63,8 +63,8 @@ async def read_message(reader: asyncio.StreamReader, expect: kv_wire.FrameExpect
             prefix = magic + await reader.readexactly(kv_wire.PREFIX_SIZE - 4)
             header_len, body_len = kv_wire.read_prefix(prefix, expect)
             buffer = bytearray(kv_wire.PREFIX_SIZE + header_len + body_len)
-            buffer[:kv_wire.PREFIX_SIZE] = prefix
-            buffer[kv_wire.PREFIX_SIZE:] = await reader.readexactly(header_len + body_len)
+            buffer[: kv_wire.PREFIX_SIZE] = prefix
+            buffer[kv_wire.PREFIX_SIZE :] = await reader.readexactly(header_len + body_len)
             return kv_wire.decode_frame(buffer, expect), len(buffer)
     except asyncio.IncompleteReadError as exc:
         raise TruncatedFrame("connection closed inside a message") from exc

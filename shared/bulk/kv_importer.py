@@ -62,9 +62,15 @@ ImportAborted = Callable[[str, str], Awaitable[None]]
 class KvImporter:
     """FlowHandler that imports frames into an engine and reports completed imports."""
 
-    def __init__(self, worker: EngineWorker, on_complete: ImportCompleted,
-                 on_open: ImportOpened | None = None, in_flight_wait_s: float = 120.0,
-                 on_abort: ImportAborted | None = None, max_sequences: int = 0):
+    def __init__(
+        self,
+        worker: EngineWorker,
+        on_complete: ImportCompleted,
+        on_open: ImportOpened | None = None,
+        in_flight_wait_s: float = 120.0,
+        on_abort: ImportAborted | None = None,
+        max_sequences: int = 0,
+    ):
         self._worker = worker
         self._max_sequences = max_sequences
         self.num_waits_for_room = 0
@@ -100,13 +106,19 @@ class KvImporter:
         except BaseException:
             self._release(rid)
             raise
-        self.imports[rid] = ImportState(flow_open, cached_tokens=first, stats=stats,
-                                        discard_when_done=claim.finished_elsewhere)
+        self.imports[rid] = ImportState(
+            flow_open, cached_tokens=first, stats=stats, discard_when_done=claim.finished_elsewhere
+        )
         service = flow_open.role
         PREFIX_HIT_BLOCKS.labels(service).inc(first // engine.block_size)
         PREFIX_LOOKUP_BLOCKS.labels(service).inc(len(flow_open.token_ids) // engine.block_size)
-        log.info("kv_import_opened", request_id=rid, cached_tokens=first,
-                 prompt_tokens=len(flow_open.token_ids), role=flow_open.role)
+        log.info(
+            "kv_import_opened",
+            request_id=rid,
+            cached_tokens=first,
+            prompt_tokens=len(flow_open.token_ids),
+            role=flow_open.role,
+        )
         return first
 
     async def _begin_when_room(self, flow_open: FlowOpen, claim: Claim) -> int:
@@ -123,8 +135,9 @@ class KvImporter:
         while True:
             if not self._max_sequences or engine.load().num_sequences < self._max_sequences:
                 try:
-                    return await self._worker.call(engine.begin_import, rid, flow_open.token_ids,
-                                                   flow_open.sampling, flow_open.seed)
+                    return await self._worker.call(
+                        engine.begin_import, rid, flow_open.token_ids, flow_open.sampling, flow_open.seed
+                    )
                 except OutOfKvBlocks:
                     pass
             if claim.cancelled.is_set():
@@ -135,11 +148,16 @@ class KvImporter:
                 waited = True
                 self.num_waits_for_room += 1
                 load = engine.load()
-                log.info("kv_import_waits_for_room", request_id=rid, needed_blocks=needed,
-                         free_blocks=load.num_free_blocks, sequences=load.num_sequences)
+                log.info(
+                    "kv_import_waits_for_room",
+                    request_id=rid,
+                    needed_blocks=needed,
+                    free_blocks=load.num_free_blocks,
+                    sequences=load.num_sequences,
+                )
             try:  # room appears as other requests finish; a cancel ends the wait at once
                 await asyncio.wait_for(claim.cancelled.wait(), ROOM_POLL_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def _wait_for_blocks_in_flight(self, request_id: str, claim: Claim):
@@ -161,8 +179,7 @@ class KvImporter:
             if found is None or remaining <= 0:
                 return
             behind, blocker = found
-            log.info("kv_import_waits_for_blocks_in_flight", request_id=request_id,
-                     behind=behind, cached_blocks=cached)
+            log.info("kv_import_waits_for_blocks_in_flight", request_id=request_id, behind=behind, cached_blocks=cached)
             # A request that ended elsewhere still imports (for the cache), so it keeps its
             # place; any other cancel ends the wait at once.
             waits = [asyncio.ensure_future(blocker.done.wait())]
@@ -191,9 +208,11 @@ class KvImporter:
 
     def kept_for_cache(self) -> set[str]:
         """Requests that ended elsewhere whose import goes on (or waits in line) only to fill the cache."""
-        return ({rid for rid, state in list(self.imports.items()) if state.discard_when_done}
-                | {rid for rid, claim in list(self._in_flight.claims.items())
-                   if claim.finished_elsewhere and rid not in self.imports})
+        return {rid for rid, state in list(self.imports.items()) if state.discard_when_done} | {
+            rid
+            for rid, claim in list(self._in_flight.claims.items())
+            if claim.finished_elsewhere and rid not in self.imports
+        }
 
     async def import_frame(self, request_id: str, frame: KvFrame) -> None:
         """Queue the frame's import (the receiver reads on meanwhile); raise a failed import."""
@@ -244,8 +263,13 @@ class KvImporter:
         except Exception as exc:
             await self._abort(state, request_id, f"KV import failed: {exc}")
             raise
-        log.info("kv_import_done", request_id=request_id, frames=stats.frames,
-                 kv_bytes=stats.bytes_received, transfer_s=round(stats.transfer_s, 4))
+        log.info(
+            "kv_import_done",
+            request_id=request_id,
+            frames=stats.frames,
+            kv_bytes=stats.bytes_received,
+            transfer_s=round(stats.transfer_s, 4),
+        )
         await self._on_complete(state, seq, stats)
 
     async def abort_flow(self, request_id: str, reason: str) -> None:
@@ -295,8 +319,9 @@ class KvImporter:
         self._cancelled_before_flow[request_id] = (finished_elsewhere, now)
         self._cancelled_before_flow.move_to_end(request_id)
         oldest = self._cancelled_before_flow
-        while oldest and (len(oldest) > MAX_EARLY_CANCELS
-                          or next(iter(oldest.values()))[1] < now - self._in_flight_wait_s):
+        while oldest and (
+            len(oldest) > MAX_EARLY_CANCELS or next(iter(oldest.values()))[1] < now - self._in_flight_wait_s
+        ):
             oldest.popitem(last=False)
 
 
@@ -304,4 +329,3 @@ def _retrieve_exception(future: asyncio.Future):
     # A frame import nobody awaits any more (its flow was cancelled) must not warn at exit.
     if not future.cancelled():
         future.exception()
-

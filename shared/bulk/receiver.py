@@ -84,10 +84,21 @@ class FlowHandler(Protocol):
 class BulkReceiver:
     """TCP server for one receiving instance; one flow per connection."""
 
-    def __init__(self, handler: FlowHandler, expectation: FrameExpectation, verify_key: str, *,
-                 path: str, frame_timeout_s: float, host: str = "127.0.0.1", port: int = 0,
-                 receiver_id: str = "", incarnation: str = "", tls: ssl.SSLContext | None = None,
-                 max_flows_per_sender: int = MAX_FLOWS_PER_SENDER):
+    def __init__(
+        self,
+        handler: FlowHandler,
+        expectation: FrameExpectation,
+        verify_key: str,
+        *,
+        path: str,
+        frame_timeout_s: float,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        receiver_id: str = "",
+        incarnation: str = "",
+        tls: ssl.SSLContext | None = None,
+        max_flows_per_sender: int = MAX_FLOWS_PER_SENDER,
+    ):
         self._handler = handler
         self._expect = expectation
         self._auth = FlowAuthenticator(verify_key, receiver_id, incarnation)
@@ -103,9 +114,14 @@ class BulkReceiver:
 
     async def start(self) -> tuple[str, int]:
         """Listen; return the bound (host, port)."""
-        self._server = await asyncio.start_server(self._serve, self._host, self._port, limit=1 << 20,
-                                                  ssl=self._tls,
-                                                  ssl_handshake_timeout=AUTH_TIMEOUT_S if self._tls else None)
+        self._server = await asyncio.start_server(
+            self._serve,
+            self._host,
+            self._port,
+            limit=1 << 20,
+            ssl=self._tls,
+            ssl_handshake_timeout=AUTH_TIMEOUT_S if self._tls else None,
+        )
         self._host, self._port = self._server.sockets[0].getsockname()[:2]
         return self._host, self._port
 
@@ -138,7 +154,7 @@ class BulkReceiver:
                         await self._receive(flow_open, reader, stats)
                 finally:
                     self._flows_by_sender[flow_open.sender_id] -= 1
-        except (ConnectionError, asyncio.TimeoutError, KvFrameError) as exc:
+        except (TimeoutError, ConnectionError, KvFrameError) as exc:
             log.warning("bulk_connection_dropped", path=self._path, error=str(exc))
         finally:
             self._connections.discard(task)
@@ -146,8 +162,7 @@ class BulkReceiver:
 
     async def _authenticate(self, reader, writer) -> FlowOpen | None:
         """The peer's FlowOpen if it is authentic, fresh and for this receiver, else None."""
-        message, _ = await asyncio.wait_for(read_message(reader, None, MAX_PREAUTH_CONTROL_BYTES),
-                                            AUTH_TIMEOUT_S)
+        message, _ = await asyncio.wait_for(read_message(reader, None, MAX_PREAUTH_CONTROL_BYTES), AUTH_TIMEOUT_S)
         if not isinstance(message, FlowOpen):
             log.warning("bulk_flow_refused", path=self._path, reason="first message is not FlowOpen")
             return None
@@ -155,19 +170,30 @@ class BulkReceiver:
         if problem is None:
             return message
         log.warning("bulk_flow_refused", path=self._path, request_id=message.request_id, reason=problem)
-        await write_control(writer, FlowRejected(request_id=message.request_id,
-                                                 code="unauthenticated", message=problem))
+        await write_control(
+            writer, FlowRejected(request_id=message.request_id, code="unauthenticated", message=problem)
+        )
         return None
 
     async def _bounded(self, flow_open: FlowOpen, writer) -> bool:
         """Whether the sender may open one more flow now; refuse it otherwise."""
         if self._flows_by_sender[flow_open.sender_id] < self._max_flows_per_sender:
             return True
-        log.warning("bulk_flow_refused", path=self._path, request_id=flow_open.request_id,
-                    reason="too many flows from this sender", sender=flow_open.sender_id)
-        await write_control(writer, FlowRejected(request_id=flow_open.request_id, code="too_many_flows",
-                                                 message=f"{self._max_flows_per_sender} flows from "
-                                                         f"{flow_open.sender_id!r} are open already"))
+        log.warning(
+            "bulk_flow_refused",
+            path=self._path,
+            request_id=flow_open.request_id,
+            reason="too many flows from this sender",
+            sender=flow_open.sender_id,
+        )
+        await write_control(
+            writer,
+            FlowRejected(
+                request_id=flow_open.request_id,
+                code="too_many_flows",
+                message=f"{self._max_flows_per_sender} flows from {flow_open.sender_id!r} are open already",
+            ),
+        )
         return False
 
     async def _admit(self, flow_open: FlowOpen, writer, stats: FlowStats) -> bool:
@@ -176,13 +202,15 @@ class BulkReceiver:
         try:
             first_index = await self._handler.open_flow(flow_open, stats)
         except PddError as exc:
-            await write_control(writer, FlowRejected(request_id=flow_open.request_id,
-                                                     code=exc.code, message=str(exc)))
+            await write_control(writer, FlowRejected(request_id=flow_open.request_id, code=exc.code, message=str(exc)))
             return False
         try:
-            await write_control(writer, FlowAccepted(request_id=flow_open.request_id,
-                                                     first_token_index=first_index,
-                                                     queued_s=time.monotonic() - received))
+            await write_control(
+                writer,
+                FlowAccepted(
+                    request_id=flow_open.request_id, first_token_index=first_index, queued_s=time.monotonic() - received
+                ),
+            )
         except (ConnectionError, OSError) as exc:
             # The sender left while we waited for room (it was cancelled): free what we reserved.
             await self._handler.abort_flow(flow_open.request_id, f"sender gone before acceptance: {exc}")
@@ -193,8 +221,7 @@ class BulkReceiver:
         request_id, reason = flow_open.request_id, "connection closed"
         try:
             while True:
-                message, size = await asyncio.wait_for(read_message(reader, self._expect),
-                                                       self._frame_timeout_s)
+                message, size = await asyncio.wait_for(read_message(reader, self._expect), self._frame_timeout_s)
                 stats.bytes_received += size
                 KV_BYTES.labels(self._path, "received").inc(size)
                 if isinstance(message, KvFrame):
@@ -216,7 +243,7 @@ class BulkReceiver:
                     if message is not None:
                         reason = f"unexpected {type(message).__name__}"
                     break
-        except asyncio.TimeoutError:
+        except TimeoutError:
             reason = f"no data for {self._frame_timeout_s:.0f} s"
         except asyncio.CancelledError:
             reason = "receiver stopping"

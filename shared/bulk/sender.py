@@ -23,8 +23,7 @@ class FlowRefused(PddError):
 class BulkFlow:
     """One request's KV flow to one receiver."""
 
-    def __init__(self, request_id: str, path: str, reader, writer, first_token_index: int,
-                 handshake_s: float = 0.0):
+    def __init__(self, request_id: str, path: str, reader, writer, first_token_index: int, handshake_s: float = 0.0):
         self.request_id = request_id
         self.handshake_s = handshake_s
         self.path = path
@@ -48,16 +47,21 @@ class BulkFlow:
 
     async def end(self, output_token_ids: list[int], output_logprobs: list | None = None):
         """Tell the receiver every frame is sent (and which output tokens it starts from), then close."""
-        await write_control(self._writer, FlowEnd(request_id=self.request_id, output_token_ids=output_token_ids,
-                                                  output_logprobs=output_logprobs or []))
+        await write_control(
+            self._writer,
+            FlowEnd(
+                request_id=self.request_id, output_token_ids=output_token_ids, output_logprobs=output_logprobs or []
+            ),
+        )
         await self.close()
 
     async def cancel(self, reason: str):
         """Abandon the flow; the receiver discards what arrived."""
         try:
-            await asyncio.wait_for(write_control(self._writer, FlowCancel(
-                request_id=self.request_id, reason=reason)), 1.0)
-        except (ConnectionError, asyncio.TimeoutError):
+            await asyncio.wait_for(
+                write_control(self._writer, FlowCancel(request_id=self.request_id, reason=reason)), 1.0
+            )
+        except (TimeoutError, ConnectionError):
             pass
         await self.close()
 
@@ -66,13 +70,22 @@ class BulkFlow:
         self._writer.close()
         try:
             await asyncio.wait_for(self._writer.wait_closed(), 1.0)
-        except (ConnectionError, asyncio.TimeoutError):
+        except (TimeoutError, ConnectionError):
             pass
 
 
-async def open_flow(endpoint: str, flow_open: FlowOpen, secret: str, *, path: str,
-                    timeout_s: float, accept_timeout_s: float | None = None,
-                    tls: ssl.SSLContext | None = None, tls_name: str = "", link: str = "") -> BulkFlow:
+async def open_flow(
+    endpoint: str,
+    flow_open: FlowOpen,
+    secret: str,
+    *,
+    path: str,
+    timeout_s: float,
+    accept_timeout_s: float | None = None,
+    tls: ssl.SSLContext | None = None,
+    tls_name: str = "",
+    link: str = "",
+) -> BulkFlow:
     """Connect to ``endpoint`` (``host:port``), authenticate and wait for FlowAccepted.
 
     ``timeout_s`` bounds the connection; ``accept_timeout_s`` (default the same) bounds the
@@ -101,8 +114,7 @@ async def open_flow(endpoint: str, flow_open: FlowOpen, secret: str, *, path: st
         raise
     if isinstance(reply, FlowAccepted):
         handshake_s = max(0.0, time.monotonic() - started - reply.queued_s)
-        return BulkFlow(flow_open.request_id, path, reader, writer, reply.first_token_index,
-                        handshake_s=handshake_s)
+        return BulkFlow(flow_open.request_id, path, reader, writer, reply.first_token_index, handshake_s=handshake_s)
     writer.close()
     if isinstance(reply, FlowRejected):
         raise FlowRefused(f"{endpoint} refused flow: {reply.code}: {reply.message}")
@@ -112,8 +124,9 @@ async def open_flow(endpoint: str, flow_open: FlowOpen, secret: str, *, path: st
 async def _connect(endpoint: str, secret: str, tls: ssl.SSLContext | None, tls_name: str, link: str):
     if not link:
         host, _, port = endpoint.rpartition(":")
-        return await asyncio.open_connection(host, int(port), limit=1 << 20, ssl=tls,
-                                             server_hostname=(tls_name or host) if tls else None)
+        return await asyncio.open_connection(
+            host, int(port), limit=1 << 20, ssl=tls, server_hostname=(tls_name or host) if tls else None
+        )
     link_host, _, link_port = link.rpartition(":")
     reader, writer = await asyncio.open_connection(link_host, int(link_port), limit=1 << 20)
     try:

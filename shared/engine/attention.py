@@ -73,28 +73,27 @@ def forward_plan(plan: ForwardPlan):
         _active_plan.reset(token)
 
 
-def paged_attention_forward(module, query, key, value, attention_mask, scaling=None,
-                            dropout=0.0, **kwargs):
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention over pool-resident KV; HF's attention-interface signature."""
     plan = _active_plan.get()
     if plan is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      scaling=scaling, dropout=dropout, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     layer = module.layer_idx
     # [1, heads, tokens, dim] -> [tokens, heads, dim] for slot writes.
     plan.pool.write(layer, plan.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
     outputs = []
     for seq in plan.sequences:
-        q = query[:, :, seq.query_start:seq.query_end]
+        q = query[:, :, seq.query_start : seq.query_end]
         if seq.num_new_tokens == seq.context_len:
             # Nothing cached before: the new K/V are the whole context, no gather needed.
-            k = key[:, :, seq.query_start:seq.query_end]
-            v = value[:, :, seq.query_start:seq.query_end]
+            k = key[:, :, seq.query_start : seq.query_end]
+            v = value[:, :, seq.query_start : seq.query_end]
         else:
             k, v = plan.pool.gather(layer, seq.block_ids, seq.context_len)
             k, v = k.unsqueeze(0), v.unsqueeze(0)
-        out, _ = sdpa_attention_forward(module, q, k, v, _extend_mask(seq, q.device),
-                                        scaling=scaling, dropout=0.0)
+        out, _ = sdpa_attention_forward(module, q, k, v, _extend_mask(seq, q.device), scaling=scaling, dropout=0.0)
         outputs.append(out)
     return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0], None
 

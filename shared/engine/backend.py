@@ -32,9 +32,9 @@ class RequestStatus(enum.Enum):
     """Where a request is in its life on one instance."""
 
     IMPORTING = "importing"  # KV frames are landing; not schedulable yet
-    RUNNING = "running"      # schedulable whenever it has tokens without KV
-    PAUSED = "paused"        # holds its KV but is not scheduled (handoff in flight)
-    FINISHED = "finished"    # stopped (EOS, length, stop string or error); blocks held until freed
+    RUNNING = "running"  # schedulable whenever it has tokens without KV
+    PAUSED = "paused"  # holds its KV but is not scheduled (handoff in flight)
+    FINISHED = "finished"  # stopped (EOS, length, stop string or error); blocks held until freed
 
 
 @dataclass(frozen=True)
@@ -163,8 +163,9 @@ class EngineBackend(abc.ABC):
     # ----- requests ---------------------------------------------------------------------
 
     @abc.abstractmethod
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    seed: int | None = None) -> RequestView:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, seed: int | None = None
+    ) -> RequestView:
         """Queue a prompt for prefill, reusing the cached prefix blocks.
 
         Raises:
@@ -216,8 +217,9 @@ class EngineBackend(abc.ABC):
     # ----- KV over the wire -------------------------------------------------------------
 
     @abc.abstractmethod
-    def begin_import(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                     seed: int | None = None) -> int:
+    def begin_import(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, seed: int | None = None
+    ) -> int:
         """Reserve blocks for a prompt whose KV arrives as frames; reuse cached ones.
 
         Returns:
@@ -237,15 +239,20 @@ class EngineBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def finish_import(self, request_id: str, token_ids: list[int],
-                      logprobs: list | tuple = ()) -> RequestView:
+    def finish_import(self, request_id: str, token_ids: list[int], logprobs: list | tuple = ()) -> RequestView:
         """End an import; the request runs on from ``token_ids`` (output produced elsewhere;
         empty parks it until ``extend``)."""
 
     @abc.abstractmethod
-    def export_frames(self, request_id: str, first_token_index: int = 0,
-                      end_token_index: int | None = None, *, max_tokens_per_frame: int = 512,
-                      traceparent: str | None = None) -> list[list]:
+    def export_frames(
+        self,
+        request_id: str,
+        first_token_index: int = 0,
+        end_token_index: int | None = None,
+        *,
+        max_tokens_per_frame: int = 512,
+        traceparent: str | None = None,
+    ) -> list[list]:
         """The request's computed KV for tokens ``[first, end)`` as wire frames (lists of
         buffers for ``writelines``); ``first`` is a block start."""
 
@@ -268,8 +275,9 @@ class EngineBackend(abc.ABC):
         """Blocks that only these live requests hold; callable from any thread."""
 
 
-def generate(backend: EngineBackend, request_id: str, prompt_token_ids: list[int],
-             sampling: SamplingParams) -> list[int]:
+def generate(
+    backend: EngineBackend, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+) -> list[int]:
     """Prefill and decode one request to the end alone; free it; return its output tokens."""
     backend.add_request(request_id, prompt_token_ids, sampling)
     try:

@@ -52,10 +52,17 @@ DEFAULT_MAX_BATCH_TOKENS = 2048
 class HfEngine(EngineBackend):
     """A transformers model instance with its own KV pool and prefix cache. Not thread-safe."""
 
-    def __init__(self, loaded: LoadedModel, *, num_blocks: int | None = None,
-                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, block_size: int = DEFAULT_BLOCK_SIZE,
-                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                 kv_listener: KvEventListener | None = None, enable_prefix_cache: bool = True):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        kv_listener: KvEventListener | None = None,
+        enable_prefix_cache: bool = True,
+    ):
         self.loaded = loaded
         self.layout = KvLayout.from_model(loaded.model, block_size)
         if num_blocks is None:
@@ -63,8 +70,7 @@ class HfEngine(EngineBackend):
         self.pool = KvPool(self.layout, num_blocks, loaded.device)
         self.prefix_cache = PrefixCache(kv_listener)
         self.blocks = BlockManager(num_blocks, self.prefix_cache)
-        self.scheduler = Scheduler(self.blocks, self.prefix_cache, block_size, max_batch_tokens,
-                                   enable_prefix_cache)
+        self.scheduler = Scheduler(self.blocks, self.prefix_cache, block_size, max_batch_tokens, enable_prefix_cache)
         self.runner = ModelRunner(loaded, self.layout, self.pool)
         self.sampler = Sampler(loaded.eos_token_ids)
         self.stop_detector = StopDetector(loaded.tokenizer, loaded.eos_token_ids)
@@ -78,8 +84,9 @@ class HfEngine(EngineBackend):
 
     # ----- requests ---------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    seed: int | None = None) -> RequestView:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, seed: int | None = None
+    ) -> RequestView:
         # The block holding the last prompt token is never taken from the cache: the model
         # must compute at least one token to produce the next-token logits.
         seq = self._new_sequence(request_id, prompt_token_ids, sampling, seed)
@@ -131,8 +138,9 @@ class HfEngine(EngineBackend):
         self.last_batch = []
         batch, unfit = self.scheduler.schedule()
         if unfit is not None:
-            return [self._fail(unfit, OutOfKvBlocks(
-                f"out of KV blocks: {len(unfit.token_ids)} tokens do not fit the pool"))]
+            return [
+                self._fail(unfit, OutOfKvBlocks(f"out of KV blocks: {len(unfit.token_ids)} tokens do not fit the pool"))
+            ]
         if not batch:
             return []
         self.last_batch = [(entry.num_tokens, entry.seq.num_kv_tokens) for entry in batch]
@@ -140,8 +148,10 @@ class HfEngine(EngineBackend):
             logits = self.runner.run(batch)
         except Exception as exc:  # noqa: BLE001 - whatever broke, the batch ends, the engine lives
             return [self._fail(entry.seq, StepFailed(f"forward pass failed: {exc!r}")) for entry in batch]
-        outputs = [StepOutput(seq.request_id, None, len(seq.output_token_ids), False, absorbed=True)
-                   for seq in self.scheduler.computed(batch)]
+        outputs = [
+            StepOutput(seq.request_id, None, len(seq.output_token_ids), False, absorbed=True)
+            for seq in self.scheduler.computed(batch)
+        ]
         samplers = [entry.seq for entry in batch if entry.samples]
         outputs.extend(self._sample(seq, logits[row]) for row, seq in enumerate(samplers))
         return outputs
@@ -163,13 +173,15 @@ class HfEngine(EngineBackend):
 
     def _fail(self, seq: Sequence, error: PddError) -> StepOutput:
         seq.status, seq.finish_reason = RequestStatus.FINISHED, "error"
-        return StepOutput(seq.request_id, None, len(seq.output_token_ids), True, "error", str(error),
-                          error_code=error.code)
+        return StepOutput(
+            seq.request_id, None, len(seq.output_token_ids), True, "error", str(error), error_code=error.code
+        )
 
     # ----- KV over the wire -------------------------------------------------------------
 
-    def begin_import(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                     seed: int | None = None) -> int:
+    def begin_import(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, seed: int | None = None
+    ) -> int:
         seq = self._new_sequence(request_id, prompt_token_ids, sampling, seed)
         seq.status = RequestStatus.IMPORTING
         first = self.kv_transfer.reserve(seq)
@@ -185,11 +197,18 @@ class HfEngine(EngineBackend):
         self._append_outputs(seq, token_ids, logprobs)
         return seq.view()
 
-    def export_frames(self, request_id: str, first_token_index: int = 0,
-                      end_token_index: int | None = None, *, max_tokens_per_frame: int = 512,
-                      traceparent: str | None = None) -> list[list]:
-        return self.kv_transfer.export_frames(self.get(request_id), first_token_index, end_token_index,
-                                              max_tokens_per_frame, traceparent)
+    def export_frames(
+        self,
+        request_id: str,
+        first_token_index: int = 0,
+        end_token_index: int | None = None,
+        *,
+        max_tokens_per_frame: int = 512,
+        traceparent: str | None = None,
+    ) -> list[list]:
+        return self.kv_transfer.export_frames(
+            self.get(request_id), first_token_index, end_token_index, max_tokens_per_frame, traceparent
+        )
 
     # ----- cache and load ---------------------------------------------------------------
 
@@ -202,9 +221,13 @@ class HfEngine(EngineBackend):
     def load(self) -> EngineLoad:
         sequences = list(self.scheduler.sequences.values())  # one atomic copy of the table
         pending = sum(n for n in (seq.num_pending_tokens for seq in sequences) if n > 1)
-        return EngineLoad(num_sequences=len(sequences), num_blocks=self.blocks.num_blocks,
-                          num_free_blocks=self.blocks.num_free_blocks,
-                          num_used_blocks=self.blocks.num_used_blocks, num_pending_tokens=pending)
+        return EngineLoad(
+            num_sequences=len(sequences),
+            num_blocks=self.blocks.num_blocks,
+            num_free_blocks=self.blocks.num_free_blocks,
+            num_used_blocks=self.blocks.num_used_blocks,
+            num_pending_tokens=pending,
+        )
 
     def blocks_held_only_by(self, request_ids: set[str]) -> int:
         mine, others = set(), set()
@@ -249,13 +272,13 @@ class HfEngine(EngineBackend):
         if len(prompt_token_ids) + sampling.max_tokens > self.max_context_len:
             raise ContextLengthExceeded(
                 f"{len(prompt_token_ids)} prompt + {sampling.max_tokens} output tokens exceed "
-                f"the context of {self.max_context_len}")
+                f"the context of {self.max_context_len}"
+            )
         if seed is None:
             seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         return Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, seed)
 
-    def _append_outputs(self, seq: Sequence, token_ids: list[int],
-                        logprobs: list[TokenLogprobs | None] | tuple = ()):
+    def _append_outputs(self, seq: Sequence, token_ids: list[int], logprobs: list[TokenLogprobs | None] | tuple = ()):
         if len(seq.output_token_ids) + len(token_ids) > seq.sampling.max_tokens:
             raise InvalidRequestState(f"request {seq.request_id!r} would exceed max_tokens")
         seq.token_ids.extend(token_ids)
@@ -267,8 +290,7 @@ class HfEngine(EngineBackend):
     def _get(self, request_id: str, status: RequestStatus) -> Sequence:
         seq = self.get(request_id)
         if seq.status is not status:
-            raise InvalidRequestState(
-                f"request {request_id!r} is {seq.status.value}, expected {status.value}")
+            raise InvalidRequestState(f"request {request_id!r} is {seq.status.value}, expected {status.value}")
         return seq
 
 
@@ -277,5 +299,10 @@ def create_hf_engine(options: BackendOptions, loaded: LoadedModel | None = None)
     """The ``hf`` backend: loads the model unless one is given."""
     if loaded is None:
         loaded = load_model(options.model, device=options.device, dtype=options.dtype)
-    return HfEngine(loaded, kv_cache_bytes=options.kv_cache_bytes, block_size=options.block_size,
-                    kv_listener=options.kv_listener, enable_prefix_cache=options.enable_prefix_cache)
+    return HfEngine(
+        loaded,
+        kv_cache_bytes=options.kv_cache_bytes,
+        block_size=options.block_size,
+        kv_listener=options.kv_listener,
+        enable_prefix_cache=options.enable_prefix_cache,
+    )

@@ -18,8 +18,14 @@ class KvPool:
         self.num_blocks = num_blocks
         self.device = device
         self.kv = torch.zeros(
-            layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads,
-            layout.head_dim, dtype=layout.dtype, device=device,
+            layout.num_layers,
+            2,
+            num_blocks,
+            layout.block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+            dtype=layout.dtype,
+            device=device,
         )
         # Flat views [num_blocks * block_size, kv_heads, head_dim] per layer for slot writes.
         self._flat = self.kv.view(layout.num_layers, 2, -1, layout.num_kv_heads, layout.head_dim)
@@ -52,8 +58,8 @@ class KvPool:
         """
         block_size = self.layout.block_size
         num_tokens = tokens_kv.shape[2]
-        slots = torch.cat([
-            torch.arange(b * block_size, (b + 1) * block_size, device=self.device) for b in block_ids
-        ])[:num_tokens]
+        slots = torch.cat([torch.arange(b * block_size, (b + 1) * block_size, device=self.device) for b in block_ids])[
+            :num_tokens
+        ]
         tokens_kv = tokens_kv.to(device=self.device, dtype=self.layout.dtype)
         self._flat.index_copy_(2, slots, tokens_kv)

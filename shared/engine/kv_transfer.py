@@ -51,8 +51,12 @@ class KvTransfer:
         header = frame.header
         seq = self._scheduler.sequences.get(header.request_id)
         importing = seq is not None and seq.status is RequestStatus.IMPORTING
-        check_next_frame(header, importing, seq.num_kv_tokens if importing else 0,
-                         seq.token_ids[:seq.num_prompt_tokens] if importing else [])
+        check_next_frame(
+            header,
+            importing,
+            seq.num_kv_tokens if importing else 0,
+            seq.token_ids[: seq.num_prompt_tokens] if importing else [],
+        )
         end = header.first_token_index + header.num_tokens
         first_block, last_block = header.first_block_index, math.ceil(end / self._scheduler.block_size)
         self._pool.import_tokens(seq.block_ids[first_block:last_block], frame.kv)
@@ -60,16 +64,32 @@ class KvTransfer:
         seq.num_imported_tokens += header.num_tokens
         self._scheduler.cache_full_blocks(seq)
 
-    def export_frames(self, seq: Sequence, first_token_index: int, end_token_index: int | None,
-                      max_tokens_per_frame: int, traceparent: str | None) -> list[list]:
+    def export_frames(
+        self,
+        seq: Sequence,
+        first_token_index: int,
+        end_token_index: int | None,
+        max_tokens_per_frame: int,
+        traceparent: str | None,
+    ) -> list[list]:
         """Encode ``seq``'s computed KV for tokens ``[first, end)`` as wire frames."""
         block_size = self._scheduler.block_size
         stop = seq.num_kv_tokens if end_token_index is None else end_token_index
         if first_token_index % block_size or not 0 <= first_token_index < stop <= seq.num_kv_tokens:
-            raise ValueError(f"cannot export tokens [{first_token_index}, {stop}): need a block "
-                             f"start below the end, within {seq.num_kv_tokens} computed tokens")
+            raise ValueError(
+                f"cannot export tokens [{first_token_index}, {stop}): need a block "
+                f"start below the end, within {seq.num_kv_tokens} computed tokens"
+            )
         return encode_frames(
-            lambda start, end: self._pool.export_tokens(seq.block_ids[start // block_size:math.ceil(end / block_size)],
-                                                        end - start),
-            seq.token_ids, first_token_index, stop, block_size=block_size, model_fingerprint=self._fingerprint,
-            request_id=seq.request_id, max_tokens_per_frame=max_tokens_per_frame, traceparent=traceparent)
+            lambda start, end: self._pool.export_tokens(
+                seq.block_ids[start // block_size : math.ceil(end / block_size)], end - start
+            ),
+            seq.token_ids,
+            first_token_index,
+            stop,
+            block_size=block_size,
+            model_fingerprint=self._fingerprint,
+            request_id=seq.request_id,
+            max_tokens_per_frame=max_tokens_per_frame,
+            traceparent=traceparent,
+        )

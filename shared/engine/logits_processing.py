@@ -11,8 +11,13 @@ import torch
 from shared.engine.sampling import SamplingParams
 
 
-def apply(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int,
-          eos_token_ids: frozenset[int] | set[int]) -> torch.Tensor:
+def apply(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    token_ids: list[int],
+    num_prompt_tokens: int,
+    eos_token_ids: frozenset[int] | set[int],
+) -> torch.Tensor:
     """The logits row ``params`` samples from, given the sequence's tokens so far.
 
     Args:
@@ -32,11 +37,11 @@ def apply(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], nu
         seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
         seen = seen[seen < vocab]
         values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                   values * params.repetition_penalty)
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     if num_outputs and (params.frequency_penalty or params.presence_penalty):
-        counts = torch.bincount(torch.tensor(token_ids[num_prompt_tokens:], dtype=torch.long),
-                                minlength=vocab)[:vocab].float()
+        counts = torch.bincount(torch.tensor(token_ids[num_prompt_tokens:], dtype=torch.long), minlength=vocab)[
+            :vocab
+        ].float()
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
     if masks_eos:
         logits[[t for t in eos_token_ids if t < vocab]] = float("-inf")

@@ -49,11 +49,16 @@ class ModelRunner:
         for entry in batch:
             seq = entry.seq
             start, end = seq.num_kv_tokens, seq.num_kv_tokens + entry.num_tokens
-            plans.append(SequencePlan(
-                len(input_ids), len(input_ids) + entry.num_tokens,
-                torch.tensor(seq.block_ids[:math.ceil(end / self._layout.block_size)],
-                             dtype=torch.long, device=self._device),
-                end))
+            plans.append(
+                SequencePlan(
+                    len(input_ids),
+                    len(input_ids) + entry.num_tokens,
+                    torch.tensor(
+                        seq.block_ids[: math.ceil(end / self._layout.block_size)], dtype=torch.long, device=self._device
+                    ),
+                    end,
+                )
+            )
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(self._slot(seq, position) for position in range(start, end))
@@ -70,7 +75,8 @@ class ModelRunner:
             out = self.model(
                 input_ids=torch.tensor([input_ids], device=device),
                 position_ids=torch.tensor([positions], device=device),
-                use_cache=False, logits_to_keep=keep,
+                use_cache=False,
+                logits_to_keep=keep,
             )
         return out.logits[0]
 

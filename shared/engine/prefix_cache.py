@@ -14,7 +14,6 @@ from shared.block_hash import ROOT_PARENT_HASH
 from shared.engine.backend import KvEventListener
 
 
-
 @dataclass(eq=False)
 class CacheNode:
     """One cached block."""

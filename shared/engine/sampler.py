@@ -78,4 +78,5 @@ def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> TokenLo
     return TokenLogprobs(
         logprob=float(logprobs[token_id]),
         top_token_ids=tuple(top.indices.tolist()) if top is not None else (),
-        top_logprobs=tuple(top.values.tolist()) if top is not None else ())
+        top_logprobs=tuple(top.values.tolist()) if top is not None else (),
+    )

@@ -19,7 +19,7 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 2.0
 """A repetition penalty divides positive logits: at most a factor of 100."""
 MAX_ABS_PENALTY = 2.0
 """Frequency and presence penalties lie in ``[-2, 2]`` (OpenAI's range)."""
-MAX_TOP_K = 2 ** 31 - 1
+MAX_TOP_K = 2**31 - 1
 """``top_k`` past the vocabulary means "all tokens"; larger values are refused, not wrapped."""
 
 
@@ -60,23 +60,38 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def validate(self):
         """Raise ``InvalidSampling`` naming the first field out of range (NaN is out of every range)."""
         _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
-        _check(self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE,
-               "temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
-                              f"got {self.temperature}")
+        _check(
+            self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE,
+            "temperature",
+            f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {self.temperature}",
+        )
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(len(self.stop) <= MAX_STOP_STRINGS and all(self.stop), "stop",
-               f"takes up to {MAX_STOP_STRINGS} non-empty strings")
+        _check(
+            len(self.stop) <= MAX_STOP_STRINGS and all(self.stop),
+            "stop",
+            f"takes up to {MAX_STOP_STRINGS} non-empty strings",
+        )
         _check(0 <= self.top_k <= MAX_TOP_K, "top_k", f"must be in [0, {MAX_TOP_K}], got {self.top_k}")
-        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-               f"must be in [0, max_tokens], got {self.min_tokens}")
-        _check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
-               f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
+        _check(
+            0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}"
+        )
+        _check(
+            MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+            "repetition_penalty",
+            f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty}",
+        )
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
-            _check(-MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY, name,
-                   f"must be in [{-MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}], got {value}")
-        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-               f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+            _check(
+                -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY,
+                name,
+                f"must be in [{-MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}], got {value}",
+            )
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            "logprobs",
+            f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -86,8 +101,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def penalised(self) -> bool:
         """True when a penalty changes the logits before sampling."""
-        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0)
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 def _check(holds: bool, field: str, message: str):

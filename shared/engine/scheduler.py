@@ -21,8 +21,14 @@ from shared.errors import OutOfKvBlocks, UnknownRequest
 class Scheduler:
     """The live sequences of one engine and the blocks they hold."""
 
-    def __init__(self, blocks: BlockManager, prefix_cache: PrefixCache, block_size: int,
-                 max_batch_tokens: int, enable_prefix_cache: bool = True):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        prefix_cache: PrefixCache,
+        block_size: int,
+        max_batch_tokens: int,
+        enable_prefix_cache: bool = True,
+    ):
         self.blocks = blocks
         self.prefix_cache = prefix_cache
         self.block_size = block_size
@@ -43,7 +49,7 @@ class Scheduler:
         hit = self.prefix_cache.match(block_hashes) if self.enable_prefix_cache else []
         self.blocks.acquire(hit)
         seq.block_ids = list(hit)
-        seq.block_hashes = block_hashes[:len(hit)]
+        seq.block_hashes = block_hashes[: len(hit)]
         seq.num_kv_tokens = seq.num_cached_tokens = len(hit) * self.block_size
         return hit
 
@@ -63,8 +69,9 @@ class Scheduler:
     def schedule(self) -> tuple[list[ScheduledSequence], Sequence | None]:
         """The next step's batch; or, when nothing fits even after preemption, the sequence
         that can never fit (it must fail)."""
-        candidates = sorted((s for s in self.sequences.values() if s.schedulable),
-                            key=lambda s: s.num_pending_tokens != 1)
+        candidates = sorted(
+            (s for s in self.sequences.values() if s.schedulable), key=lambda s: s.num_pending_tokens != 1
+        )
         budget, batch, starved = self.max_batch_tokens, [], []
         for seq in candidates:
             num_tokens = min(seq.num_pending_tokens, budget)
@@ -110,15 +117,16 @@ class Scheduler:
         block_size = self.block_size
         for index in range(len(seq.block_hashes), seq.num_kv_tokens // block_size):
             parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_PARENT_HASH
-            block_hash = hash_block(parent, seq.token_ids[index * block_size:(index + 1) * block_size])
+            block_hash = hash_block(parent, seq.token_ids[index * block_size : (index + 1) * block_size])
             if self.enable_prefix_cache:
                 self.blocks.cache_block(parent, block_hash, seq.block_ids[index])
             seq.block_hashes.append(block_hash)
 
     def _preemption_victim(self, spare: Sequence) -> Sequence | None:
         """The youngest running sequence holding blocks, other than ``spare`` (the oldest waits)."""
-        running = [s for s in self.sequences.values()
-                   if s is not spare and s.status is RequestStatus.RUNNING and s.block_ids]
+        running = [
+            s for s in self.sequences.values() if s is not spare and s.status is RequestStatus.RUNNING and s.block_ids
+        ]
         return running[-1] if running else None
 
     def _preempt(self, seq: Sequence):

@@ -51,7 +51,7 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         """Tokens after the prompt."""
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_pending_tokens(self) -> int:
@@ -66,8 +66,13 @@ class Sequence:
     def view(self) -> RequestView:
         """An immutable snapshot for callers outside the engine."""
         return RequestView(
-            request_id=self.request_id, status=self.status, num_prompt_tokens=self.num_prompt_tokens,
-            num_cached_tokens=self.num_cached_tokens, num_imported_tokens=self.num_imported_tokens,
-            output_token_ids=tuple(self.token_ids[self.num_prompt_tokens:]),
+            request_id=self.request_id,
+            status=self.status,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_imported_tokens=self.num_imported_tokens,
+            output_token_ids=tuple(self.token_ids[self.num_prompt_tokens :]),
             output_logprobs=tuple(self.output_logprobs) if self.sampling.logprobs is not None else None,
-            finish_reason=self.finish_reason, max_tokens=self.sampling.max_tokens)
+            finish_reason=self.finish_reason,
+            max_tokens=self.sampling.max_tokens,
+        )

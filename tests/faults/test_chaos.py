@@ -15,17 +15,45 @@ from infra.launcher import load_state
 from infra.nats_server import free_port
 from tests.helpers import pdd
 
-SCENARIOS = ["md-kill", "relay-kill", "prefill-kill", "nats-a-restart", "nats-b-outage", "partition",
-             "stalls", "slow-wan", "redeploy"]
+SCENARIOS = [
+    "md-kill",
+    "relay-kill",
+    "prefill-kill",
+    "nats-a-restart",
+    "nats-b-outage",
+    "partition",
+    "stalls",
+    "slow-wan",
+    "redeploy",
+]
 
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("chaos")
     ports = [str(free_port()) for _ in range(4)]
-    result = pdd("up", "--detach", "--model", "tiny", "--md", "2", "--kv-cache-mb", "64",
-                 "--bandwidth", "10mbit", "--run-dir", str(run_dir), "--http-port", ports[0],
-                 "--nats-a-port", ports[1], "--nats-b-port", ports[2], "--wan-control-port", ports[3])
+    result = pdd(
+        "up",
+        "--detach",
+        "--model",
+        "tiny",
+        "--md",
+        "2",
+        "--kv-cache-mb",
+        "64",
+        "--bandwidth",
+        "10mbit",
+        "--run-dir",
+        str(run_dir),
+        "--http-port",
+        ports[0],
+        "--nats-a-port",
+        ports[1],
+        "--nats-b-port",
+        ports[2],
+        "--wan-control-port",
+        ports[3],
+    )
     assert result.returncode == 0, result.stderr + result.stdout
     yield run_dir
     assert pdd("down", "--run-dir", str(run_dir)).returncode == 0
@@ -36,11 +64,26 @@ def deployment(tmp_path_factory):
 def rows(deployment):
     """One ``pdd chaos`` run over every scenario but router-kill (one process: the reference
     outputs and the model load once, not once per scenario)."""
-    result = pdd("chaos", "--scenario", ",".join(SCENARIOS), "--run-dir", str(deployment), "--streams", "3",
-                 "--max-tokens", "300", "--prompt-words", "400", "--partition-s", "18", "--outage-s", "18",
-                 timeout=1500)
+    result = pdd(
+        "chaos",
+        "--scenario",
+        ",".join(SCENARIOS),
+        "--run-dir",
+        str(deployment),
+        "--streams",
+        "3",
+        "--max-tokens",
+        "300",
+        "--prompt-words",
+        "400",
+        "--partition-s",
+        "18",
+        "--outage-s",
+        "18",
+        timeout=1500,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
-    lines = result.stdout.splitlines()[:len(SCENARIOS)]
+    lines = result.stdout.splitlines()[: len(SCENARIOS)]
     return {row["scenario"]: row for row in map(json.loads, lines)}
 
 
@@ -58,8 +101,20 @@ def test_chaos_scenario_loses_nothing(rows, scenario):
 
 
 def test_chaos_router_kill_frees_everything(deployment):
-    result = pdd("chaos", "--scenario", "router-kill", "--run-dir", str(deployment), "--streams", "3",
-                 "--max-tokens", "300", "--prompt-words", "400", timeout=400)
+    result = pdd(
+        "chaos",
+        "--scenario",
+        "router-kill",
+        "--run-dir",
+        str(deployment),
+        "--streams",
+        "3",
+        "--max-tokens",
+        "300",
+        "--prompt-words",
+        "400",
+        timeout=400,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     row = json.loads(result.stdout.splitlines()[0])
     assert row["identical"] + row["failed_clear"] == row["requests"] == 3, row

@@ -92,17 +92,32 @@ class _Request:
         return self.prompt + self.outputs
 
     def view(self) -> RequestView:
-        return RequestView(self.request_id, self.status, len(self.prompt), self.num_cached_tokens,
-                           self.num_imported_tokens, tuple(self.outputs),
-                           tuple(self.logprobs) if self.sampling.logprobs is not None else None,
-                           self.finish_reason, self.sampling.max_tokens)
+        return RequestView(
+            self.request_id,
+            self.status,
+            len(self.prompt),
+            self.num_cached_tokens,
+            self.num_imported_tokens,
+            tuple(self.outputs),
+            tuple(self.logprobs) if self.sampling.logprobs is not None else None,
+            self.finish_reason,
+            self.sampling.max_tokens,
+        )
 
 
 class VllmBackend(EngineBackend):
     """A vLLM engine instance in this process. Not thread-safe (as every backend)."""
 
-    def __init__(self, loaded: LoadedModel, folder: Path, *, block_size: int, kv_cache_bytes: int,
-                 enable_prefix_cache: bool = True, kv_listener=None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        folder: Path,
+        *,
+        block_size: int,
+        kv_cache_bytes: int,
+        enable_prefix_cache: bool = True,
+        kv_listener=None,
+    ):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector must share our memory
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
         from vllm import EngineArgs
@@ -112,8 +127,10 @@ class VllmBackend(EngineBackend):
 
         global _engines_in_process
         if _engines_in_process:
-            raise ConfigError("--engine vllm: one vLLM engine per process (vLLM keeps its KV connector "
-                              "process-wide); run each vLLM instance as its own service process")
+            raise ConfigError(
+                "--engine vllm: one vLLM engine per process (vLLM keeps its KV connector "
+                "process-wide); run each vLLM instance as its own service process"
+            )
         _engines_in_process += 1
         self.loaded = loaded
         self.layout = KvLayout.from_model(loaded.model, block_size)
@@ -121,29 +138,48 @@ class VllmBackend(EngineBackend):
         self.frame_expectation = FrameExpectation(loaded.fingerprint, self.layout)
         self.vocab_size = loaded.model.config.vocab_size
         # vLLM refuses a context its cache could not hold whole.
-        cache_tokens = (kv_cache_bytes // self.layout.kv_bytes_per_token // block_size - 2) * block_size  # vLLM keeps a null block
+        cache_tokens = (
+            kv_cache_bytes // self.layout.kv_bytes_per_token // block_size - 2
+        ) * block_size  # vLLM keeps a null block
         self.max_context_len = min(loaded.model.config.max_position_embeddings, cache_tokens)
         self._eos = loaded.eos_token_ids
         self._dtype = str(loaded.dtype).removeprefix("torch.")
         isa = _get_attn_isa(loaded.dtype, block_size, self.layout.head_dim)
         self._bridge_key, self.bridge = bridges.new_bridge()
         self.mirror = BlockMirror(block_size, kv_listener)
-        self.engine = LLMEngine.from_engine_args(EngineArgs(
-            model=str(folder), tokenizer=str(folder), dtype=self._dtype, block_size=block_size,
-            enable_prefix_caching=enable_prefix_cache, max_model_len=self.max_context_len, seed=0,
-            enforce_eager=True, kv_cache_memory_bytes=kv_cache_bytes,
-            kv_transfer_config=KVTransferConfig(
-                kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_both",
-                kv_connector_extra_config={bridges.BRIDGE_KEY: self._bridge_key, "isa": isa}),
-            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")))
+        self.engine = LLMEngine.from_engine_args(
+            EngineArgs(
+                model=str(folder),
+                tokenizer=str(folder),
+                dtype=self._dtype,
+                block_size=block_size,
+                enable_prefix_caching=enable_prefix_cache,
+                max_model_len=self.max_context_len,
+                seed=0,
+                enforce_eager=True,
+                kv_cache_memory_bytes=kv_cache_bytes,
+                kv_transfer_config=KVTransferConfig(
+                    kv_connector=CONNECTOR,
+                    kv_connector_module_path=CONNECTOR_MODULE,
+                    kv_role="kv_both",
+                    kv_connector_extra_config={bridges.BRIDGE_KEY: self._bridge_key, "isa": isa},
+                ),
+                kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+            )
+        )
         # vLLM publishes block events to a ZMQ socket or nowhere; in-process, to the mirror.
         self._scheduler.kv_event_publisher = self.mirror
         check_layout(self.bridge.kv_caches[0], isa)
         self.kv = VllmKvBlocks(self.bridge.kv_caches, block_size, isa)
         self._requests: dict[str, _Request] = {}
         self._by_engine_id: dict[str, _Request] = {}
-        log.info("vllm_engine_ready", folder=str(folder), block_size=block_size, isa=isa,
-                 kv_blocks=self.kv.caches[0].shape[0])
+        log.info(
+            "vllm_engine_ready",
+            folder=str(folder),
+            block_size=block_size,
+            isa=isa,
+            kv_blocks=self.kv.caches[0].shape[0],
+        )
 
     @property
     def _scheduler(self):
@@ -151,8 +187,9 @@ class VllmBackend(EngineBackend):
 
     # ----- requests ---------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    seed: int | None = None) -> RequestView:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, seed: int | None = None
+    ) -> RequestView:
         record = self._new(request_id, prompt_token_ids, sampling, seed)
         self._submit(record)
         return record.view()
@@ -214,7 +251,7 @@ class VllmBackend(EngineBackend):
 
     def _outputs(self, record: _Request, result) -> list[StepOutput]:
         completion = result.outputs[0]
-        new = list(completion.token_ids[record.emitted:])
+        new = list(completion.token_ids[record.emitted :])
         if result.num_cached_tokens is not None and record.emitted == 0 and not record.outputs:
             record.num_cached_tokens = result.num_cached_tokens
         if record.absorbing:  # only the KV was wanted; the token it sampled is dropped
@@ -235,19 +272,22 @@ class VllmBackend(EngineBackend):
             self._by_engine_id.pop(record.engine_id, None)  # its blocks stay held until free
             if outputs:
                 last = outputs[-1]
-                outputs[-1] = StepOutput(last.request_id, last.token_id, last.token_index, True,
-                                         record.finish_reason, logprobs=last.logprobs)
+                outputs[-1] = StepOutput(
+                    last.request_id, last.token_id, last.token_index, True, record.finish_reason, logprobs=last.logprobs
+                )
         return outputs
 
     # ----- KV over the wire -------------------------------------------------------------
 
-    def begin_import(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                     seed: int | None = None) -> int:
+    def begin_import(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, seed: int | None = None
+    ) -> int:
         record = self._new(request_id, prompt_token_ids, sampling, seed)
         record.status = RequestStatus.IMPORTING
         hit = self.mirror.cached_prefix_blocks(hash_blocks(prompt_token_ids, self.block_size))
-        record.import_next = record.staged_first = min(hit * self.block_size,
-                                                       (len(prompt_token_ids) - 1) // self.block_size * self.block_size)
+        record.import_next = record.staged_first = min(
+            hit * self.block_size, (len(prompt_token_ids) - 1) // self.block_size * self.block_size
+        )
         return record.import_next
 
     def import_frame(self, frame: KvFrame):
@@ -268,9 +308,15 @@ class VllmBackend(EngineBackend):
             self._submit(record)
         return record.view()
 
-    def export_frames(self, request_id: str, first_token_index: int = 0,
-                      end_token_index: int | None = None, *, max_tokens_per_frame: int = 512,
-                      traceparent: str | None = None) -> list[list]:
+    def export_frames(
+        self,
+        request_id: str,
+        first_token_index: int = 0,
+        end_token_index: int | None = None,
+        *,
+        max_tokens_per_frame: int = 512,
+        traceparent: str | None = None,
+    ) -> list[list]:
         record = self._get(request_id)
         held = self.bridge.held_blocks.get(record.engine_id or "")
         if held is None:
@@ -280,11 +326,21 @@ class VllmBackend(EngineBackend):
         stop = computed if end_token_index is None else end_token_index
         bs = self.block_size
         if first_token_index % bs or not 0 <= first_token_index < stop <= computed:
-            raise ValueError(f"cannot export tokens [{first_token_index}, {stop}): need a block "
-                             f"start below the end, within {computed} computed tokens")
-        return encode_frames(lambda start, end: self.kv.read(block_ids, start, end), record.tokens,
-                             first_token_index, stop, block_size=bs, model_fingerprint=self.loaded.fingerprint,
-                             request_id=request_id, max_tokens_per_frame=max_tokens_per_frame, traceparent=traceparent)
+            raise ValueError(
+                f"cannot export tokens [{first_token_index}, {stop}): need a block "
+                f"start below the end, within {computed} computed tokens"
+            )
+        return encode_frames(
+            lambda start, end: self.kv.read(block_ids, start, end),
+            record.tokens,
+            first_token_index,
+            stop,
+            block_size=bs,
+            model_fingerprint=self.loaded.fingerprint,
+            request_id=request_id,
+            max_tokens_per_frame=max_tokens_per_frame,
+            traceparent=traceparent,
+        )
 
     # ----- cache and load ---------------------------------------------------------------
 
@@ -298,10 +354,18 @@ class VllmBackend(EngineBackend):
         records = list(self._requests.values())  # one atomic copy of the table
         total = self.kv.caches[0].shape[0]
         used = sum(-(-len(r.prompt + r.outputs) // self.block_size) for r in records)
-        pending = sum(len(r.prompt) - r.num_cached_tokens for r in records
-                      if r.status is RequestStatus.RUNNING and r.emitted == 0 and not r.outputs)
-        return EngineLoad(num_sequences=len(records), num_blocks=total, num_free_blocks=max(0, total - used),
-                          num_used_blocks=min(total, used), num_pending_tokens=pending)
+        pending = sum(
+            len(r.prompt) - r.num_cached_tokens
+            for r in records
+            if r.status is RequestStatus.RUNNING and r.emitted == 0 and not r.outputs
+        )
+        return EngineLoad(
+            num_sequences=len(records),
+            num_blocks=total,
+            num_free_blocks=max(0, total - used),
+            num_used_blocks=min(total, used),
+            num_pending_tokens=pending,
+        )
 
     def blocks_held_only_by(self, request_ids: set[str]) -> int:
         records = [r for rid, r in list(self._requests.items()) if rid in request_ids]
@@ -321,8 +385,10 @@ class VllmBackend(EngineBackend):
             raise InvalidPrompt("prompt must hold at least one token")
         sampling.validate()
         if len(prompt_token_ids) + sampling.max_tokens > self.max_context_len:
-            raise ContextLengthExceeded(f"{len(prompt_token_ids)} prompt + {sampling.max_tokens} output "
-                                        f"tokens exceed the context of {self.max_context_len}")
+            raise ContextLengthExceeded(
+                f"{len(prompt_token_ids)} prompt + {sampling.max_tokens} output "
+                f"tokens exceed the context of {self.max_context_len}"
+            )
         if seed is None:
             seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         record = _Request(request_id, list(prompt_token_ids), sampling, seed)
@@ -338,8 +404,9 @@ class VllmBackend(EngineBackend):
             self.bridge.staged[engine_id] = bridges.StagedKv(record.staged_first, kv)
             record.staged = []
         self.bridge.export.add(engine_id)
-        self.engine.add_request(engine_id, {"prompt_token_ids": record.tokens},
-                                _vllm_sampling(record, 1 if absorb else None))
+        self.engine.add_request(
+            engine_id, {"prompt_token_ids": record.tokens}, _vllm_sampling(record, 1 if absorb else None)
+        )
         record.engine_id, record.emitted, record.absorbing = engine_id, 0, absorb
         self._by_engine_id[engine_id] = record
 
@@ -391,12 +458,21 @@ def _vllm_sampling(record: _Request, max_tokens: int | None):
 
     ours, done = record.sampling, len(record.outputs)
     return VllmSamplingParams(
-        max_tokens=max_tokens or ours.max_tokens - done, min_tokens=max(0, ours.min_tokens - done),
-        temperature=ours.temperature, top_p=ours.top_p, top_k=ours.top_k, seed=record.seed,
-        stop=list(ours.stop) or None, ignore_eos=ours.ignore_eos,
-        repetition_penalty=ours.repetition_penalty, frequency_penalty=ours.frequency_penalty,
-        presence_penalty=ours.presence_penalty, logprobs=ours.logprobs,
-        detokenize=bool(ours.stop), skip_special_tokens=False)
+        max_tokens=max_tokens or ours.max_tokens - done,
+        min_tokens=max(0, ours.min_tokens - done),
+        temperature=ours.temperature,
+        top_p=ours.top_p,
+        top_k=ours.top_k,
+        seed=record.seed,
+        stop=list(ours.stop) or None,
+        ignore_eos=ours.ignore_eos,
+        repetition_penalty=ours.repetition_penalty,
+        frequency_penalty=ours.frequency_penalty,
+        presence_penalty=ours.presence_penalty,
+        logprobs=ours.logprobs,
+        detokenize=bool(ours.stop),
+        skip_special_tokens=False,
+    )
 
 
 def _logprobs(per_token, index: int, token: int, sampling: SamplingParams) -> TokenLogprobs | None:
@@ -412,8 +488,10 @@ def _logprobs(per_token, index: int, token: int, sampling: SamplingParams) -> To
 def model_folder(source: str) -> Path:
     """The HF folder vLLM loads for a model source."""
     if source == TINY:
-        raise ConfigError("--engine vllm: the tiny test model has 16-wide heads, which vLLM's CPU attention "
-                          "does not run; use smollm2 or a model folder")
+        raise ConfigError(
+            "--engine vllm: the tiny test model has 16-wide heads, which vLLM's CPU attention "
+            "does not run; use smollm2 or a model folder"
+        )
     if source == SMOLLM2:
         return ensure_smollm2_converted()
     return Path(source).expanduser()
@@ -429,10 +507,18 @@ def create_vllm_backend(options: BackendOptions, loaded: LoadedModel | None = No
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
-        raise ConfigError(f"--engine vllm: vLLM is not installed in this environment ({exc}); "
-                          "run `make setup-vllm` and use .venv-vllm") from None
+        raise ConfigError(
+            f"--engine vllm: vLLM is not installed in this environment ({exc}); "
+            "run `make setup-vllm` and use .venv-vllm"
+        ) from None
     folder = model_folder(options.model)
     if loaded is None:
         loaded = load_model(options.model, device=options.device, dtype=options.dtype)
-    return VllmBackend(loaded, folder, block_size=options.block_size, kv_cache_bytes=options.kv_cache_bytes,
-                       enable_prefix_cache=options.enable_prefix_cache, kv_listener=options.kv_listener)
+    return VllmBackend(
+        loaded,
+        folder,
+        block_size=options.block_size,
+        kv_cache_bytes=options.kv_cache_bytes,
+        enable_prefix_cache=options.enable_prefix_cache,
+        kv_listener=options.kv_listener,
+    )

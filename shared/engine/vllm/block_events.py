@@ -40,11 +40,14 @@ class BlockMirror:
 
     def get_publisher_config(self):
         """The ``EventPublisher`` interface: no socket to describe."""
-        return None
+        return
 
     def _stored(self, event):
-        parent = (self._ours.get(event.parent_block_hash, ROOT_PARENT_HASH) if event.parent_block_hash is not None
-                  else ROOT_PARENT_HASH)
+        parent = (
+            self._ours.get(event.parent_block_hash, ROOT_PARENT_HASH)
+            if event.parent_block_hash is not None
+            else ROOT_PARENT_HASH
+        )
         hashes = hash_blocks(event.token_ids, self.block_size, parent)
         new = []
         for theirs, ours in zip(event.block_hashes, hashes):

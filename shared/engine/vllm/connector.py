@@ -78,8 +78,9 @@ class PddConnector(KVConnectorBase_V1):
         if not num_external_tokens or granted is None:
             return
         staged = self.bridge.staged.pop(engine_request_id(request.request_id))
-        self._loads.append(bridges.PendingLoad(request.request_id, list(blocks.get_block_ids()[0]),
-                                               granted[0], granted[1], staged))
+        self._loads.append(
+            bridges.PendingLoad(request.request_id, list(blocks.get_block_ids()[0]), granted[0], granted[1], staged)
+        )
 
     def build_connector_meta(self, scheduler_output) -> PddConnectorMetadata:
         loads, self._loads = self._loads, []
@@ -104,7 +105,7 @@ class PddConnector(KVConnectorBase_V1):
         metadata = self._get_connector_metadata()
         for load in metadata.loads:
             staged = load.staged
-            kv = staged.kv[:, :, load.first_token - staged.first_token:load.end_token - staged.first_token]
+            kv = staged.kv[:, :, load.first_token - staged.first_token : load.end_token - staged.first_token]
             self._kv.write(load.block_ids, load.first_token, kv)
             log.debug("kv_loaded", request_id=load.engine_request_id, tokens=load.end_token - load.first_token)
 

@@ -37,14 +37,14 @@ class VllmKvBlocks:
     def read(self, block_ids: list[int], first_token: int, end_token: int) -> torch.Tensor:
         """Tokens ``[first, end)`` as ``[layers, 2, tokens, kv_heads, head_dim]``."""
         first_block, last_block = first_token // self.block_size, (end_token - 1) // self.block_size
-        index = torch.tensor(block_ids[first_block:last_block + 1], dtype=torch.long)
+        index = torch.tensor(block_ids[first_block : last_block + 1], dtype=torch.long)
         offset = first_token - first_block * self.block_size
         out = []
         for cache in self.caches:
             keys, values = read_blocks(cache, index)  # [blocks, heads, block_size, dim] each
             both = torch.stack((keys, values))  # [2, blocks, heads, block_size, dim]
             tokens = both.permute(0, 1, 3, 2, 4).reshape(2, -1, self.num_kv_heads, self.head_dim)
-            out.append(tokens[:, offset:offset + end_token - first_token])
+            out.append(tokens[:, offset : offset + end_token - first_token])
         return torch.stack(out).contiguous()
 
     def _slots(self, block_ids: list[int], first_token: int, num_tokens: int) -> torch.Tensor:
@@ -59,8 +59,9 @@ def write_tokens(cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
     num_blocks, heads, block_size, _ = cache.shape
     key_cache, value_cache = cache.view(num_blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(keys.contiguous(), values.contiguous(), key_cache, value_cache,
-                                   slots.to(torch.long), isa)
+    ops.cpu_attn_reshape_and_cache(
+        keys.contiguous(), values.contiguous(), key_cache, value_cache, slots.to(torch.long), isa
+    )
 
 
 def read_blocks(cache: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +85,9 @@ def check_layout(like: torch.Tensor, isa: str, seed: int = 0):
     values = torch.randn(shape, generator=generator).to(like.dtype)
     write_tokens(scratch, keys, values, torch.arange(2 * block_size), isa)
     read_keys, read_values = read_blocks(scratch, torch.arange(2))
-    as_tokens = lambda t: t.permute(0, 2, 1, 3).reshape(shape)  # noqa: E731
+    as_tokens = lambda t: t.permute(0, 2, 1, 3).reshape(shape)
     if not (torch.equal(as_tokens(read_keys), keys) and torch.equal(as_tokens(read_values), values)):
-        raise ConfigError(f"--engine vllm: vLLM's CPU KV cache layout for instruction set {isa!r} is not "
-                          "one PDD can read (known: head-major keys transposed per block, then values)")
+        raise ConfigError(
+            f"--engine vllm: vLLM's CPU KV cache layout for instruction set {isa!r} is not "
+            "one PDD can read (known: head-major keys transposed per block, then values)"
+        )
