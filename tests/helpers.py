@@ -1,11 +1,22 @@
-"""Helpers the tests share: the transformers reference, real-text prompts, the ``pdd`` CLI."""
+"""Helpers the tests share: the transformers reference, real-text prompts, the ``pdd`` CLI,
+HTTP calls against a stack, KV shipping between engines, a recording bulk handler, fault
+injection into in-process services."""
 
+import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import torch
 
+from infra.wan_link import LinkProfile
+from shared.engine.hf_engine import HfEngine
+from shared.engine.sampling import SamplingParams
+from shared.errors import InvalidRequestState
+from shared.kv_wire import decode_frame, frame_bytes
+from shared.messages import FlowOpen
 from shared.model_loader import LoadedModel
 
 _TOPICS = ["the sea", "mountains", "a city at night", "rivers", "old libraries", "trains"]
@@ -181,3 +192,178 @@ PDD = str(Path(sys.executable).parent / "pdd")
 def pdd(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """Run ``pdd`` as a user would (its own process); output captured as text."""
     return subprocess.run([PDD, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def engines_idle(stack) -> bool:
+    """Every engine of the stack holds no sequence and no block."""
+    engines = [s.engine for s in [stack.prefill, *stack.relays, *stack.mains]]
+    return all(e.num_sequences == 0 and e.blocks.num_used_blocks == 0 for e in engines)
+
+
+async def crash(service):
+    """Kill a service actor without a goodbye: engine loop, heartbeats, bulk port and NATS gone."""
+    await service.nc.close()  # first: a crashed process publishes nothing on its way out
+    loop = getattr(service, "loop", None) or getattr(service, "_loop", None)
+    if loop is not None:
+        await loop.stop()
+    for task in service._tasks:
+        task.cancel()
+    receiver = getattr(service, "receiver", None)
+    if receiver is not None:
+        await receiver.stop()
+
+
+def lost_cancels() -> dict[str, float]:
+    """Per engine service, the requests its lease freed as ``finished``: their router no longer
+    ran them and no cancel had freed them (what tells an operator cancels go missing)."""
+    from shared.metrics import LEASES_EXPIRED
+
+    return {
+        service: LEASES_EXPIRED.labels(service, "finished")._value.get()
+        for service in ("prefill", "relay_decode", "main_decode")
+    }
+
+
+def exported_families() -> set[str]:
+    """Every metric family the services and the WAN link export (their modules imported)."""
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    import services.router.service  # noqa: F401  (registers the router's metrics)
+    import shared.dead_letters  # noqa: F401  (registers the dead-letter metrics)
+    from infra.wan_link import WanLink
+    from infra.wan_link_metrics import WanLinkCollector
+
+    text = generate_latest(REGISTRY).decode()
+    families = {f.name for f in text_string_to_metric_families(text)}
+    families |= {f.name for f in WanLinkCollector(WanLink()).collect()}
+    return families
+
+
+def run_to_end(engine: HfEngine, request_id: str) -> list[int]:
+    while engine.has_work():
+        engine.step()
+    return engine.get(request_id).output_token_ids
+
+
+def ship(
+    sender: HfEngine, receiver: HfEngine, request_id: str, first_token_index: int, max_tokens_per_frame: int = 512
+) -> int:
+    """Export the prompt's KV from sender, through the wire decoder, into receiver."""
+    num_prompt_tokens = sender.get(request_id).num_prompt_tokens
+    frames = sender.export_frames(
+        request_id, first_token_index, num_prompt_tokens, max_tokens_per_frame=max_tokens_per_frame
+    )
+    for parts in frames:
+        receiver.import_frame(decode_frame(bytearray(frame_bytes(parts)), receiver.frame_expectation))
+    return len(frames)
+
+
+def relay_with_main(loaded, prompt: list[int], sampling: SamplingParams) -> tuple[HfEngine, HfEngine]:
+    """A relay that has prefilled ``prompt`` (first token out) and a main decoder holding its KV."""
+    relay, main = HfEngine(loaded, num_blocks=64), HfEngine(loaded, num_blocks=64)
+    relay.add_request("r", prompt, sampling)
+    main.begin_import("r", prompt, sampling)
+    relay.step()
+    ship(relay, main, "r", 0)
+    main.finish_import("r", [])
+    return relay, main
+
+
+SECRET = "s3cret"
+
+
+SAMPLING = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+class RecordingHandler:
+    """Imports into a real engine and records what the receiver told it."""
+
+    def __init__(self, engine: HfEngine):
+        self.engine = engine
+        self.events: list[tuple[str, str]] = []
+        self.ended = asyncio.Event()
+        self.aborted = asyncio.Event()
+
+    async def open_flow(self, flow_open, stats):
+        if flow_open.request_id == "refuse-me":
+            raise InvalidRequestState("refused on purpose")
+        self.events.append(("open", flow_open.request_id))
+        return self.engine.begin_import(flow_open.request_id, flow_open.token_ids, flow_open.sampling)
+
+    async def import_frame(self, request_id, frame):
+        self.engine.import_frame(frame)
+        self.events.append(("frame", request_id))
+
+    async def end_flow(self, request_id, end, stats):
+        self.engine.finish_import(request_id, end.output_token_ids)
+        self.events.append(("end", request_id))
+        self.ended.set()
+
+    async def abort_flow(self, request_id, reason):
+        self.engine.free(request_id)
+        self.events.append(("abort", reason))
+        self.aborted.set()
+
+
+def flow_open_for(request_id: str, prompt: list[int]) -> FlowOpen:
+    return FlowOpen(
+        request_id=request_id,
+        role="main_decode",
+        token_ids=prompt,
+        sampling=SAMPLING,
+        seed=1,
+        sender_id="test",
+        unix_s=0.0,
+        nonce="",
+    )
+
+
+SLOW_WAN = LinkProfile(bandwidth_bps=50e6, rtt_ms=40, jitter_ms=2, seed=1)
+
+
+def chat_prompt(tiny, content: str) -> list[int]:
+    return list(
+        tiny.tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+
+
+def expected_text(tiny, prompt_ids: list[int], max_tokens: int) -> str:
+    return tiny.tokenizer.decode(reference_greedy(tiny, prompt_ids, max_tokens), skip_special_tokens=True)
+
+
+async def post(stack, path: str, body, *, raw: bool = False):
+    async with aiohttp.ClientSession() as session:
+        data = body if raw else json.dumps(body)
+        async with session.post(
+            stack.base_url + path, data=data, headers={"Content-Type": "application/json"}
+        ) as response:
+            return response.status, await response.json()
+
+
+async def stream(stack, path: str, body) -> list[dict]:
+    chunks = []
+    async with aiohttp.ClientSession() as session:
+        async with session.post(stack.base_url + path, json={**body, "stream": True}) as response:
+            assert response.status == 200
+            async for line in response.content:
+                line = line.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def chat_body(content: str, max_tokens: int, **extra) -> dict:
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+CATCH_UP_WAN = LinkProfile(bandwidth_bps=1e6, rtt_ms=4, jitter_ms=0, seed=2)

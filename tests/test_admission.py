@@ -8,8 +8,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.helpers import until
-from tests.test_pipeline_e2e import chat_body, chat_prompt, expected_text
+from tests.helpers import chat_body, chat_prompt, expected_text, until
 
 MAX_SEQUENCES = 3
 

@@ -10,8 +10,7 @@ from shared.config import EngineConfig, build_config
 from shared.engine.backend import backend_names
 from shared.errors import ConfigError
 from tests import fake_backend
-from tests.helpers import until
-from tests.test_pipeline_e2e import post
+from tests.helpers import post, until
 
 SLOW_WAN = LinkProfile(bandwidth_bps=20e6, rtt_ms=40, jitter_ms=0, seed=1)
 

@@ -6,8 +6,7 @@ import asyncio
 from shared import subjects
 from shared.dead_letters import BAD_MESSAGES, STREAM_NAME
 from shared.messages import TokensEmitted, encode
-from tests.helpers import until
-from tests.test_pipeline_e2e import SLOW_WAN, chat_body, chat_prompt, expected_text, post
+from tests.helpers import SLOW_WAN, chat_body, chat_prompt, expected_text, post, until
 
 
 def bad_count(service: str) -> float:

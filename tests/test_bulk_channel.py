@@ -11,43 +11,8 @@ from shared.bulk.framing import control_bytes, read_message
 from shared.bulk.receiver import BulkReceiver
 from shared.bulk.sender import FlowRefused, open_flow
 from shared.engine.hf_engine import HfEngine
-from shared.engine.sampling import SamplingParams
-from shared.errors import InvalidRequestState
-from shared.messages import FlowAccepted, FlowOpen, FlowRejected
-from tests.helpers import prompt_of_length, until
-
-SECRET = "s3cret"
-SAMPLING = SamplingParams(max_tokens=4, ignore_eos=True)
-
-
-class RecordingHandler:
-    """Imports into a real engine and records what the receiver told it."""
-
-    def __init__(self, engine: HfEngine):
-        self.engine = engine
-        self.events: list[tuple[str, str]] = []
-        self.ended = asyncio.Event()
-        self.aborted = asyncio.Event()
-
-    async def open_flow(self, flow_open, stats):
-        if flow_open.request_id == "refuse-me":
-            raise InvalidRequestState("refused on purpose")
-        self.events.append(("open", flow_open.request_id))
-        return self.engine.begin_import(flow_open.request_id, flow_open.token_ids, flow_open.sampling)
-
-    async def import_frame(self, request_id, frame):
-        self.engine.import_frame(frame)
-        self.events.append(("frame", request_id))
-
-    async def end_flow(self, request_id, end, stats):
-        self.engine.finish_import(request_id, end.output_token_ids)
-        self.events.append(("end", request_id))
-        self.ended.set()
-
-    async def abort_flow(self, request_id, reason):
-        self.engine.free(request_id)
-        self.events.append(("abort", reason))
-        self.aborted.set()
+from shared.messages import FlowAccepted, FlowRejected
+from tests.helpers import SAMPLING, SECRET, RecordingHandler, flow_open_for, prompt_of_length, until
 
 
 @pytest.fixture
@@ -60,19 +25,6 @@ async def channel(tiny):
     host, port = await receiver.start()
     yield sender, handler, f"{host}:{port}"
     await receiver.stop()
-
-
-def flow_open_for(request_id: str, prompt: list[int]) -> FlowOpen:
-    return FlowOpen(
-        request_id=request_id,
-        role="main_decode",
-        token_ids=prompt,
-        sampling=SAMPLING,
-        seed=1,
-        sender_id="test",
-        unix_s=0.0,
-        nonce="",
-    )
 
 
 async def test_a_flow_delivers_kv_and_counts_bytes(channel, tiny):

@@ -17,8 +17,7 @@ from shared.bulk.receiver import BulkReceiver
 from shared.bulk.sender import FlowRefused, open_flow
 from shared.engine.hf_engine import HfEngine
 from shared.tls import client_context, server_context
-from tests.helpers import prompt_of_length, until
-from tests.test_bulk_channel import SECRET, RecordingHandler, flow_open_for
+from tests.helpers import SECRET, RecordingHandler, flow_open_for, prompt_of_length, until
 
 
 @pytest.fixture

@@ -5,8 +5,7 @@ import asyncio
 from infra.wan_link import LinkProfile
 from services.cache_index.service import CacheIndexService
 from shared.kv_wire import PREFIX_SIZE
-from tests.helpers import until
-from tests.test_pipeline_e2e import chat_body, chat_prompt, expected_text, post
+from tests.helpers import chat_body, chat_prompt, expected_text, post, until
 
 FAST_WAN = LinkProfile(bandwidth_bps=0, rtt_ms=2, jitter_ms=0)
 # 1 Mbit/s: a follow-up arrives while the previous turn's KV is still crossing.
@@ -130,7 +129,7 @@ async def test_a_request_finished_while_its_import_waits_in_line_is_not_parked(m
     decode imports it for its cache and frees it, instead of parking it for a handoff. Neither
     the prefill, whose sending waits for the flow's acceptance meanwhile, nor main decode takes
     it for a request whose cancel was lost."""
-    from tests.faults_helpers import engines_idle, lost_cancels
+    from tests.helpers import engines_idle, lost_cancels
 
     stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-RLD-MD"})
     encode = lambda text: tiny.tokenizer.encode(text, add_special_tokens=False)

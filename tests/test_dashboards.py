@@ -4,24 +4,11 @@ import json
 import re
 from pathlib import Path
 
-from prometheus_client import REGISTRY, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-
-import services.router.service  # noqa: F401  (defines the router's own families)
-import shared.dead_letters  # noqa: F401
-from infra.wan_link import WanLink, control_app  # noqa: F401
-from infra.wan_link_metrics import WanLinkCollector
+from tests.helpers import exported_families
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = sorted((ROOT / "infra/observability/dashboards").glob("*.json"))
 SUFFIXES = ("_bucket", "_total", "_sum", "_count", "_created")
-
-
-def exported_families() -> set[str]:
-    text = generate_latest(REGISTRY).decode()
-    families = {f.name for f in text_string_to_metric_families(text)}
-    families |= {f.name for f in WanLinkCollector(WanLink()).collect()}
-    return families
 
 
 def family_of(name: str) -> str:

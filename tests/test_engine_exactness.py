@@ -12,39 +12,9 @@ from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.kv_wire import decode_frame, frame_bytes
 from shared.model_loader import load_model
-from tests.helpers import prompt_of_length, reference_greedy
+from tests.helpers import prompt_of_length, reference_greedy, relay_with_main, run_to_end, ship
 
 GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
-
-
-def run_to_end(engine: HfEngine, request_id: str) -> list[int]:
-    while engine.has_work():
-        engine.step()
-    return engine.get(request_id).output_token_ids
-
-
-def ship(
-    sender: HfEngine, receiver: HfEngine, request_id: str, first_token_index: int, max_tokens_per_frame: int = 512
-) -> int:
-    """Export the prompt's KV from sender, through the wire decoder, into receiver."""
-    num_prompt_tokens = sender.get(request_id).num_prompt_tokens
-    frames = sender.export_frames(
-        request_id, first_token_index, num_prompt_tokens, max_tokens_per_frame=max_tokens_per_frame
-    )
-    for parts in frames:
-        receiver.import_frame(decode_frame(bytearray(frame_bytes(parts)), receiver.frame_expectation))
-    return len(frames)
-
-
-def relay_with_main(loaded, prompt: list[int], sampling: SamplingParams) -> tuple[HfEngine, HfEngine]:
-    """A relay that has prefilled ``prompt`` (first token out) and a main decoder holding its KV."""
-    relay, main = HfEngine(loaded, num_blocks=64), HfEngine(loaded, num_blocks=64)
-    relay.add_request("r", prompt, sampling)
-    main.begin_import("r", prompt, sampling)
-    relay.step()
-    ship(relay, main, "r", 0)
-    main.finish_import("r", [])
-    return relay, main
 
 
 @pytest.mark.parametrize("prompt_len", [5, 16, 33, 200])

@@ -6,8 +6,7 @@ import torch
 from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.model_loader import load_model
-from tests.helpers import prompt_of_length, reference_greedy
-from tests.test_engine_exactness import relay_with_main, run_to_end, ship
+from tests.helpers import prompt_of_length, reference_greedy, relay_with_main, run_to_end, ship
 
 pytestmark = pytest.mark.real_model
 

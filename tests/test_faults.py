@@ -10,10 +10,8 @@ import time
 import aiohttp
 
 from infra.wan_link import LinkProfile
-from tests.faults_helpers import crash, engines_idle
-from tests.helpers import until
-from tests.test_pipeline_e2e import SLOW_WAN, chat_body, chat_prompt, expected_text, post
-from tests.test_pipeline_e2e import stream as stream_chunks
+from tests.helpers import SLOW_WAN, chat_body, chat_prompt, crash, engines_idle, expected_text, post, until
+from tests.helpers import stream as stream_chunks
 
 
 async def read_some_then_disconnect(stack, body: dict, num_chunks: int):

@@ -16,7 +16,7 @@ from infra.launcher import SERVICE_OF, TOPOLOGY
 from infra.nats_server import nats_server_binary
 from infra.serve import SERVICE_CONFIGS
 from shared.config import build_config, env_name, settings_of
-from tests.test_dashboards import exported_families
+from tests.helpers import exported_families
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S_VERSION = "1.32"

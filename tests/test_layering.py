@@ -148,3 +148,17 @@ def test_every_doc_refers_only_to_files_in_the_repository():
         if not (ROOT / path).exists() and not (ROOT / doc).parent.joinpath(path).exists()
     ]
     assert missing == []
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in ``tests/helpers.py`` and fixtures in ``conftest.py``: a test file
+    can then change without breaking another."""
+    test_modules = {p.stem for p in (ROOT / "tests").rglob("test_*.py")}
+    crossing = sorted(
+        f"{path.relative_to(ROOT)} -> {module}"
+        for path in (ROOT / "tests").rglob("*.py")
+        for module, names in imports(path, {})
+        for target in [module, *(f"{module}.{n}" for n in names)]
+        if target.startswith("tests.") and target.split(".")[-1] in test_modules
+    )
+    assert not crossing, crossing

@@ -8,7 +8,7 @@ from pathlib import Path
 from loadtest.client import RequestRecord, stream_chat
 from loadtest.runner import run_trace
 from loadtest.trace import estimated_hit_rates, generate_trace, load_trace, save_trace
-from tests.test_pipeline_e2e import SLOW_WAN
+from tests.helpers import SLOW_WAN
 
 
 def test_trace_is_seeded_and_shaped_like_agent_traffic(tmp_path):

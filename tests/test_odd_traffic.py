@@ -2,9 +2,7 @@
 
 from infra.wan_link import LinkProfile
 from services.router.odd_traffic import OddTrafficRule
-from tests.helpers import until
-from tests.test_faults import engines_idle
-from tests.test_pipeline_e2e import chat_body, chat_prompt, expected_text, post
+from tests.helpers import chat_body, chat_prompt, engines_idle, expected_text, post, until
 
 # 1 Mbit/s: a 300-token tiny-model prompt (~150 KB of KV) takes over a second to cross.
 NARROW_WAN = LinkProfile(bandwidth_bps=1e6, rtt_ms=4, jitter_ms=0, seed=3)
@@ -55,7 +53,7 @@ async def test_a_transfer_kept_for_the_cache_is_not_taken_for_a_lost_cancel(make
     cancel reaches prefill and main decode, which ship and import on for the cache. Their
     leases must not then free it as a request whose cancel was lost: that counter is what
     tells an operator cancels go missing."""
-    from tests.faults_helpers import lost_cancels
+    from tests.helpers import lost_cancels
 
     stack = await make_stack(
         profile=NARROW_WAN, router_settings={**ROUTER, "odd_traffic_filter": False, "pipeline_policy": "P-RLD-MD"}

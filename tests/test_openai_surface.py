@@ -6,8 +6,7 @@ import aiohttp
 import pytest
 import torch
 
-from tests.helpers import reference_greedy, reference_logprobs
-from tests.test_pipeline_e2e import SLOW_WAN, chat_body, chat_prompt, post, stream
+from tests.helpers import SLOW_WAN, chat_body, chat_prompt, post, reference_greedy, reference_logprobs, stream
 
 TOP = 3
 TOLERANCE = 1e-3

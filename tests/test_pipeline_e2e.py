@@ -5,60 +5,20 @@ must carry every token index exactly once, in order, across the relay → main h
 """
 
 import asyncio
-import json
 import threading
 
-import aiohttp
 import pytest
 
-from infra.wan_link import LinkProfile
-from tests.helpers import reference_greedy, until
-
-SLOW_WAN = LinkProfile(bandwidth_bps=50e6, rtt_ms=40, jitter_ms=2, seed=1)
-
-
-def chat_prompt(tiny, content: str) -> list[int]:
-    return list(
-        tiny.tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-    )
-
-
-def expected_text(tiny, prompt_ids: list[int], max_tokens: int) -> str:
-    return tiny.tokenizer.decode(reference_greedy(tiny, prompt_ids, max_tokens), skip_special_tokens=True)
-
-
-async def post(stack, path: str, body, *, raw: bool = False):
-    async with aiohttp.ClientSession() as session:
-        data = body if raw else json.dumps(body)
-        async with session.post(
-            stack.base_url + path, data=data, headers={"Content-Type": "application/json"}
-        ) as response:
-            return response.status, await response.json()
-
-
-async def stream(stack, path: str, body) -> list[dict]:
-    chunks = []
-    async with aiohttp.ClientSession() as session:
-        async with session.post(stack.base_url + path, json={**body, "stream": True}) as response:
-            assert response.status == 200
-            async for line in response.content:
-                line = line.decode().strip()
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    chunks.append(json.loads(line[6:]))
-    return chunks
-
-
-def chat_body(content: str, max_tokens: int, **extra) -> dict:
-    return {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        **extra,
-    }
+from tests.helpers import (
+    CATCH_UP_WAN,
+    SLOW_WAN,
+    chat_body,
+    chat_prompt,
+    expected_text,
+    post,
+    stream,
+    until,
+)
 
 
 @pytest.mark.parametrize("policy", ["P-MD", "P-RLD-MD"])
@@ -202,9 +162,6 @@ async def test_seeded_sampling_is_the_same_through_both_pipelines(make_stack, ti
         "r", prompt, SamplingParams(max_tokens=80, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
     )
     assert texts[0] == texts[1] == tiny.tokenizer.decode(alone, skip_special_tokens=True)
-
-
-CATCH_UP_WAN = LinkProfile(bandwidth_bps=1e6, rtt_ms=4, jitter_ms=0, seed=2)
 
 
 async def test_big_backlog_hands_over_in_catch_up_chunks(make_stack, tiny):

@@ -12,13 +12,13 @@ from loadtest.demo_conversation import long_tool_output
 from shared.model_loader import load_metadata
 from tests.helpers import (
     chat_prompt_ids,
+    post,
     reference_chat_answer,
     reference_greedy,
     reference_greedy_with_logprobs,
     reference_penalised,
     until,
 )
-from tests.test_pipeline_e2e import post
 
 pytestmark = pytest.mark.real_model
 DEFAULT_WAN = LinkProfile(bandwidth_bps=100e6, rtt_ms=40, jitter_ms=5, seed=0)

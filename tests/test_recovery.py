@@ -9,10 +9,8 @@ the ``pdd`` object must say who failed and who took over.
 import asyncio
 
 from services.relay_decode.handoff import HandoffState
-from tests.faults_helpers import crash, engines_idle
-from tests.helpers import until
-from tests.test_pipeline_e2e import CATCH_UP_WAN, SLOW_WAN, chat_body, chat_prompt, expected_text
-from tests.test_pipeline_e2e import stream as stream_chunks
+from tests.helpers import CATCH_UP_WAN, SLOW_WAN, chat_body, chat_prompt, crash, engines_idle, expected_text, until
+from tests.helpers import stream as stream_chunks
 
 
 def streamed_text(chunks: list[dict]) -> str:

@@ -7,7 +7,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.test_pipeline_e2e import post
+from tests.helpers import post
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ async def test_bad_completion_prompt(stack):
 
 
 async def test_stop_string_is_cut_from_the_text(stack, tiny):
-    from tests.test_pipeline_e2e import chat_prompt, expected_text
+    from tests.helpers import chat_prompt, expected_text
 
     content = "Count the waves."
     full = expected_text(tiny, chat_prompt(tiny, content), 30)

@@ -6,8 +6,7 @@ import torch
 from shared.engine.hf_engine import HfEngine
 from shared.engine.sampler import sample_token
 from shared.engine.sampling import SamplingParams
-from tests.helpers import prompt_of_length, reference_greedy
-from tests.test_engine_exactness import ship
+from tests.helpers import prompt_of_length, reference_greedy, ship
 
 
 def test_greedy_is_argmax():

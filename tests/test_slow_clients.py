@@ -10,8 +10,7 @@ from urllib.parse import urlparse
 import aiohttp
 
 from shared.metrics import SLOW_CLIENTS
-from tests.faults_helpers import engines_idle
-from tests.helpers import until
+from tests.helpers import engines_idle, until
 
 WRITE_TIMEOUT_S = 1.0
 

@@ -1,7 +1,6 @@
 """One trace per request, across every service and both KV transfers."""
 
-from tests.helpers import until
-from tests.test_pipeline_e2e import SLOW_WAN, chat_body, post
+from tests.helpers import SLOW_WAN, chat_body, post, until
 
 EXPECTED_SPANS = {
     "router.route",

@@ -4,7 +4,7 @@ import aiohttp
 
 from infra.wan_link import LinkProfile
 from services.router.wan_estimate import MIN_SAMPLE_BYTES, WanEstimator
-from tests.test_pipeline_e2e import chat_body, post
+from tests.helpers import chat_body, post
 
 
 def test_first_measurement_replaces_the_prior_then_smooths():

@@ -18,8 +18,7 @@ from shared.bulk.sender import open_flow
 from shared.engine.hf_engine import HfEngine
 from shared.messages import FlowOpen
 from shared.tls import client_context, server_context
-from tests.helpers import prompt_of_length
-from tests.test_bulk_channel import SAMPLING, RecordingHandler
+from tests.helpers import SAMPLING, RecordingHandler, prompt_of_length
 
 SECRET = "routing-secret"
 
