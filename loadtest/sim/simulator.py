@@ -183,7 +183,7 @@ class Simulator:
         placement = flight.placement
         self.registry.assign(placement.instance_ids, placement.num_prompt_blocks, placement.compute_blocks)
         flight.result.pipeline = placement.pipeline
-        flight.odd = OddTrafficTracker(f"r{request.session}.{request.turn}", placement.odd_traffic)
+        flight.odd = OddTrafficTracker(placement.odd_traffic)
         dispatch_s = self.dispatch_s()
         flight.prefill_started_s = self.events.now + dispatch_s
         self.events.after(dispatch_s, lambda: self._start_prefill(flight))

@@ -15,13 +15,6 @@ request ends normally) or ``wan_cancelled`` (the relay finished first).
 import enum
 from dataclasses import dataclass
 
-import structlog
-from opentelemetry import trace
-from prometheus_client import Counter
-
-log = structlog.get_logger(__name__)
-ODD_TRAFFIC = Counter("pdd_odd_traffic_total", "Odd-traffic filter transitions", ["state"])
-
 
 class OddState(enum.Enum):
     """Where an odd request stands."""
@@ -30,6 +23,14 @@ class OddState(enum.Enum):
     RELAYING = "relaying"
     KV_LANDED_FIRST = "kv_landed_first"
     WAN_CANCELLED = "wan_cancelled"
+
+
+@dataclass(frozen=True)
+class OddTransition:
+    """A state the tracker entered, and why (for the caller to count, log and trace)."""
+
+    state: OddState
+    why: str
 
 
 @dataclass(frozen=True)
@@ -59,37 +60,29 @@ class OddTrafficRule:
 
 
 class OddTrafficTracker:
-    """One request's odd-traffic state machine."""
+    """One request's odd-traffic state machine; each method returns the transition it made."""
 
-    def __init__(self, request_id: str, odd: bool):
-        self.request_id = request_id
+    def __init__(self, odd: bool):
         self.state = OddState.RELAYING if odd else OddState.NOT_ODD
-        ODD_TRAFFIC.labels(self.state.value).inc()
-        if odd:
-            self._record(OddState.RELAYING, "marked odd")
+        self.initial = OddTransition(self.state, "marked odd" if odd else "not odd")
 
     @property
     def odd(self) -> bool:
         """Whether the request was marked odd."""
         return self.state is not OddState.NOT_ODD
 
-    def kv_landed(self):
+    def kv_landed(self) -> OddTransition | None:
         """Main decode holds the whole prompt KV."""
-        if self.state is OddState.RELAYING:
-            self._move(OddState.KV_LANDED_FIRST, "main decode's KV complete before the relay finished")
-
-    def relay_finished(self) -> bool:
-        """The relay ended the request; True when the WAN transfer must be cancelled now."""
         if self.state is not OddState.RELAYING:
-            return False
-        self._move(OddState.WAN_CANCELLED, "relay finished before main decode's KV was complete")
-        return True
+            return None
+        return self._move(OddState.KV_LANDED_FIRST, "main decode's KV complete before the relay finished")
 
-    def _move(self, state: OddState, why: str):
+    def relay_finished(self) -> OddTransition | None:
+        """The relay ended the request; a transition (not None) means: cancel the WAN transfer now."""
+        if self.state is not OddState.RELAYING:
+            return None
+        return self._move(OddState.WAN_CANCELLED, "relay finished before main decode's KV was complete")
+
+    def _move(self, state: OddState, why: str) -> OddTransition:
         self.state = state
-        ODD_TRAFFIC.labels(state.value).inc()
-        self._record(state, why)
-
-    def _record(self, state: OddState, why: str):
-        log.info("odd_traffic_state", request_id=self.request_id, state=state.value, why=why)
-        trace.get_current_span().add_event("odd_traffic", {"state": state.value, "why": why})
+        return OddTransition(state, why)

@@ -18,6 +18,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 
 import msgspec
 import nats
@@ -25,7 +26,7 @@ import structlog
 from opentelemetry import trace
 
 from services.router.mailbox import RequestMailbox
-from services.router.odd_traffic import OddTrafficTracker
+from services.router.odd_traffic import OddTrafficTracker, OddTransition
 from services.router.outcome import Recovery, RequestOutcome
 from services.router.placement import NoInstances, Placement
 from services.router.registry import InstanceRegistry
@@ -33,6 +34,7 @@ from services.router.stream_watch import StreamWatch
 from services.router.token_log import TokenLog
 from services.router.wan_estimate import WanEstimator
 from shared import subjects
+from shared.config import RouterConfig
 from shared.engine.sampling import SamplingParams
 from shared.errors import PddError
 from shared.messages import (
@@ -48,7 +50,7 @@ from shared.messages import (
     decoder,
     encode,
 )
-from shared.metrics import RECOVERIES, REFUSED_MESSAGES
+from shared.metrics import ODD_TRAFFIC, RECOVERIES, REFUSED_MESSAGES
 from shared.tracing import trace_headers, tracer
 
 log = structlog.get_logger(__name__)
@@ -100,40 +102,87 @@ def new_request_id(origin: str) -> str:
     return subjects.new_request_id(origin, secrets.token_hex(12))
 
 
+@dataclass(frozen=True)
+class FlowContext:
+    """What every request flow of one router shares: its connections, its view of the fleet,
+    its settings (timeouts, block size, recovery bounds)."""
+
+    nc: nats.NATS
+    mailbox: RequestMailbox
+    registry: InstanceRegistry
+    wan: WanEstimator
+    config: RouterConfig
+
+
+@dataclass
+class RecoveryPlan:
+    """Whether a failed request resumes elsewhere: a decision from counts and causes, no I/O.
+
+    Attributes:
+        max_recoveries: Resumptions allowed per request.
+        avoid: Instances that failed this request (never placed on again for it).
+    """
+
+    max_recoveries: int
+    avoid: set[str] = field(default_factory=set)
+
+    def decide(self, failure: InstanceFailed, recoveries_so_far: int) -> frozenset[str]:
+        """The instances a new attempt must avoid; raises the client's error when it may not resume."""
+        if recoveries_so_far >= self.max_recoveries:
+            raise failure.final() from None
+        self.avoid.add(failure.instance_id)
+        return frozenset(self.avoid)
+
+    @staticmethod
+    def instance_gone(failure: InstanceFailed) -> bool:
+        """Whether placement should skip the failed instance until it heartbeats again."""
+        return failure.reason in GONE_REASONS
+
+
+class PlacedLoad:
+    """The load one request counts on the instances it is placed on (placement weighs it)."""
+
+    def __init__(self, registry: InstanceRegistry):
+        self.registry = registry
+        self.placement: Placement | None = None
+        self.instance_ids: list[str] = []
+
+    def assign(self, placement: Placement):
+        self.release(self.instance_ids)
+        self.placement, self.instance_ids = placement, list(placement.instance_ids)
+        self.registry.assign(self.instance_ids, placement.num_prompt_blocks, placement.compute_blocks)
+
+    def release(self, instance_ids: list[str]):
+        """Stop counting the request on ``instance_ids``."""
+        counted = [i for i in instance_ids if i in self.instance_ids]
+        if counted:
+            p = self.placement
+            self.registry.release(counted, p.num_prompt_blocks, p.compute_blocks)
+            self.instance_ids = [i for i in self.instance_ids if i not in counted]
+
+
 class RequestFlow:
     """Runs one request; iterate ``tokens()`` for ordered output token batches."""
 
     def __init__(
         self,
-        nc: nats.NATS,
-        mailbox: RequestMailbox,
-        registry: InstanceRegistry,
-        *,
-        wan: WanEstimator,
+        context: FlowContext,
         request_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         placement: Placement,
-        first_token_timeout_s: float,
-        token_timeout_s: float,
         started: float,
-        block_size: int,
         replace: Replacer | None = None,
-        max_recoveries: int = 0,
-        recovery_wait_s: float = 0.0,
     ):
-        self.nc, self.mailbox, self.registry, self.wan = nc, mailbox, registry, wan
-        self.request_id = request_id
-        self.prompt_token_ids, self.sampling, self.placement = prompt_token_ids, sampling, placement
-        self.first_token_timeout_s, self.token_timeout_s = first_token_timeout_s, token_timeout_s
-        self.started = started
-        self.block_size = block_size
-        self._replace, self.max_recoveries, self.recovery_wait_s = replace, max_recoveries, recovery_wait_s
+        self.ctx, self.config = context, context.config
+        self.request_id, self.prompt_token_ids, self.sampling = request_id, prompt_token_ids, sampling
+        self.placement, self.started, self._replace = placement, started, replace
         # One seed for every attempt: token i is drawn from (seed, i) wherever it is sampled.
         self.seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         self.log = TokenLog()
         self.attempt, self.attempt_id = 0, request_id
-        self._avoid: set[str] = set()
+        self.recovery = RecoveryPlan(self.config.max_recoveries if replace is not None else 0)
+        self.load = PlacedLoad(context.registry)
         self._wan_bytes_before = 0
         self.outcome = RequestOutcome(
             pipeline=placement.pipeline,
@@ -145,15 +194,27 @@ class RequestFlow:
         self._start_attempt_state()
 
     def _start_attempt_state(self):
-        self.odd = OddTrafficTracker(self.attempt_id, self.placement.odd_traffic)
+        self.odd = OddTrafficTracker(self.placement.odd_traffic)
+        self._record_odd(self.odd.initial, log_it=self.odd.odd)
         self._wan_bytes_final = False
         self.watch = StreamWatch(
             self.placement,
             time.monotonic(),
-            first_token_timeout_s=self.first_token_timeout_s,
-            token_timeout_s=self.token_timeout_s,
+            first_token_timeout_s=self.config.first_token_timeout_s,
+            token_timeout_s=self.config.token_timeout_s,
             resend_after_s=RESEND_AFTER_S,
         )
+
+    def _record_odd(self, transition: OddTransition | None, log_it: bool = True):
+        """Count an odd-traffic transition; log it and add it to the current span."""
+        if transition is None:
+            return
+        state, why = transition.state.value, transition.why
+        ODD_TRAFFIC.labels(state).inc()
+        if not log_it:
+            return
+        log.info("odd_traffic_state", request_id=self.attempt_id, state=state, why=why)
+        trace.get_current_span().add_event("odd_traffic", {"state": state, "why": why})
 
     async def tokens(self) -> AsyncIterator[list[int]]:
         """Ordered batches of new output token IDs until the request finishes.
@@ -162,7 +223,7 @@ class RequestFlow:
             UpstreamFailed, UpstreamTimeout: the request cannot complete (after at most
                 ``max_recoveries`` resumptions).
         """
-        self._assign(self.placement)
+        self.load.assign(self.placement)
         completed = False
         try:
             while True:
@@ -172,30 +233,23 @@ class RequestFlow:
                     break
                 except InstanceFailed as failure:
                     await self._recover(failure)
-            if self.outcome.finished_on == "RLD" and self.odd.relay_finished():
-                await self._cancel_wan_transfer()
+            if self.outcome.finished_on == "RLD":
+                cancelled = self.odd.relay_finished()
+                if cancelled is not None:
+                    self._record_odd(cancelled)
+                    await self._cancel_wan_transfer()
             completed = True
         finally:
-            self._release(self._counted)
-            self.mailbox.close(self.attempt_id)
+            self.load.release(self.load.instance_ids)
+            self.ctx.mailbox.close(self.attempt_id)
             await self._cancel(
                 self.attempt_id,
                 "finished" if completed else "stop",
                 "request finished" if completed else "client gone or request failed",
             )
 
-    def _assign(self, placement):
-        """Count the request on the instances it runs on (placement weighs their load)."""
-        self._counted = list(placement.instance_ids)
-        self.registry.assign(self._counted, placement.num_prompt_blocks, placement.compute_blocks)
-
-    def _release(self, instance_ids: list[str]):
-        """Stop counting the request on ``instance_ids``."""
-        self.registry.release(instance_ids, self.placement.num_prompt_blocks, self.placement.compute_blocks)
-        self._counted = [i for i in self._counted if i not in instance_ids]
-
     async def _attempt_tokens(self) -> AsyncIterator[list[int]]:
-        self._queue = self.mailbox.open(self.attempt_id)
+        self._queue = self.ctx.mailbox.open(self.attempt_id)
         dispatch = asyncio.create_task(self._dispatch(self._queue))
         try:
             async for batch in self._ordered_tokens():
@@ -205,7 +259,7 @@ class RequestFlow:
 
     async def _cancel(self, attempt_id: str, kind: str, reason: str):
         try:
-            await self.nc.publish(
+            await self.ctx.nc.publish(
                 subjects.cancel(subjects.origin_of(attempt_id)),
                 encode(CancelRequest(request_id=attempt_id, kind=kind, reason=reason)),
             )
@@ -214,17 +268,14 @@ class RequestFlow:
 
     async def _recover(self, failure: InstanceFailed):
         """Resume the request on a new attempt, or raise the error the client gets."""
-        if len(self.outcome.recoveries) >= self.max_recoveries or self._replace is None:
-            raise failure.final() from None
-        self._avoid.add(failure.instance_id)
-        if failure.reason in GONE_REASONS:
-            self.registry.forget(failure.instance_id)
-        placement = await self._place_again(failure)
+        avoid = self.recovery.decide(failure, len(self.outcome.recoveries))
+        if self.recovery.instance_gone(failure):
+            self.ctx.registry.forget(failure.instance_id)
+        placement = await self._place_again(failure, avoid)
         failed_id = self.attempt_id
-        self.mailbox.close(failed_id)
+        self.ctx.mailbox.close(failed_id)
         await self._cancel(failed_id, "kill", f"recovering from {failure.instance_id}: {failure.reason}")
-        self._release(self._counted)
-        self._assign(placement)
+        self.load.assign(placement)
         self._wan_bytes_before = self.outcome.wan_kv_bytes
         self.log.forget_pending()
         self.attempt += 1
@@ -235,31 +286,24 @@ class RequestFlow:
         recovery = Recovery(failure.instance_id, self.watch.producer().instance_id, failure.reason, self.log.next_index)
         self.outcome.recoveries.append(recovery)
         RECOVERIES.labels(failure.reason).inc()
+        attributes = {"attempt": self.attempt, "pipeline": placement.pipeline, **recovery.as_pdd()}
         log.warning(
             "request_recovering",
             request_id=self.request_id,
-            attempt=self.attempt,
             attempt_id=self.attempt_id,
-            pipeline=placement.pipeline,
             error=str(failure),
-            **recovery.as_pdd(),
+            **attributes,
         )
-        attributes = {
-            "request_id": self.request_id,
-            "attempt": self.attempt,
-            "pipeline": placement.pipeline,
-            **recovery.as_pdd(),
-        }
-        trace.get_current_span().add_event("recovery", attributes)
-        _tracer.start_span("router.recovery", attributes=attributes).end()
+        trace.get_current_span().add_event("recovery", {"request_id": self.request_id, **attributes})
+        _tracer.start_span("router.recovery", attributes={"request_id": self.request_id, **attributes}).end()
 
-    async def _place_again(self, failure: InstanceFailed) -> Placement:
+    async def _place_again(self, failure: InstanceFailed, avoid: frozenset[str]) -> Placement:
         """A placement avoiding the failed instances; waits (bounded) while none is live, e.g.
         for a supervisor to bring the only prefill back."""
-        deadline = time.monotonic() + self.recovery_wait_s
+        deadline = time.monotonic() + self.config.recovery_wait_s
         while True:
             try:
-                return await self._replace(frozenset(self._avoid))
+                return await self._replace(avoid)
             except NoInstances as exc:
                 if time.monotonic() > deadline:
                     raise UpstreamFailed(f"{failure}; nowhere to resume the request: {exc}") from None
@@ -295,13 +339,13 @@ class RequestFlow:
             pipeline=p.pipeline,
             main_decode=p.main_decode,
             relay_decode=p.relay_decode,
-            deadline_unix_s=time.time() + self.first_token_timeout_s,
+            deadline_unix_s=time.time() + self.config.first_token_timeout_s,
             resume_token_ids=list(self.log.token_ids),
         )
         subject = subjects.instance_work(p.prefill.site, "prefill", p.prefill.instance_id, subjects.START_PREFILL)
         try:
-            reply = await self.nc.request(
-                subject, encode(command), headers=trace_headers(), timeout=self.first_token_timeout_s
+            reply = await self.ctx.nc.request(
+                subject, encode(command), headers=trace_headers(), timeout=self.config.first_token_timeout_s
             )
             queue.put_nowait(("prefill", _prefill_reply_decoder.decode(reply.data)))
         except (TimeoutError, nats.errors.Error, msgspec.DecodeError) as exc:
@@ -363,7 +407,7 @@ class RequestFlow:
         ):
             if ref is not None:
                 try:
-                    await self.nc.publish(
+                    await self.ctx.nc.publish(
                         subjects.instance_work(ref.site, service, ref.instance_id, subjects.RESEND), resend
                     )
                 except nats.errors.Error:
@@ -378,19 +422,18 @@ class RequestFlow:
         if isinstance(event, RequestFailed):
             self._on_failure(event)
         elif isinstance(event, PrefillCompleted):
-            if prefill in self._counted:  # its work for the request is done: it is free for the next
-                self._release([prefill])
-            self.wan.add_rtt(event.wan_rtt_s)
+            self.load.release([prefill])  # its work for the request is done: it is free for the next
+            self.ctx.wan.add_rtt(event.wan_rtt_s)
             if self.attempt == 0:  # what the client's prompt reused (a recovery's prefill is ours)
                 self.outcome.prefill_cached_tokens = event.cached_tokens
             if not self._wan_bytes_final:
                 self.outcome.wan_kv_bytes = self._wan_bytes_before + event.bytes_per_path.get("wan", 0)
         elif isinstance(event, KvReady):
             self.watch.on_kv_ready()
-            self.odd.kv_landed()
-            self.wan.add_throughput(event.throughput_bps, event.wan_kv_bytes)
+            self._record_odd(self.odd.kv_landed())
+            self.ctx.wan.add_throughput(event.throughput_bps, event.wan_kv_bytes)
             self.outcome.kv_transfer_ms = round(event.transfer_s * 1000, 1)
-            self.outcome.cached_blocks_md = event.cached_tokens // self.block_size
+            self.outcome.cached_blocks_md = event.cached_tokens // self.config.block_size
         elif isinstance(event, HandoffAccepted):
             self.watch.on_handoff_accepted(event.final)
             self.outcome.handoff_chunks = max(self.outcome.handoff_chunks, event.chunk)
@@ -410,7 +453,7 @@ class RequestFlow:
 
     def _check_liveness(self):
         for ref in self.watch.needed():
-            if self.registry.is_dead(ref):
+            if self.ctx.registry.is_dead(ref):
                 raise InstanceFailed(
                     f"instance {ref.instance_id} stopped responding (request {self.request_id})",
                     ref.instance_id,

@@ -18,10 +18,6 @@ raise it quickly.
 
 from dataclasses import dataclass
 
-from prometheus_client import Gauge
-
-BANDWIDTH = Gauge("pdd_wan_estimate_bandwidth_bps", "Router's smoothed WAN bandwidth estimate")
-RTT = Gauge("pdd_wan_estimate_rtt_seconds", "Router's smoothed WAN round-trip estimate")
 MIN_SAMPLE_BYTES = 256 << 10
 DROP_FACTOR = 0.5
 RTT_MAX_RISE = 4.0
@@ -50,8 +46,6 @@ class WanEstimator:
     def __init__(self, bandwidth_bps: float, rtt_s: float, alpha: float = 0.3):
         self.bandwidth_bps, self.rtt_s, self.alpha = bandwidth_bps, rtt_s, alpha
         self.bandwidth_samples = self.rtt_samples = 0
-        BANDWIDTH.set(bandwidth_bps)
-        RTT.set(rtt_s)
 
     def add_throughput(self, throughput_bps: float, num_bytes: int):
         """A WAN flow's measured throughput (ignored for transfers too small to tell)."""
@@ -61,7 +55,6 @@ class WanEstimator:
         weight = self.alpha if self.bandwidth_samples and not dropped else 1.0
         self.bandwidth_bps += weight * (throughput_bps - self.bandwidth_bps)
         self.bandwidth_samples += 1
-        BANDWIDTH.set(self.bandwidth_bps)
 
     def add_rtt(self, rtt_s: float):
         """A WAN flow's handshake time."""
@@ -71,7 +64,6 @@ class WanEstimator:
         weight = self.alpha if self.rtt_samples else 1.0
         self.rtt_s += weight * (rtt_s - self.rtt_s)
         self.rtt_samples += 1
-        RTT.set(self.rtt_s)
 
     def current(self) -> WanEstimate:
         """The estimate placement uses now."""
