@@ -20,9 +20,10 @@ from shared import nats_client, subjects
 from shared.config import CommonConfig
 from shared.dead_letters import BadMessageSink
 from shared.lease import RequestLeases
+from shared.lease_keeper import LeaseKeeper
 from shared.logging import configure_logging
 from shared.messages import CancelRequest, InstanceRef, LoadReported, decoder, encode
-from shared.metrics import LEASES_EXPIRED, PUBLISH_FAILURES
+from shared.metrics import PUBLISH_FAILURES
 from shared.ops_server import start_ops_server
 from shared.tracing import configure_tracing
 
@@ -103,7 +104,7 @@ class Service:
             connect_timeout=5,
         )
         self.bad_messages = BadMessageSink(self.nc, self.config.site, self.service_name, self.instance_id)
-        await self.subscribe(subjects.CANCEL_ALL, _cancel_decoder, self._on_cancel_msg)
+        await self.subscribe(subjects.CANCEL_ALL, _cancel_decoder, lambda cancel, _msg: self.on_cancel(cancel))
         if self.config.metrics_port:
             self._ops = await start_ops_server(
                 self.config.metrics_host, self.config.metrics_port, self.health, self.config.metrics_key_sha256
@@ -113,13 +114,14 @@ class Service:
         self._started = True
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
         if self.holds_requests:
-            self.leases = RequestLeases(
+            leases = RequestLeases(
                 self.config.request_lease_s,
                 grace_s=2 * self.config.heartbeat_s + 0.5,
                 cut_off_lease_s=self.config.cut_off_lease_s,
             )
-            await self.subscribe(subjects.LOAD_ALL, _load_decoder, self._on_heartbeat_msg)
-            self._tasks.append(asyncio.create_task(self._free_expired(), name="lease-reaper"))
+            keeper = LeaseKeeper(leases, self.service_name, self.held_request_ids, self.on_cancel, self.log)
+            await self.subscribe(subjects.LOAD_ALL, _load_decoder, keeper.on_heartbeat)
+            self._tasks.append(asyncio.create_task(keeper.run(self.config.heartbeat_s), name="lease-reaper"))
         for task in self._tasks:
             self.watch(task)
         self.log.info("service_started", site=self.config.site)
@@ -192,26 +194,6 @@ class Service:
         while True:
             await self.publish(subject, self.load_report())
             await asyncio.sleep(self.config.heartbeat_s)
-
-    async def _on_heartbeat_msg(self, report: LoadReported, msg):
-        self.leases.observe(report, time.monotonic())
-
-    async def _free_expired(self):
-        while True:
-            await asyncio.sleep(self.config.heartbeat_s)
-            for expired in self.leases.expired(await self.held_request_ids(), time.monotonic()):
-                LEASES_EXPIRED.labels(self.service_name, expired.kind).inc()
-                self.log.warning(
-                    "request_lease_expired", request_id=expired.request_id, kind=expired.kind, reason=expired.reason
-                )
-                await self.on_cancel(
-                    CancelRequest(
-                        request_id=expired.request_id, kind=expired.kind, reason=f"lease expired: {expired.reason}"
-                    )
-                )
-
-    async def _on_cancel_msg(self, cancel: CancelRequest, msg):
-        await self.on_cancel(cancel)
 
 
 async def wait_for_termination(failed: asyncio.Event | None = None):

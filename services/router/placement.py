@@ -128,7 +128,6 @@ def place(
     avoid: frozenset[str] = frozenset(),
 ) -> Placement:
     """Choose instances and pipeline for a prompt (``policy`` forces one for baselines).
-
     ``avoid`` names instances that already failed this request (a recovery): they are
     chosen only when no other instance of their service is live.
 
@@ -144,29 +143,19 @@ def place(
     prefill_compute_blocks = max(0, num_prompt_blocks - hits.get(prefill.report.instance.instance_id, 0))
     if not mains:
         return _relay_only(prefill, relays, num_prompt_blocks, prefill_compute_blocks)
-
-    def missing_bytes_at(state: InstanceState) -> int:
-        cached = hits.get(state.report.instance.instance_id, 0)
-        return max(0, num_prompt_tokens - cached * block_size) * kv_bytes_per_token
-
-    candidates = _with_room(mains) or mains
-    quick = [s for s in candidates if wan.transfer_s(missing_bytes_at(s)) <= ttft_target_s]
-    main = _pick(quick or candidates, hits, num_prompt_blocks)
-    relays = _with_room(relays)
-    cached_blocks = hits.get(main.report.instance.instance_id, 0)
-    missing_bytes = missing_bytes_at(main)
-    predicted_s = wan.transfer_s(missing_bytes)
-    relay = None
+    main, missing_bytes, predicted_s = _pick_main(
+        mains, hits, num_prompt_tokens, block_size, kv_bytes_per_token, wan, ttft_target_s
+    )
     odd = policy == "auto" and odd_rule is not None and odd_rule.is_odd(max_tokens, predicted_s)
     wants_relay = predicted_s > ttft_target_s or odd if policy == "auto" else policy == "P-RLD-MD"
-    if wants_relay and relays:
-        relay = _least_busy(relays)
+    relays = _with_room(relays)
+    relay = _least_busy(relays) if wants_relay and relays else None
     return Placement(
         pipeline="P-RLD-MD" if relay else "P-MD",
         prefill=prefill.report.instance,
         main_decode=main.report.instance,
         relay_decode=relay.report.instance if relay else None,
-        md_cached_blocks=cached_blocks,
+        md_cached_blocks=hits.get(main.report.instance.instance_id, 0),
         md_load_blocks=main.load_blocks,
         num_prompt_blocks=num_prompt_blocks,
         missing_kv_bytes=missing_bytes,
@@ -174,6 +163,29 @@ def place(
         odd_traffic=odd and relay is not None,
         prefill_compute_blocks=prefill_compute_blocks,
     )
+
+
+def _pick_main(
+    mains: list[InstanceState],
+    hits: dict[str, int],
+    num_prompt_tokens: int,
+    block_size: int,
+    kv_bytes_per_token: int,
+    wan: WanEstimate,
+    ttft_target_s: float,
+) -> tuple[InstanceState, int, float]:
+    """The main decoder (those whose missing KV crosses within the target first), the KV bytes
+    it lacks and their predicted WAN time."""
+
+    def missing_bytes_at(state: InstanceState) -> int:
+        cached = hits.get(state.report.instance.instance_id, 0)
+        return max(0, num_prompt_tokens - cached * block_size) * kv_bytes_per_token
+
+    candidates = _with_room(mains) or mains
+    quick = [s for s in candidates if wan.transfer_s(missing_bytes_at(s)) <= ttft_target_s]
+    main = _pick(quick or candidates, hits, -(-num_prompt_tokens // block_size))
+    missing_bytes = missing_bytes_at(main)
+    return main, missing_bytes, wan.transfer_s(missing_bytes)
 
 
 def _with_room(instances: list[InstanceState]) -> list[InstanceState]:

@@ -105,6 +105,20 @@ class _Request:
         )
 
 
+def _claim_the_process():
+    """vLLM in this process, in-process engine core (the connector must share our memory); one
+    engine per process (vLLM keeps its KV connector process-wide)."""
+    global _engines_in_process
+    if _engines_in_process:
+        raise ConfigError(
+            "--engine vllm: one vLLM engine per process (vLLM keeps its KV connector "
+            "process-wide); run each vLLM instance as its own service process"
+        )
+    _engines_in_process += 1
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+
+
 class VllmBackend(EngineBackend):
     """A vLLM engine instance in this process. Not thread-safe (as every backend)."""
 
@@ -118,55 +132,23 @@ class VllmBackend(EngineBackend):
         enable_prefix_cache: bool = True,
         kv_listener=None,
     ):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector must share our memory
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
-        from vllm import EngineArgs
-        from vllm.config import KVEventsConfig, KVTransferConfig
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-        from vllm.v1.engine.llm_engine import LLMEngine
-
-        global _engines_in_process
-        if _engines_in_process:
-            raise ConfigError(
-                "--engine vllm: one vLLM engine per process (vLLM keeps its KV connector "
-                "process-wide); run each vLLM instance as its own service process"
-            )
-        _engines_in_process += 1
+        _claim_the_process()
         self.loaded = loaded
         self.layout = KvLayout.from_model(loaded.model, block_size)
         self.block_size = block_size
         self.frame_expectation = FrameExpectation(loaded.fingerprint, self.layout)
         self.vocab_size = loaded.model.config.vocab_size
-        # vLLM refuses a context its cache could not hold whole.
-        cache_tokens = (
-            kv_cache_bytes // self.layout.kv_bytes_per_token // block_size - 2
-        ) * block_size  # vLLM keeps a null block
+        # vLLM refuses a context its cache could not hold whole (and keeps a null block).
+        cache_tokens = (kv_cache_bytes // self.layout.kv_bytes_per_token // block_size - 2) * block_size
         self.max_context_len = min(loaded.model.config.max_position_embeddings, cache_tokens)
         self._eos = loaded.eos_token_ids
         self._dtype = str(loaded.dtype).removeprefix("torch.")
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
         isa = _get_attn_isa(loaded.dtype, block_size, self.layout.head_dim)
         self._bridge_key, self.bridge = bridges.new_bridge()
         self.mirror = BlockMirror(block_size, kv_listener)
-        self.engine = LLMEngine.from_engine_args(
-            EngineArgs(
-                model=str(folder),
-                tokenizer=str(folder),
-                dtype=self._dtype,
-                block_size=block_size,
-                enable_prefix_caching=enable_prefix_cache,
-                max_model_len=self.max_context_len,
-                seed=0,
-                enforce_eager=True,
-                kv_cache_memory_bytes=kv_cache_bytes,
-                kv_transfer_config=KVTransferConfig(
-                    kv_connector=CONNECTOR,
-                    kv_connector_module_path=CONNECTOR_MODULE,
-                    kv_role="kv_both",
-                    kv_connector_extra_config={bridges.BRIDGE_KEY: self._bridge_key, "isa": isa},
-                ),
-                kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
-            )
-        )
+        self.engine = self._new_engine(folder, kv_cache_bytes, enable_prefix_cache, isa)
         # vLLM publishes block events to a ZMQ socket or nowhere; in-process, to the mirror.
         self._scheduler.kv_event_publisher = self.mirror
         check_layout(self.bridge.kv_caches[0], isa)
@@ -180,6 +162,32 @@ class VllmBackend(EngineBackend):
             isa=isa,
             kv_blocks=self.kv.caches[0].shape[0],
         )
+
+    def _new_engine(self, folder: Path, kv_cache_bytes: int, enable_prefix_cache: bool, isa: str):
+        from vllm import EngineArgs
+        from vllm.config import KVEventsConfig, KVTransferConfig
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        transfer = KVTransferConfig(
+            kv_connector=CONNECTOR,
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_both",
+            kv_connector_extra_config={bridges.BRIDGE_KEY: self._bridge_key, "isa": isa},
+        )
+        args = EngineArgs(
+            model=str(folder),
+            tokenizer=str(folder),
+            dtype=self._dtype,
+            block_size=self.block_size,
+            enable_prefix_caching=enable_prefix_cache,
+            max_model_len=self.max_context_len,
+            seed=0,
+            enforce_eager=True,
+            kv_cache_memory_bytes=kv_cache_bytes,
+            kv_transfer_config=transfer,
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+        )
+        return LLMEngine.from_engine_args(args)
 
     @property
     def _scheduler(self):

@@ -1,0 +1,47 @@
+"""Frees what an engine service holds for requests whose router's lease ran out.
+
+``RequestLeases`` decides (from the routers' heartbeats); ``LeaseKeeper`` runs it: it feeds the
+heartbeats in, asks every ``interval_s`` which held requests expired, and cancels each one
+through the service's own cancel path, counted and logged.
+"""
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from shared.lease import RequestLeases
+from shared.messages import CancelRequest, LoadReported
+from shared.metrics import LEASES_EXPIRED
+
+
+class LeaseKeeper:
+    """Runs one service's request leases."""
+
+    def __init__(
+        self,
+        leases: RequestLeases,
+        service_name: str,
+        held_request_ids: Callable[[], Awaitable[list[str]]],
+        cancel: Callable[[CancelRequest], Awaitable[None]],
+        log: structlog.BoundLogger,
+    ):
+        self.leases, self.service_name, self.log = leases, service_name, log
+        self._held_request_ids, self._cancel = held_request_ids, cancel
+
+    async def on_heartbeat(self, report: LoadReported, msg=None):
+        """A heartbeat of any service (the routers' carry the requests they still run)."""
+        self.leases.observe(report, time.monotonic())
+
+    async def run(self, interval_s: float):
+        """Every ``interval_s``: cancel the held requests whose lease expired."""
+        while True:
+            await asyncio.sleep(interval_s)
+            for expired in self.leases.expired(await self._held_request_ids(), time.monotonic()):
+                LEASES_EXPIRED.labels(self.service_name, expired.kind).inc()
+                self.log.warning(
+                    "request_lease_expired", request_id=expired.request_id, kind=expired.kind, reason=expired.reason
+                )
+                reason = f"lease expired: {expired.reason}"
+                await self._cancel(CancelRequest(request_id=expired.request_id, kind=expired.kind, reason=reason))
