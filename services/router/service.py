@@ -11,6 +11,7 @@ from pathlib import Path
 
 import nats
 from aiohttp import web
+from opentelemetry import trace
 
 from services.router import openai_api
 from services.router.admission import Admission
@@ -25,7 +26,7 @@ from services.router.registry import InstanceRegistry
 from services.router.request_flow import FlowContext, RequestFlow, new_request_id
 from services.router.request_metrics import RequestMetrics
 from services.router.responses import ResponseWriter
-from services.router.site_health import SiteHealth
+from services.router.site_health import SiteHealth, SiteState, SiteTransition
 from services.router.wan_estimate import WanEstimator
 from shared import subjects
 from shared.config import RouterConfig
@@ -34,6 +35,7 @@ from shared.metrics import (
     PIPELINE_CHOICES,
     REQUESTS_RUNNING,
     REQUESTS_WAITING,
+    SITE_STATE,
     WAN_ESTIMATE_BANDWIDTH,
     WAN_ESTIMATE_RTT,
 )
@@ -118,8 +120,17 @@ class RouterService(Service):
             for site in self.registry.sites():
                 if site != self.config.site and (site not in probes or probes[site].done()):
                     probes[site] = asyncio.create_task(self._probe_site(site))
-            self.site_health.update()
+            self._record_sites(self.site_health.update())
             await asyncio.sleep(SITE_TICK_S)
+
+    def _record_sites(self, moves: list[SiteTransition]):
+        for move in moves:
+            state, why = move.state.value, move.why
+            self.log.warning("site_state", site=move.site, previous=move.previous.value, state=state, why=why)
+            trace.get_current_span().add_event("site_state", {"site": move.site, "state": state, "why": why})
+        for site, now in self.site_health.states.items():
+            for state in SiteState:
+                SITE_STATE.labels(site, state.value).set(1 if state is now else 0)
 
     async def _probe_site(self, site: str):
         """Ask the site's own NATS server (its JetStream domain) whether the link carries."""

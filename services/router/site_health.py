@@ -6,21 +6,15 @@
 once the site has been heard steadily for another TTL. While a site is unreachable its
 instances are not placed on (with no main decoder left, new requests are served at site A as
 ``P-RLD``, under the relays' admission bound), and in-flight requests wait for it up to the
-partition tolerance before they are resumed at site A. Transitions are logged, traced as
-events on the current span, and exported as ``pdd_site_state{site,state}``.
+partition tolerance before they are resumed at site A. ``update`` returns the transitions it
+made; the router logs them, traces them and exports the states as ``pdd_site_state``.
 """
 
 import enum
 import time
-
-import structlog
-from opentelemetry import trace
-from prometheus_client import Gauge
+from dataclasses import dataclass
 
 from services.router.registry import InstanceRegistry
-
-log = structlog.get_logger(__name__)
-SITE_STATE = Gauge("pdd_site_state", "1 for the state each remote site is in", ["site", "state"])
 
 
 class SiteState(enum.Enum):
@@ -31,6 +25,16 @@ class SiteState(enum.Enum):
     RECOVERING = "recovering"
 
 
+@dataclass(frozen=True)
+class SiteTransition:
+    """A remote site moved from ``previous`` to ``state``, and why."""
+
+    site: str
+    previous: SiteState
+    state: SiteState
+    why: str
+
+
 class SiteHealth:
     """Per-site states, advanced by :meth:`update` from what the registry has heard."""
 
@@ -39,32 +43,31 @@ class SiteHealth:
         self.states: dict[str, SiteState] = {}
         self._heard_again: dict[str, float] = {}
 
-    def update(self) -> dict[str, SiteState]:
-        """Advance every remote site's state; return them."""
-        now = time.monotonic()
+    def update(self) -> list[SiteTransition]:
+        """Advance every remote site's state (``states``); return the transitions made."""
+        moves = []
         for site in self._registry.sites():
-            if site == self._own_site:
-                continue
-            silent_s = self._registry.site_silent_s(site)
-            state = self.states.get(site, SiteState.HEALTHY)
-            if silent_s > self._ttl_s:
-                state = self._move(site, state, SiteState.UNREACHABLE, f"silent for {silent_s:.1f} s")
-            elif state is SiteState.UNREACHABLE:
-                self._heard_again[site] = now
-                state = self._move(site, state, SiteState.RECOVERING, "heard again")
-            elif state is SiteState.RECOVERING and now - self._heard_again[site] > self._ttl_s:
-                state = self._move(site, state, SiteState.HEALTHY, "heard steadily")
-            self.states[site] = state
-        return self.states
+            if site != self._own_site:
+                move = self._next(site, self.states.get(site, SiteState.HEALTHY), time.monotonic())
+                if move is not None:
+                    self.states[site] = move.state
+                    moves.append(move)
+                self.states.setdefault(site, SiteState.HEALTHY)
+        return moves
+
+    def _next(self, site: str, state: SiteState, now: float) -> SiteTransition | None:
+        silent_s = self._registry.site_silent_s(site)
+        if silent_s > self._ttl_s:
+            if state is SiteState.UNREACHABLE:
+                return None
+            return SiteTransition(site, state, SiteState.UNREACHABLE, f"silent for {silent_s:.1f} s")
+        if state is SiteState.UNREACHABLE:
+            self._heard_again[site] = now
+            return SiteTransition(site, state, SiteState.RECOVERING, "heard again")
+        if state is SiteState.RECOVERING and now - self._heard_again[site] > self._ttl_s:
+            return SiteTransition(site, state, SiteState.HEALTHY, "heard steadily")
+        return None
 
     def unreachable(self) -> list[str]:
         """Remote sites cut off now."""
         return [site for site, state in self.states.items() if state is SiteState.UNREACHABLE]
-
-    def _move(self, site: str, old: SiteState, new: SiteState, why: str) -> SiteState:
-        if old is not new:
-            log.warning("site_state", site=site, previous=old.value, state=new.value, why=why)
-            trace.get_current_span().add_event("site_state", {"site": site, "state": new.value, "why": why})
-        for state in SiteState:
-            SITE_STATE.labels(site, state.value).set(1 if state is new else 0)
-        return new
