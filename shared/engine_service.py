@@ -83,7 +83,6 @@ class EngineService(Service):
             service=self.service_name,
             active_sequences=load.num_sequences,
             max_sequences=self.config.max_sequences,
-            free_blocks=load.num_free_blocks,
             used_blocks=load.num_used_blocks,
             total_blocks=load.num_blocks,
             pending_tokens=load.num_pending_tokens,

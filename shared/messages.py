@@ -331,7 +331,6 @@ class LoadReported(_Message, kw_only=True):
         service: ``prefill``, ``relay_decode``, ``main_decode`` or ``cache_index``.
         active_sequences: Requests it holds now.
         max_sequences: Requests it accepts at most.
-        free_blocks: KV blocks on its free list now.
         used_blocks: KV blocks held by the requests it runs now (shared prefix blocks once).
         total_blocks: Size of its KV pool.
         pending_tokens: Prompt and extend tokens it has taken on and not computed yet (a
@@ -345,7 +344,6 @@ class LoadReported(_Message, kw_only=True):
     service: str
     active_sequences: int = 0
     max_sequences: int = 0
-    free_blocks: int = 0
     used_blocks: int = 0
     total_blocks: int = 0
     pending_tokens: int = 0

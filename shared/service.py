@@ -46,7 +46,6 @@ class Service:
         self.nc: nats.NATS | None = None
         self.bad_messages: BadMessageSink | None = None
         self._tasks: list[asyncio.Task] = []
-        self._stopping = asyncio.Event()
         self.failed = asyncio.Event()
         self.failure: str | None = None
         self.log = log.bind(service=self.service_name, instance=self.instance_id)

@@ -67,14 +67,10 @@ def prefill_seconds(cost, new_tokens: int, cached_tokens: int) -> float:
     return seconds
 
 
-def request_cost(setting: Setting, hit_rate: float, prompt_tokens: int, output_tokens: int) -> float:
-    """A same-datacenter request's cost in chip-A units: its prefill's share of a prefill instance
-    and its decode's share of a full decoder, each at the load the planner's first guess aims at."""
-    return _RequestCost(setting)(hit_rate, prompt_tokens, output_tokens)
-
-
 class _RequestCost:
-    """:func:`request_cost` with the deployment built once."""
+    """A same-datacenter request's cost in chip-A units: its prefill's share of a prefill instance
+    and its decode's share of a full decoder, each at the load the planner's first guess aims at
+    (the deployment built once, called per request shape)."""
 
     def __init__(self, setting: Setting):
         deployment = build(DESIGN, Counts(1, 0, 1), setting)
@@ -105,7 +101,7 @@ def cost_model_bathtub(
 
 
 def decode_share_of_cold_prefill(setting: Setting, prompt_tokens: int = 65536, output_tokens: int = 1024) -> float:
-    """A request's decode cost over a cold prefill's, as :func:`request_cost` counts them."""
+    """A request's decode cost over a cold prefill's, as :class:`_RequestCost` counts them."""
     cost = _RequestCost(setting)
     no_decode = cost(0.0, prompt_tokens, 0)
     return (cost(0.0, prompt_tokens, output_tokens) - no_decode) / no_decode

@@ -231,10 +231,6 @@ class SimEngine:
             self.running.remove(seq)
         self._admit()
 
-    def resume_check(self):
-        """A paused or per-token flag changed: recompose at the next step boundary."""
-        self._kick()
-
     # ----- stepping -----------------------------------------------------------------------
 
     def _admit(self):

@@ -182,32 +182,6 @@ def _grow(design: str, evaluation: Evaluation, sla: Sla) -> str | None:
     return None
 
 
-def max_goodput(
-    design: str,
-    counts: Counts,
-    setting: Setting,
-    source: WorkloadSource,
-    sla: Sla,
-    low_rps: float,
-    *,
-    num_requests: int = 600,
-    seed: int = 0,
-    steps: int = 5,
-) -> float:
-    """The highest rate at which ``counts`` still meet the SLA (bisection from ``low_rps``, which
-    must meet it, up to twice that)."""
-    low, high = low_rps, 2 * low_rps
-    if evaluate(design, counts, setting, source, high, sla, num_requests=num_requests, seed=seed).meets_sla:
-        return high
-    for _ in range(steps):
-        middle = (low + high) / 2
-        if evaluate(design, counts, setting, source, middle, sla, num_requests=num_requests, seed=seed).meets_sla:
-            low = middle
-        else:
-            high = middle
-    return low
-
-
 def _row(evaluation: Evaluation) -> dict:
     summary = evaluation.summary
     return {

@@ -151,7 +151,6 @@ class Simulator:
                 service=engine.role,
                 active_sequences=busy,
                 max_sequences=engine.max_sequences,
-                free_blocks=engine.pool.capacity_blocks - engine.pool.used_blocks,
                 used_blocks=engine.pool.pinned_blocks,
                 total_blocks=engine.pool.capacity_blocks,
                 pending_tokens=sum(work.remaining for work in engine.chunks),

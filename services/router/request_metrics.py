@@ -19,13 +19,11 @@ class RequestMetrics:
     def __init__(self, model_name: str, started_s: float):
         self.model_name, self.started_s = model_name, started_s
         self._last_delivery_s: float | None = None
-        self._pipeline = "none"
         self._finished = False
 
     def delivered(self, pipeline: str):
         """A batch of tokens went to the client now."""
         now = time.perf_counter()
-        self._pipeline = pipeline
         if self._last_delivery_s is not None:
             ITL_SECONDS.labels(self.model_name, pipeline).observe(now - self._last_delivery_s)
         self._last_delivery_s = now
