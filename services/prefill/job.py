@@ -102,7 +102,7 @@ class PathShipment:
     ended: bool = False
 
     @property
-    def open_flow(self) -> BulkFlow | None:
+    def unfinished_flow(self) -> BulkFlow | None:
         """The flow if it was accepted and has not ended (one to cancel on a close)."""
         return self.flow if self.flow is not None and not self.ended else None
 
@@ -190,7 +190,7 @@ class PrefillJob:
             # Wait for them to unwind (a cancelled opening closes its connection) and take
             # their outcomes: nobody else will.
             await asyncio.gather(*owned, return_exceptions=True)
-            flows = [p.open_flow for p in self.paths.values() if p.open_flow is not None]
+            flows = [p.unfinished_flow for p in self.paths.values() if p.unfinished_flow is not None]
             await asyncio.gather(*(f.cancel(reason) for f in flows), return_exceptions=True)
             if self._holds_sequence:
                 self._holds_sequence = False
@@ -208,15 +208,17 @@ class PrefillJob:
         self._serving = True
         reason = "prefill cancelled"
         try:
-            if self._stopping:
-                return
-            reply = await self._prefill_reply()
-            await self._respond(reply)
-            if isinstance(reply, PrefillCompleted):
-                reason = await self._ship_all(reply)
+            if not self._stopping:  # else stopped before it began: nothing to answer
+                reply = await self._prefill_reply()
+                await self._respond(reply)
+                if isinstance(reply, PrefillCompleted):
+                    reason = await self._ship_all(reply)
+                else:
+                    reason = f"prefill failed: {reply.code}"
+        except asyncio.CancelledError:
+            raise
         except BaseException as exc:
-            if not isinstance(exc, asyncio.CancelledError):
-                reason = f"prefill crashed: {exc!r}"
+            reason = f"prefill crashed: {exc!r}"
             raise
         finally:
             await self.close(reason)
