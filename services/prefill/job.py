@@ -1,0 +1,437 @@
+"""One prefill request on this instance, from its ``StartPrefill`` to its last KV frame.
+
+A ``PrefillJob`` owns everything the request holds here: its engine sequence, the flows to
+its receivers (one ``PathShipment`` per path: span, opening task, flow, exported frames,
+sending task), the exports queued on the engine thread, the first-token future and the
+``exports_due`` event the engine loop waits on. Whichever way the request ends (every frame
+shipped, cancelled by its router or its lease, failed, the service stopping), ``close``
+frees all of it, once, and takes the job out of its service's table.
+
+The order of work:
+
+- The flows open first, so their handshakes overlap the compute.
+- The engine loop batches the prompt with others. When its first token comes out, the job
+  queues the exports of the flows already accepted before the loop steps again
+  (``exports_due``): a prompt's KV then leaves before the next prompt's prefill, instead
+  of waiting behind that whole step.
+- Each path ships as soon as its own flow is accepted and its frames are exported: a main
+  decoder that waits for blocks already in flight never delays the relay's copy.
+- Once every path's frames are exported, the sequence is freed (its blocks stay in the
+  prefix cache) and so is the prefill slot; the router gets ``PrefillCompleted`` while the
+  frames keep streaming. The first token travels in each flow's end: the decoder that
+  continues the stream emits it.
+- A request its router finished while its KV still crosses (``keep_shipping_for_cache``)
+  ships on, so main decode's cache stays aligned with ours, and then closes.
+"""
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+import nats
+from opentelemetry import trace
+
+from services.prefill.shipping_plan import ExportRange, ShippingPath, ShippingPlan
+from shared import subjects
+from shared.bulk.sender import BulkFlow
+from shared.config import PrefillConfig
+from shared.engine.backend import EngineBackend, StepOutput
+from shared.engine_loop import EngineLoop
+from shared.engine_worker import EngineWorker
+from shared.errors import PddError, error_with_code
+from shared.messages import FlowOpen, PrefillCompleted, RequestFailed, StartPrefill, encode
+from shared.metrics import (
+    KV_TRANSFER_BYTES,
+    KV_TRANSFER_SECONDS,
+    PREFILL_SECONDS,
+    PREFIX_HIT_BLOCKS,
+    PREFIX_LOOKUP_BLOCKS,
+)
+from shared.tracing import context_from, current_traceparent, tracer
+
+_tracer = tracer("pdd.prefill")
+
+FAILURES = (TimeoutError, PddError, ConnectionError, OSError)
+"""What a prefill or a transfer fails with, short of a bug: reported to the router with a code."""
+
+
+class PrefillHost(Protocol):
+    """What a job uses of its service (``PrefillService``)."""
+
+    service_name: str
+    instance_id: str
+    config: PrefillConfig
+    log: Any
+    worker: EngineWorker
+    loop: EngineLoop
+    slots: asyncio.Semaphore
+    jobs: dict[str, "PrefillJob"]
+
+    @property
+    def engine(self) -> EngineBackend: ...
+
+    async def dial(self, flow_open: FlowOpen, route: ShippingPath) -> BulkFlow: ...
+
+    async def publish(self, subject: str, message, headers: dict | None = None) -> bool: ...
+
+
+@dataclass(eq=False)
+class PathShipment:
+    """One path of a job (``wan`` to main decode, ``local`` to the relay), from its opening
+    to its flow's end.
+
+    Attributes:
+        route: The path, its receiver and the role the receiver acts as.
+        span: ``kv.transfer.<path>``, ended when the job closes.
+        exported: The frames exported for this receiver (set once, or failed).
+        opening: The task opening the flow (``FlowOpen`` until ``FlowAccepted``).
+        flow: The flow once accepted.
+        sending: The task that waits for the flow, exports what the receiver lacks and sends
+            it; None until the first token is out.
+        ended: The flow's end went out: the receiver has it all, nothing to cancel.
+    """
+
+    route: ShippingPath
+    span: trace.Span
+    exported: asyncio.Future
+    opening: asyncio.Task | None = None
+    flow: BulkFlow | None = None
+    sending: asyncio.Task | None = None
+    ended: bool = False
+
+    @property
+    def unfinished_flow(self) -> BulkFlow | None:
+        """The flow if it was accepted and has not ended (one to cancel on a close)."""
+        return self.flow if self.flow is not None and not self.ended else None
+
+
+class PrefillJob:
+    """One ``StartPrefill``: compute, export, free, reply, ship; then ``close``."""
+
+    def __init__(self, host: PrefillHost, cmd: StartPrefill, msg):
+        """``msg``: the NATS message to reply to (its headers carry the trace context)."""
+        self._host = host
+        self.cmd = cmd
+        self.request_id = cmd.request_id
+        self._msg = msg
+        self.log = host.log.bind(request_id=cmd.request_id, attempt=cmd.attempt, pipeline=cmd.pipeline)
+        self.plan: ShippingPlan | None = None
+        self.paths: dict[str, PathShipment] = {}
+        self.exports: dict[ExportRange, asyncio.Future] = {}
+        self.first_token: asyncio.Future | None = None
+        self.exports_due: asyncio.Event | None = None
+        """Set while the first token is out and the exports it allows are not queued yet."""
+        self.ships_for_cache = False
+        """Its router finished the request; the KV still ships, for main decode's cache."""
+        self.task: asyncio.Task | None = None
+        self._holds_sequence = False
+        self._serving = self._stopping = self._closing = False
+
+    # --- what the service calls ----------------------------------------------------------
+
+    def start(self) -> asyncio.Task:
+        """Serve the request in a task of its own (NATS runs one callback at a time)."""
+        self.task = asyncio.create_task(self.serve(), name=f"prefill-{self.request_id}")
+        return self.task
+
+    def stop(self, reason: str):
+        """Cancel the request (a ``stop`` or ``kill`` from its router or its lease): it stops
+        where it is, tells a router still waiting ``cancelled``, and closes."""
+        if self._stopping or self._closing:
+            return
+        self._stopping = True
+        self.log.info("prefill_cancelled", reason=reason)
+        if self._serving:
+            self.task.cancel()
+        # else: the task has not run yet; ``serve`` closes at once (a task cancelled before
+        # its first step would never run its body, nor its close).
+
+    def keep_shipping_for_cache(self):
+        """Its router finished the request (cancel ``finished``): ship on for main decode's
+        cache, then close; no lease may take it for a request whose cancel was lost."""
+        self.ships_for_cache = True
+
+    def on_step_output(self, out: StepOutput):
+        """The engine loop's output for this request: its first token, or its failure."""
+        future = self.first_token
+        if future is None or future.done():
+            return
+        if out.error:
+            future.set_exception(error_with_code(out.error_code or "engine_error", out.error))
+        else:
+            self.exports_due = asyncio.Event()
+            future.set_result(out)
+
+    def exports_queued(self):
+        """The exports the first token allows are queued: the engine loop may step again."""
+        if self.exports_due is not None:
+            self.exports_due.set()
+            self.exports_due = None
+
+    async def close(self, reason: str):
+        """Free everything the request holds here, once: cancel its tasks and exports, cancel
+        the flows still open (receivers discard what arrived; ``reason`` tells them why),
+        abort its engine sequence if still held, end its spans, leave the service's table."""
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self.exports_queued()
+            if self.first_token is not None:
+                self.first_token.cancel()
+            if self.task is not None and self.task is not asyncio.current_task():
+                self.task.cancel()
+            tasks = [t for p in self.paths.values() for t in (p.opening, p.sending) if t is not None]
+            owned = [*tasks, *self.exports.values(), *(p.exported for p in self.paths.values())]
+            for future in owned:
+                future.cancel()
+            # Wait for them to unwind (a cancelled opening closes its connection) and take
+            # their outcomes: nobody else will.
+            await asyncio.gather(*owned, return_exceptions=True)
+            flows = [p.unfinished_flow for p in self.paths.values() if p.unfinished_flow is not None]
+            await asyncio.gather(*(f.cancel(reason) for f in flows), return_exceptions=True)
+            if self._holds_sequence:
+                self._holds_sequence = False
+                await self._host.worker.call(self._host.engine.abort, self.request_id)
+        finally:
+            for shipment in self.paths.values():
+                shipment.span.end()
+            if self._host.jobs.get(self.request_id) is self:
+                del self._host.jobs[self.request_id]
+
+    # --- the request's course --------------------------------------------------------------
+
+    async def serve(self):
+        """Prefill, answer the router, ship; every way out of here closes the job."""
+        self._serving = True
+        reason = "prefill cancelled"
+        try:
+            if not self._stopping:  # else stopped before it began: nothing to answer
+                reply = await self._prefill_reply()
+                await self._respond(reply)
+                if isinstance(reply, PrefillCompleted):
+                    reason = await self._ship_all(reply)
+                else:
+                    reason = f"prefill failed: {reply.code}"
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            reason = f"prefill crashed: {exc!r}"
+            raise
+        finally:
+            await self.close(reason)
+
+    async def _prefill_reply(self) -> PrefillCompleted | RequestFailed:
+        """Compute, export and free in a prefill slot; what to answer the router."""
+        try:
+            async with self._host.slots:  # at most max_sequences prompts held; the rest wait their turn
+                return await self._prefill(context_from(headers=self._msg.headers))
+        except asyncio.CancelledError:
+            if self._closing and not self._stopping:  # closed by its service, not cancelled by its router
+                return self._failure("prefill_stopping", "prefill stopped before the request was done")
+            return self._failure("cancelled", "request cancelled")
+        except FAILURES as exc:
+            code = getattr(exc, "code", "timeout" if isinstance(exc, asyncio.TimeoutError) else "bulk_unreachable")
+            self.log.warning("prefill_failed", code=code, error=str(exc) or type(exc).__name__)
+            return self._failure(code, str(exc) or type(exc).__name__)
+        except Exception as exc:
+            self.log.exception("prefill_crashed")
+            return self._failure("internal_error", repr(exc))
+
+    async def _prefill(self, parent) -> PrefillCompleted:
+        """Open the paths, compute the first token, start each path's shipping, wait until
+        every path's frames are exported and free the sequence. A failure closes the job
+        before the router hears of it (and before the slot goes to the next prompt)."""
+        try:
+            self.plan = ShippingPlan(self.cmd)
+            self._open_paths(parent)
+            first, cached_tokens, compute_s = await self._compute(parent)
+            self._export_open_paths()
+            for shipment in self.paths.values():
+                end_tokens = self.plan.end_tokens(shipment.route.role, first.token_id, first.logprobs)
+                shipment.sending = asyncio.create_task(self._ship(shipment, end_tokens))
+            frames = {path: await shipment.exported for path, shipment in self.paths.items()}
+            await self._host.worker.call(self._host.engine.free, self.request_id)
+            self._holds_sequence = False
+        except asyncio.CancelledError:
+            await self.close("prefill cancelled")
+            raise
+        except BaseException as exc:
+            await self.close(f"prefill failed: {getattr(exc, 'code', None) or type(exc).__name__}")
+            raise
+        finally:
+            self.exports_queued()
+        wan = self.paths.get("wan")
+        return PrefillCompleted(
+            request_id=self.request_id,
+            instance_id=self._host.instance_id,
+            first_token=first.token_id,
+            prompt_tokens=len(self.cmd.token_ids),
+            cached_tokens=cached_tokens,
+            compute_s=compute_s,
+            bytes_per_path={path: sum(_frame_size(f) for f in frames[path]) for path in frames},
+            wan_rtt_s=wan.flow.handshake_s if wan is not None and wan.flow is not None else 0.0,
+        )
+
+    async def _respond(self, reply: PrefillCompleted | RequestFailed):
+        """The router learns the KV plan (or the failure) now; the frames keep streaming."""
+        try:
+            await self._msg.respond(encode(reply))
+        except nats.errors.Error:
+            pass
+
+    async def _ship_all(self, completed: PrefillCompleted) -> str:
+        """Wait for every path to be sent; on a failure close the job, then tell the router
+        (it may resume the request elsewhere). Return why the job ends."""
+        try:
+            await asyncio.gather(*(p.sending for p in self.paths.values()))
+        except FAILURES as exc:
+            await self.close("KV transfer failed")
+            self.log.warning("kv_shipping_failed", error=str(exc) or type(exc).__name__)
+            await self._host.publish(
+                subjects.request_events(self.request_id, self._host.instance_id),
+                self._failure("kv_transfer_failed", f"KV transfer failed: {exc or type(exc).__name__}"),
+            )
+            return "KV transfer failed"
+        await self.close("every path shipped")
+        self.log.info(
+            "kv_shipped",
+            **{f"{p}_bytes": n for p, n in completed.bytes_per_path.items()},
+            cached_tokens=completed.cached_tokens,
+        )
+        return "every path shipped"
+
+    def _failure(self, code: str, message: str) -> RequestFailed:
+        return RequestFailed(
+            request_id=self.request_id,
+            instance_id=self._host.instance_id,
+            code=code,
+            message=message,
+            retryable=code != "cancelled",
+        )
+
+    # --- compute -----------------------------------------------------------------------
+
+    async def _compute(self, parent) -> tuple[StepOutput, int, float]:
+        """The first token, the prompt tokens found in the prefix cache, and the seconds it took."""
+        with _tracer.start_as_current_span(
+            "prefill.compute", context=parent, attributes={"request_id": self.request_id}
+        ) as span:
+            started = time.perf_counter()
+            first, cached_tokens = await self._sample_first_token()
+            compute_s = time.perf_counter() - started
+            PREFILL_SECONDS.labels(self._host.config.served_model_name).observe(compute_s)
+            span.set_attribute("cached_tokens", cached_tokens)
+        return first, cached_tokens, compute_s
+
+    async def _sample_first_token(self) -> tuple[StepOutput, int]:
+        host, cmd = self._host, self.cmd
+        self.first_token = asyncio.get_running_loop().create_future()
+        # The prefill samples exactly one token, with the request's own seed and parameters.
+        sampling = msgspec.structs.replace(cmd.sampling, max_tokens=1, min_tokens=min(1, cmd.sampling.min_tokens))
+        self._holds_sequence = True  # from here on: even if cancelled meanwhile, the add may land
+        seq = await host.worker.call(host.engine.add_request, self.request_id, cmd.token_ids, sampling, cmd.seed)
+        block_size = host.engine.block_size
+        PREFIX_HIT_BLOCKS.labels(host.service_name).inc(seq.num_cached_tokens // block_size)
+        PREFIX_LOOKUP_BLOCKS.labels(host.service_name).inc(len(cmd.token_ids) // block_size)
+        host.loop.wake()
+        timeout_s = max(0.1, cmd.deadline_unix_s - time.time())
+        return await asyncio.wait_for(self.first_token, timeout_s), seq.num_cached_tokens
+
+    # --- paths: open, export, ship, send -----------------------------------------------------
+
+    def _open_paths(self, parent):
+        """Start opening every path's flow, each in its span, before the compute."""
+        loop = asyncio.get_running_loop()
+        for route in self.plan.paths:
+            span = _tracer.start_span(
+                f"kv.transfer.{route.path}",
+                context=parent,
+                attributes={"request_id": self.request_id, "path": route.path},
+            )
+            shipment = self.paths[route.path] = PathShipment(route, span, exported=loop.create_future())
+            shipment.opening = asyncio.create_task(self._open(shipment))
+
+    async def _open(self, shipment: PathShipment) -> BulkFlow:
+        cmd, route = self.cmd, shipment.route
+        with trace.use_span(shipment.span, end_on_exit=False):
+            flow_open = FlowOpen(
+                request_id=self.request_id,
+                role=route.role,
+                token_ids=cmd.token_ids,
+                sampling=cmd.sampling,
+                seed=cmd.seed,
+                traceparent=current_traceparent(),
+                relay_instance_id=cmd.relay_decode.instance_id if cmd.relay_decode else None,
+                main_decode_instance_id=cmd.main_decode.instance_id if cmd.main_decode else None,
+                sender_id=self._host.instance_id,
+                receiver_id=route.receiver.instance_id,
+                receiver_incarnation=route.receiver.incarnation,
+                unix_s=0.0,
+                nonce="",
+            )
+            shipment.flow = await self._host.dial(flow_open, route)
+            return shipment.flow
+
+    def _export_open_paths(self):
+        """Queue the exports of the paths whose flows are already open, and let the engine
+        step again: a prompt's KV then leaves before the next prompt's prefill, instead of
+        waiting behind that whole step."""
+        for shipment in self.paths.values():
+            opening = shipment.opening
+            if not opening.done() or opening.cancelled() or opening.exception() is not None:
+                continue
+            export = self.plan.export_range(opening.result().first_token_index)
+            if export is not None:
+                self._export(export)
+        self.exports_queued()
+
+    def _export(self, export: ExportRange) -> asyncio.Future:
+        """Queue the export on the engine thread now (before any step asked for later); paths
+        whose receivers start at the same token share it."""
+        if export not in self.exports:
+            self.exports[export] = self._host.worker.submit(
+                self._host.engine.export_frames,
+                self.request_id,
+                export.start,
+                export.end,
+                max_tokens_per_frame=self._host.config.frame_tokens,
+                traceparent=current_traceparent(),
+            )
+        return self.exports[export]
+
+    async def _ship(self, shipment: PathShipment, end_tokens: tuple[list, list]):
+        """One path: wait for its flow, export from where its receiver stands, send."""
+        try:
+            flow = await shipment.opening
+            export = self.plan.export_range(flow.first_token_index)
+            frames = [] if export is None else await self._export(export)
+        except BaseException as exc:
+            if not shipment.exported.done():
+                shipment.exported.set_exception(exc)
+            raise
+        shipment.exported.set_result(frames)
+        await self._send(shipment, frames, end_tokens)
+
+    async def _send(self, shipment: PathShipment, frames: list, end_tokens: tuple[list, list]) -> int:
+        flow, span, model = shipment.flow, shipment.span, self._host.config.served_model_name
+        with trace.use_span(span, end_on_exit=False):
+
+            async def stream():
+                for parts in frames:
+                    await flow.send_frame(parts)
+                await flow.end(*end_tokens)
+
+            await asyncio.wait_for(stream(), self._host.config.send_timeout_s)
+            shipment.ended = True
+            KV_TRANSFER_SECONDS.labels(model, flow.path).observe(flow.elapsed_s)
+            KV_TRANSFER_BYTES.labels(model, flow.path).observe(flow.bytes_sent)
+            span.set_attribute("kv_bytes", flow.bytes_sent)
+            span.set_attribute("first_token_index", flow.first_token_index)
+            return flow.bytes_sent
+
+
+def _frame_size(parts: list) -> int:
+    return sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
