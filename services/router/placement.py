@@ -7,19 +7,14 @@ only while no main decoder is live (site B unreachable): serving at site A beats
 Among main decode instances the cheapest wins, cost counted in KV blocks: the prompt blocks
 the instance lacks (to receive) plus the blocks its running requests hold. A prefill
 instance's cost is work, also in blocks: the prompt blocks it lacks (to compute) plus the
-blocks it has queued to compute for other requests. The blocks a prefill holds say little
-about its work: a request that hits 99 % of a 64K-token prefix holds 256 blocks of 256 tokens
-and computes three; counted by blocks held, a prefill busy with one such request looked
-dearer than recomputing the whole prompt elsewhere, and the simulator saw half of all
-64K-token requests leave the prefill that cached them. Main decoders whose missing KV would cross the WAN within the
-TTFT target go first: with long contexts one running request holds as many blocks as a
-whole prompt, and sending a conversation away from the decoder that caches it would ship
-gigabytes and push the request onto the relay (the simulator showed a third of 64K-token
-requests misplaced that way). A cached prefix therefore draws requests to its instance only
-while that instance is not busier by more than the prefix saves: a system prompt shared by
-all traffic cannot pin every request on one decoder. Equal costs go to the instance that
-was placed on least recently. Relays, whose work is decode steps, go to the fewest
-sequences.
+blocks it has queued to compute for other requests (not the blocks it holds: a request that
+hits most of a long cached prefix holds many blocks and computes few). Main decoders whose
+missing KV would cross the WAN within the TTFT target go first, so a conversation stays with
+the decoder that caches it. A cached prefix draws requests to its instance only while that
+instance is not busier by more than the prefix saves: a system prompt shared by all traffic
+cannot pin every request on one decoder. Equal costs go to the instance that was placed on
+least recently. Relays, whose work is decode steps, go to the fewest sequences.
+(docs/planning.md records the simulated runs behind these rules.)
 """
 
 from dataclasses import dataclass

@@ -11,9 +11,9 @@ from 100 to 2 Mbit/s must not send several more requests P→MD while the averag
 and over-predicting for one transfer after a brief dip only costs a relayed request.
 
 A handshake sample also waits behind other flows' KV in the link's queue; one sample may
-raise the RTT estimate at most ``RTT_MAX_RISE``-fold (a handshake queued for 25 s behind a
-burst once made every later request look relay-worthy). Repeated slow handshakes still
-raise it quickly.
+raise the RTT estimate at most ``RTT_MAX_RISE``-fold, so one handshake queued behind a burst
+does not make every later request look relay-worthy. Repeated slow handshakes still raise it
+quickly.
 """
 
 from dataclasses import dataclass
