@@ -6,8 +6,6 @@ sequence or, once the request ended here, from a short record of its output.
 
 import asyncio
 import socket
-from collections import OrderedDict
-from typing import NamedTuple
 
 from opentelemetry import trace
 
@@ -29,24 +27,10 @@ from shared.messages import (
     decoder,
 )
 from shared.metrics import ENGINE_STEP_SECONDS, KV_BLOCKS_CACHE_FILL, KV_IMPORTS_WAITING
+from shared.recent_outputs import RecentOutputs, live_outputs, logprobs_of
 from shared.tls import server_context
 
 _resend_decoder = decoder(ResendTokens)
-RECENT_OUTPUTS = 512
-"""Finished requests whose output a producer keeps for resends."""
-
-
-class KnownOutputs(NamedTuple):
-    """A request's output as this instance knows it, for a resend."""
-
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[TokenLogprobs | None] | None
-
-
-def _logprobs_of(view: RequestView) -> list[TokenLogprobs | None] | None:
-    """The request's per-token log-probabilities, or None when it did not ask for them."""
-    return list(view.output_logprobs) if view.output_logprobs is not None else None
 
 
 class DecodeService(EngineService):
@@ -63,7 +47,7 @@ class DecodeService(EngineService):
         self.loop: EngineLoop | None = None
         self.bulk_endpoint = ""
         self.spans: dict[str, trace.Span] = {}
-        self._finished_outputs: OrderedDict[str, KnownOutputs] = OrderedDict()
+        self.recent_outputs = RecentOutputs()
 
     def load_report(self):
         report = super().load_report()
@@ -196,10 +180,10 @@ class DecodeService(EngineService):
                 0,
                 list(seq.output_token_ids),
                 seq.finish_reason if seq.finished else None,
-                _logprobs_of(seq),
+                logprobs_of(seq),
             )
             if seq.finished:
-                self._remember_finished(await self.worker.call(self.engine.free, seq.request_id))
+                self.recent_outputs.remember(await self.worker.call(self.engine.free, seq.request_id))
                 return
         self.loop.wake()
 
@@ -207,7 +191,7 @@ class DecodeService(EngineService):
 
     async def _on_resend(self, resend: ResendTokens, msg):
         rid = resend.request_id
-        known = self._finished_outputs.get(rid) or await self.worker.call(self._live_outputs, rid)
+        known = self.recent_outputs.get(rid) or await self.worker.call(live_outputs, self.engine, rid)
         if known is None or resend.from_index >= len(known.token_ids):
             return
         tokens, start = known.token_ids, resend.from_index
@@ -221,20 +205,6 @@ class DecodeService(EngineService):
         self.log.info(
             "tokens_resent", request_id=rid, from_index=resend.from_index, tokens=len(tokens) - resend.from_index
         )
-
-    def _live_outputs(self, request_id: str) -> KnownOutputs | None:
-        seq = self.engine.request(request_id)
-        if seq is None:
-            return None
-        return KnownOutputs(list(seq.output_token_ids), None, _logprobs_of(seq))
-
-    def _remember_finished(self, seq: RequestView):
-        if seq.finish_reason in ("stop", "length"):
-            self._finished_outputs[seq.request_id] = KnownOutputs(
-                list(seq.output_token_ids), seq.finish_reason, _logprobs_of(seq)
-            )
-            while len(self._finished_outputs) > RECENT_OUTPUTS:
-                self._finished_outputs.popitem(last=False)
 
     async def emit(
         self,
@@ -279,7 +249,7 @@ class DecodeService(EngineService):
                     [out.logprobs] if out.logprobs is not None else None,
                 )
             if out.finished:
-                self._remember_finished(await self.worker.call(self.engine.free, out.request_id))
+                self.recent_outputs.remember(await self.worker.call(self.engine.free, out.request_id))
                 self.end_span(out.request_id)
                 await self.on_finished(out)
 
