@@ -13,7 +13,14 @@ import time
 import nats
 from opentelemetry import trace
 
-from services.relay_decode.handoff import HandoffChunk, HandoffMachine, HandoffPolicy, HandoffState
+from services.relay_decode.handoff import (
+    HandoffChunk,
+    HandoffEvent,
+    HandoffMachine,
+    HandoffPolicy,
+    HandoffState,
+    StateChanged,
+)
 from shared import subjects
 from shared.bulk.kv_importer import ImportState
 from shared.bulk.receiver import FlowStats
@@ -103,7 +110,9 @@ class RelayDecodeService(DecodeService):
         emitted = await self.worker.call(self._emitted, event.request_id)
         if emitted is None:
             return  # still importing (retried when the import completes), finished, or dropped
-        self._start_handoff(event.request_id, machine.kv_ready(emitted, self.load()))
+        chunk = machine.kv_ready(emitted, self.load())
+        self._record(machine)
+        self._start_handoff(event.request_id, chunk)
 
     def _start_handoff(self, request_id: str, chunk: HandoffChunk | None):
         if chunk is not None and request_id not in self._handoffs:
@@ -119,15 +128,18 @@ class RelayDecodeService(DecodeService):
             tokens = await self.worker.call(self._chunk_tokens, rid, chunk)
             if tokens is None:
                 machine.finished_locally("relay sequence ended before the handoff")
+                self._record(machine)
                 return
             answer = await self._send_chunk(rid, subject, chunk, tokens)
             if not isinstance(answer, HandoffAccepted):
                 machine.failed("main decode did not accept the handoff")
+                self._record(machine)
                 await self.worker.call(self._resume_if_paused, rid)
                 self.loop.wake()
                 return
             emitted = await self.worker.call(self._emitted, rid)
             chunk = machine.accepted(answer.next_index, emitted or answer.next_index, self.load())
+            self._record(machine)
         if machine.state is HandoffState.RELEASED:
             HANDOFF_SECONDS.labels(self.config.served_model_name, machine.mode).observe(time.perf_counter() - started)
             await self.worker.call(self.engine.abort, rid)
@@ -203,13 +215,25 @@ class RelayDecodeService(DecodeService):
         for out in outputs:
             machine = self.machines.get(out.request_id)
             if machine is not None and not out.finished and out.token_id is not None:
-                self._start_handoff(out.request_id, machine.tokens_emitted(out.token_index + 1, self.load()))
+                chunk = machine.tokens_emitted(out.token_index + 1, self.load())
+                self._record(machine)
+                self._start_handoff(out.request_id, chunk)
 
     async def on_finished(self, out: StepOutput):
         machine = self.machines.get(out.request_id)
         if machine is not None:
             machine.finished_locally()
+            self._record(machine)
         await self._forget(out.request_id)
+
+    def _record(self, machine: HandoffMachine):
+        """Log what the machine decided since last asked, and mark it on the request's span."""
+        for event in machine.take_events():
+            name, fields = describe(event)
+            self.log.info(name, request_id=machine.request_id, **fields)
+            span = self.spans.get(machine.request_id)
+            if span is not None:
+                span.add_event(name, fields)
 
     async def on_cancel(self, cancel):
         await super().on_cancel(cancel)
@@ -223,3 +247,17 @@ class RelayDecodeService(DecodeService):
         self._main.pop(request_id, None)
         self._main_decoders.pop(request_id, None)
         self.machines.pop(request_id, None)
+
+
+def describe(event: HandoffEvent) -> tuple[str, dict[str, str | int | float | bool]]:
+    """A machine's event as a log event name and its fields."""
+    if isinstance(event, StateChanged):
+        return "handoff_state", {"previous": event.previous.value, "state": event.state.value, **event.why}
+    chunk = event.chunk
+    return "handoff_chunk", {
+        "mode": chunk.mode,
+        "chunk": chunk.chunk,
+        "start": chunk.start_index,
+        "end": chunk.end_index,
+        "final": chunk.final,
+    }
