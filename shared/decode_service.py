@@ -1,26 +1,28 @@
 """Base of the two decoding services: receive KV flows, decode, stream tokens, free on cancel.
 
+Each request held here is one ``DecodeRequest`` in ``self.requests``, from its flow's arrival
+to its ``close``: finished here, cancelled (or its lease expired), its import failed or was
+refused, handed over (relay) or the service stopping all end there.
+
 Tokens are delivered at least once: a producer answers ``ResendTokens`` from the live
 sequence or, once the request ended here, from a short record of its output.
 """
 
 import asyncio
 import socket
-from collections import OrderedDict
-from typing import NamedTuple
-
-from opentelemetry import trace
 
 from shared import subjects
 from shared.bulk.kv_importer import ImportState, KvImporter
 from shared.bulk.receiver import BulkReceiver, FlowStats
 from shared.config import BulkReceiverConfig
-from shared.engine.backend import RequestView, StepOutput
+from shared.decode_request import DecodeRequest, RequestTable
+from shared.engine.backend import EngineBackend, RequestView, StepOutput
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine_loop import EngineLoop
 from shared.engine_service import EngineService
 from shared.messages import (
     CancelRequest,
+    FlowOpen,
     InstanceRef,
     KvImportAborted,
     RequestFailed,
@@ -29,28 +31,18 @@ from shared.messages import (
     decoder,
 )
 from shared.metrics import ENGINE_STEP_SECONDS, KV_BLOCKS_CACHE_FILL, KV_IMPORTS_WAITING
+from shared.recent_outputs import RecentOutputs, live_outputs, logprobs_of
 from shared.tls import server_context
 
 _resend_decoder = decoder(ResendTokens)
-RECENT_OUTPUTS = 512
-"""Finished requests whose output a producer keeps for resends."""
-
-
-class KnownOutputs(NamedTuple):
-    """A request's output as this instance knows it, for a resend."""
-
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[TokenLogprobs | None] | None
-
-
-def _logprobs_of(view: RequestView) -> list[TokenLogprobs | None] | None:
-    """The request's per-token log-probabilities, or None when it did not ask for them."""
-    return list(view.output_logprobs) if view.output_logprobs is not None else None
 
 
 class DecodeService(EngineService):
-    """Relay decode and main decode share this; subclasses add the handoff."""
+    """Relay decode and main decode share this; subclasses add the handoff.
+
+    Attributes:
+        requests: The requests held here, one ``DecodeRequest`` (or specialisation) each.
+    """
 
     producer = "MD"
     bulk_path = "wan"
@@ -62,23 +54,16 @@ class DecodeService(EngineService):
         self.receiver: BulkReceiver | None = None
         self.loop: EngineLoop | None = None
         self.bulk_endpoint = ""
-        self.spans: dict[str, trace.Span] = {}
-        self._finished_outputs: OrderedDict[str, KnownOutputs] = OrderedDict()
+        self.requests: RequestTable = RequestTable()
+        self.recent_outputs = RecentOutputs()
 
     def load_report(self):
         report = super().load_report()
-        KV_BLOCKS_CACHE_FILL.labels(self.service_name, self.instance_id).set(self._cache_fill_blocks())
+        fill_blocks = _cache_fill_blocks(self.importer, self.engine) if self.importer is not None else 0
+        KV_BLOCKS_CACHE_FILL.labels(self.service_name, self.instance_id).set(fill_blocks)
         if self.importer is not None:
             KV_IMPORTS_WAITING.labels(self.service_name, self.instance_id).set(len(self.importer.waiting))
         return report
-
-    def _cache_fill_blocks(self) -> int:
-        """Blocks only imports kept for the cache hold (their requests ended elsewhere)."""
-        if self.importer is None:
-            return 0
-        filling = self.importer.kept_for_cache()
-        # Read without the worker: a snapshot is enough for a gauge.
-        return self.engine.blocks_held_only_by(filling) if filling else 0
 
     async def on_start(self):
         self.importer = KvImporter(
@@ -88,7 +73,9 @@ class DecodeService(EngineService):
             in_flight_wait_s=self.config.kv_timeout_s,
             on_abort=self._on_import_aborted,
             max_sequences=self.config.max_sequences,
+            on_refused=self._on_import_refused,
         )
+        self.requests.attach(self.worker, self.importer)
         config = self.config
         encrypted = config.tls_cert_file and (self.bulk_path == "wan" or config.bulk_tls_local)
         self.receiver = BulkReceiver(
@@ -127,6 +114,7 @@ class DecodeService(EngineService):
                 break
             await asyncio.sleep(0.1)
         await self.loop.stop()
+        await self.requests.close_all("service stopping")
 
     async def held_request_ids(self) -> list[str]:
         held = set(await super().held_request_ids()) | self.importer.request_ids
@@ -144,27 +132,35 @@ class DecodeService(EngineService):
         )
 
     async def on_cancel(self, cancel: CancelRequest):
-        finished_elsewhere = cancel.kind == "finished"
-        if self.importer.holds(cancel.request_id):
+        """A cancel, or an expired lease: free the request's import or sequence, then close it.
+
+        ``finished`` (the request ended elsewhere) lets an import go on for the cache and a
+        handoff in flight hear its answer; ``stop`` and ``kill`` drop everything now.
+        """
+        rid, finished_elsewhere = cancel.request_id, cancel.kind == "finished"
+        if self.importer.holds(rid):
             # Its flow owns the sequence, even while the engine thread is still making it:
             # freeing it here would leave the flow's frames no import to land in.
-            state = await self.importer.cancel(cancel.request_id, finished_elsewhere)
+            state = await self.importer.cancel(rid, finished_elsewhere)
             if state is not None and not finished_elsewhere:
                 await self.publish(
-                    subjects.request_events(cancel.request_id, self.instance_id),
+                    subjects.request_events(rid, self.instance_id),
                     KvImportAborted(
-                        request_id=cancel.request_id,
+                        request_id=rid,
                         instance_id=self.instance_id,
                         wan_kv_bytes=state.stats.bytes_received,
                         reason=cancel.reason,
                     ),
                 )
-            return
-        if await self.worker.call(self.engine.abort, cancel.request_id):
-            self.log.info("request_dropped", request_id=cancel.request_id, kind=cancel.kind)
-            self.end_span(cancel.request_id)
+        elif await self.worker.call(self.engine.abort, rid):
+            self.log.info("request_dropped", request_id=rid, kind=cancel.kind)
         else:  # its flow may not be here yet
-            await self.importer.cancel(cancel.request_id, finished_elsewhere)
+            await self.importer.cancel(rid, finished_elsewhere)
+        await self.requests.close(rid, f"cancelled ({cancel.kind})", cancel_tasks=not finished_elsewhere)
+
+    async def _on_import_refused(self, request_id: str, reason: str):
+        """A flow heard of was refused before its import began (the sender is told)."""
+        await self.requests.close(request_id, f"import refused: {reason}")
 
     async def _on_import_aborted(self, request_id: str, reason: str):
         """A flow broke before its KV was complete: tell the router, which may resume elsewhere."""
@@ -178,15 +174,18 @@ class DecodeService(EngineService):
                 retryable=True,
             ),
         )
+        await self.requests.close(request_id, f"import aborted: {reason}")
 
     # --- hooks for subclasses ------------------------------------------------------------
 
-    async def _on_import_open(self, flow_open):
-        """Called when a flow arrives, before it waits for earlier blocks or is accepted.
+    async def _on_import_open(self, flow_open: FlowOpen):
+        """Called when a flow arrives, before it waits for earlier blocks or is accepted: the
+        request's object starts here (subclasses make their specialisation).
 
         Early on purpose: the relay must know the request before main decode's KvReady
         can arrive, even when its own import queues behind another.
         """
+        self.requests.add(DecodeRequest(flow_open, self.requests))
 
     async def _on_import_complete(self, state: ImportState, seq: RequestView, stats: FlowStats):
         """Called when a flow's KV is all in; the base emits already-known output tokens."""
@@ -196,10 +195,11 @@ class DecodeService(EngineService):
                 0,
                 list(seq.output_token_ids),
                 seq.finish_reason if seq.finished else None,
-                _logprobs_of(seq),
+                logprobs_of(seq),
             )
             if seq.finished:
-                self._remember_finished(await self.worker.call(self.engine.free, seq.request_id))
+                self.recent_outputs.remember(await self.worker.call(self.engine.free, seq.request_id))
+                await self.requests.close(seq.request_id, "finished")
                 return
         self.loop.wake()
 
@@ -207,7 +207,7 @@ class DecodeService(EngineService):
 
     async def _on_resend(self, resend: ResendTokens, msg):
         rid = resend.request_id
-        known = self._finished_outputs.get(rid) or await self.worker.call(self._live_outputs, rid)
+        known = self.recent_outputs.get(rid) or await self.worker.call(live_outputs, self.engine, rid)
         if known is None or resend.from_index >= len(known.token_ids):
             return
         tokens, start = known.token_ids, resend.from_index
@@ -221,20 +221,6 @@ class DecodeService(EngineService):
         self.log.info(
             "tokens_resent", request_id=rid, from_index=resend.from_index, tokens=len(tokens) - resend.from_index
         )
-
-    def _live_outputs(self, request_id: str) -> KnownOutputs | None:
-        seq = self.engine.request(request_id)
-        if seq is None:
-            return None
-        return KnownOutputs(list(seq.output_token_ids), None, _logprobs_of(seq))
-
-    def _remember_finished(self, seq: RequestView):
-        if seq.finish_reason in ("stop", "length"):
-            self._finished_outputs[seq.request_id] = KnownOutputs(
-                list(seq.output_token_ids), seq.finish_reason, _logprobs_of(seq)
-            )
-            while len(self._finished_outputs) > RECENT_OUTPUTS:
-                self._finished_outputs.popitem(last=False)
 
     async def emit(
         self,
@@ -279,28 +265,19 @@ class DecodeService(EngineService):
                     [out.logprobs] if out.logprobs is not None else None,
                 )
             if out.finished:
-                self._remember_finished(await self.worker.call(self.engine.free, out.request_id))
-                self.end_span(out.request_id)
+                self.recent_outputs.remember(await self.worker.call(self.engine.free, out.request_id))
                 await self.on_finished(out)
 
     async def on_finished(self, out: StepOutput):
-        """A sequence ended here."""
+        """A sequence ended here (its output, or an error for it alone): close its request."""
+        await self.requests.close(out.request_id, "failed" if out.error else "finished")
 
-    def start_span(self, request_id: str, name: str, traceparent: str | None, **attributes):
-        """Open this request's long-lived span (relay.decode / main.decode)."""
-        from shared.tracing import context_from, tracer
 
-        self.end_span(request_id)
-        self.spans[request_id] = tracer(f"pdd.{self.service_name}").start_span(
-            name, context=context_from(traceparent), attributes={"request_id": request_id, **attributes}
-        )
-
-    def end_span(self, request_id: str, **attributes):
-        """Close this request's long-lived span, if open."""
-        span = self.spans.pop(request_id, None)
-        if span is not None:
-            span.set_attributes(attributes)
-            span.end()
+def _cache_fill_blocks(importer: KvImporter, engine: EngineBackend) -> int:
+    """Blocks only imports kept for the cache hold (their requests ended elsewhere)."""
+    filling = importer.kept_for_cache()
+    # Read without the worker: a snapshot is enough for a gauge.
+    return engine.blocks_held_only_by(filling) if filling else 0
 
 
 def _reachable(host: str) -> str:

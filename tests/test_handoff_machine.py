@@ -1,13 +1,16 @@
 """The relay's handoff state machine, event by event."""
 
 import pytest
+from structlog.testing import capture_logs
 
 from services.relay_decode.handoff import (
+    ChunkPlanned,
     HandoffChunk,
     HandoffMachine,
     HandoffPolicy,
     HandoffState,
     IllegalTransition,
+    StateChanged,
 )
 
 POLICY = HandoffPolicy(
@@ -98,3 +101,24 @@ def test_catch_up_chunks_are_bounded_so_each_stall_is_small():
     assert m.accepted(64, emitted=104, load=0.1) == HandoffChunk(64, 96, False, "catch-up", 3)
     final = m.accepted(96, emitted=104, load=0.1)
     assert final == HandoffChunk(96, 104, True, "catch-up", 4)
+
+
+def test_the_machine_returns_what_it_did_as_events_and_logs_nothing():
+    m = machine()
+    with capture_logs() as logs:
+        first = m.kv_ready(emitted=100, load=0.2)
+        final = m.accepted(next_index=100, emitted=104, load=0.2)
+        m.accepted(next_index=104, emitted=104, load=0.2)
+    assert logs == []  # its owner logs them (the relay service), or not (the simulator)
+    assert m.take_events() == [
+        StateChanged("r", HandoffState.DECODING, HandoffState.CATCH_UP, {"backlog": 100, "load": 0.2}),
+        ChunkPlanned("r", first),
+        ChunkPlanned("r", final),
+        StateChanged("r", HandoffState.CATCH_UP, HandoffState.RELEASED, {"chunks": 2}),
+    ]
+    assert m.take_events() == []  # taken once
+    m2 = machine()
+    m2.finished_locally()
+    assert m2.take_events() == [
+        StateChanged("r", HandoffState.DECODING, HandoffState.FINISHED_LOCALLY, {"reason": "relay finished first"})
+    ]

@@ -13,15 +13,14 @@ emitted that main decode must absorb) and its own load:
   meanwhile; once the gap is small (or the relay gets busy), pause and hand over the rest
   for good. Many small absorptions instead of one big stall of main decode's other streams.
 
-The machine only decides; the relay service executes its ``HandoffChunk`` actions.
+The machine only decides: it returns the ``HandoffChunk`` to send and keeps what it did as
+events (``StateChanged``, ``ChunkPlanned``) for its owner to take. It touches nothing global:
+the relay service executes the chunks and turns the events into logs and span events; the
+simulator runs the same machine and ignores them.
 """
 
 import enum
 from dataclasses import dataclass, field
-
-import structlog
-
-log = structlog.get_logger(__name__)
 
 
 class HandoffState(enum.Enum):
@@ -74,6 +73,34 @@ class HandoffChunk:
     chunk: int
 
 
+@dataclass(frozen=True)
+class StateChanged:
+    """The machine moved from ``previous`` to ``state``.
+
+    Attributes:
+        request_id: The relayed request.
+        previous: The state it left.
+        state: The state it entered.
+        why: What decided it (``backlog`` and ``load``, ``chunks``, or ``reason``).
+    """
+
+    request_id: str
+    previous: HandoffState
+    state: HandoffState
+    why: dict[str, str | int | float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ChunkPlanned:
+    """The machine decided to hand ``chunk`` to main decode."""
+
+    request_id: str
+    chunk: HandoffChunk
+
+
+HandoffEvent = StateChanged | ChunkPlanned
+
+
 class IllegalTransition(Exception):
     """An event arrived that the current state does not allow."""
 
@@ -90,6 +117,8 @@ class HandoffMachine:
     mode: str | None = None
     in_flight: HandoffChunk | None = None
     history: list[str] = field(default_factory=lambda: [HandoffState.DECODING.value])
+    events: list[HandoffEvent] = field(default_factory=list)
+    """What the machine did since its owner last took the events, oldest first."""
 
     def kv_ready(self, emitted: int, load: float) -> HandoffChunk | None:
         """Main decode holds the prompt KV; ``emitted`` tokens are out, relay load is ``load``."""
@@ -145,18 +174,15 @@ class HandoffMachine:
         """No more handoff work for this request."""
         return self.state in (HandoffState.RELEASED, HandoffState.FINISHED_LOCALLY)
 
+    def take_events(self) -> list[HandoffEvent]:
+        """The events since the last call, oldest first (the machine forgets them)."""
+        taken, self.events = self.events, []
+        return taken
+
     def _chunk(self, emitted: int, final: bool) -> HandoffChunk:
         self.chunks += 1
         self.in_flight = HandoffChunk(self.handed_index, emitted, final, self.mode, self.chunks)
-        log.info(
-            "handoff_chunk",
-            request_id=self.request_id,
-            mode=self.mode,
-            chunk=self.chunks,
-            start=self.handed_index,
-            end=emitted,
-            final=final,
-        )
+        self.events.append(ChunkPlanned(self.request_id, self.in_flight))
         return self.in_flight
 
     def _expect(self, state: HandoffState):
@@ -164,6 +190,6 @@ class HandoffMachine:
             raise IllegalTransition(f"{self.request_id}: {self.state.value}, expected {state.value}")
 
     def _move(self, state: HandoffState, **why):
-        log.info("handoff_state", request_id=self.request_id, previous=self.state.value, state=state.value, **why)
+        self.events.append(StateChanged(self.request_id, self.state, state, why))
         self.state = state
         self.history.append(state.value)

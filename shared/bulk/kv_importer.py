@@ -57,6 +57,7 @@ class ImportState:
 ImportCompleted = Callable[[ImportState, RequestView, FlowStats], Awaitable[None]]
 ImportOpened = Callable[[FlowOpen], Awaitable[None]]
 ImportAborted = Callable[[str, str], Awaitable[None]]
+ImportRefused = Callable[[str, str], Awaitable[None]]
 
 
 class KvImporter:
@@ -70,7 +71,11 @@ class KvImporter:
         in_flight_wait_s: float = 120.0,
         on_abort: ImportAborted | None = None,
         max_sequences: int = 0,
+        on_refused: ImportRefused | None = None,
     ):
+        """``on_open`` hears of each flow as it arrives; when one it heard of is then refused
+        (no room, a bad prompt, cancelled meanwhile) ``on_refused(request_id, reason)`` follows;
+        when one breaks after its import began, ``on_abort(request_id, reason)``."""
         self._worker = worker
         self._max_sequences = max_sequences
         self.num_waits_for_room = 0
@@ -78,6 +83,7 @@ class KvImporter:
         self._on_complete = on_complete
         self._on_open = on_open
         self._on_abort = on_abort
+        self._on_refused = on_refused
         self.imports: dict[str, ImportState] = {}
         self._in_flight = InFlightBlocks()
         self._cancelled_before_flow: OrderedDict[str, tuple[bool, float]] = OrderedDict()
@@ -89,6 +95,7 @@ class KvImporter:
         engine = self._worker.engine
         claim = self._in_flight.claim(rid, hash_blocks(flow_open.token_ids, engine.block_size))
         early = self._cancelled_before_flow.pop(rid, None)
+        heard = False
         try:
             if early is not None:  # the request ended before its flow got here
                 self._in_flight.cancel_waiting(rid, finished_elsewhere=early[0])
@@ -96,6 +103,7 @@ class KvImporter:
                     raise RequestCancelled(f"request {rid!r} was cancelled before its flow arrived")
             elif self._on_open:
                 await self._on_open(flow_open)
+                heard = True
             await self._wait_for_blocks_in_flight(rid, claim)
             if claim.dropped:
                 raise RequestCancelled(f"request {rid!r} was cancelled while its flow waited")
@@ -103,6 +111,11 @@ class KvImporter:
             if claim.dropped:  # while the sequence was made
                 await self._worker.call(engine.abort, rid)
                 raise RequestCancelled(f"request {rid!r} was cancelled while its import began")
+        except Exception as exc:
+            self._release(rid)
+            if heard and self._on_refused:
+                await self._on_refused(rid, str(exc) or type(exc).__name__)
+            raise
         except BaseException:
             self._release(rid)
             raise
