@@ -12,8 +12,6 @@ import math
 import random
 from collections import defaultdict
 
-import structlog
-
 from loadtest.sim.deployment import Deployment, handoff_policy, router_policy
 from loadtest.sim.events import EventQueue
 from loadtest.sim.flight import Flight
@@ -90,13 +88,7 @@ class Simulator:
 
     def run(self, workload: Workload, until_s: float = float("inf")) -> SimResult:
         """Replay ``workload``; the result covers every request that finished."""
-        previous = structlog.get_config()
-        # the policies log every decision (thousands a run): only their errors here
-        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
-        try:
-            return self._run(workload, until_s)
-        finally:
-            structlog.configure(**previous)
+        return self._run(workload, until_s)
 
     def _run(self, workload: Workload, until_s: float) -> SimResult:
         for request in workload.requests:
