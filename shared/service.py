@@ -30,6 +30,8 @@ from shared.tracing import configure_tracing
 log = structlog.get_logger(__name__)
 _cancel_decoder = decoder(CancelRequest)
 _load_decoder = decoder(LoadReported)
+STOP_TASKS_S = 5.0
+"""How long ``stop`` waits for the service's own tasks to end once cancelled."""
 
 
 class Service:
@@ -163,9 +165,9 @@ class Service:
     async def stop(self):
         """Graceful stop: stop taking work, finish in-flight work, drain NATS."""
         self.log.info("service_stopping")
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        left = await cancel_and_wait(self._tasks, STOP_TASKS_S)
+        if left:
+            self.log.warning("tasks_left_running", tasks=left)
         await self.on_stop()
         if self.nc and not self.nc.is_closed:
             try:
@@ -193,6 +195,19 @@ class Service:
         while True:
             await self.publish(subject, self.load_report())
             await asyncio.sleep(self.config.heartbeat_s)
+
+
+async def cancel_and_wait(tasks: list[asyncio.Task], timeout_s: float) -> list[str]:
+    """Cancel ``tasks`` and wait for them to end, cancelling again while any runs on (a cancel
+    can be lost in a ``wait_for`` race on Python 3.11); return the names of those still
+    running after ``timeout_s``."""
+    pending = {task for task in tasks if not task.done()}
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+    return sorted(task.get_name() for task in pending)
 
 
 async def wait_for_termination(failed: asyncio.Event | None = None):

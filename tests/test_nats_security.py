@@ -58,8 +58,13 @@ async def start_victim(stack, content: str) -> tuple[asyncio.Task, str, str]:
     request = asyncio.create_task(post(stack, body))
     await until(lambda: stack.router.mailbox.open_request_ids, 15, "the request to be dispatched")
     rid = next(iter(stack.router.mailbox.open_request_ids))
-    await until(lambda: any(rid in m._relays for m in stack.mains), 15, "a main decoder to hold the request")
-    return request, rid, next(m.instance_id for m in stack.mains if rid in m._relays)
+
+    def holds_relayed(main) -> bool:
+        held = main.requests.get(rid)
+        return held is not None and bool(held.relay_id)
+
+    await until(lambda: any(holds_relayed(m) for m in stack.mains), 15, "a main decoder to hold the request")
+    return request, rid, next(m.instance_id for m in stack.mains if holds_relayed(m))
 
 
 async def post(stack, body: dict):

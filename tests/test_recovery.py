@@ -73,7 +73,9 @@ async def test_a_relay_dying_mid_catch_up_hands_the_stream_to_main_decode(make_s
 
     async def kill_the_relay_in_catch_up():
         await until(
-            lambda: any(m.state is HandoffState.CATCH_UP and m.chunks >= 2 for m in relay.machines.values()),
+            lambda: any(
+                m.state is HandoffState.CATCH_UP and m.chunks >= 2 for m in (r.machine for r in relay.requests.values())
+            ),
             30,
             "catch-up to be under way",
         )

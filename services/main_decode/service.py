@@ -36,11 +36,6 @@ class MainDecodeService(DecodeService):
         self.requests: RequestTable[MainRequest] = RequestTable()
         self.handoffs = HandoffIntake(self)
 
-    @property
-    def _relays(self) -> dict[str, str]:
-        """Each relayed request's relay, once its prompt's KV is in (a read-only view of ``requests``)."""
-        return {request.request_id: request.relay_id for request in self.requests.values() if request.relay_id}
-
     async def on_start(self):
         await super().on_start()
         await self.subscribe(

@@ -10,7 +10,7 @@ Each request is one ``RelayedRequest`` in ``self.requests``; ``HandoffRunner`` c
 its handoff.
 """
 
-from services.relay_decode.handoff import HandoffMachine, HandoffPolicy, HandoffState
+from services.relay_decode.handoff import HandoffPolicy, HandoffState
 from services.relay_decode.handoff_runner import HandoffRunner, emitted_tokens
 from services.relay_decode.relayed_request import RelayedRequest
 from shared import subjects
@@ -46,11 +46,6 @@ class RelayDecodeService(DecodeService):
         )
         self.requests: RequestTable[RelayedRequest] = RequestTable()
         self.handoffs = HandoffRunner(self)
-
-    @property
-    def machines(self) -> dict[str, HandoffMachine]:
-        """Each held request's handoff machine (a read-only view of ``requests``)."""
-        return {request.request_id: request.machine for request in self.requests.values()}
 
     async def on_start(self):
         await super().on_start()
