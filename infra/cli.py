@@ -10,9 +10,11 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from loadtest.commands import RUN_DIR_HELP, add_model_args
+from infra.cli_args import RUN_DIR_HELP, add_model_args
+from infra.deployment_spec import DeploymentSpec, add_up_arguments
 from shared.errors import PddError
 from shared.logging import configure_logging
 from shared.version import pdd_version
@@ -75,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_compose_demo_parser(commands)
     commands.choices["compose-demo"].set_defaults(handler=run_compose_demo)
     for name, helptext in (("up", "start the two-site deployment"), ("demo", "up, agent conversation, down")):
-        _add_up_args(commands.add_parser(name, help=helptext))
+        add_up_arguments(commands.add_parser(name, help=helptext))
     commands.add_parser("down", help="stop the deployment").add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
     status = commands.add_parser("status", help="show the deployment")
     status.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
@@ -126,72 +128,6 @@ def build_parser() -> argparse.ArgumentParser:
     restart.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
     _use_defaults_formatter(parser)
     return parser
-
-
-def _add_up_args(parser: argparse.ArgumentParser):
-    parser.add_argument("--detach", action="store_true", help="return once healthy (up)")
-    parser.add_argument("--prefill", type=int, default=1, help="prefill instances")
-    parser.add_argument("--rld", type=int, default=1, help="relay decode instances")
-    parser.add_argument("--md", type=int, default=1, help="main decode instances")
-    parser.add_argument("--model", default="smollm2", help="smollm2, tiny (random test model) or an HF model folder")
-    parser.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool per engine instance")
-    parser.add_argument("--engine", default="hf", help="engine backend of every engine service (hf, vllm)")
-    for role in ("prefill", "relay", "main"):
-        parser.add_argument(
-            f"--{role}-engine", default=None, help=f"engine backend of the {role} services only (default: --engine)"
-        )
-    parser.add_argument(
-        "--block-size",
-        type=int,
-        default=None,
-        help="tokens per KV block, on every instance (default 16; 32 when a vLLM engine runs: "
-        "its CPU attention takes multiples of 32)",
-    )
-    parser.add_argument("--http-port", type=int, default=8000, help="the router's API port")
-    parser.add_argument("--nats-a-port", type=int, default=4222, help="site A's NATS client port")
-    parser.add_argument("--nats-b-port", type=int, default=4223, help="site B's NATS client port")
-    parser.add_argument(
-        "--wan-control-port", type=int, default=8100, help="the WAN link's control API (and /metrics) port"
-    )
-    parser.add_argument("--bandwidth", default="100mbit", help="WAN bandwidth (default 100mbit)")
-    parser.add_argument("--rtt", default="40ms", help="WAN round trip (default 40ms)")
-    parser.add_argument("--jitter", default="5ms", help="WAN jitter (default 5ms)")
-    parser.add_argument("--seed", type=int, default=0, help="jitter seed")
-    parser.add_argument("--service-log-level", dest="log_level", default="info", help="the services' log level")
-    parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for health")
-    parser.add_argument(
-        "--md-site",
-        default="site-b",
-        choices=["site-a", "site-b"],
-        help="where main decode runs (site-a: the same-site baseline, no WAN)",
-    )
-    parser.add_argument(
-        "--pipeline-policy",
-        default="auto",
-        choices=["auto", "P-MD", "P-RLD-MD"],
-        help="auto: the router chooses per request; or force one pipeline",
-    )
-    parser.add_argument(
-        "--no-md-prefix-cache",
-        dest="md_prefix_cache",
-        action="store_false",
-        help="main decode without its decode-side cache (baseline)",
-    )
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        help="no NATS identities and no TLS (only to measure what encryption costs; "
-        "never across networks you do not own)",
-    )
-    parser.add_argument(
-        "--served-model-name",
-        default=None,
-        help="model id the API serves (default: HuggingFaceTB/SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument(
-        "--api-key", default=None, help="API key(s), comma-separated, clients must send (default: $PDD_API_KEYS; none)"
-    )
-    parser.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
 
 
 def cmd_generate(args) -> int:
@@ -262,16 +198,17 @@ def cmd_up(args) -> int:
     """Start the deployment; with --detach return once healthy, else run until Ctrl-C."""
     from infra import launcher
 
-    run_dir = _run_dir(args)
-    args.run_dir = str(run_dir)
-    deployment = launcher.up(args)
-    print(f"PDD is up: {deployment.router_url}  (WAN link control: {deployment.wan_control_url}; logs: {run_dir}/logs)")
+    deployment = launcher.up(DeploymentSpec.from_args(args))
+    print(
+        f"PDD is up: {deployment.router_url}  (WAN link control: {deployment.wan_control_url}; "
+        f"logs: {deployment.run_dir}/logs)"
+    )
     if args.detach:
         return 0
     try:
         signal_wait()
     finally:
-        launcher.down(run_dir, quiet=True)
+        launcher.down(Path(deployment.run_dir), quiet=True)
     return 0
 
 
@@ -392,13 +329,13 @@ def cmd_demo(args) -> int:
     from infra import launcher
     from loadtest.demo_conversation import run_demo
 
-    run_dir = _run_dir(args)
-    args.run_dir = str(run_dir)
+    spec = DeploymentSpec.from_args(args)
+    run_dir = launcher.run_dir_of(spec.run_dir)
     print("starting the two-site deployment (first run converts SmolLM2 once) ...", flush=True)
     try:
-        deployment = launcher.up(args)
+        deployment = launcher.up(replace(spec, run_dir=str(run_dir)))
         print(f"PDD is up: {deployment.router_url}", flush=True)
-        return run_demo(deployment.router_url, args.model)
+        return run_demo(deployment.router_url, spec.model)
     finally:
         launcher.down(run_dir, quiet=True)
         print("deployment stopped")

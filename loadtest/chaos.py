@@ -10,7 +10,6 @@ processes are brought back by ``pdd up``'s supervisor; each scenario starts once
 sees every instance again.
 """
 
-import argparse
 import asyncio
 import json
 import os
@@ -386,11 +385,11 @@ async def _partition_off(ctx):
 
 async def _redeploy(ctx):
     """``pdd down``, then ``pdd up`` on the same run folder (its JetStream store kept)."""
-    up_args = ctx.deployment.up_args
-    if not up_args:
-        raise launcher.LauncherError("the deployment does not record its pdd up options")
+    spec = ctx.deployment.spec
+    if spec is None:
+        raise launcher.LauncherError("the deployment does not record what it was started with")
     await asyncio.to_thread(launcher.down, ctx.run_dir)
-    await asyncio.to_thread(launcher.up, argparse.Namespace(**up_args))
+    await asyncio.to_thread(launcher.up, spec)
     await wait_healthy(ctx)
     return "warm prompts sent again after pdd down, pdd up on the same run folder"
 
