@@ -1,16 +1,16 @@
 """The ``pdd`` command line: the program's entry point, above every layer.
 
-``generate`` runs an engine backend in-process; ``bench``, ``chaos`` and ``sim`` come from
-``loadtest``; ``up``/``down``/``status``
-manage a local two-site deployment; ``wan`` adjusts its link; ``serve`` runs one service;
-``demo`` runs a short agent conversation against a fresh deployment.
+``up``/``down``/``status``/``restart`` manage a local two-site deployment, ``wan`` adjusts its
+link, ``serve`` runs one service, ``generate`` runs an engine backend in-process,
+``secrets``/``streams``/``images`` prepare container deployments; ``bench``, ``chaos``,
+``demo``, ``compose-demo``, ``profile``, ``sim`` and ``plan`` come from ``loadtest``. Every
+command names its handler (``set_defaults(handler=...)``); :func:`main` calls it.
 """
 
 import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from infra.cli_args import RUN_DIR_HELP, add_model_args
@@ -44,12 +44,46 @@ def _use_defaults_formatter(parser: argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every ``pdd`` subcommand."""
+    """The argument parser of every ``pdd`` subcommand, each with its ``handler``."""
+    from infra.images import add_images_parser
+    from infra.serve import add_serve_parsers
+    from infra.wan_control import add_wan_parsers
+
     parser = argparse.ArgumentParser(prog="pdd", description=__doc__)
     parser.add_argument("--version", action="version", version=f"pdd {pdd_version()}")
     parser.add_argument("--log-level", default="warning", help="debug, info, warning or error")
+    # A command that sets up logging itself (``serve``: at its service's level) says so.
+    parser.set_defaults(sets_up_logging=False)
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(commands)
+    _add_deployment_parsers(commands)
+    _add_container_parsers(commands)
+    add_serve_parsers(commands)
+    add_wan_parsers(commands, show_handler=cmd_wan_show, set_handler=cmd_wan_set, partition_handler=cmd_wan_partition)
+    add_images_parser(commands)
+    _add_loadtest_commands(commands)
+    _use_defaults_formatter(parser)
+    return parser
 
+
+def _add_loadtest_commands(commands):
+    from loadtest.commands import add_bench_parser, add_chaos_parser, add_demo_parser
+    from loadtest.compose_demo import add_compose_demo_parser
+    from loadtest.sim.commands import add_plan_parser, add_profile_parser, add_sim_parser
+
+    for add in (
+        add_bench_parser,
+        add_chaos_parser,
+        add_compose_demo_parser,
+        add_demo_parser,
+        add_plan_parser,
+        add_profile_parser,
+        add_sim_parser,
+    ):
+        add(commands)
+
+
+def _add_generate_parser(commands):
     generate = commands.add_parser("generate", help="run the engine in-process on one prompt")
     generate.add_argument("prompt", help="the user message (or raw text with --raw)")
     add_model_args(generate)
@@ -60,31 +94,33 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    generate.set_defaults(handler=cmd_generate)
 
-    from infra.images import add_images_parser, cmd_images
-    from infra.serve import add_serve_parsers
-    from infra.wan_control import add_wan_parsers
-    from loadtest.commands import add_loadtest_parsers
-    from loadtest.compose_demo import add_compose_demo_parser, run_compose_demo
-    from loadtest.sim.commands import add_sim_parsers
 
-    add_loadtest_parsers(commands)
-    add_serve_parsers(commands)
-    add_wan_parsers(commands)
-    add_sim_parsers(commands)
-    add_images_parser(commands)
-    commands.choices["images"].set_defaults(handler=cmd_images)
-    add_compose_demo_parser(commands)
-    commands.choices["compose-demo"].set_defaults(handler=run_compose_demo)
-    for name, helptext in (("up", "start the two-site deployment"), ("demo", "up, agent conversation, down")):
-        add_up_arguments(commands.add_parser(name, help=helptext))
-    commands.add_parser("down", help="stop the deployment").add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
+def _add_deployment_parsers(commands):
+    """``up``, ``down``, ``status``, ``supervise`` and ``restart``: the local deployment."""
+    up = commands.add_parser("up", help="start the two-site deployment")
+    add_up_arguments(up)
+    up.set_defaults(handler=cmd_up)
+    down = commands.add_parser("down", help="stop the deployment")
+    down.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
+    down.set_defaults(handler=cmd_down)
     status = commands.add_parser("status", help="show the deployment")
     status.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
     status.add_argument("--json", action="store_true", help="one entry per process: pid, state, metrics URL, restarts")
-    commands.add_parser("supervise", help="restart the deployment's exited processes (run by pdd up)").add_argument(
-        "--run-dir", default=None, help=RUN_DIR_HELP
-    )
+    status.set_defaults(handler=cmd_status)
+    supervise = commands.add_parser("supervise", help="restart the deployment's exited processes (run by pdd up)")
+    supervise.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
+    supervise.set_defaults(handler=cmd_supervise)
+    restart = commands.add_parser("restart", help="restart one process (e.g. cache-index-0, nats-b, wan-link)")
+    restart.add_argument("name", help="process name as pdd status lists it")
+    restart.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
+    restart.set_defaults(handler=cmd_restart)
+
+
+def _add_container_parsers(commands):
+    """``secrets``, ``streams`` and ``install-tokenizer``: what compose and Kubernetes deployments
+    are prepared with."""
     secrets = commands.add_parser(
         "secrets",
         help="write a deployment's CA, certificate, NATS nkeys and bulk "
@@ -104,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="UID[:GID]",
         help="hand the folder to this user (the containers' user, 10001, when compose runs them as it; needs root)",
     )
+    secrets.set_defaults(handler=cmd_secrets)
     streams = commands.add_parser(
         "streams",
         help="create one site's JetStream streams as the admin identity "
@@ -113,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     streams.add_argument("--nats-url", required=True, help="that site's NATS server")
     streams.add_argument("--seed-file", default="", help="admin.nk of the secrets folder (no service holds it)")
     streams.add_argument("--ca-file", default="", help="the deployment's CA certificate")
+    streams.set_defaults(handler=cmd_streams)
     hf = commands.add_parser(
         "install-tokenizer",
         help="put SmolLM2's tokenizer in the Hugging Face cache under "
@@ -123,11 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="hub cache folder (default: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)",
     )
-    restart = commands.add_parser("restart", help="restart one process (e.g. cache-index-0, nats-b, wan-link)")
-    restart.add_argument("name", help="process name as pdd status lists it")
-    restart.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
-    _use_defaults_formatter(parser)
-    return parser
+    hf.set_defaults(handler=cmd_install_tokenizer)
 
 
 def cmd_generate(args) -> int:
@@ -137,15 +171,7 @@ def cmd_generate(args) -> int:
     from shared.model_loader import load_model
 
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    tokenizer = loaded.tokenizer
-    if args.raw:
-        prompt = tokenizer.encode(args.prompt)
-    else:
-        prompt = list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        )
+    prompt = _prompt_ids(loaded.tokenizer, args.prompt, raw=args.raw)
     sampling = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -163,6 +189,32 @@ def cmd_generate(args) -> int:
     )
     start = time.perf_counter()
     engine.add_request("cli", prompt, sampling)
+    first_token_s = _print_stream(engine, loaded.tokenizer, start)
+    seq = engine.free("cli")
+    elapsed = time.perf_counter() - start
+    num_out = len(seq.output_token_ids)
+    stats = {
+        "prompt_tokens": len(prompt),
+        "output_tokens": num_out,
+        "finish_reason": seq.finish_reason,
+        "ttft_s": round(first_token_s, 3),
+        "decode_tok_s": round((num_out - 1) / max(elapsed - first_token_s, 1e-9), 1),
+    }
+    print(json.dumps(stats), file=sys.stderr)
+    return 0
+
+
+def _prompt_ids(tokenizer, text: str, raw: bool) -> list[int]:
+    """``text`` as token ids: as it is (``raw``), else as a user message in the chat template."""
+    if raw:
+        return tokenizer.encode(text)
+    messages = [{"role": "user", "content": text}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def _print_stream(engine, tokenizer, start: float) -> float:
+    """Step ``engine`` until its request ``cli`` is done, printing its text as it grows; return
+    the seconds from ``start`` to the first token."""
     printed, first_token_s = "", None
     while engine.has_work():
         for out in engine.step():
@@ -175,23 +227,8 @@ def cmd_generate(args) -> int:
         sys.stdout.write(stable[len(printed) :])
         sys.stdout.flush()
         printed = stable
-    seq = engine.free("cli")
-    elapsed = time.perf_counter() - start
-    num_out = len(seq.output_token_ids)
     print(file=sys.stdout)
-    print(
-        json.dumps(
-            {
-                "prompt_tokens": len(prompt),
-                "output_tokens": num_out,
-                "finish_reason": seq.finish_reason,
-                "ttft_s": round(first_token_s, 3),
-                "decode_tok_s": round((num_out - 1) / max(elapsed - first_token_s, 1e-9), 1),
-            }
-        ),
-        file=sys.stderr,
-    )
-    return 0
+    return first_token_s
 
 
 def cmd_up(args) -> int:
@@ -227,7 +264,7 @@ def cmd_down(args) -> int:
     """Stop the deployment."""
     from infra import launcher
 
-    stopped = launcher.down(_run_dir(args))
+    stopped = launcher.down(launcher.run_dir_of(args.run_dir))
     print(f"stopped {len(stopped)} processes")
     return 0
 
@@ -236,7 +273,7 @@ def cmd_status(args) -> int:
     """Print the deployment's processes and health."""
     from infra import launcher
 
-    print(json.dumps(launcher.status(_run_dir(args), detailed=args.json), indent=2))
+    print(json.dumps(launcher.status(launcher.run_dir_of(args.run_dir), detailed=args.json), indent=2))
     return 0
 
 
@@ -283,24 +320,41 @@ def cmd_install_tokenizer(args) -> int:
 
 def cmd_supervise(args) -> int:
     """Supervise the deployment (started by pdd up)."""
+    from infra import launcher
     from infra.supervisor import supervise
-    from shared.logging import configure_logging
 
     configure_logging()
-    return supervise(_run_dir(args))
+    return supervise(launcher.run_dir_of(args.run_dir))
 
 
 def cmd_restart(args) -> int:
     """Restart one service process of the running deployment."""
     from infra import launcher
 
-    pid = launcher.restart(_run_dir(args), args.name)
+    pid = launcher.restart(launcher.run_dir_of(args.run_dir), args.name)
     print(f"restarted {args.name} (pid {pid})")
     return 0
 
 
-def cmd_wan(args) -> int:
-    """Show or change the WAN link."""
+def cmd_wan_show(args) -> int:
+    """Print the WAN link's profile and byte counters."""
+    return _wan(args, None)
+
+
+def cmd_wan_set(args) -> int:
+    """Change the WAN link's profile."""
+    from infra.wan_control import profile_changes
+
+    return _wan(args, profile_changes(args))
+
+
+def cmd_wan_partition(args) -> int:
+    """Cut or restore the WAN link."""
+    return _wan(args, {"partitioned": args.state == "on"})
+
+
+def _wan(args, changes: dict | None) -> int:
+    """GET (``changes`` None) or PUT the link profile; print the link's snapshot."""
     from infra import launcher, wan_control
 
     url, key = args.control_url, ""
@@ -312,62 +366,17 @@ def cmd_wan(args) -> int:
             raise wan_control.WanControlError("no running deployment; pass --control-url")
         if deployment is not None:
             url, key = url or deployment.wan_control_url, key or deployment.control_key()
-    changes = None if args.wan_action == "show" else wan_control.profile_changes(args)
     print(json.dumps(wan_control.call(url, changes, key), indent=2))
     return 0
 
 
-def cmd_serve(args) -> int:
-    """Run one service."""
-    from infra.serve import run_serve
-
-    return run_serve(args)
-
-
-def cmd_demo(args) -> int:
-    """Start a deployment, hold an agent conversation with it, stop it."""
-    from infra import launcher
-    from loadtest.demo_conversation import run_demo
-
-    spec = DeploymentSpec.from_args(args)
-    run_dir = launcher.run_dir_of(spec.run_dir)
-    print("starting the two-site deployment (first run converts SmolLM2 once) ...", flush=True)
-    try:
-        deployment = launcher.up(replace(spec, run_dir=str(run_dir)))
-        print(f"PDD is up: {deployment.router_url}", flush=True)
-        return run_demo(deployment.router_url, spec.model)
-    finally:
-        launcher.down(run_dir, quiet=True)
-        print("deployment stopped")
-
-
-def _run_dir(args):
-    from infra.launcher import default_run_dir
-
-    return Path(args.run_dir) if getattr(args, "run_dir", None) else default_run_dir()
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``pdd`` console script."""
+    """Entry point of the ``pdd`` console script: run the command's handler."""
     args = build_parser().parse_args(argv)
-    if args.command != "serve":
-        configure_logging(args.log_level if args.command not in ("up", "demo") else "warning")
-    handlers = {
-        "generate": cmd_generate,
-        "up": cmd_up,
-        "down": cmd_down,
-        "status": cmd_status,
-        "wan": cmd_wan,
-        "serve": cmd_serve,
-        "demo": cmd_demo,
-        "restart": cmd_restart,
-        "secrets": cmd_secrets,
-        "streams": cmd_streams,
-        "install-tokenizer": cmd_install_tokenizer,
-        "supervise": cmd_supervise,
-    }
+    if not args.sets_up_logging:
+        configure_logging(args.log_level)
     try:
-        return (handlers.get(args.command) or args.handler)(args)
+        return args.handler(args)
     except (PddError, ValueError) as exc:
         print(f"pdd: error: {exc}", file=sys.stderr)
         return 2

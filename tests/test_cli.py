@@ -127,6 +127,20 @@ def test_every_flag_of_every_command_has_help_and_states_its_default():
     assert "(default: 8000)" in up_help and "(default: smollm2)" in up_help
 
 
+def test_every_command_names_its_handler():
+    import argparse
+
+    from infra.cli import build_parser
+
+    leaves = [
+        (path, parser)
+        for path, parser in _parsers(build_parser())
+        if not any(isinstance(a, argparse._SubParsersAction) for a in parser._actions)
+    ]
+    assert len(leaves) > 25
+    assert [path for path, parser in leaves if not callable(parser.get_default("handler"))] == []
+
+
 def test_every_flag_of_pdd_up_is_a_field_of_the_spec_with_its_default():
     from dataclasses import fields
 
