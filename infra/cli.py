@@ -1,16 +1,19 @@
-"""The ``pdd`` command line: the program's entry point, above every layer.
+"""The ``pdd`` command line: the program's entry point.
 
-``up``/``down``/``status``/``restart`` manage a local two-site deployment, ``wan`` adjusts its
-link, ``serve`` runs one service, ``generate`` runs an engine backend in-process,
-``secrets``/``streams``/``images`` prepare container deployments; ``bench``, ``chaos``,
-``demo``, ``compose-demo``, ``profile``, ``sim`` and ``plan`` come from ``loadtest``. Every
-command names its handler (``set_defaults(handler=...)``); :func:`main` calls it.
+``infra`` adds its own commands here: ``up``/``down``/``status``/``restart`` manage a local
+two-site deployment, ``wan`` adjusts its link, ``serve`` runs one service, ``generate`` runs an
+engine backend in-process, ``secrets``/``streams``/``images`` prepare container deployments.
+Other packages add theirs through the ``pdd.commands`` entry-point group (pyproject.toml):
+``loadtest`` registers ``bench``, ``chaos``, ``demo``, ``compose-demo``, ``profile``, ``sim`` and
+``plan`` without this module importing it. Every command names its handler
+(``set_defaults(handler=...)``); :func:`main` calls it.
 """
 
 import argparse
 import json
 import sys
 import time
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from infra.cli_args import RUN_DIR_HELP, add_model_args
@@ -18,6 +21,11 @@ from infra.deployment_spec import DeploymentSpec, add_up_arguments
 from shared.errors import PddError
 from shared.logging import configure_logging
 from shared.version import pdd_version
+
+COMMAND_GROUP = "pdd.commands"
+"""The entry-point group of commands other packages add: each entry point, named after the
+command it adds, is a function ``add(commands)`` given the ``pdd`` subcommand parsers; the
+command it adds sets its ``handler``."""
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -61,26 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parsers(commands)
     add_wan_parsers(commands, show_handler=cmd_wan_show, set_handler=cmd_wan_set, partition_handler=cmd_wan_partition)
     add_images_parser(commands)
-    _add_loadtest_commands(commands)
+    _add_registered_commands(commands)
     _use_defaults_formatter(parser)
     return parser
 
 
-def _add_loadtest_commands(commands):
-    from loadtest.commands import add_bench_parser, add_chaos_parser, add_demo_parser
-    from loadtest.compose_demo import add_compose_demo_parser
-    from loadtest.sim.commands import add_plan_parser, add_profile_parser, add_sim_parser
-
-    for add in (
-        add_bench_parser,
-        add_chaos_parser,
-        add_compose_demo_parser,
-        add_demo_parser,
-        add_plan_parser,
-        add_profile_parser,
-        add_sim_parser,
-    ):
-        add(commands)
+def _add_registered_commands(commands):
+    """The commands of :data:`COMMAND_GROUP`'s entry points (in name order)."""
+    registered = sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name)
+    if not registered:  # the installed metadata predates the group
+        print(f"pdd: no {COMMAND_GROUP} entry points installed: run `make setup` (pip install -e .)", file=sys.stderr)
+    for entry in registered:
+        entry.load()(commands)
+        if entry.name not in commands.choices:
+            raise PddError(f"{COMMAND_GROUP} entry point {entry.name} = {entry.value} added no command {entry.name!r}")
 
 
 def _add_generate_parser(commands):

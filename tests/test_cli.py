@@ -127,6 +127,18 @@ def test_every_flag_of_every_command_has_help_and_states_its_default():
     assert "(default: 8000)" in up_help and "(default: smollm2)" in up_help
 
 
+LOADTEST_COMMANDS = {"bench", "chaos", "demo", "compose-demo", "profile", "sim", "plan"}
+"""The commands ``loadtest`` registers under the ``pdd.commands`` entry points (pyproject.toml)."""
+
+
+def test_help_lists_the_commands_loadtest_registers():
+    result = run_pdd("--help")
+    assert result.returncode == 0, result.stderr
+    listed = set(result.stdout.split("{", 1)[1].split("}", 1)[0].split(","))
+    assert LOADTEST_COMMANDS <= listed, sorted(LOADTEST_COMMANDS - listed)
+    assert {"up", "down", "status", "serve", "wan", "generate"} <= listed
+
+
 def test_every_command_names_its_handler():
     import argparse
 
