@@ -1,21 +1,31 @@
-"""The ``pdd`` command line: the program's entry point, above every layer.
+"""The ``pdd`` command line: the program's entry point.
 
-``generate`` runs an engine backend in-process; ``bench``, ``chaos`` and ``sim`` come from
-``loadtest``; ``up``/``down``/``status``
-manage a local two-site deployment; ``wan`` adjusts its link; ``serve`` runs one service;
-``demo`` runs a short agent conversation against a fresh deployment.
+``infra`` adds its own commands here: ``up``/``down``/``status``/``restart`` manage a local
+two-site deployment, ``wan`` adjusts its link, ``serve`` runs one service, ``generate`` runs an
+engine backend in-process, ``secrets``/``streams``/``images`` prepare container deployments.
+Other packages add theirs through the ``pdd.commands`` entry-point group (pyproject.toml):
+``loadtest`` registers ``bench``, ``chaos``, ``demo``, ``compose-demo``, ``profile``, ``sim`` and
+``plan`` without this module importing it. Every command names its handler
+(``set_defaults(handler=...)``); :func:`main` calls it.
 """
 
 import argparse
 import json
 import sys
 import time
+from importlib.metadata import entry_points
 from pathlib import Path
 
-from loadtest.commands import RUN_DIR_HELP, add_model_args
+from infra.cli_args import RUN_DIR_HELP, add_model_args
+from infra.deployment_spec import DeploymentSpec, add_up_arguments
 from shared.errors import PddError
 from shared.logging import configure_logging
 from shared.version import pdd_version
+
+COMMAND_GROUP = "pdd.commands"
+"""The entry-point group of commands other packages add: each entry point, named after the
+command it adds, is a function ``add(commands)`` given the ``pdd`` subcommand parsers; the
+command it adds sets its ``handler``."""
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -42,12 +52,40 @@ def _use_defaults_formatter(parser: argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every ``pdd`` subcommand."""
+    """The argument parser of every ``pdd`` subcommand, each with its ``handler``."""
+    from infra.images import add_images_parser
+    from infra.serve import add_serve_parsers
+    from infra.wan_control import add_wan_parsers
+
     parser = argparse.ArgumentParser(prog="pdd", description=__doc__)
     parser.add_argument("--version", action="version", version=f"pdd {pdd_version()}")
     parser.add_argument("--log-level", default="warning", help="debug, info, warning or error")
+    # A command that sets up logging itself (``serve``: at its service's level) says so.
+    parser.set_defaults(sets_up_logging=False)
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(commands)
+    _add_deployment_parsers(commands)
+    _add_container_parsers(commands)
+    add_serve_parsers(commands)
+    add_wan_parsers(commands, show_handler=cmd_wan_show, set_handler=cmd_wan_set, partition_handler=cmd_wan_partition)
+    add_images_parser(commands)
+    _add_registered_commands(commands)
+    _use_defaults_formatter(parser)
+    return parser
 
+
+def _add_registered_commands(commands):
+    """The commands of :data:`COMMAND_GROUP`'s entry points (in name order)."""
+    registered = sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name)
+    if not registered:  # the installed metadata predates the group
+        print(f"pdd: no {COMMAND_GROUP} entry points installed: run `make setup` (pip install -e .)", file=sys.stderr)
+    for entry in registered:
+        entry.load()(commands)
+        if entry.name not in commands.choices:
+            raise PddError(f"{COMMAND_GROUP} entry point {entry.name} = {entry.value} added no command {entry.name!r}")
+
+
+def _add_generate_parser(commands):
     generate = commands.add_parser("generate", help="run the engine in-process on one prompt")
     generate.add_argument("prompt", help="the user message (or raw text with --raw)")
     add_model_args(generate)
@@ -58,31 +96,33 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    generate.set_defaults(handler=cmd_generate)
 
-    from infra.images import add_images_parser, cmd_images
-    from infra.serve import add_serve_parsers
-    from infra.wan_control import add_wan_parsers
-    from loadtest.commands import add_loadtest_parsers
-    from loadtest.compose_demo import add_compose_demo_parser, run_compose_demo
-    from loadtest.sim.commands import add_sim_parsers
 
-    add_loadtest_parsers(commands)
-    add_serve_parsers(commands)
-    add_wan_parsers(commands)
-    add_sim_parsers(commands)
-    add_images_parser(commands)
-    commands.choices["images"].set_defaults(handler=cmd_images)
-    add_compose_demo_parser(commands)
-    commands.choices["compose-demo"].set_defaults(handler=run_compose_demo)
-    for name, helptext in (("up", "start the two-site deployment"), ("demo", "up, agent conversation, down")):
-        _add_up_args(commands.add_parser(name, help=helptext))
-    commands.add_parser("down", help="stop the deployment").add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
+def _add_deployment_parsers(commands):
+    """``up``, ``down``, ``status``, ``supervise`` and ``restart``: the local deployment."""
+    up = commands.add_parser("up", help="start the two-site deployment")
+    add_up_arguments(up)
+    up.set_defaults(handler=cmd_up)
+    down = commands.add_parser("down", help="stop the deployment")
+    down.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
+    down.set_defaults(handler=cmd_down)
     status = commands.add_parser("status", help="show the deployment")
     status.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
     status.add_argument("--json", action="store_true", help="one entry per process: pid, state, metrics URL, restarts")
-    commands.add_parser("supervise", help="restart the deployment's exited processes (run by pdd up)").add_argument(
-        "--run-dir", default=None, help=RUN_DIR_HELP
-    )
+    status.set_defaults(handler=cmd_status)
+    supervise = commands.add_parser("supervise", help="restart the deployment's exited processes (run by pdd up)")
+    supervise.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
+    supervise.set_defaults(handler=cmd_supervise)
+    restart = commands.add_parser("restart", help="restart one process (e.g. cache-index-0, nats-b, wan-link)")
+    restart.add_argument("name", help="process name as pdd status lists it")
+    restart.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
+    restart.set_defaults(handler=cmd_restart)
+
+
+def _add_container_parsers(commands):
+    """``secrets``, ``streams`` and ``install-tokenizer``: what compose and Kubernetes deployments
+    are prepared with."""
     secrets = commands.add_parser(
         "secrets",
         help="write a deployment's CA, certificate, NATS nkeys and bulk "
@@ -102,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="UID[:GID]",
         help="hand the folder to this user (the containers' user, 10001, when compose runs them as it; needs root)",
     )
+    secrets.set_defaults(handler=cmd_secrets)
     streams = commands.add_parser(
         "streams",
         help="create one site's JetStream streams as the admin identity "
@@ -111,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     streams.add_argument("--nats-url", required=True, help="that site's NATS server")
     streams.add_argument("--seed-file", default="", help="admin.nk of the secrets folder (no service holds it)")
     streams.add_argument("--ca-file", default="", help="the deployment's CA certificate")
+    streams.set_defaults(handler=cmd_streams)
     hf = commands.add_parser(
         "install-tokenizer",
         help="put SmolLM2's tokenizer in the Hugging Face cache under "
@@ -121,77 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="hub cache folder (default: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)",
     )
-    restart = commands.add_parser("restart", help="restart one process (e.g. cache-index-0, nats-b, wan-link)")
-    restart.add_argument("name", help="process name as pdd status lists it")
-    restart.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
-    _use_defaults_formatter(parser)
-    return parser
-
-
-def _add_up_args(parser: argparse.ArgumentParser):
-    parser.add_argument("--detach", action="store_true", help="return once healthy (up)")
-    parser.add_argument("--prefill", type=int, default=1, help="prefill instances")
-    parser.add_argument("--rld", type=int, default=1, help="relay decode instances")
-    parser.add_argument("--md", type=int, default=1, help="main decode instances")
-    parser.add_argument("--model", default="smollm2", help="smollm2, tiny (random test model) or an HF model folder")
-    parser.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool per engine instance")
-    parser.add_argument("--engine", default="hf", help="engine backend of every engine service (hf, vllm)")
-    for role in ("prefill", "relay", "main"):
-        parser.add_argument(
-            f"--{role}-engine", default=None, help=f"engine backend of the {role} services only (default: --engine)"
-        )
-    parser.add_argument(
-        "--block-size",
-        type=int,
-        default=None,
-        help="tokens per KV block, on every instance (default 16; 32 when a vLLM engine runs: "
-        "its CPU attention takes multiples of 32)",
-    )
-    parser.add_argument("--http-port", type=int, default=8000, help="the router's API port")
-    parser.add_argument("--nats-a-port", type=int, default=4222, help="site A's NATS client port")
-    parser.add_argument("--nats-b-port", type=int, default=4223, help="site B's NATS client port")
-    parser.add_argument(
-        "--wan-control-port", type=int, default=8100, help="the WAN link's control API (and /metrics) port"
-    )
-    parser.add_argument("--bandwidth", default="100mbit", help="WAN bandwidth (default 100mbit)")
-    parser.add_argument("--rtt", default="40ms", help="WAN round trip (default 40ms)")
-    parser.add_argument("--jitter", default="5ms", help="WAN jitter (default 5ms)")
-    parser.add_argument("--seed", type=int, default=0, help="jitter seed")
-    parser.add_argument("--service-log-level", dest="log_level", default="info", help="the services' log level")
-    parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for health")
-    parser.add_argument(
-        "--md-site",
-        default="site-b",
-        choices=["site-a", "site-b"],
-        help="where main decode runs (site-a: the same-site baseline, no WAN)",
-    )
-    parser.add_argument(
-        "--pipeline-policy",
-        default="auto",
-        choices=["auto", "P-MD", "P-RLD-MD"],
-        help="auto: the router chooses per request; or force one pipeline",
-    )
-    parser.add_argument(
-        "--no-md-prefix-cache",
-        dest="md_prefix_cache",
-        action="store_false",
-        help="main decode without its decode-side cache (baseline)",
-    )
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        help="no NATS identities and no TLS (only to measure what encryption costs; "
-        "never across networks you do not own)",
-    )
-    parser.add_argument(
-        "--served-model-name",
-        default=None,
-        help="model id the API serves (default: HuggingFaceTB/SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument(
-        "--api-key", default=None, help="API key(s), comma-separated, clients must send (default: $PDD_API_KEYS; none)"
-    )
-    parser.add_argument("--run-dir", default=None, help=RUN_DIR_HELP)
+    hf.set_defaults(handler=cmd_install_tokenizer)
 
 
 def cmd_generate(args) -> int:
@@ -201,15 +173,7 @@ def cmd_generate(args) -> int:
     from shared.model_loader import load_model
 
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    tokenizer = loaded.tokenizer
-    if args.raw:
-        prompt = tokenizer.encode(args.prompt)
-    else:
-        prompt = list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        )
+    prompt = _prompt_ids(loaded.tokenizer, args.prompt, raw=args.raw)
     sampling = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -227,6 +191,32 @@ def cmd_generate(args) -> int:
     )
     start = time.perf_counter()
     engine.add_request("cli", prompt, sampling)
+    first_token_s = _print_stream(engine, loaded.tokenizer, start)
+    seq = engine.free("cli")
+    elapsed = time.perf_counter() - start
+    num_out = len(seq.output_token_ids)
+    stats = {
+        "prompt_tokens": len(prompt),
+        "output_tokens": num_out,
+        "finish_reason": seq.finish_reason,
+        "ttft_s": round(first_token_s, 3),
+        "decode_tok_s": round((num_out - 1) / max(elapsed - first_token_s, 1e-9), 1),
+    }
+    print(json.dumps(stats), file=sys.stderr)
+    return 0
+
+
+def _prompt_ids(tokenizer, text: str, raw: bool) -> list[int]:
+    """``text`` as token ids: as it is (``raw``), else as a user message in the chat template."""
+    if raw:
+        return tokenizer.encode(text)
+    messages = [{"role": "user", "content": text}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def _print_stream(engine, tokenizer, start: float) -> float:
+    """Step ``engine`` until its request ``cli`` is done, printing its text as it grows; return
+    the seconds from ``start`` to the first token."""
     printed, first_token_s = "", None
     while engine.has_work():
         for out in engine.step():
@@ -239,39 +229,25 @@ def cmd_generate(args) -> int:
         sys.stdout.write(stable[len(printed) :])
         sys.stdout.flush()
         printed = stable
-    seq = engine.free("cli")
-    elapsed = time.perf_counter() - start
-    num_out = len(seq.output_token_ids)
     print(file=sys.stdout)
-    print(
-        json.dumps(
-            {
-                "prompt_tokens": len(prompt),
-                "output_tokens": num_out,
-                "finish_reason": seq.finish_reason,
-                "ttft_s": round(first_token_s, 3),
-                "decode_tok_s": round((num_out - 1) / max(elapsed - first_token_s, 1e-9), 1),
-            }
-        ),
-        file=sys.stderr,
-    )
-    return 0
+    return first_token_s
 
 
 def cmd_up(args) -> int:
     """Start the deployment; with --detach return once healthy, else run until Ctrl-C."""
     from infra import launcher
 
-    run_dir = _run_dir(args)
-    args.run_dir = str(run_dir)
-    deployment = launcher.up(args)
-    print(f"PDD is up: {deployment.router_url}  (WAN link control: {deployment.wan_control_url}; logs: {run_dir}/logs)")
+    deployment = launcher.up(DeploymentSpec.from_args(args))
+    print(
+        f"PDD is up: {deployment.router_url}  (WAN link control: {deployment.wan_control_url}; "
+        f"logs: {deployment.run_dir}/logs)"
+    )
     if args.detach:
         return 0
     try:
         signal_wait()
     finally:
-        launcher.down(run_dir, quiet=True)
+        launcher.down(Path(deployment.run_dir), quiet=True)
     return 0
 
 
@@ -290,7 +266,7 @@ def cmd_down(args) -> int:
     """Stop the deployment."""
     from infra import launcher
 
-    stopped = launcher.down(_run_dir(args))
+    stopped = launcher.down(launcher.run_dir_of(args.run_dir))
     print(f"stopped {len(stopped)} processes")
     return 0
 
@@ -299,7 +275,7 @@ def cmd_status(args) -> int:
     """Print the deployment's processes and health."""
     from infra import launcher
 
-    print(json.dumps(launcher.status(_run_dir(args), detailed=args.json), indent=2))
+    print(json.dumps(launcher.status(launcher.run_dir_of(args.run_dir), detailed=args.json), indent=2))
     return 0
 
 
@@ -346,24 +322,41 @@ def cmd_install_tokenizer(args) -> int:
 
 def cmd_supervise(args) -> int:
     """Supervise the deployment (started by pdd up)."""
+    from infra import launcher
     from infra.supervisor import supervise
-    from shared.logging import configure_logging
 
     configure_logging()
-    return supervise(_run_dir(args))
+    return supervise(launcher.run_dir_of(args.run_dir))
 
 
 def cmd_restart(args) -> int:
     """Restart one service process of the running deployment."""
     from infra import launcher
 
-    pid = launcher.restart(_run_dir(args), args.name)
+    pid = launcher.restart(launcher.run_dir_of(args.run_dir), args.name)
     print(f"restarted {args.name} (pid {pid})")
     return 0
 
 
-def cmd_wan(args) -> int:
-    """Show or change the WAN link."""
+def cmd_wan_show(args) -> int:
+    """Print the WAN link's profile and byte counters."""
+    return _wan(args, None)
+
+
+def cmd_wan_set(args) -> int:
+    """Change the WAN link's profile."""
+    from infra.wan_control import profile_changes
+
+    return _wan(args, profile_changes(args))
+
+
+def cmd_wan_partition(args) -> int:
+    """Cut or restore the WAN link."""
+    return _wan(args, {"partitioned": args.state == "on"})
+
+
+def _wan(args, changes: dict | None) -> int:
+    """GET (``changes`` None) or PUT the link profile; print the link's snapshot."""
     from infra import launcher, wan_control
 
     url, key = args.control_url, ""
@@ -375,62 +368,17 @@ def cmd_wan(args) -> int:
             raise wan_control.WanControlError("no running deployment; pass --control-url")
         if deployment is not None:
             url, key = url or deployment.wan_control_url, key or deployment.control_key()
-    changes = None if args.wan_action == "show" else wan_control.profile_changes(args)
     print(json.dumps(wan_control.call(url, changes, key), indent=2))
     return 0
 
 
-def cmd_serve(args) -> int:
-    """Run one service."""
-    from infra.serve import run_serve
-
-    return run_serve(args)
-
-
-def cmd_demo(args) -> int:
-    """Start a deployment, hold an agent conversation with it, stop it."""
-    from infra import launcher
-    from loadtest.demo_conversation import run_demo
-
-    run_dir = _run_dir(args)
-    args.run_dir = str(run_dir)
-    print("starting the two-site deployment (first run converts SmolLM2 once) ...", flush=True)
-    try:
-        deployment = launcher.up(args)
-        print(f"PDD is up: {deployment.router_url}", flush=True)
-        return run_demo(deployment.router_url, args.model)
-    finally:
-        launcher.down(run_dir, quiet=True)
-        print("deployment stopped")
-
-
-def _run_dir(args):
-    from infra.launcher import default_run_dir
-
-    return Path(args.run_dir) if getattr(args, "run_dir", None) else default_run_dir()
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``pdd`` console script."""
+    """Entry point of the ``pdd`` console script: run the command's handler."""
     args = build_parser().parse_args(argv)
-    if args.command != "serve":
-        configure_logging(args.log_level if args.command not in ("up", "demo") else "warning")
-    handlers = {
-        "generate": cmd_generate,
-        "up": cmd_up,
-        "down": cmd_down,
-        "status": cmd_status,
-        "wan": cmd_wan,
-        "serve": cmd_serve,
-        "demo": cmd_demo,
-        "restart": cmd_restart,
-        "secrets": cmd_secrets,
-        "streams": cmd_streams,
-        "install-tokenizer": cmd_install_tokenizer,
-        "supervise": cmd_supervise,
-    }
+    if not args.sets_up_logging:
+        configure_logging(args.log_level)
     try:
-        return (handlers.get(args.command) or args.handler)(args)
+        return args.handler(args)
     except (PddError, ValueError) as exc:
         print(f"pdd: error: {exc}", file=sys.stderr)
         return 2

@@ -179,6 +179,7 @@ def add_images_parser(commands):
     images.add_argument("--wheelhouse", default=str(BUILD / "wheelhouse"), help="where the wheels go")
     images.add_argument("--rebuild-base", action="store_true", help="make the base image again")
     images.add_argument("--skip-wheelhouse", action="store_true", help="use the wheelhouse as it is")
+    images.set_defaults(handler=cmd_images)
 
 
 def cmd_images(args) -> int:

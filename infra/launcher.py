@@ -19,10 +19,11 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from infra.credentials import PEER_OF_ROLE, Credentials, ensure_credentials
+from infra.deployment_spec import DeploymentSpec
 from infra.http_probe import get_json, http_ok
 from infra.nats_server import (
     SITE_A,
@@ -60,6 +61,7 @@ SERVICE_OF = {
     "router": "router",
 }
 """The ``pdd serve`` service each process kind runs."""
+ENGINE_KINDS = ("prefill", "relay-decode", "main-decode")
 
 
 class LauncherError(PddError):
@@ -84,8 +86,8 @@ class Deployment:
         restarts: Process name → times it was started again (supervisor or ``pdd restart``).
         paused: Processes being restarted by hand (the supervisor leaves them alone).
         supervisor_pid: The supervisor process (0: none).
-        up_args: The ``pdd up`` options it was started with (``pdd chaos --scenario redeploy``
-            starts it again with them).
+        spec: What it was started with, its run folder filled in (``pdd chaos --scenario
+            redeploy`` starts it again from it; None: a state file that does not record it).
     """
 
     run_dir: str
@@ -98,7 +100,7 @@ class Deployment:
     restarts: dict[str, int] = field(default_factory=dict)
     paused: list[str] = field(default_factory=list)
     supervisor_pid: int = 0
-    up_args: dict = field(default_factory=dict)
+    spec: DeploymentSpec | None = None
 
     def control_key(self) -> str:
         """The WAN link control API's key ("" for a deployment without one)."""
@@ -113,28 +115,42 @@ def default_run_dir() -> Path:
 
 
 def load_state(run_dir: Path) -> Deployment | None:
-    """The recorded deployment, if any."""
+    """The recorded deployment, if any.
+
+    The spec is recorded as a dict; a ``state.json`` written before there was one records the
+    ``pdd up`` options instead (``up_args``), read as the spec they describe."""
     path = run_dir / "state.json"
-    return Deployment(**json.loads(path.read_text())) if path.is_file() else None
+    if not path.is_file():
+        return None
+    recorded = json.loads(path.read_text())
+    spec, legacy = recorded.pop("spec", None), recorded.pop("up_args", None)
+    spec = spec or legacy
+    return Deployment(**recorded, spec=DeploymentSpec.from_dict(spec) if spec else None)
 
 
-def up(args) -> Deployment:
-    """Start everything; return once the router reports every instance healthy."""
-    run_dir = Path(args.run_dir)
+def run_dir_of(given: str | None) -> Path:
+    """The run folder a command was given (``--run-dir``), else :func:`default_run_dir`."""
+    return Path(given) if given else default_run_dir()
+
+
+def up(spec: DeploymentSpec) -> Deployment:
+    """Start everything; return once the router reports every instance healthy.
+
+    The deployment records ``spec`` with its run folder filled in (``pdd chaos --scenario
+    redeploy`` starts it again from there)."""
+    run_dir = run_dir_of(spec.run_dir)
+    spec = replace(spec, run_dir=str(run_dir))
     existing = load_state(run_dir)
     if existing and any(process_alive(pid) for pid in existing.processes.values()):
         raise LauncherError(f"a deployment is already running from {run_dir} (pdd down first)")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     deployment = Deployment(
-        str(run_dir),
-        f"http://127.0.0.1:{args.http_port}/v1",
-        f"http://127.0.0.1:{args.wan_control_port}",
-        up_args={k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
+        str(run_dir), f"http://127.0.0.1:{spec.http_port}/v1", f"http://127.0.0.1:{spec.wan_control_port}", spec=spec
     )
     try:
-        _start_all(args, run_dir, deployment)
+        _start_all(spec, run_dir, deployment)
         _save(run_dir, deployment)
-        _wait_healthy(deployment, args)
+        _wait_healthy(deployment, spec)
         with locked_state(run_dir) as saved:
             saved.supervisor_pid = deployment.supervisor_pid = _spawn(
                 run_dir, "supervisor", {"argv": ["supervise", "--run-dir", str(run_dir)], "env": {}}
@@ -153,49 +169,71 @@ def _admin_login(creds: Credentials | None) -> dict:
     return {"seed_file": str(creds.seed_file(ADMIN)), "ca_file": str(creds.ca_file)}
 
 
-def identities(args) -> tuple[tuple[str, str], ...]:
-    """``(role, instance_id)`` of every service process ``pdd up`` starts with ``args``."""
-    counts = {"cache-index": 1, "prefill": args.prefill, "relay-decode": args.rld, "main-decode": args.md, "router": 1}
+def identities(spec: DeploymentSpec) -> tuple[tuple[str, str], ...]:
+    """``(role, instance_id)`` of every service process ``pdd up`` starts for ``spec``."""
+    counts = {"cache-index": 1, "prefill": spec.prefill, "relay-decode": spec.rld, "main-decode": spec.md, "router": 1}
     return tuple((SERVICE_OF[kind], f"{kind}-{i}") for kind, count in counts.items() for i in range(count))
 
 
-def _start_all(args, run_dir: Path, deployment: Deployment):
-    instances = identities(args)
+def _start_all(spec: DeploymentSpec, run_dir: Path, deployment: Deployment):
+    instances = identities(spec)
     creds = ensure_credentials(run_dir / "secrets", instance_ids=tuple(i for _, i in instances))
     # --insecure (measuring what encryption costs, nothing else): no NATS identities, no TLS.
-    locked = None if getattr(args, "insecure", False) else creds
+    locked = None if spec.insecure else creds
     site_a = NatsSite(
         SITE_A,
-        args.nats_a_port,
+        spec.nats_a_port,
         free_port(),
         run_dir / "jetstream-a",
         leaf_listen_port=free_port(),
         credentials=locked,
         identities=instances,
     )
-    deployment.processes["nats-a"] = start_nats(site_a, run_dir, run_dir / "logs" / "nats-a.log").pid
-    deployment.commands["nats-a"] = _nats_command(run_dir, SITE_A)
+    _start_nats(run_dir, deployment, "nats-a", site_a)
     leaf_port, bulk_link_port = free_port(), free_port()
-    bulk_ports = [free_port() for _ in range(args.md)]
-    md_site = getattr(args, "md_site", SITE_B)
     routes = [f"leafnode=127.0.0.1:{leaf_port}>127.0.0.1:{site_a.leaf_listen_port}@{SITE_B}"]
-    if md_site == SITE_B:  # main decode at site A (same-site baseline) needs no WAN path
+    if spec.md_site == SITE_B:  # main decode at site A (same-site baseline) needs no WAN path
         # One routed port for every main decoder: each flow names its receiver (no per-instance route).
         routes.append(f"bulk-main-decode=127.0.0.1:{bulk_link_port}>*@{SITE_A}")
+    _start_wan_link(spec, run_dir, deployment, creds, routes)
+    site_b = NatsSite(
+        SITE_B,
+        spec.nats_b_port,
+        free_port(),
+        run_dir / "jetstream-b",
+        leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}",
+        credentials=locked,
+        identities=instances,
+    )
+    _start_nats(run_dir, deployment, "nats-b", site_b)
+    wait_until(lambda: leafnode_count(site_a) >= 1, 30, "leafnode between the sites did not connect")
+    deployment.nats_urls = {SITE_A: site_a.url, SITE_B: site_b.url}
+    for site in (site_a, site_b):  # the deployment step: streams, made by the admin identity alone
+        asyncio.run(create_site_streams(site.url, site.site, **_admin_login(locked)))
+    services = _Services(run_dir, deployment, locked, _service_env(spec, creds, locked))
+    _start_services(spec, services, bulk_link_port)
+
+
+def _start_nats(run_dir: Path, deployment: Deployment, name: str, site: NatsSite):
+    deployment.processes[name] = start_nats(site, run_dir, run_dir / "logs" / f"{name}.log").pid
+    deployment.commands[name] = _nats_command(run_dir, site.site)
+
+
+def _start_wan_link(spec: DeploymentSpec, run_dir: Path, deployment: Deployment, creds: Credentials, routes: list):
     deployment.commands["wan-link"] = {
         "argv": [
             "serve",
             "wan_link",
             "--control-port",
-            str(args.wan_control_port),
+            str(spec.wan_control_port),
             "--bandwidth",
-            args.bandwidth,
+            spec.bandwidth,
             "--rtt",
-            args.rtt,
+            spec.rtt,
             "--jitter",
-            args.jitter,
+            spec.jitter,
             "--seed",
-            str(args.seed),
+            str(spec.seed),
             "--route-key-file",
             str(creds.link_route_key_file),
             "--control-key-file",
@@ -207,126 +245,88 @@ def _start_all(args, run_dir: Path, deployment: Deployment):
     deployment.processes["wan-link"] = _spawn(run_dir, "wan-link", deployment.commands["wan-link"])
     wait_until(lambda: http_ok(deployment.wan_control_url + "/health"), 30, "WAN link did not start")
     deployment.metrics_urls["wan-link"] = deployment.wan_control_url + "/metrics"
-    site_b = NatsSite(
-        SITE_B,
-        args.nats_b_port,
-        free_port(),
-        run_dir / "jetstream-b",
-        leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}",
-        credentials=locked,
-        identities=instances,
-    )
-    deployment.processes["nats-b"] = start_nats(site_b, run_dir, run_dir / "logs" / "nats-b.log").pid
-    deployment.commands["nats-b"] = _nats_command(run_dir, SITE_B)
-    wait_until(lambda: leafnode_count(site_a) >= 1, 30, "leafnode between the sites did not connect")
-    deployment.nats_urls = {SITE_A: site_a.url, SITE_B: site_b.url}
-    for site in (site_a, site_b):  # the deployment step: streams, made by the admin identity alone
-        asyncio.run(create_site_streams(site.url, site.site, **_admin_login(locked)))
-    engines = role_engines(args)
+
+
+def _service_env(spec: DeploymentSpec, creds: Credentials, locked: Credentials | None) -> dict[str, dict[str, str]]:
+    """Process kind → the environment its services start with (their site's comes on top)."""
     env = {
-        "PDD_MODEL": args.model,
-        "PDD_LOG_LEVEL": args.log_level,
-        "PDD_KV_CACHE_MB": str(args.kv_cache_mb),
-        "PDD_BLOCK_SIZE": str(block_size_of(args)),
+        "PDD_MODEL": spec.model,
+        "PDD_LOG_LEVEL": spec.service_log_level,
+        "PDD_KV_CACHE_MB": str(spec.kv_cache_mb),
+        "PDD_BLOCK_SIZE": str(spec.kv_block_size()),
     }
-    # Only prefill signs FlowOpens; the receivers hold the key that checks them, nothing more.
-    bulk_keys = {
+    if spec.served_model_name:
+        env["PDD_SERVED_MODEL_NAME"] = spec.served_model_name
+    # Only prefill signs FlowOpens, the receivers hold the key that checks them, nothing more;
+    # only the router holds the API keys.
+    own = {
+        "router": {"PDD_API_KEYS": spec.api_key or os.environ.get("PDD_API_KEYS", "")},
         "prefill": {"PDD_BULK_SECRET_FILE": str(creds.bulk_secret_file)},
         **{
             kind: {"PDD_BULK_VERIFY_KEY_FILE": str(creds.bulk_verify_key_file)}
             for kind in ("relay-decode", "main-decode")
         },
     }
-    if getattr(args, "served_model_name", None):
-        env["PDD_SERVED_MODEL_NAME"] = args.served_model_name
     if locked:
         env["PDD_TLS_CA_FILE"] = str(creds.ca_file)
-        for kind, keys in bulk_keys.items():  # each engine its own certificate
+        for kind in ENGINE_KINDS:  # each engine its own certificate
             peer = PEER_OF_ROLE[SERVICE_OF[kind]]
-            keys.update(PDD_TLS_CERT_FILE=str(creds.cert_file(peer)), PDD_TLS_KEY_FILE=str(creds.key_file(peer)))
-    site_env = {
-        SITE_A: {"PDD_SITE": SITE_A, "PDD_NATS_URL": site_a.url},
-        SITE_B: {"PDD_SITE": SITE_B, "PDD_NATS_URL": site_b.url},
-    }
+            own[kind].update(PDD_TLS_CERT_FILE=str(creds.cert_file(peer)), PDD_TLS_KEY_FILE=str(creds.key_file(peer)))
+    return {kind: {**env, **own.get(kind, {})} for kind in SERVICE_OF}
 
-    def spawn(kind: str, index: int, *flags: str, site: str | None = None):
+
+@dataclass
+class _Services:
+    """Starts service processes into a deployment being brought up."""
+
+    run_dir: Path
+    deployment: Deployment
+    locked: Credentials | None
+    env: dict[str, dict[str, str]]
+
+    def spawn(self, kind: str, index: int, *flags: str, site: str | None = None):
         name = kind if kind == "router" else f"{kind}-{index}"
         metrics_port = free_port()
-        deployment.metrics_urls[name] = f"http://127.0.0.1:{metrics_port}/metrics"
-        argv = [
-            "serve",
-            SERVICE_OF[kind],
-            "--instance-id",
-            f"{kind}-{index}",
-            "--metrics-port",
-            str(metrics_port),
-            *flags,
-        ]
-        process_env = {**env, **site_env[site or TOPOLOGY[kind][0]], **bulk_keys.get(kind, {})}
+        self.deployment.metrics_urls[name] = f"http://127.0.0.1:{metrics_port}/metrics"
+        argv = ["serve", SERVICE_OF[kind], "--instance-id", f"{kind}-{index}", "--metrics-port", str(metrics_port)]
+        site = site or TOPOLOGY[kind][0]
+        process_env = {**self.env[kind], "PDD_SITE": site, "PDD_NATS_URL": self.deployment.nats_urls[site]}
         if kind in ENGINE_KINDS:
             # vLLM binds a port of its own for its (one-process) distributed group; left to the
             # kernel, it can take a bulk port handed out here but not bound yet.
             process_env["VLLM_PORT"] = str(free_port())
-        if locked:
-            process_env["PDD_NATS_SEED_FILE"] = str(creds.seed_file(f"{kind}-{index}"))  # its own identity
-        deployment.commands[name] = {"argv": argv, "env": process_env}
-        deployment.processes[name] = _spawn(run_dir, name, deployment.commands[name])
+        if self.locked:
+            process_env["PDD_NATS_SEED_FILE"] = str(self.locked.seed_file(f"{kind}-{index}"))  # its own identity
+        self.deployment.commands[name] = {"argv": [*argv, *flags], "env": process_env}
+        self.deployment.processes[name] = _spawn(self.run_dir, name, self.deployment.commands[name])
 
-    spawn("cache-index", 0)
-    for i in range(args.prefill):
-        spawn("prefill", i, "--engine", engines["prefill"])
-    for i in range(args.rld):
-        spawn("relay-decode", i, "--engine", engines["relay"])
-    for i, local in enumerate(bulk_ports):
-        link = ["--bulk-link", f"127.0.0.1:{bulk_link_port}"] if md_site == SITE_B else []
-        cache = [] if getattr(args, "md_prefix_cache", True) else ["--prefix-cache", "false"]
-        spawn(
-            "main-decode",
-            i,
-            "--bulk-port",
-            str(local),
-            "--bulk-advertise",
-            f"127.0.0.1:{local}",
-            *link,
-            *cache,
-            "--engine",
-            engines["main"],
-            site=md_site,
-        )
+
+def _start_services(spec: DeploymentSpec, services: _Services, bulk_link_port: int):
     from infra.wan_link import parse_ms, parse_rate
 
-    api_keys = getattr(args, "api_key", None) or os.environ.get("PDD_API_KEYS", "")
-    env["PDD_API_KEYS"] = api_keys
-    spawn(
+    engines = spec.role_engines()
+    services.spawn("cache-index", 0)
+    for i in range(spec.prefill):
+        services.spawn("prefill", i, "--engine", engines["prefill"])
+    for i in range(spec.rld):
+        services.spawn("relay-decode", i, "--engine", engines["relay"])
+    link = ["--bulk-link", f"127.0.0.1:{bulk_link_port}"] if spec.md_site == SITE_B else []
+    cache = [] if spec.md_prefix_cache else ["--prefix-cache", "false"]
+    for i, local in enumerate(free_port() for _ in range(spec.md)):
+        bulk = ["--bulk-port", str(local), "--bulk-advertise", f"127.0.0.1:{local}"]
+        services.spawn("main-decode", i, *bulk, *link, *cache, "--engine", engines["main"], site=spec.md_site)
+    services.spawn(
         "router",
         0,
         "--http-port",
-        str(args.http_port),
+        str(spec.http_port),
         "--wan-bandwidth-mbit",
-        str(parse_rate(args.bandwidth) / 1e6 or 100000),
+        str(parse_rate(spec.bandwidth) / 1e6 or 100000),
         "--wan-rtt-ms",
-        str(parse_ms(args.rtt)),
+        str(parse_ms(spec.rtt)),
         "--pipeline-policy",
-        getattr(args, "pipeline_policy", "auto"),
+        spec.pipeline_policy,
     )
-
-
-ENGINE_KINDS = ("prefill", "relay-decode", "main-decode")
-
-
-def role_engines(args) -> dict[str, str]:
-    """The engine backend of each engine role: its own flag, else ``--engine``, else ``hf``."""
-    default = getattr(args, "engine", None) or "hf"
-    return {role: getattr(args, f"{role}_engine", None) or default for role in ("prefill", "relay", "main")}
-
-
-def block_size_of(args) -> int:
-    """``--block-size``, else 32 when any role runs vLLM (its CPU attention takes multiples of 32),
-    else 16."""
-    given = getattr(args, "block_size", None)
-    if given:
-        return given
-    return 32 if "vllm" in role_engines(args).values() else 16
 
 
 def _nats_command(run_dir: Path, site: str) -> dict:
@@ -365,10 +365,10 @@ def locked_state(run_dir: Path):
 PROGRESS_EVERY_S = 5.0
 
 
-def _wait_healthy(deployment: Deployment, args):
+def _wait_healthy(deployment: Deployment, spec: DeploymentSpec):
     """Wait until the router sees every instance; say what is still missing every few seconds
-    (on stderr, unless ``args.progress`` is False: the benchmark starts deployments quietly)."""
-    want = {"prefill": args.prefill, "relay_decode": args.rld, "main_decode": args.md, "cache_index": 1}
+    (on stderr, unless ``spec.progress`` is False: the benchmark starts deployments quietly)."""
+    want = {"prefill": spec.prefill, "relay_decode": spec.rld, "main_decode": spec.md, "cache_index": 1}
     started = last_report = time.monotonic()
 
     def healthy():
@@ -378,7 +378,7 @@ def _wait_healthy(deployment: Deployment, args):
             raise LauncherError(f"{', '.join(dead)} exited; see {deployment.run_dir}/logs/")
         health = get_json(deployment.router_url.removesuffix("/v1") + "/health")
         seen = {s: len(health["instances"].get(s, [])) if health else 0 for s in want}
-        if getattr(args, "progress", True) and time.monotonic() - last_report >= PROGRESS_EVERY_S:
+        if spec.progress and time.monotonic() - last_report >= PROGRESS_EVERY_S:
             last_report = time.monotonic()
             waiting = ", ".join(f"{s} {seen[s]}/{n}" for s, n in want.items() if seen[s] < n)
             print(
@@ -390,7 +390,7 @@ def _wait_healthy(deployment: Deployment, args):
         return bool(health) and all(seen[s] >= n for s, n in want.items())
 
     wait_until(
-        healthy, args.timeout, f"services not healthy after {args.timeout:.0f} s; see {deployment.run_dir}/logs/"
+        healthy, spec.timeout_s, f"services not healthy after {spec.timeout_s:.0f} s; see {deployment.run_dir}/logs/"
     )
 
 

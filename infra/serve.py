@@ -22,12 +22,17 @@ SERVICE_CONFIGS = {
 
 
 def add_serve_parsers(commands):
-    """``pdd serve router|prefill|relay_decode|main_decode|cache_index|wan_link``."""
+    """``pdd serve router|prefill|relay_decode|main_decode|cache_index|wan_link``, each setting
+    up logging itself, at its own level."""
     serve = commands.add_parser("serve", help="run one service in this process")
+    serve.set_defaults(sets_up_logging=True)
     kinds = serve.add_subparsers(dest="service", required=True)
     for name, cls in SERVICE_CONFIGS.items():
-        add_arguments(kinds.add_parser(name, help=f"run {name}"), cls)
+        service = kinds.add_parser(name, help=f"run {name}")
+        add_arguments(service, cls)
+        service.set_defaults(handler=serve_service)
     wan = kinds.add_parser("wan_link", help="run the WAN link emulator")
+    wan.set_defaults(handler=serve_wan_link)
     wan.add_argument(
         "--control-host", default="127.0.0.1", help="address of the control API (/link, /metrics, /health)"
     )
@@ -56,13 +61,16 @@ def add_serve_parsers(commands):
     wan.add_argument("--log-level", default="info", help="debug, info, warning or error")
 
 
-def run_serve(args) -> int:
-    """Run the chosen service until SIGTERM."""
-    if args.service == "wan_link":
-        from infra.wan_link_main import run_wan_link
+def serve_wan_link(args) -> int:
+    """Run the WAN link emulator until SIGTERM."""
+    from infra.wan_link_main import run_wan_link
 
-        asyncio.run(run_wan_link(args))
-        return 0
+    asyncio.run(run_wan_link(args))
+    return 0
+
+
+def serve_service(args) -> int:
+    """Run the chosen service until SIGTERM."""
     from shared.logging import configure_logging
     from shared.service import run_service
 

@@ -14,8 +14,9 @@ class WanControlError(PddError):
     code = "wan_control_error"
 
 
-def add_wan_parsers(commands):
-    """The ``pdd wan`` subcommands."""
+def add_wan_parsers(commands, *, show_handler, set_handler, partition_handler):
+    """The ``pdd wan`` subcommands, with their handlers (``pdd wan show``, ``set``, ``partition``):
+    the command line's, which find the running deployment."""
     wan = commands.add_parser("wan", help="show or change the WAN link of a running deployment")
     wan.add_argument("--control-url", default=None, help="default: from the running deployment")
     wan.add_argument(
@@ -24,7 +25,7 @@ def add_wan_parsers(commands):
         help="the control API's key (control.key of the secrets folder); default: the running deployment's",
     )
     actions = wan.add_subparsers(dest="wan_action", required=True)
-    actions.add_parser("show", help="profile and byte counters")
+    actions.add_parser("show", help="profile and byte counters").set_defaults(handler=show_handler)
     change = actions.add_parser("set", help="change bandwidth, RTT, jitter or stalls")
     change.add_argument("--bandwidth", help="e.g. 100mbit, 1gbit, unlimited")
     change.add_argument("--rtt", help="e.g. 40ms")
@@ -32,14 +33,14 @@ def add_wan_parsers(commands):
     change.add_argument("--stall-probability", type=float, help="chance per 64 KiB chunk of a stall")
     change.add_argument("--stall", help="stall length, e.g. 500ms")
     change.add_argument("--seed", type=int, help="reseed the jitter and stall draws")
+    change.set_defaults(handler=set_handler)
     partition = actions.add_parser("partition", help="cut (on) or restore (off) the link")
     partition.add_argument("state", choices=["on", "off"], help="on: nothing crosses; off: restored")
+    partition.set_defaults(handler=partition_handler)
 
 
 def profile_changes(args) -> dict:
-    """The control API body for ``pdd wan set`` / ``partition``."""
-    if args.wan_action == "partition":
-        return {"partitioned": args.state == "on"}
+    """The control API body for ``pdd wan set``."""
     changes = {}
     if args.bandwidth is not None:
         changes["bandwidth_bps"] = parse_rate(args.bandwidth)

@@ -10,7 +10,6 @@ processes are brought back by ``pdd up``'s supervisor; each scenario starts once
 sees every instance again.
 """
 
-import argparse
 import asyncio
 import json
 import os
@@ -162,23 +161,18 @@ async def run_scenario(ctx: ChaosContext, scenario: str) -> ChaosRow:
     ended_s = time.monotonic()
     held, filling = await _settled_blocks(ctx)
     if filling:  # imports kept for the cache may still be crossing: say when they are done
-        await _gauges_until(ctx, lambda held: not held.cache_fill, ended_s + SETTLE_S + 120, poll_s=1.0)
-        notes = "; ".join(
-            filter(
-                None,
-                [
-                    notes,
-                    (
-                        f"{filling} blocks of cache fills crossing at 10 s, "
-                        f"landed {time.monotonic() - ended_s:.0f} s later"
-                    ),
-                ],
-            )
-        )
+        notes = "; ".join(filter(None, [notes, await _fills_landed_note(ctx, filling, ended_s)]))
     row = _row(scenario, records, expected, held, notes)
     row.cache_fill_blocks_after_10s = filling
     row.pipeline_after = probe.pdd.get("pipeline", probe.error or "none") if probe else ""
     return row
+
+
+async def _fills_landed_note(ctx: ChaosContext, filling: int, ended_s: float) -> str:
+    """Wait (at most two minutes more) until the cache fills still crossing SETTLE_S after the
+    streams ended (``ended_s``, monotonic) have landed; say when they did."""
+    await _gauges_until(ctx, lambda held: not held.cache_fill, ended_s + SETTLE_S + 120, poll_s=1.0)
+    return f"{filling} blocks of cache fills crossing at 10 s, landed {time.monotonic() - ended_s:.0f} s later"
 
 
 async def _settled_blocks(ctx: ChaosContext) -> tuple[int, int]:
@@ -386,11 +380,11 @@ async def _partition_off(ctx):
 
 async def _redeploy(ctx):
     """``pdd down``, then ``pdd up`` on the same run folder (its JetStream store kept)."""
-    up_args = ctx.deployment.up_args
-    if not up_args:
-        raise launcher.LauncherError("the deployment does not record its pdd up options")
+    spec = ctx.deployment.spec
+    if spec is None:
+        raise launcher.LauncherError("the deployment does not record what it was started with")
     await asyncio.to_thread(launcher.down, ctx.run_dir)
-    await asyncio.to_thread(launcher.up, argparse.Namespace(**up_args))
+    await asyncio.to_thread(launcher.up, spec)
     await wait_healthy(ctx)
     return "warm prompts sent again after pdd down, pdd up on the same run folder"
 

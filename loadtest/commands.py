@@ -1,27 +1,20 @@
-"""The load-test side of the ``pdd`` command line: ``bench`` and ``chaos``."""
+"""The load-test side of the ``pdd`` command line: ``bench``, ``chaos`` and ``demo``, registered
+as entry points of the ``pdd.commands`` group (pyproject.toml) that ``infra/cli.py`` discovers."""
 
-import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
+from infra.cli_args import RUN_DIR_HELP, add_model_args
+from infra.deployment_spec import DeploymentSpec, add_up_arguments
 from shared.errors import PddError
 
-RUN_DIR_HELP = "the deployment's run folder (default: ~/.cache/pdd/run)"
 
+def add_bench_parser(commands):
+    """``pdd bench engine|handoff|run|trace|handoff-micro|bulk`` (the ``bench`` entry point of
+    ``pdd.commands``)."""
+    from loadtest.bench import add_bench_run_parser, write_trace
 
-def add_model_args(parser: argparse.ArgumentParser):
-    """``--model``, ``--device`` and ``--dtype`` of a command that loads the model."""
-    parser.add_argument(
-        "--model", default="smollm2", help="smollm2 (default), tiny (random test model) or an HF model folder"
-    )
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and KV dtype"
-    )
-
-
-def add_loadtest_parsers(commands):
-    """Register ``bench`` and ``chaos`` on the ``pdd`` subcommand parser."""
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
     engine = bench_kinds.add_parser("engine", help="engine microbenchmark, JSON on stdout")
@@ -33,6 +26,7 @@ def add_loadtest_parsers(commands):
         default="hf",
         help="engine backend, or several side by side in one run (hf, vllm, hf,vllm)",
     )
+    engine.set_defaults(handler=cmd_bench_engine)
     handoff = bench_kinds.add_parser(
         "handoff", help="main decode's worst inter-token gap during a 100-token handoff, one-shot vs catch-up"
     )
@@ -40,9 +34,9 @@ def add_loadtest_parsers(commands):
     handoff.add_argument("--other-streams", type=int, default=3, help="streams decoding beside the handoff")
     handoff.add_argument("--context", type=int, default=512, help="prompt tokens")
     handoff.add_argument("--chunk-tokens", type=int, default=32, help="tokens per catch-up chunk")
-    from loadtest.bench import add_bench_run_parser
-
-    add_bench_run_parser(bench_kinds)
+    handoff.set_defaults(handler=cmd_bench_handoff)
+    add_bench_run_parser(bench_kinds).set_defaults(handler=cmd_bench_run)
+    bench_kinds.choices["trace"].set_defaults(handler=write_trace)  # added with run
     micro = bench_kinds.add_parser(
         "handoff-micro", help="100-token handoff by token IDs vs by KV, over the same emulated WAN link"
     )
@@ -52,14 +46,18 @@ def add_loadtest_parsers(commands):
     micro.add_argument("--bandwidth", default="100mbit", help="emulated WAN rate")
     micro.add_argument("--rtt", default="40ms", help="emulated WAN round trip")
     micro.add_argument("--jitter", default="5ms", help="emulated WAN jitter")
+    micro.set_defaults(handler=cmd_bench_handoff_micro)
     bulk = bench_kinds.add_parser(
         "bulk", help="bulk channel throughput, plaintext vs mutual TLS, on loopback and through the WAN link"
     )
     bulk.add_argument("--megabytes", type=int, default=256, help="per flow (default 256)")
     bulk.add_argument("--link", default="1gbit", help="shaped rate besides unshaped loopback (default 1gbit)")
     bulk.add_argument("--repeats", type=int, default=3, help="runs of each measurement")
+    bulk.set_defaults(handler=cmd_bench_bulk)
 
-    bench.set_defaults(handler=cmd_bench)
+
+def add_chaos_parser(commands):
+    """``pdd chaos`` (the ``chaos`` entry point of ``pdd.commands``)."""
     chaos = commands.add_parser("chaos", help="inject faults into the running deployment; check nothing is lost")
     chaos.add_argument(
         "--scenario",
@@ -78,67 +76,69 @@ def add_loadtest_parsers(commands):
     chaos.set_defaults(handler=cmd_chaos)
 
 
-def cmd_bench(args) -> int:
-    """Run a microbenchmark and print its JSON."""
+def add_demo_parser(commands):
+    """``pdd demo``: ``pdd up``'s flags (the ``demo`` entry point of ``pdd.commands``)."""
+    demo = commands.add_parser("demo", help="up, agent conversation, down")
+    add_up_arguments(demo)
+    demo.set_defaults(handler=cmd_demo)
+
+
+def cmd_bench_run(args) -> int:
+    """The modes' comparison; a summary on stdout, the results in ``args.out``."""
+    from loadtest.bench import resolve_size, run_bench
+
+    results = run_bench(resolve_size(args))
+    print(
+        json.dumps({m: {"ttft_ms": v["ttft_ms"], "errors": v["errors"]} for m, v in results["modes"].items()}, indent=2)
+    )
+    print(f"results in {args.out}/results.json and {args.out}/report.md")
+    return 0
+
+
+def cmd_bench_handoff_micro(args) -> int:
+    """A handoff by token IDs vs by KV over the emulated link; JSON on stdout."""
+    from infra.wan_link import parse_profile
+    from loadtest.handoff_microbench import run_handoff_microbench
     from shared.model_loader import load_model
 
-    if args.bench == "run":
-        from loadtest.bench import resolve_size, run_bench
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    profile = parse_profile(args.bandwidth, args.rtt, args.jitter)
+    print(
+        json.dumps(run_handoff_microbench(loaded, profile=profile, context=args.context, trials=args.trials), indent=2)
+    )
+    return 0
 
-        results = run_bench(resolve_size(args))
-        print(
-            json.dumps(
-                {m: {"ttft_ms": v["ttft_ms"], "errors": v["errors"]} for m, v in results["modes"].items()}, indent=2
-            )
-        )
-        print(f"results in {args.out}/results.json and {args.out}/report.md")
-        return 0
-    if args.bench == "trace":
-        from loadtest.bench import write_trace
 
-        return write_trace(args)
-    if args.bench == "handoff-micro":
-        from infra.wan_link import parse_profile
-        from loadtest.handoff_microbench import run_handoff_microbench
+def cmd_bench_bulk(args) -> int:
+    """Bulk channel throughput; JSON on stdout."""
+    from infra.wan_link import parse_rate
+    from loadtest.bulk_bench import run_bulk_bench
+    from shared.model_loader import load_model
 
-        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-        profile = parse_profile(args.bandwidth, args.rtt, args.jitter)
-        print(
-            json.dumps(
-                run_handoff_microbench(loaded, profile=profile, context=args.context, trials=args.trials), indent=2
-            )
-        )
-        return 0
-    if args.bench == "bulk":
-        from infra.wan_link import parse_rate
-        from loadtest.bulk_bench import run_bulk_bench
+    report = run_bulk_bench(
+        load_model("tiny"), megabytes=args.megabytes, rates=(0.0, parse_rate(args.link)), repeats=args.repeats
+    )
+    print(json.dumps(report, indent=2))
+    return 0
 
-        print(
-            json.dumps(
-                run_bulk_bench(
-                    load_model("tiny"),
-                    megabytes=args.megabytes,
-                    rates=(0.0, parse_rate(args.link)),
-                    repeats=args.repeats,
-                ),
-                indent=2,
-            )
-        )
-        return 0
-    if args.bench == "handoff":
-        from loadtest.handoff_bench import run_handoff_bench
 
-        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-        print(
-            json.dumps(
-                run_handoff_bench(
-                    loaded, other_streams=args.other_streams, context=args.context, chunk_tokens=args.chunk_tokens
-                ),
-                indent=2,
-            )
-        )
-        return 0
+def cmd_bench_handoff(args) -> int:
+    """Main decode's worst gap during a handoff, one-shot vs catch-up; JSON on stdout."""
+    from loadtest.handoff_bench import run_handoff_bench
+    from shared.model_loader import load_model
+
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    report = run_handoff_bench(
+        loaded, other_streams=args.other_streams, context=args.context, chunk_tokens=args.chunk_tokens
+    )
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_bench_engine(args) -> int:
+    """The engine microbenchmark (several engines side by side when given); JSON on stdout."""
     from loadtest.engine_bench import compare_engines, run_engine_bench
+    from shared.model_loader import load_model
 
     model = "tiny" if args.quick and args.model == "smollm2" else args.model
     loaded = load_model(model, device=args.device, dtype=args.dtype)
@@ -150,6 +150,23 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    """Start a deployment, hold an agent conversation with it, stop it."""
+    from infra import launcher
+    from loadtest.demo_conversation import run_demo
+
+    spec = DeploymentSpec.from_args(args)
+    run_dir = launcher.run_dir_of(spec.run_dir)
+    print("starting the two-site deployment (first run converts SmolLM2 once) ...", flush=True)
+    try:
+        deployment = launcher.up(replace(spec, run_dir=str(run_dir)))
+        print(f"PDD is up: {deployment.router_url}", flush=True)
+        return run_demo(deployment.router_url, spec.model)
+    finally:
+        launcher.down(run_dir, quiet=True)
+        print("deployment stopped")
+
+
 def cmd_chaos(args) -> int:
     """Run chaos scenarios against the running deployment; print one JSON row each, then a table."""
     import asyncio
@@ -158,7 +175,7 @@ def cmd_chaos(args) -> int:
     from loadtest import chaos
     from shared.model_loader import load_model
 
-    run_dir = _run_dir(args)
+    run_dir = launcher.run_dir_of(args.run_dir)
     deployment = launcher.load_state(run_dir)
     if deployment is None:
         raise launcher.LauncherError(f"no deployment recorded in {run_dir} (pdd up first)")
@@ -194,9 +211,3 @@ def _get_served_model(deployment) -> str:
     request = urllib.request.Request(deployment.router_url + "/models", headers=auth_headers())
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())["data"][0]["id"]
-
-
-def _run_dir(args) -> Path:
-    from infra.launcher import default_run_dir
-
-    return Path(args.run_dir) if args.run_dir else default_run_dir()

@@ -22,11 +22,12 @@ SLOW_LINK = {"bandwidth_bps": 50e6, "rtt_ms": 80.0}
 
 
 def add_compose_demo_parser(commands):
-    """The ``pdd compose-demo`` command."""
+    """The ``pdd compose-demo`` command (the ``compose-demo`` entry point of ``pdd.commands``)."""
     demo = commands.add_parser("compose-demo", help="the two-site demo in Docker containers (make images first)")
     demo.add_argument("--project", default="pdd-demo", help="compose project name")
     demo.add_argument("--main-decoders", type=int, default=1, help="main-decode replicas")
     demo.add_argument("--keep", action="store_true", help="leave the stack running (docker compose -p P down -v)")
+    demo.set_defaults(handler=run_compose_demo)
 
 
 def new_secrets() -> Path:

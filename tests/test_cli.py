@@ -125,3 +125,61 @@ def test_every_flag_of_every_command_has_help_and_states_its_default():
     assert not missing, missing
     up_help = dict(parsers)["pdd up"].format_help()
     assert "(default: 8000)" in up_help and "(default: smollm2)" in up_help
+
+
+LOADTEST_COMMANDS = {"bench", "chaos", "demo", "compose-demo", "profile", "sim", "plan"}
+"""The commands ``loadtest`` registers under the ``pdd.commands`` entry points (pyproject.toml)."""
+
+
+def test_help_lists_the_commands_loadtest_registers():
+    result = run_pdd("--help")
+    assert result.returncode == 0, result.stderr
+    listed = set(result.stdout.split("{", 1)[1].split("}", 1)[0].split(","))
+    assert LOADTEST_COMMANDS <= listed, sorted(LOADTEST_COMMANDS - listed)
+    assert {"up", "down", "status", "serve", "wan", "generate"} <= listed
+
+
+def test_every_command_names_its_handler():
+    import argparse
+
+    from infra.cli import build_parser
+
+    leaves = [
+        (path, parser)
+        for path, parser in _parsers(build_parser())
+        if not any(isinstance(a, argparse._SubParsersAction) for a in parser._actions)
+    ]
+    assert len(leaves) > 25
+    assert [path for path, parser in leaves if not callable(parser.get_default("handler"))] == []
+
+
+def test_every_flag_of_pdd_up_is_a_field_of_the_spec_with_its_default():
+    from dataclasses import fields
+
+    from infra.cli import build_parser
+    from infra.deployment_spec import DeploymentSpec
+
+    parser = build_parser()
+    up = dict(_parsers(parser))["pdd up"]
+    dests = {a.dest for a in up._actions if a.option_strings and a.dest not in ("help", "detach")}
+    assert dests == {f.name for f in fields(DeploymentSpec)} - {"progress"}
+    assert DeploymentSpec.from_args(parser.parse_args(["up"])) == DeploymentSpec()
+    given = parser.parse_args(["up", "--md", "2", "--timeout", "60", "--service-log-level", "debug", "--insecure"])
+    spec = DeploymentSpec.from_args(given)
+    assert (spec.md, spec.timeout_s, spec.service_log_level, spec.insecure) == (2, 60.0, "debug", True)
+
+
+def test_the_recorded_spec_reads_back_and_so_do_older_up_options(tmp_path):
+    from dataclasses import replace
+
+    from infra.deployment_spec import DeploymentSpec
+    from infra.launcher import load_state
+
+    spec = replace(DeploymentSpec(), run_dir=str(tmp_path), md=2, md_site="site-a", timeout_s=60.0, api_key="k")
+    assert DeploymentSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    # state.json as pdd up wrote it before the spec: its argparse options, under up_args
+    older = {"command": "up", "detach": True, "md": 2, "md_site": "site-a", "log_level": "debug", "timeout": 60.0}
+    state = {"run_dir": str(tmp_path), "router_url": "", "wan_control_url": "", "up_args": older}
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    recorded = load_state(tmp_path).spec
+    assert recorded == replace(DeploymentSpec(), md=2, md_site="site-a", service_log_level="debug", timeout_s=60.0)

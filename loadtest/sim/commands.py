@@ -25,8 +25,8 @@ class PlanInputError(PddError, ValueError):
     code = "invalid_plan_input"
 
 
-def add_sim_parsers(commands):
-    """Register ``profile``, ``sim`` and ``plan``."""
+def add_profile_parser(commands):
+    """``pdd profile`` (the ``profile`` entry point of ``pdd.commands``)."""
     profile = commands.add_parser("profile", help="measure this machine's engine cost model (JSON)")
     profile.add_argument("--model", default="smollm2", help="smollm2, tiny or an HF model folder")
     profile.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -50,6 +50,9 @@ def add_sim_parsers(commands):
     )
     profile.set_defaults(handler=cmd_profile)
 
+
+def add_sim_parser(commands):
+    """``pdd sim validate|paper`` (the ``sim`` entry point of ``pdd.commands``)."""
     sim = commands.add_parser("sim", help="the discrete-event simulator")
     kinds = sim.add_subparsers(dest="sim", required=True)
     validate = kinds.add_parser("validate", help="replay a pdd bench run folder; predicted vs measured")
@@ -89,6 +92,9 @@ def add_sim_parsers(commands):
     paper.add_argument("--json", action="store_true", help="print paper.json instead of the table")
     paper.set_defaults(handler=cmd_sim_paper)
 
+
+def add_plan_parser(commands):
+    """``pdd plan`` (the ``plan`` entry point of ``pdd.commands``)."""
     plan = commands.add_parser("plan", help="cheapest prefill/relay/main-decode counts for a workload, link and SLA")
     plan.add_argument(
         "--workload",

@@ -13,7 +13,6 @@ spread around it. The simulator slows each step by its kind's factor and, when r
 several times, draws each step's noise from that spread.
 """
 
-import argparse
 import asyncio
 import dataclasses
 import json
@@ -265,18 +264,16 @@ def record_calibration(model: str, phases: list[tuple[int, dict]], log_path: Pat
     """Replay the calibration ``phases`` through a fresh PDD deployment of ``model`` (``pdd up``'s
     processes on this machine, the benchmark's link and pool) with the engine-call log written
     to ``log_path``; return the client's records (a failed request raises)."""
-    from loadtest.bench_modes import mode_deployment
+    from loadtest.bench_modes import BENCH_SPEC, deployed, mode_spec
     from loadtest.runner import run_trace
     from loadtest.trace import generate_trace
 
-    bench = argparse.Namespace(
-        model=model, kv_cache_mb=512, bandwidth="100mbit", rtt="40ms", jitter="5ms", seed=CALIBRATION_SEED, engine="hf"
-    )
+    spec = mode_spec("pdd", dataclasses.replace(BENCH_SPEC, model=model, seed=CALIBRATION_SEED))
     records = []
     previous = os.environ.get("PDD_ENGINE_CALL_LOG")
     os.environ["PDD_ENGINE_CALL_LOG"] = str(log_path)  # read once, at each service's start
     try:
-        with mode_deployment("pdd", bench) as deployment:
+        with deployed(spec) as deployment:
             for index, (concurrency, shape) in enumerate(phases):
                 trace = generate_trace(CALIBRATION_SEED + index, **shape)
                 done, _ = asyncio.run(run_trace(deployment.router_url, trace, concurrency=concurrency, progress=False))
