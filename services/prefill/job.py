@@ -26,85 +26,27 @@ The order of work:
 
 import asyncio
 import time
-from dataclasses import dataclass
-from typing import Any, Protocol
 
 import msgspec
 import nats
-from opentelemetry import trace
 
-from services.prefill.shipping_plan import ExportRange, ShippingPath, ShippingPlan
+from services.prefill.host import PrefillHost
+from services.prefill.kv_shipping import KvShipping
 from shared import subjects
-from shared.bulk.sender import BulkFlow
-from shared.config import PrefillConfig
-from shared.engine.backend import EngineBackend, StepOutput
-from shared.engine_loop import EngineLoop
-from shared.engine_worker import EngineWorker
+from shared.engine.backend import StepOutput
 from shared.errors import PddError, error_with_code
-from shared.messages import FlowOpen, PrefillCompleted, RequestFailed, StartPrefill, encode
+from shared.messages import PrefillCompleted, RequestFailed, StartPrefill, encode
 from shared.metrics import (
-    KV_TRANSFER_BYTES,
-    KV_TRANSFER_SECONDS,
     PREFILL_SECONDS,
     PREFIX_HIT_BLOCKS,
     PREFIX_LOOKUP_BLOCKS,
 )
-from shared.tracing import context_from, current_traceparent, tracer
+from shared.tracing import context_from, tracer
 
 _tracer = tracer("pdd.prefill")
 
 FAILURES = (TimeoutError, PddError, ConnectionError, OSError)
 """What a prefill or a transfer fails with, short of a bug: reported to the router with a code."""
-
-
-class PrefillHost(Protocol):
-    """What a job uses of its service (``PrefillService``)."""
-
-    service_name: str
-    instance_id: str
-    config: PrefillConfig
-    log: Any
-    worker: EngineWorker
-    loop: EngineLoop
-    slots: asyncio.Semaphore
-    jobs: dict[str, "PrefillJob"]
-
-    @property
-    def engine(self) -> EngineBackend: ...
-
-    async def dial(self, flow_open: FlowOpen, route: ShippingPath) -> BulkFlow: ...
-
-    async def publish(self, subject: str, message, headers: dict | None = None) -> bool: ...
-
-
-@dataclass(eq=False)
-class PathShipment:
-    """One path of a job (``wan`` to main decode, ``local`` to the relay), from its opening
-    to its flow's end.
-
-    Attributes:
-        route: The path, its receiver and the role the receiver acts as.
-        span: ``kv.transfer.<path>``, ended when the job closes.
-        exported: The frames exported for this receiver (set once, or failed).
-        opening: The task opening the flow (``FlowOpen`` until ``FlowAccepted``).
-        flow: The flow once accepted.
-        sending: The task that waits for the flow, exports what the receiver lacks and sends
-            it; None until the first token is out.
-        ended: The flow's end went out: the receiver has it all, nothing to cancel.
-    """
-
-    route: ShippingPath
-    span: trace.Span
-    exported: asyncio.Future
-    opening: asyncio.Task | None = None
-    flow: BulkFlow | None = None
-    sending: asyncio.Task | None = None
-    ended: bool = False
-
-    @property
-    def unfinished_flow(self) -> BulkFlow | None:
-        """The flow if it was accepted and has not ended (one to cancel on a close)."""
-        return self.flow if self.flow is not None and not self.ended else None
 
 
 class PrefillJob:
@@ -117,9 +59,7 @@ class PrefillJob:
         self.request_id = cmd.request_id
         self._msg = msg
         self.log = host.log.bind(request_id=cmd.request_id, attempt=cmd.attempt, pipeline=cmd.pipeline)
-        self.plan: ShippingPlan | None = None
-        self.paths: dict[str, PathShipment] = {}
-        self.exports: dict[ExportRange, asyncio.Future] = {}
+        self.shipping: KvShipping | None = None
         self.first_token: asyncio.Future | None = None
         self.exports_due: asyncio.Event | None = None
         """Set while the first token is out and the exports it allows are not queued yet."""
@@ -183,21 +123,14 @@ class PrefillJob:
                 self.first_token.cancel()
             if self.task is not None and self.task is not asyncio.current_task():
                 self.task.cancel()
-            tasks = [t for p in self.paths.values() for t in (p.opening, p.sending) if t is not None]
-            owned = [*tasks, *self.exports.values(), *(p.exported for p in self.paths.values())]
-            for future in owned:
-                future.cancel()
-            # Wait for them to unwind (a cancelled opening closes its connection) and take
-            # their outcomes: nobody else will.
-            await asyncio.gather(*owned, return_exceptions=True)
-            flows = [p.unfinished_flow for p in self.paths.values() if p.unfinished_flow is not None]
-            await asyncio.gather(*(f.cancel(reason) for f in flows), return_exceptions=True)
+            if self.shipping is not None:
+                await self.shipping.cancel(reason)
             if self._holds_sequence:
                 self._holds_sequence = False
                 await self._host.worker.call(self._host.engine.abort, self.request_id)
         finally:
-            for shipment in self.paths.values():
-                shipment.span.end()
+            if self.shipping is not None:
+                self.shipping.end_spans()
             if self._host.jobs.get(self.request_id) is self:
                 del self._host.jobs[self.request_id]
 
@@ -245,14 +178,13 @@ class PrefillJob:
         every path's frames are exported and free the sequence. A failure closes the job
         before the router hears of it (and before the slot goes to the next prompt)."""
         try:
-            self.plan = ShippingPlan(self.cmd)
-            self._open_paths(parent)
+            self.shipping = KvShipping(self._host, self.cmd)
+            self.shipping.open_paths(parent)
             first, cached_tokens, compute_s = await self._compute(parent)
-            self._export_open_paths()
-            for shipment in self.paths.values():
-                end_tokens = self.plan.end_tokens(shipment.route.role, first.token_id, first.logprobs)
-                shipment.sending = asyncio.create_task(self._ship(shipment, end_tokens))
-            frames = {path: await shipment.exported for path, shipment in self.paths.items()}
+            self.shipping.export_open_paths()
+            self.exports_queued()
+            self.shipping.start_sending(first)
+            frames = await self.shipping.frames_exported()
             await self._host.worker.call(self._host.engine.free, self.request_id)
             self._holds_sequence = False
         except asyncio.CancelledError:
@@ -263,7 +195,6 @@ class PrefillJob:
             raise
         finally:
             self.exports_queued()
-        wan = self.paths.get("wan")
         return PrefillCompleted(
             request_id=self.request_id,
             instance_id=self._host.instance_id,
@@ -272,7 +203,7 @@ class PrefillJob:
             cached_tokens=cached_tokens,
             compute_s=compute_s,
             bytes_per_path={path: sum(_frame_size(f) for f in frames[path]) for path in frames},
-            wan_rtt_s=wan.flow.handshake_s if wan is not None and wan.flow is not None else 0.0,
+            wan_rtt_s=self.shipping.wan_handshake_s,
         )
 
     async def _respond(self, reply: PrefillCompleted | RequestFailed):
@@ -286,7 +217,7 @@ class PrefillJob:
         """Wait for every path to be sent; on a failure close the job, then tell the router
         (it may resume the request elsewhere). Return why the job ends."""
         try:
-            await asyncio.gather(*(p.sending for p in self.paths.values()))
+            await self.shipping.sent()
         except FAILURES as exc:
             await self.close("KV transfer failed")
             self.log.warning("kv_shipping_failed", error=str(exc) or type(exc).__name__)
@@ -339,98 +270,6 @@ class PrefillJob:
         host.loop.wake()
         timeout_s = max(0.1, cmd.deadline_unix_s - time.time())
         return await asyncio.wait_for(self.first_token, timeout_s), seq.num_cached_tokens
-
-    # --- paths: open, export, ship, send -----------------------------------------------------
-
-    def _open_paths(self, parent):
-        """Start opening every path's flow, each in its span, before the compute."""
-        loop = asyncio.get_running_loop()
-        for route in self.plan.paths:
-            span = _tracer.start_span(
-                f"kv.transfer.{route.path}",
-                context=parent,
-                attributes={"request_id": self.request_id, "path": route.path},
-            )
-            shipment = self.paths[route.path] = PathShipment(route, span, exported=loop.create_future())
-            shipment.opening = asyncio.create_task(self._open(shipment))
-
-    async def _open(self, shipment: PathShipment) -> BulkFlow:
-        cmd, route = self.cmd, shipment.route
-        with trace.use_span(shipment.span, end_on_exit=False):
-            flow_open = FlowOpen(
-                request_id=self.request_id,
-                role=route.role,
-                token_ids=cmd.token_ids,
-                sampling=cmd.sampling,
-                seed=cmd.seed,
-                traceparent=current_traceparent(),
-                relay_instance_id=cmd.relay_decode.instance_id if cmd.relay_decode else None,
-                main_decode_instance_id=cmd.main_decode.instance_id if cmd.main_decode else None,
-                sender_id=self._host.instance_id,
-                receiver_id=route.receiver.instance_id,
-                receiver_incarnation=route.receiver.incarnation,
-                unix_s=0.0,
-                nonce="",
-            )
-            shipment.flow = await self._host.dial(flow_open, route)
-            return shipment.flow
-
-    def _export_open_paths(self):
-        """Queue the exports of the paths whose flows are already open, and let the engine
-        step again: a prompt's KV then leaves before the next prompt's prefill, instead of
-        waiting behind that whole step."""
-        for shipment in self.paths.values():
-            opening = shipment.opening
-            if not opening.done() or opening.cancelled() or opening.exception() is not None:
-                continue
-            export = self.plan.export_range(opening.result().first_token_index)
-            if export is not None:
-                self._export(export)
-        self.exports_queued()
-
-    def _export(self, export: ExportRange) -> asyncio.Future:
-        """Queue the export on the engine thread now (before any step asked for later); paths
-        whose receivers start at the same token share it."""
-        if export not in self.exports:
-            self.exports[export] = self._host.worker.submit(
-                self._host.engine.export_frames,
-                self.request_id,
-                export.start,
-                export.end,
-                max_tokens_per_frame=self._host.config.frame_tokens,
-                traceparent=current_traceparent(),
-            )
-        return self.exports[export]
-
-    async def _ship(self, shipment: PathShipment, end_tokens: tuple[list, list]):
-        """One path: wait for its flow, export from where its receiver stands, send."""
-        try:
-            flow = await shipment.opening
-            export = self.plan.export_range(flow.first_token_index)
-            frames = [] if export is None else await self._export(export)
-        except BaseException as exc:
-            if not shipment.exported.done():
-                shipment.exported.set_exception(exc)
-            raise
-        shipment.exported.set_result(frames)
-        await self._send(shipment, frames, end_tokens)
-
-    async def _send(self, shipment: PathShipment, frames: list, end_tokens: tuple[list, list]) -> int:
-        flow, span, model = shipment.flow, shipment.span, self._host.config.served_model_name
-        with trace.use_span(span, end_on_exit=False):
-
-            async def stream():
-                for parts in frames:
-                    await flow.send_frame(parts)
-                await flow.end(*end_tokens)
-
-            await asyncio.wait_for(stream(), self._host.config.send_timeout_s)
-            shipment.ended = True
-            KV_TRANSFER_SECONDS.labels(model, flow.path).observe(flow.elapsed_s)
-            KV_TRANSFER_BYTES.labels(model, flow.path).observe(flow.bytes_sent)
-            span.set_attribute("kv_bytes", flow.bytes_sent)
-            span.set_attribute("first_token_index", flow.first_token_index)
-            return flow.bytes_sent
 
 
 def _frame_size(parts: list) -> int:
