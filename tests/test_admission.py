@@ -100,4 +100,4 @@ async def test_a_full_kv_pool_makes_flows_wait_and_decodes_preempt_instead_of_fa
         assert status == 200, body
         assert body["choices"][0]["message"]["content"] == expected_text(tiny, chat_prompt(tiny, content), 250)
     main = stack.mains[0]
-    assert main.importer.num_waits_for_room >= 1 and main.engine.num_preemptions >= 1
+    assert main.importer.admission.num_waits_for_room >= 1 and main.engine.num_preemptions >= 1

@@ -12,18 +12,17 @@ from dataclasses import dataclass, field
 import structlog
 
 from shared.block_hash import hash_blocks
+from shared.bulk.import_admission import ImportAdmission
 from shared.bulk.receiver import FlowStats
-from shared.decode_cache import Claim, InFlightBlocks, keeps_importing
+from shared.decode_cache import InFlightBlocks, keeps_importing
 from shared.engine.backend import RequestView
 from shared.engine_worker import EngineWorker
-from shared.errors import InvalidRequestState, OutOfKvBlocks, RequestCancelled
+from shared.errors import InvalidRequestState, RequestCancelled
 from shared.kv_wire import KvFrame
 from shared.messages import FlowEnd, FlowOpen
 from shared.metrics import PREFIX_HIT_BLOCKS, PREFIX_LOOKUP_BLOCKS
 
 log = structlog.get_logger(__name__)
-ROOM_POLL_S = 0.05
-"""How often a flow waiting for room looks again."""
 MAX_EARLY_CANCELS = 4096
 """Cancels remembered for requests whose flow has not arrived (see ``KvImporter.cancel``)."""
 MAX_QUEUED_FRAMES = 4
@@ -77,15 +76,13 @@ class KvImporter:
         (no room, a bad prompt, cancelled meanwhile) ``on_refused(request_id, reason)`` follows;
         when one breaks after its import began, ``on_abort(request_id, reason)``."""
         self._worker = worker
-        self._max_sequences = max_sequences
-        self.num_waits_for_room = 0
-        self._in_flight_wait_s = in_flight_wait_s
         self._on_complete = on_complete
         self._on_open = on_open
         self._on_abort = on_abort
         self._on_refused = on_refused
         self.imports: dict[str, ImportState] = {}
         self._in_flight = InFlightBlocks()
+        self.admission = ImportAdmission(worker, self._in_flight, max_sequences, in_flight_wait_s)
         self._cancelled_before_flow: OrderedDict[str, tuple[bool, float]] = OrderedDict()
 
     async def open_flow(self, flow_open: FlowOpen, stats: FlowStats) -> int:
@@ -104,10 +101,10 @@ class KvImporter:
             elif self._on_open:
                 await self._on_open(flow_open)
                 heard = True
-            await self._wait_for_blocks_in_flight(rid, claim)
+            await self.admission.wait_for_blocks_in_flight(rid, claim)
             if claim.dropped:
                 raise RequestCancelled(f"request {rid!r} was cancelled while its flow waited")
-            first = await self._begin_when_room(flow_open, claim)
+            first = await self.admission.begin_when_room(flow_open, claim)
             if claim.dropped:  # while the sequence was made
                 await self._worker.call(engine.abort, rid)
                 raise RequestCancelled(f"request {rid!r} was cancelled while its import began")
@@ -133,78 +130,6 @@ class KvImporter:
             role=flow_open.role,
         )
         return first
-
-    async def _begin_when_room(self, flow_open: FlowOpen, claim: Claim) -> int:
-        """Reserve the prompt's blocks once the pool has them and fewer than ``max_sequences``
-        requests are held: a full instance makes the flow wait (the sender's accept timeout
-        bounds it), never fail. A prompt larger than the whole pool fails at once."""
-        engine, rid = self._worker.engine, flow_open.request_id
-        needed = -(-len(flow_open.token_ids) // engine.block_size)
-        num_blocks = engine.load().num_blocks
-        if needed > num_blocks:
-            raise OutOfKvBlocks(f"the prompt needs {needed} KV blocks; the pool has {num_blocks}")
-        deadline = asyncio.get_running_loop().time() + self._in_flight_wait_s
-        waited = False
-        while True:
-            if not self._max_sequences or engine.load().num_sequences < self._max_sequences:
-                try:
-                    return await self._worker.call(
-                        engine.begin_import, rid, flow_open.token_ids, flow_open.sampling, flow_open.seed
-                    )
-                except OutOfKvBlocks:
-                    pass
-            if claim.cancelled.is_set():
-                raise RequestCancelled(f"request {rid!r} ended while its flow waited for room")
-            if asyncio.get_running_loop().time() > deadline:
-                raise OutOfKvBlocks(f"no room for {needed} KV blocks within {self._in_flight_wait_s:.0f} s")
-            if not waited:
-                waited = True
-                self.num_waits_for_room += 1
-                load = engine.load()
-                log.info(
-                    "kv_import_waits_for_room",
-                    request_id=rid,
-                    needed_blocks=needed,
-                    free_blocks=load.num_free_blocks,
-                    sequences=load.num_sequences,
-                )
-            try:  # room appears as other requests finish; a cancel ends the wait at once
-                await asyncio.wait_for(claim.cancelled.wait(), ROOM_POLL_S)
-            except TimeoutError:
-                pass
-
-    async def _wait_for_blocks_in_flight(self, request_id: str, claim: Claim):
-        """Let earlier flows that bring this prompt's blocks finish first.
-
-        A follow-up turn often arrives while the previous turn's KV is still crossing the
-        WAN: asking for those blocks again would send them twice over the same link. Once
-        the earlier import is done they are in the prefix cache and only the rest is asked
-        for. Earlier flows still waiting themselves count too (by arrival order, so no two
-        flows wait on each other): otherwise two turns queued behind a shared system prompt
-        would both ask for the first turn's blocks.
-        """
-        engine = self._worker.engine
-        deadline = asyncio.get_running_loop().time() + self._in_flight_wait_s
-        while True:
-            cached = await self._worker.call(engine.cached_prefix_blocks, claim.block_hashes)
-            found = self._in_flight.blocker(claim, cached)
-            remaining = deadline - asyncio.get_running_loop().time()
-            if found is None or remaining <= 0:
-                return
-            behind, blocker = found
-            log.info("kv_import_waits_for_blocks_in_flight", request_id=request_id, behind=behind, cached_blocks=cached)
-            # A request that ended elsewhere still imports (for the cache), so it keeps its
-            # place; any other cancel ends the wait at once.
-            waits = [asyncio.ensure_future(blocker.done.wait())]
-            if not claim.cancelled.is_set():
-                waits.append(asyncio.ensure_future(claim.cancelled.wait()))
-            try:
-                await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for waiting in waits:
-                    waiting.cancel()
-            if claim.dropped or not blocker.done.is_set():
-                return
 
     def _release(self, request_id: str):
         self._in_flight.release(request_id)
@@ -333,7 +258,7 @@ class KvImporter:
         self._cancelled_before_flow.move_to_end(request_id)
         oldest = self._cancelled_before_flow
         while oldest and (
-            len(oldest) > MAX_EARLY_CANCELS or next(iter(oldest.values()))[1] < now - self._in_flight_wait_s
+            len(oldest) > MAX_EARLY_CANCELS or next(iter(oldest.values()))[1] < now - self.admission.wait_s
         ):
             oldest.popitem(last=False)
 
