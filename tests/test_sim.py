@@ -348,23 +348,28 @@ def test_decisions_come_from_the_routers_and_relays_own_code():
     assert [r.pipeline for r in relaxed.requests] == ["P-MD"]
 
 
-def test_a_simulated_run_logs_nothing_and_moves_no_metric_of_the_process(capsys):
+def test_a_simulated_run_logs_nothing_and_moves_no_metric_of_the_process():
     """The policies return their decisions; a replay of relayed, handed-over and odd requests
     (thousands of decisions in a real run) leaves the process's logs and metrics alone."""
+    import logging
+
+    import structlog
     from prometheus_client import REGISTRY
-
-    from shared.logging import configure_logging
-
-    configure_logging("debug")
+    from structlog.testing import capture_logs
 
     def samples() -> dict:
         return {(s.name, tuple(sorted(s.labels.items()))): s.value for m in REGISTRY.collect() for s in m.samples}
 
     before = samples()
-    capsys.readouterr()
-    _, result = run(agent_records(sessions=2, turns=2, output=400, odd=2), link=LinkSpec(20e6, 0.04, 0.0))
+    previous = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with capture_logs() as logs:
+            _, result = run(agent_records(sessions=2, turns=2, output=400, odd=2), link=LinkSpec(20e6, 0.04, 0.0))
+    finally:
+        structlog.configure(**previous)
     assert {r.handoff_mode for r in result.requests} >= {"catch-up"}
     assert any(r.finished_on == "RLD" for r in result.requests)  # the odd ones
-    assert capsys.readouterr() == ("", "")
+    assert logs == []
     moved = {k: (before.get(k), v) for k, v in samples().items() if k[0].startswith("pdd_") and before.get(k) != v}
     assert not moved, moved
