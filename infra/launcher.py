@@ -37,7 +37,7 @@ from infra.nats_server import (
 )
 from infra.streams import create_site_streams
 from shared.errors import PddError
-from shared.model_loader import model_cache_dir
+from shared.hf_cache import model_cache_dir
 from shared.nats_roles import ADMIN
 
 TOPOLOGY = {

@@ -57,3 +57,8 @@ def install_tokenizer(folder: Path, repo_id: str, hub_cache: Path | None = None)
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text(revision)
     return snapshot
+
+
+def model_cache_dir() -> Path:
+    """The folder converted models are kept in (``$PDD_CACHE_DIR`` or ``~/.cache/pdd``)."""
+    return Path(os.environ.get("PDD_CACHE_DIR", Path.home() / ".cache" / "pdd")).expanduser()

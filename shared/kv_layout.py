@@ -1,8 +1,10 @@
 """The shape of one instance's KV cache: what two instances must agree on to share blocks."""
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the layout is read from a model's config; checking frames against it needs no torch
+    import torch
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -23,10 +25,10 @@ class KvLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: "torch.dtype"
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, block_size: int = DEFAULT_BLOCK_SIZE) -> "KvLayout":
+    def from_model(cls, model: "torch.nn.Module", block_size: int = DEFAULT_BLOCK_SIZE) -> "KvLayout":
         """Read the layout from an HF decoder config."""
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -15,9 +15,9 @@ single byte can reach a pool; a bad frame raises a ``KvFrameError`` subclass.
 
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
-import torch
 import xxhash
 
 from shared.block_hash import HASH_SCHEME_VERSION, ROOT_PARENT_HASH, hash_blocks
@@ -30,6 +30,9 @@ from shared.errors import (
 )
 from shared.kv_layout import KvLayout
 
+if TYPE_CHECKING:  # torch is imported where tensors are made: the wire's checks need none
+    import torch
+
 MAGIC = b"PDKV"
 WIRE_FORMAT_VERSION = 1
 PREFIX = struct.Struct("<4sHHIQ")
@@ -37,8 +40,8 @@ PREFIX_SIZE = PREFIX.size
 MAX_HEADER_BYTES = 1 << 20
 DEFAULT_MAX_BODY_BYTES = 1 << 30
 
-WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
+WIRE_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""The dtypes a frame may carry (torch's names) and their bytes per element."""
 
 
 class KvFrameHeader(msgspec.Struct, frozen=True, kw_only=True):
@@ -99,7 +102,7 @@ class KvFrame:
     """
 
     header: KvFrameHeader
-    kv: torch.Tensor
+    kv: "torch.Tensor"
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ _header_decoder = msgspec.msgpack.Decoder(KvFrameHeader)
 
 def encode_frame(
     *,
-    kv: torch.Tensor,
+    kv: "torch.Tensor",
     model_fingerprint: str,
     block_size: int,
     request_id: str,
@@ -150,6 +153,11 @@ def encode_frame(
     num_layers, two, num_tokens, num_kv_heads, head_dim = kv.shape
     if two != 2 or num_tokens != len(token_ids) or num_tokens == 0:
         raise ValueError(f"kv shape {tuple(kv.shape)} does not match {len(token_ids)} tokens")
+    import torch
+
+    dtype = str(kv.dtype).removeprefix("torch.")
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"kv dtype {kv.dtype} is not one the wire carries ({sorted(WIRE_DTYPES)})")
     body = memoryview(kv.detach().cpu().contiguous().view(torch.uint8).numpy()).cast("B")
     header = KvFrameHeader(
         format_version=WIRE_FORMAT_VERSION,
@@ -157,7 +165,7 @@ def encode_frame(
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        dtype=DTYPE_NAMES[kv.dtype],
+        dtype=dtype,
         block_size=block_size,
         hash_scheme=HASH_SCHEME_VERSION,
         request_id=request_id,
@@ -211,7 +219,9 @@ def decode_frame(buffer: bytes | bytearray | memoryview, expect: FrameExpectatio
     body = view[PREFIX_SIZE + header_len :]
     if xxhash.xxh3_64_intdigest(body) != header.body_xxh3:
         raise CorruptFrame(f"body checksum mismatch for request {header.request_id!r}")
-    dtype = WIRE_DTYPES[header.dtype]
+    import torch
+
+    dtype = getattr(torch, header.dtype)
     # torch.frombuffer shares memory with the receive buffer; a read-only buffer (bytes)
     # would make later in-place ops undefined, so ask for a writable one.
     if view.readonly:
@@ -251,7 +261,7 @@ def _check_consistent(header: KvFrameHeader, body_len: int):
         raise CorruptFrame(f"negative first_block_index {header.first_block_index}")
     if any(not 0 <= t < 1 << 32 for t in header.token_ids):
         raise CorruptFrame("token id out of range")
-    itemsize = WIRE_DTYPES[header.dtype].itemsize
+    itemsize = WIRE_DTYPES[header.dtype]
     shape_bytes = header.num_layers * 2 * header.num_tokens * header.num_kv_heads * header.head_dim * itemsize
     if shape_bytes != body_len:
         raise CorruptFrame(f"body is {body_len} bytes, header shape needs {shape_bytes}")

@@ -8,7 +8,6 @@ in about a second. The wheel's Python module is never imported (it needs llama-c
 
 import importlib.util
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import torch
 import xxhash
 
 from shared.errors import ModelLoadError
+from shared.hf_cache import model_cache_dir
 
 log = structlog.get_logger(__name__)
 
@@ -63,11 +63,6 @@ class LoadedModel:
             eos = self.tokenizer.eos_token_id
         ids = eos if isinstance(eos, list) else [eos]
         return frozenset(int(i) for i in ids if i is not None)
-
-
-def model_cache_dir() -> Path:
-    """The folder converted models are kept in (``$PDD_CACHE_DIR`` or ``~/.cache/pdd``)."""
-    return Path(os.environ.get("PDD_CACHE_DIR", Path.home() / ".cache" / "pdd")).expanduser()
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -9,17 +9,6 @@ from shared.tracing import configure_tracing
 
 _SPANS = InMemorySpanExporter()
 configure_tracing("pdd-tests", exporter=_SPANS, batch=False)
-STACK_FIXTURES = {"make_stack", "tiny_deployment", "smollm2"}
-"""Fixtures that start a stack or load the real model: the tests that use them run last."""
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """Run modules none of whose tests starts a stack first, modules kept whole (their
-    fixtures set up once). ``make test`` runs tests/faults beside the rest: its scenarios
-    wait on the faults they inject, and the light modules fit in the CPU they leave."""
-
-    heavy_modules = {item.module.__name__ for item in items if STACK_FIXTURES & set(item.fixturenames)}
-    items.sort(key=lambda item: item.module.__name__ in heavy_modules)
 
 
 @pytest.fixture(scope="session")

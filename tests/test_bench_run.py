@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from loadtest.trace import load_trace
 
 
+@pytest.mark.timeout(900)  # three deployments, a profile and a replay: minutes on a loaded machine
 def test_bench_run_writes_results_report_and_plots_and_the_simulator_replays_it(tmp_path):
     pdd = str(Path(sys.executable).parent / "pdd")
     result = subprocess.run(
