@@ -172,8 +172,6 @@ def cmd_generate(args) -> int:
     from shared.engine.sampling import SamplingParams
     from shared.model_loader import load_model
 
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    prompt = _prompt_ids(loaded.tokenizer, args.prompt, raw=args.raw)
     sampling = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -181,6 +179,9 @@ def cmd_generate(args) -> int:
         seed=args.seed,
         stop=tuple(args.stop),
     )
+    sampling.validate()  # before the model loads: a bad flag costs nothing
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    prompt = _prompt_ids(loaded.tokenizer, args.prompt, raw=args.raw)
     block_size = 32 if args.engine == "vllm" else 16  # vLLM's CPU attention takes multiples of 32
     engine = create_backend(
         args.engine,
