@@ -172,7 +172,28 @@ def _write_certificates(creds: Credentials, extra_names: tuple[str, ...] = ()):
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"pdd deployment CA {secrets.token_hex(4)}")])
     now = datetime.datetime.now(datetime.UTC)
-    ca = (
+    ca = _ca_certificate(ca_key, ca_name, now)
+    pem = serialization.Encoding.PEM
+    for peer, own_names in TLS_PEERS.items():
+        key = ec.generate_private_key(ec.SECP256R1())
+        dialled_across = extra_names if peer in PEER_OF_SITE.values() else ()
+        names = [x509.DNSName(n) for n in dict.fromkeys((*own_names, "localhost", *dialled_across))] + [
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1"))
+        ]
+        cert = _peer_certificate(peer, names, key, ca_key, ca_name, now)
+        write_private(
+            creds.key_file(peer),
+            key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+        )
+        write_private(creds.cert_file(peer), cert.public_bytes(pem))
+    write_private(creds.ca_file, ca.public_bytes(pem))
+    # The CA's key is not kept: nothing signs after start-up, and a stolen key could mint peers.
+
+
+def _ca_certificate(ca_key: ec.EllipticCurvePrivateKey, ca_name: x509.Name, now: datetime.datetime) -> x509.Certificate:
+    """The CA's self-signed certificate: signs peer certificates only (no intermediates), valid
+    from five minutes before ``now`` for ``VALID_DAYS``."""
+    return (
         x509.CertificateBuilder()
         .subject_name(ca_name)
         .issuer_name(ca_name)
@@ -197,32 +218,30 @@ def _write_certificates(creds: Credentials, extra_names: tuple[str, ...] = ()):
         )
         .sign(ca_key, hashes.SHA256())
     )
-    pem = serialization.Encoding.PEM
-    for peer, own_names in TLS_PEERS.items():
-        key = ec.generate_private_key(ec.SECP256R1())
-        dialled_across = extra_names if peer in PEER_OF_SITE.values() else ()
-        names = [x509.DNSName(n) for n in dict.fromkeys((*own_names, "localhost", *dialled_across))] + [
-            x509.IPAddress(ipaddress.ip_address("127.0.0.1"))
-        ]
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, peer)]))
-            .issuer_name(ca_name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .add_extension(
-                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                critical=False,
-            )
-            .sign(ca_key, hashes.SHA256())
+
+
+def _peer_certificate(
+    peer: str,
+    names: list[x509.GeneralName],
+    key: ec.EllipticCurvePrivateKey,
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_name: x509.Name,
+    now: datetime.datetime,
+) -> x509.Certificate:
+    """``peer``'s certificate for ``key``, valid for ``names`` as server and as client, signed
+    by the CA, valid from five minutes before ``now`` for ``VALID_DAYS``."""
+    return (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, peer)]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+            critical=False,
         )
-        write_private(
-            creds.key_file(peer),
-            key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
-        )
-        write_private(creds.cert_file(peer), cert.public_bytes(pem))
-    write_private(creds.ca_file, ca.public_bytes(pem))
-    # The CA's key is not kept: nothing signs after start-up, and a stolen key could mint peers.
+        .sign(ca_key, hashes.SHA256())
+    )

@@ -45,6 +45,9 @@ from shared.config import (
 from shared.model_loader import LoadedModel, ModelMetadata
 from shared.nats_roles import ADMIN
 
+_COMMON_SETTINGS = {"heartbeat_s": 0.25}
+"""Settings every service of the stack starts with."""
+
 
 async def start_site_pair(
     link: WanLink,
@@ -59,10 +62,9 @@ async def start_site_pair(
     caller to stop. Returns once the leafnode is connected. With ``credentials`` the servers
     are locked down (role nkeys, TLS, a mutual-TLS leafnode).
     """
-    loop = asyncio.get_running_loop()
-    site_a, process = await loop.run_in_executor(
-        None,
-        start_nats_on_free_ports,
+    site_a = await _start_nats_server(
+        workdir,
+        processes,
         lambda: NatsSite(
             SITE_A,
             free_port(),
@@ -72,15 +74,13 @@ async def start_site_pair(
             credentials=credentials,
             identities=identities,
         ),
-        workdir,
     )
-    processes.append(process)
     leaf_port = await link.add_route(
         Route("leafnode", "127.0.0.1", 0, "127.0.0.1", site_a.leaf_listen_port, from_site=SITE_B)
     )
-    site_b, process = await loop.run_in_executor(
-        None,
-        start_nats_on_free_ports,
+    site_b = await _start_nats_server(
+        workdir,
+        processes,
         lambda: NatsSite(
             SITE_B,
             free_port(),
@@ -90,17 +90,28 @@ async def start_site_pair(
             credentials=credentials,
             identities=identities,
         ),
-        workdir,
     )
-    processes.append(process)
     # JetStream behind a leafnode answers cross-domain API calls once both servers are up.
-    await loop.run_in_executor(
+    await asyncio.get_running_loop().run_in_executor(
         None, wait_until, lambda: leafnode_count(site_a) >= 1, 15, "leafnode between the sites did not connect"
     )
-    login = {"seed_file": str(credentials.seed_file(ADMIN)), "ca_file": str(credentials.ca_file)} if credentials else {}
-    for site in (site_a, site_b):  # the deployment step: streams, made by the admin identity alone
-        await create_site_streams(site.url, site.site, **login)
+    await _create_streams((site_a, site_b), credentials)
     return {SITE_A: site_a, SITE_B: site_b}
+
+
+async def _start_nats_server(workdir: Path, processes: list, make_site) -> NatsSite:
+    """Start a nats-server on the ports ``make_site()`` draws (off the event loop); append its
+    process to ``processes``."""
+    site, process = await asyncio.get_running_loop().run_in_executor(None, start_nats_on_free_ports, make_site, workdir)
+    processes.append(process)
+    return site
+
+
+async def _create_streams(sites: tuple[NatsSite, ...], credentials: Credentials | None):
+    """The deployment step: each site's streams, made by the admin identity alone."""
+    login = {"seed_file": str(credentials.seed_file(ADMIN)), "ca_file": str(credentials.ca_file)} if credentials else {}
+    for site in sites:
+        await create_site_streams(site.url, site.site, **login)
 
 
 class LocalStack:
@@ -204,96 +215,114 @@ class LocalStack:
         )
 
     async def _start_services(self):
-        common = {"heartbeat_s": 0.25}
+        """Make every service (cache index, prefill, relays, main decoders, router), then start each."""
         receiver_key = {"bulk_verify_key": verify_key(self.secret)}  # receivers cannot sign flows
-        a_url, b_url = self.sites[SITE_A].url, self.sites[SITE_B].url
-        self.cache_index = CacheIndexService(
+        self.cache_index = self._cache_index_service()
+        self.prefill = self._prefill_service()
+        for i in range(self.num_relay):
+            self.relays.append(self._relay_service(i, receiver_key))
+        # One routed port for every main decoder, as `pdd up` and compose run it.
+        wan_port = await self.link.add_route(Route("bulk-main-decode", "127.0.0.1", 0, "*", 0, from_site=SITE_A))
+        for i in range(self.num_main):
+            self.mains.append(self._main_service(i, receiver_key, wan_port))
+        self.router = self._router_service()
+        for service in self.services:
+            await service.start()
+
+    def _cache_index_service(self) -> CacheIndexService:
+        """The cache index, at site A."""
+        return CacheIndexService(
             build_config(
                 CacheIndexConfig,
                 {
-                    **common,
+                    **_COMMON_SETTINGS,
                     **self.security("cache-index-0"),
                     "site": SITE_A,
-                    "nats_url": a_url,
+                    "nats_url": self.sites[SITE_A].url,
                     "instance_id": "cache-index-0",
                 },
                 {},
             )
         )
-        self.prefill = PrefillService(
+
+    def _prefill_service(self) -> PrefillService:
+        """The prefill engine, at site A, holding the bulk secret it signs flows with."""
+        return PrefillService(
             build_config(
                 PrefillConfig,
                 {
-                    **common,
+                    **_COMMON_SETTINGS,
                     "bulk_secret": self.secret,
                     **self.security("prefill-0"),
                     **self.engine_settings,
                     **self._engine("prefill"),
                     "site": SITE_A,
-                    "nats_url": a_url,
+                    "nats_url": self.sites[SITE_A].url,
                     "instance_id": "prefill-0",
                 },
                 {},
             ),
             self.loaded,
         )
-        for i in range(self.num_relay):
-            self.relays.append(
-                RelayDecodeService(
-                    build_config(
-                        RelayDecodeConfig,
-                        {
-                            **common,
-                            **receiver_key,
-                            **self.security(f"relay-decode-{i}"),
-                            **self.engine_settings,
-                            **self.decode_settings,
-                            **self.relay_settings,
-                            **self._engine("relay_decode"),
-                            "site": SITE_A,
-                            "nats_url": a_url,
-                            "instance_id": f"relay-decode-{i}",
-                        },
-                        {},
-                    ),
-                    self.loaded,
-                )
-            )
-        # One routed port for every main decoder, as `pdd up` and compose run it.
-        wan_port = await self.link.add_route(Route("bulk-main-decode", "127.0.0.1", 0, "*", 0, from_site=SITE_A))
-        for i in range(self.num_main):
-            bulk_port = free_port()
-            self.mains.append(
-                MainDecodeService(
-                    build_config(
-                        BulkReceiverConfig,
-                        {
-                            **common,
-                            **receiver_key,
-                            **self.security(f"main-decode-{i}"),
-                            **self.engine_settings,
-                            **self.decode_settings,
-                            **self._engine("main_decode"),
-                            "site": SITE_B,
-                            "nats_url": b_url,
-                            "instance_id": f"main-decode-{i}",
-                            "bulk_port": bulk_port,
-                            "bulk_advertise": f"127.0.0.1:{bulk_port}",
-                            "bulk_link": f"127.0.0.1:{wan_port}",
-                        },
-                        {},
-                    ),
-                    self.loaded,
-                )
-            )
-        self.router = RouterService(
+
+    def _relay_service(self, i: int, receiver_key: dict) -> RelayDecodeService:
+        """Relay decoder ``i``, at site A."""
+        return RelayDecodeService(
+            build_config(
+                RelayDecodeConfig,
+                {
+                    **_COMMON_SETTINGS,
+                    **receiver_key,
+                    **self.security(f"relay-decode-{i}"),
+                    **self.engine_settings,
+                    **self.decode_settings,
+                    **self.relay_settings,
+                    **self._engine("relay_decode"),
+                    "site": SITE_A,
+                    "nats_url": self.sites[SITE_A].url,
+                    "instance_id": f"relay-decode-{i}",
+                },
+                {},
+            ),
+            self.loaded,
+        )
+
+    def _main_service(self, i: int, receiver_key: dict, wan_port: int) -> MainDecodeService:
+        """Main decoder ``i``, at site B: its bulk channel on a free port, reached through the
+        link's ``wan_port``."""
+        bulk_port = free_port()
+        return MainDecodeService(
+            build_config(
+                BulkReceiverConfig,
+                {
+                    **_COMMON_SETTINGS,
+                    **receiver_key,
+                    **self.security(f"main-decode-{i}"),
+                    **self.engine_settings,
+                    **self.decode_settings,
+                    **self._engine("main_decode"),
+                    "site": SITE_B,
+                    "nats_url": self.sites[SITE_B].url,
+                    "instance_id": f"main-decode-{i}",
+                    "bulk_port": bulk_port,
+                    "bulk_advertise": f"127.0.0.1:{bulk_port}",
+                    "bulk_link": f"127.0.0.1:{wan_port}",
+                },
+                {},
+            ),
+            self.loaded,
+        )
+
+    def _router_service(self) -> RouterService:
+        """The router, at site A, on a free HTTP port (``router_settings`` override the rest)."""
+        return RouterService(
             build_config(
                 RouterConfig,
                 {
-                    **common,
+                    **_COMMON_SETTINGS,
                     **self.security("router-0"),
                     "site": SITE_A,
-                    "nats_url": a_url,
+                    "nats_url": self.sites[SITE_A].url,
                     "instance_id": "router-0",
                     "model": self.loaded.name,
                     "http_port": 0,
@@ -304,8 +333,6 @@ class LocalStack:
             ),
             self.metadata,
         )
-        for service in self.services:
-            await service.start()
 
     def _engine(self, role: str) -> dict:
         return {"engine": self.engines[role]} if role in self.engines else {}

@@ -53,6 +53,18 @@ def auth_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def _chat_body(model: str, messages: list[dict], max_tokens: int) -> dict:
+    """A greedy streaming chat completion request whose last chunk carries the usage."""
+    return {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 async def stream_chat(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -63,21 +75,13 @@ async def stream_chat(
     timeout_s: float = 600,
 ) -> RequestRecord:
     """Send one streaming chat request and fill ``record``."""
-    body = {
-        "model": model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
     started = last = time.perf_counter()
     record.sent_unix_s = time.time()
     parts = []
     try:
         async with session.post(
             base_url + "/chat/completions",
-            json=body,
+            json=_chat_body(model, messages, max_tokens),
             headers=auth_headers(),
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as response:

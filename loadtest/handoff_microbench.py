@@ -19,6 +19,7 @@ import asyncio
 import statistics
 import struct
 import time
+from typing import TYPE_CHECKING
 
 from infra.wan_link import LinkProfile, Route, WanLink
 from loadtest.engine_bench import synthetic_prompt
@@ -29,6 +30,9 @@ from shared.engine.sampling import SamplingParams
 from shared.kv_wire import decode_frame, encode_frame, frame_bytes
 from shared.messages import HandoffTokens, decoder, encode
 from shared.model_loader import LoadedModel
+
+if TYPE_CHECKING:
+    import torch
 
 _LENGTH = struct.Struct("<BI")
 _ACK = struct.Struct("<d")  # receiver compute seconds
@@ -94,16 +98,53 @@ def _kv_frame(fingerprint: str, block_size: int, prompt: list[int], kv, handed: 
     )
 
 
-async def _measure(loaded: LoadedModel, profile: LinkProfile, context: int, num_tokens: int, trials: int) -> dict:
-    prompt = synthetic_prompt(loaded, context, 11)
+def _relay_decode(
+    loaded: LoadedModel, prompt: list[int], context: int, num_tokens: int
+) -> tuple[HfEngine, list[int], "torch.Tensor"]:
+    """A relay engine that decoded ``num_tokens`` after ``prompt`` (``context`` tokens): the
+    engine, those tokens' IDs, and their KV as the relay exports it."""
     relay = HfEngine(loaded, num_blocks=(context + num_tokens) // 16 + 8)
     relay.add_request("r", prompt, SamplingParams(max_tokens=num_tokens + 1, ignore_eos=True))
     while relay.has_work():
         relay.step()
     handed = list(relay.request("r").output_token_ids[:num_tokens])
-    # The relay's KV of the handed tokens, as it would export it.
     exported = relay.export_frames("r", context, context + num_tokens, max_tokens_per_frame=1 << 20)
-    kv = decode_frame(frame_bytes(exported[0]), relay.frame_expectation).kv
+    return relay, handed, decode_frame(frame_bytes(exported[0]), relay.frame_expectation).kv
+
+
+async def _round_trip(reader, writer, kind: int, payload: bytes) -> tuple[float, float]:
+    """Send one handoff of ``kind`` and wait for its acknowledgement: ``(latency_ms, receiver_compute_ms)``."""
+    started = time.perf_counter()
+    writer.write(_LENGTH.pack(kind, len(payload)) + payload)
+    await writer.drain()
+    (compute_s,) = _ACK.unpack(await reader.readexactly(_ACK.size))
+    return (time.perf_counter() - started) * 1000, compute_s * 1000
+
+
+def _stats(values: list[float]) -> dict:
+    """Mean, max and population standard deviation, to 0.1."""
+    return {
+        "mean": round(statistics.mean(values), 1),
+        "max": round(max(values), 1),
+        "std": round(statistics.pstdev(values), 1),
+    }
+
+
+def _summary(payload: bytes, latencies_ms: list[float], computes_ms: list[float]) -> dict:
+    """One handoff kind's payload size and the stats of its latency, receiver compute and link time."""
+    link_ms = [total - compute for total, compute in zip(latencies_ms, computes_ms)]
+    return {
+        "payload_bytes": len(payload),
+        "latency_ms": _stats(latencies_ms),
+        "receiver_compute_ms": _stats(computes_ms),
+        "link_ms": _stats(link_ms),
+    }
+
+
+async def _measure(loaded: LoadedModel, profile: LinkProfile, context: int, num_tokens: int, trials: int) -> dict:
+    """Both handoff kinds, alternating, ``trials`` times after the warm-up: the benchmark's report."""
+    prompt = synthetic_prompt(loaded, context, 11)
+    relay, handed, kv = _relay_decode(loaded, prompt, context, num_tokens)
     main = _MainDecode(loaded, prompt, num_tokens)
     server = await asyncio.start_server(main.serve, "127.0.0.1", 0)
     link = WanLink(profile)
@@ -118,35 +159,18 @@ async def _measure(loaded: LoadedModel, profile: LinkProfile, context: int, num_
             ids_payload = encode(HandoffTokens(request_id=f"ids-{trial}", start_index=0, token_ids=handed, final=True))
             kv_payload = _kv_frame(loaded.fingerprint, relay.block_size, prompt, kv, handed, trial)
             for name, kind, payload in (("token_ids", 0, ids_payload), ("incremental_kv", 1, kv_payload)):
-                started = time.perf_counter()
-                writer.write(_LENGTH.pack(kind, len(payload)) + payload)
-                await writer.drain()
-                (compute_s,) = _ACK.unpack(await reader.readexactly(_ACK.size))
+                latency_ms, compute_ms = await _round_trip(reader, writer, kind, payload)
                 if trial >= WARMUP_TRIALS:
-                    latencies[name].append((time.perf_counter() - started) * 1000)
-                    computes[name].append(compute_s * 1000)
+                    latencies[name].append(latency_ms)
+                    computes[name].append(compute_ms)
     finally:
         writer.close()
         await link.close()
         server.close()
-
-    def stats(values: list[float]) -> dict:
-        return {
-            "mean": round(statistics.mean(values), 1),
-            "max": round(max(values), 1),
-            "std": round(statistics.pstdev(values), 1),
-        }
-
-    def summary(payload: bytes, name: str) -> dict:
-        link = [total - compute for total, compute in zip(latencies[name], computes[name])]
-        return {
-            "payload_bytes": len(payload),
-            "latency_ms": stats(latencies[name]),
-            "receiver_compute_ms": stats(computes[name]),
-            "link_ms": stats(link),
-        }
-
-    report = {"token_ids": summary(ids_payload, "token_ids"), "incremental_kv": summary(kv_payload, "incremental_kv")}
+    report = {
+        "token_ids": _summary(ids_payload, latencies["token_ids"], computes["token_ids"]),
+        "incremental_kv": _summary(kv_payload, latencies["incremental_kv"], computes["incremental_kv"]),
+    }
     report["payload_ratio"] = round(len(kv_payload) / len(ids_payload), 1)
     report["config"] = {
         "model": loaded.name,

@@ -30,16 +30,13 @@ async def run_trace(
     its ``start_s``. Within a session every turn waits for the previous answer, which joins
     the history (so follow-ups re-send the growing context).
     """
-    sessions = defaultdict(list)
-    for turn in trace:
-        sessions[turn.session].append(turn)
+    sessions = _by_session(trace)
     limit = asyncio.Semaphore(concurrency if concurrency > 0 else len(sessions))
     bar = tqdm(total=len(trace), desc="requests", disable=not progress, leave=False)
     records: list[RequestRecord] = []
     async with aiohttp.ClientSession() as http:
         if model is None:
-            async with http.get(base_url + "/models", headers=auth_headers()) as response:
-                model = (await response.json())["data"][0]["id"]
+            model = await _first_model(http, base_url)
         started = time.perf_counter()
 
         async def run_session(turns: list[TraceTurn]):
@@ -64,3 +61,17 @@ async def run_trace(
         await asyncio.gather(*(run_session(t) for t in sessions.values()))
     bar.close()
     return records, time.perf_counter() - started
+
+
+def _by_session(trace: list[TraceTurn]) -> dict[int, list[TraceTurn]]:
+    """The trace's turns grouped by session, sessions and turns in trace order."""
+    sessions = defaultdict(list)
+    for turn in trace:
+        sessions[turn.session].append(turn)
+    return sessions
+
+
+async def _first_model(http: aiohttp.ClientSession, base_url: str) -> str:
+    """The first model the deployment's ``/models`` lists."""
+    async with http.get(base_url + "/models", headers=auth_headers()) as response:
+        return (await response.json())["data"][0]["id"]

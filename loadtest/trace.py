@@ -114,10 +114,7 @@ def generate_trace(
             )
         )
         for turn in range(1, turns):
-            if rng.random() < tool_turn_share:
-                content = "New tool output:\n" + tool_output(rng, tool_lines) + "\n" + rng.choice(_QUESTIONS)
-            else:
-                content = rng.choice(_QUESTIONS)
+            content = _follow_up(rng, tool_lines, tool_turn_share)
             trace.append(TraceTurn(session, turn, content, max_tokens, "warm", start))
     odd_count = round(len(trace) * odd_share / (1 - odd_share)) if odd_share else 0
     for i in range(odd_count):
@@ -133,6 +130,13 @@ def generate_trace(
             )
         )
     return trace
+
+
+def _follow_up(rng: random.Random, tool_lines: int, tool_turn_share: float) -> str:
+    """A warm turn's message: at ``tool_turn_share``, a new tool output and a question; else a question."""
+    if rng.random() < tool_turn_share:
+        return "New tool output:\n" + tool_output(rng, tool_lines) + "\n" + rng.choice(_QUESTIONS)
+    return rng.choice(_QUESTIONS)
 
 
 def estimated_hit_rates(trace: list[TraceTurn]) -> list[float]:

@@ -150,15 +150,8 @@ def encode_frame(
     Returns:
         ``[prefix + header, body]``.
     """
-    num_layers, two, num_tokens, num_kv_heads, head_dim = kv.shape
-    if two != 2 or num_tokens != len(token_ids) or num_tokens == 0:
-        raise ValueError(f"kv shape {tuple(kv.shape)} does not match {len(token_ids)} tokens")
-    import torch
-
-    dtype = str(kv.dtype).removeprefix("torch.")
-    if dtype not in WIRE_DTYPES:
-        raise ValueError(f"kv dtype {kv.dtype} is not one the wire carries ({sorted(WIRE_DTYPES)})")
-    body = memoryview(kv.detach().cpu().contiguous().view(torch.uint8).numpy()).cast("B")
+    num_layers, _, _, num_kv_heads, head_dim = kv.shape
+    dtype, body = _wire_body(kv, len(token_ids))
     header = KvFrameHeader(
         format_version=WIRE_FORMAT_VERSION,
         model_fingerprint=model_fingerprint,
@@ -179,6 +172,20 @@ def encode_frame(
     header_bytes = _header_encoder.encode(header)
     prefix = PREFIX.pack(MAGIC, WIRE_FORMAT_VERSION, 0, len(header_bytes), body.nbytes)
     return [prefix + header_bytes, body]
+
+
+def _wire_body(kv: "torch.Tensor", num_tokens: int) -> tuple[str, memoryview]:
+    """Check ``kv`` holds ``num_tokens`` tokens in a dtype the wire carries; return that dtype's
+    name and ``kv``'s bytes (copied only to reach the CPU or become contiguous)."""
+    _, two, kv_tokens, _, _ = kv.shape
+    if two != 2 or kv_tokens != num_tokens or num_tokens == 0:
+        raise ValueError(f"kv shape {tuple(kv.shape)} does not match {num_tokens} tokens")
+    import torch
+
+    dtype = str(kv.dtype).removeprefix("torch.")
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"kv dtype {kv.dtype} is not one the wire carries ({sorted(WIRE_DTYPES)})")
+    return dtype, memoryview(kv.detach().cpu().contiguous().view(torch.uint8).numpy()).cast("B")
 
 
 def read_prefix(prefix: bytes | memoryview, expect: FrameExpectation) -> tuple[int, int]:

@@ -240,21 +240,11 @@ def evaluate(
     arrived = sum(1 for r in workload.requests if r.start_s >= warmup)
     result.requests = measured
     summary = result.summary(sla.ttft_s, sla.itl_s, window_s=window)
-    ttfts = sorted(r.ttft_s for r in measured) + [float("inf")] * (arrived - len(measured))
-    ttft_q = ttfts[min(len(ttfts) - 1, int(sla.quantile * len(ttfts)))] if ttfts else float("inf")
+    ttft_q = _ttft_quantile(measured, arrived, sla.quantile)
     itl_q = gap_quantile([g for r in measured for g in r.gaps], sla.quantile)
     summary["ttft_quantile_s"], summary["itl_quantile_s"] = ttft_q, itl_q
     summary["goodput_rps"] = round(sum(1 for r in measured if sla.request_ok(r)) / window, 3) if window else 0.0
-    busy = {
-        role: round(sum(e.busy_s for e in engines) / len(engines) / max(simulator.events.now, 1e-9), 3)
-        for role, engines in simulator.engines.items()
-        if engines
-    }
-    link = (
-        result.wan_bytes * 8 / max(simulator.events.now, 1e-9) / setting.link.bandwidth_bps
-        if design != "same-dc-pd"
-        else 0.0
-    )
+    busy = _busy_share(simulator)
     return Evaluation(
         design,
         counts,
@@ -262,11 +252,32 @@ def evaluate(
         rate_rps,
         summary,
         ttft_q <= sla.ttft_s and itl_q <= sla.itl_s,
-        link,
+        _link_utilisation(design, result.wan_bytes, simulator.events.now, setting),
         max(busy, key=busy.get),
         busy,
         _waits(measured),
     )
+
+
+def _ttft_quantile(measured: list, arrived: int, quantile: float) -> float:
+    """The ``quantile`` of the measured requests' TTFTs, each of the ``arrived`` requests that
+    did not finish counting as infinite (infinite without any)."""
+    ttfts = sorted(r.ttft_s for r in measured) + [float("inf")] * (arrived - len(measured))
+    return ttfts[min(len(ttfts) - 1, int(quantile * len(ttfts)))] if ttfts else float("inf")
+
+
+def _link_utilisation(design: str, wan_bytes: int, elapsed_s: float, setting: Setting) -> float:
+    """The WAN line's mean utilisation over ``elapsed_s`` (0 for same-datacenter PD, which does not use it)."""
+    return wan_bytes * 8 / max(elapsed_s, 1e-9) / setting.link.bandwidth_bps if design != "same-dc-pd" else 0.0
+
+
+def _busy_share(simulator: Simulator) -> dict[str, float]:
+    """Per service with instances, its engines' mean busy share of the simulated time."""
+    return {
+        role: round(sum(e.busy_s for e in engines) / len(engines) / max(simulator.events.now, 1e-9), 3)
+        for role, engines in simulator.engines.items()
+        if engines
+    }
 
 
 def _waits(requests) -> dict:

@@ -178,22 +178,32 @@ def run_paper(
 
 def render(report: dict) -> str:
     """The designs beside the paper's figures."""
-    d, paper = report["designs"], report["paper"]
+    return "\n".join(_design_table(report["designs"]) + _beside_the_paper(report))
+
+
+def _design_table(designs: dict) -> list[str]:
+    """One line per design: chips, relative costs, TTFT, goodput, BCR, relay share, link, SLA."""
     lines = [
         (
             f"{'design':<16} {'chips A':>7} {'chips B':>7} {'cost@20%':>8} {'cost@30%':>8} {'TTFT p50':>9} "
             f"{'TTFT p99':>9} {'goodput':>8} {'BCR':>8} {'RLD share':>9} {'link':>5} SLA"
         )
     ]
-    for name, f in d.items():
+    for name, f in designs.items():
         lines.append(
             f"{name:<16} {f['chips_a']:>7} {f['chips_b']:>7} {f['cost_rel_same_dc']['0.2']:>8.3f} "
             f"{f['cost_rel_same_dc']['0.3']:>8.3f} {f['ttft_p50_ms']:>9,.0f} {f['ttft_p99_ms']:>9,.0f} "
             f"{f['goodput_rps']:>8.2f} {f['bcr']:>8.4f} {f['rld_token_share']:>9.3f} "
             f"{f['link_utilisation']:>5.2f} {'met' if f['meets_sla'] else 'MISSED'}"
         )
+    return lines
+
+
+def _beside_the_paper(report: dict) -> list[str]:
+    """Our figures with the paper's beside them, after a blank line."""
+    d, paper = report["designs"], report["paper"]
     pdd, same, cross = d["pdd"], d["same-dc-pd"], d["cross-dc-pd"]
-    lines += [
+    return [
         "",
         "ours vs the paper's:",
         (
@@ -226,7 +236,6 @@ def render(report: dict) -> str:
         ),
         f"{report['duration_s']} s; paper figures from {paper['source']}",
     ]
-    return "\n".join(lines)
 
 
 def _change(value, base) -> str:

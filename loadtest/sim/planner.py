@@ -9,6 +9,7 @@ same seed, so every comparison sees the same requests).
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from loadtest.sim.cluster import Counts, Evaluation, Setting, Sla, WorkloadSource, build, evaluate
@@ -141,22 +142,35 @@ def size(
         step = max(1, getattr(counts, role) // 8)
         counts = counts.bump(role, step)
         current = run(counts)
-    shrunk = True
-    while shrunk and current.meets_sla and len(runs) < MAX_EVALUATIONS:
-        shrunk = False
-        for role in sorted(ROLES, key=lambda r: -current.busy_share.get(r, 0.0))[::-1]:
-            if getattr(counts, role) <= _minimum(design, role):
-                continue
-            trial = run(counts.bump(role, -1))
-            if trial.meets_sla:
-                counts, current, shrunk = trial.counts, trial, True
-                break
-    fewer = {
+    while current.meets_sla and len(runs) < MAX_EVALUATIONS:
+        smaller = _first_smaller(design, counts, current, run)
+        if smaller is None:
+            break
+        counts, current = smaller.counts, smaller
+    return Plan(current, _one_fewer_each(design, counts, run), len(runs))
+
+
+def _first_smaller(
+    design: str, counts: Counts, current: Evaluation, run: Callable[[Counts], Evaluation]
+) -> Evaluation | None:
+    """The first of ``counts`` less one instance of a service (least busy service first) that
+    still meets the SLA; None when none does."""
+    for role in sorted(ROLES, key=lambda r: -current.busy_share.get(r, 0.0))[::-1]:
+        if getattr(counts, role) <= _minimum(design, role):
+            continue
+        trial = run(counts.bump(role, -1))
+        if trial.meets_sla:
+            return trial
+    return None
+
+
+def _one_fewer_each(design: str, counts: Counts, run: Callable[[Counts], Evaluation]) -> dict:
+    """For each of the design's services, the simulation with one instance fewer (None: at its minimum)."""
+    return {
         role: (run(counts.bump(role, -1)) if getattr(counts, role) > _minimum(design, role) else None)
         for role in ROLES
         if design == "pdd" or role != "relay_decode"
     }
-    return Plan(current, fewer, len(runs))
 
 
 def _grow(design: str, evaluation: Evaluation, sla: Sla) -> str | None:

@@ -161,6 +161,22 @@ def fit(samples: list[dict], transfer: dict, kv_bytes_per_token: int, source: st
     )
 
 
+def _fit_source(loaded: LoadedModel) -> str:
+    """What the fit was measured on: the model, its device, this machine and today's date."""
+    return (
+        f"{loaded.name} on {loaded.device} ({platform.machine()}, {platform.processor() or 'cpu'}), "
+        f"{datetime.now(UTC).date().isoformat()}"
+    )
+
+
+def _add_fit_errors(samples: list[dict], model: LinearCostModel):
+    """Add to each sample the seconds ``model`` predicts for it and its relative error."""
+    for sample in samples:
+        predicted = float(np.dot(model.coefficients, features_of(sample)))
+        sample["predicted_seconds"] = round(predicted, 5)
+        sample["rel_error"] = round(predicted / sample["seconds"] - 1, 3)
+
+
 def measure_profile(
     loaded: LoadedModel,
     *,
@@ -177,16 +193,9 @@ def measure_profile(
     samples = prefill_samples(loaded, sizes) + decode_samples(loaded, sizes) + extend_samples(loaded, sizes)
     transfer = bench_transfer(loaded, sizes["transfer_context"], sizes["repeats"])
     kv_bytes = transfer["kv_bytes"] // sizes["transfer_context"]
-    source = (
-        f"{loaded.name} on {loaded.device} ({platform.machine()}, {platform.processor() or 'cpu'}), "
-        f"{datetime.now(UTC).date().isoformat()}"
-    )
-    model = fit(samples, transfer, kv_bytes, source)
+    model = fit(samples, transfer, kv_bytes, _fit_source(loaded))
     local_bytes_per_s = loopback_bytes_per_s(loaded, megabytes=16 if quick else 64, repeats=sizes["repeats"])
-    for sample in samples:
-        predicted = float(np.dot(model.coefficients, features_of(sample)))
-        sample["predicted_seconds"] = round(predicted, 5)
-        sample["rel_error"] = round(predicted / sample["seconds"] - 1, 3)
+    _add_fit_errors(samples, model)
     deployment_steps = (
         calibrate(deployment_model, model, quick=quick, runs=calibration_runs) if deployment_model else None
     )

@@ -29,6 +29,44 @@ from services.router.wan_estimate import WanEstimator
 from shared.messages import InstanceRef, LoadReported
 
 
+def _host(deployment: Deployment, seed: int) -> Host | None:
+    """The cores every engine shares (``deployment.host_cores``); None: one chip each."""
+    if not deployment.host_cores:
+        return None
+    return Host(
+        deployment.host_cores,
+        deployment.threads_per_engine,
+        deployment.host_speed,
+        deployment.step_speeds,
+        random.Random(seed) if deployment.step_noise else None,
+        deployment.engine_wake_s,
+    )
+
+
+def _engines(events: EventQueue, deployment: Deployment, host: Host | None) -> dict[str, list[SimEngine]]:
+    """Every role's engines (``<role>-<i>``), each with its own KV pool, on ``host`` if one."""
+    engines: dict[str, list[SimEngine]] = {}
+    for role, spec, site, caching in (
+        ("prefill", deployment.prefill, "site-a", True),
+        ("relay_decode", deployment.relay_decode, "site-a", True),
+        ("main_decode", deployment.main_decode, deployment.md_site, deployment.md_prefix_cache),
+    ):
+        engines[role] = [
+            SimEngine(
+                events,
+                f"{role}-{i}",
+                role,
+                site,
+                spec.cost,
+                SimKvPool(spec.pool_blocks, caching=caching, tier_blocks=deployment.cache_tier_blocks),
+                max_sequences=spec.max_sequences,
+                host=host,
+            )
+            for i in range(spec.count)
+        ]
+    return engines
+
+
 class Simulator:
     """Runs one workload through one deployment."""
 
@@ -46,37 +84,7 @@ class Simulator:
         )
         self.handoff = deployment.handoff or handoff_policy()
         self.registry = InstanceRegistry(ttl_s=1e12)
-        host = (
-            Host(
-                deployment.host_cores,
-                deployment.threads_per_engine,
-                deployment.host_speed,
-                deployment.step_speeds,
-                random.Random(seed) if deployment.step_noise else None,
-                deployment.engine_wake_s,
-            )
-            if deployment.host_cores
-            else None
-        )
-        self.engines: dict[str, list[SimEngine]] = {}
-        for role, spec, site, caching in (
-            ("prefill", deployment.prefill, "site-a", True),
-            ("relay_decode", deployment.relay_decode, "site-a", True),
-            ("main_decode", deployment.main_decode, deployment.md_site, deployment.md_prefix_cache),
-        ):
-            self.engines[role] = [
-                SimEngine(
-                    self.events,
-                    f"{role}-{i}",
-                    role,
-                    site,
-                    spec.cost,
-                    SimKvPool(spec.pool_blocks, caching=caching, tier_blocks=deployment.cache_tier_blocks),
-                    max_sequences=spec.max_sequences,
-                    host=host,
-                )
-                for i in range(spec.count)
-            ]
+        self.engines = _engines(self.events, deployment, _host(deployment, seed))
         self.by_name = {e.name: e for engines in self.engines.values() for e in engines}
         self.results: list[RequestResult] = []
         self._sessions: dict[int, list[SimRequest]] = defaultdict(list)

@@ -10,6 +10,7 @@ as the benchmark pools them.
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from infra.wan_link import parse_profile
@@ -213,36 +214,11 @@ def validate(
     cost = load_linear(profile_path)
     cores = host_cores or profile.get("host_cores") or os.cpu_count()
     local_bytes_per_s = (profile.get("local_path") or {}).get("bytes_per_s")
-    calibration = profile.get("deployment_steps") or {}
-    source = "in-deployment, the profile's calibration" if calibration.get("kinds") else "isolated, host contention"
-    if step_speeds_from in ("auto", "calibration"):
-        own = run_calibration(folder, cost)
-        if own is not None:
-            calibration, source = own, f"the run's own calibration ({len(own['runs'])} run(s))"
-        elif step_speeds_from == "calibration":
-            raise ValidateInputError(
-                f"--step-speeds calibration: {folder / RUN_CALIBRATION_FOLDER} is missing "
-                f"(run pdd bench run with --calibrate)"
-            )
-    step_speeds = calibration.get("kinds")
-    if step_speeds_from == "run":
-        step_speeds, source = run_step_speeds(folder, cost), "the run's own call log"
+    calibration, step_speeds, source = _pick_step_speeds(folder, profile, cost, step_speeds_from)
     replays = (replays or REPLAYS) if step_speeds else 1
-
-    def make_deployment(mode: str) -> Deployment:
-        return bench_deployment(
-            config,
-            mode,
-            cost,
-            cores,
-            profile.get("shared_host_speed"),
-            local_bytes_per_s,
-            step_speeds,
-            step_noise=replays > 1,
-            engine_wake_s=calibration.get("wake_s") or 0.0,
-            dispatch=calibration.get("dispatch"),
-        )
-
+    make_deployment = _deployment_maker(
+        config, cost, cores, profile, local_bytes_per_s, step_speeds, calibration, step_noise=replays > 1
+    )
     modes = {}
     for mode, measured in results["modes"].items():
         if mode not in MODES:
@@ -258,6 +234,60 @@ def validate(
         "step_speeds": source,
         "dispatch": calibration.get("dispatch"),
     }
+
+
+def _pick_step_speeds(
+    folder: Path, profile: dict, cost: LinearCostModel, step_speeds_from: str
+) -> tuple[dict, dict | None, str]:
+    """``(calibration, step_speeds, source)``: the in-deployment calibration ``step_speeds_from``
+    picks (its wake and dispatch times apply too), the step speeds to replay with (None:
+    isolated steps), and where they come from, in words."""
+    calibration = profile.get("deployment_steps") or {}
+    source = "in-deployment, the profile's calibration" if calibration.get("kinds") else "isolated, host contention"
+    if step_speeds_from in ("auto", "calibration"):
+        own = run_calibration(folder, cost)
+        if own is not None:
+            calibration, source = own, f"the run's own calibration ({len(own['runs'])} run(s))"
+        elif step_speeds_from == "calibration":
+            raise ValidateInputError(
+                f"--step-speeds calibration: {folder / RUN_CALIBRATION_FOLDER} is missing "
+                f"(run pdd bench run with --calibrate)"
+            )
+    step_speeds = calibration.get("kinds")
+    if step_speeds_from == "run":
+        step_speeds, source = run_step_speeds(folder, cost), "the run's own call log"
+    return calibration, step_speeds, source
+
+
+def _deployment_maker(
+    config: dict,
+    cost: LinearCostModel,
+    cores: int,
+    profile: dict,
+    local_bytes_per_s: float | None,
+    step_speeds: dict | None,
+    calibration: dict,
+    *,
+    step_noise: bool,
+) -> Callable[[str], Deployment]:
+    """``mode -> Deployment``: the bench run's deployment of a mode, simulated with these
+    measurements (:func:`bench_deployment`)."""
+
+    def make_deployment(mode: str) -> Deployment:
+        return bench_deployment(
+            config,
+            mode,
+            cost,
+            cores,
+            profile.get("shared_host_speed"),
+            local_bytes_per_s,
+            step_speeds,
+            step_noise=step_noise,
+            engine_wake_s=calibration.get("wake_s") or 0.0,
+            dispatch=calibration.get("dispatch"),
+        )
+
+    return make_deployment
 
 
 def render(report: dict) -> str:
