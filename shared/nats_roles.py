@@ -125,7 +125,7 @@ def leafnode_permissions(spoke_site: str, main_decode_ids: tuple[str, ...] = (AN
     """
     site_api = f"$JS.{subjects.check_token(spoke_site, 'site')}.API"
     b_to_a = [
-        subject
+        _leaf_subject(subject, md)
         for md in main_decode_ids
         for subject in (
             subjects.tokens_by(md),
@@ -147,6 +147,17 @@ def leafnode_permissions(spoke_site: str, main_decode_ids: tuple[str, ...] = (AN
         "$LDS.>",
     ]
     return RolePermissions(tuple(dict.fromkeys(b_to_a)), tuple(dict.fromkeys(a_to_b)))
+
+
+def _leaf_subject(subject: str, instance_id: str) -> str:
+    """``subject`` as a leafnode permission: one ending in any instance (``*``) ends in ``>``.
+    The hub offers a subscription's interest to the leafnode only where the permissions match
+    it; measured on nats-server 2.15, an interest ending in ``*`` (``pdd.evt.*.load.*.*``) was
+    never offered against a permission ending in ``*``, and no heartbeat crossed. Our subjects
+    end at the instance id, so ``>`` there allows no other subject of ours."""
+    if instance_id == ANY and subject.endswith(".*"):
+        return subject[:-1] + ">"
+    return subject
 
 
 def spoke_denials(spoke_site: str) -> RolePermissions:

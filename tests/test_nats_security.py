@@ -529,3 +529,69 @@ async def test_a_compromised_site_b_server_carries_only_what_must_cross(stack, t
         assert seen["leak"] == []
     finally:
         rogue.stop()
+
+
+@pytest.mark.parametrize("one_identity_per", ["instance", "role"])
+async def test_a_main_decoders_heartbeats_tokens_and_events_cross_the_leafnode(tmp_path, one_identity_per):
+    """Per instance (``pdd up``) or per role (compose and Kubernetes replicas sharing one
+    credential, the leafnode's permissions naming any main decoder): what a main decoder
+    must send site A crosses."""
+    from infra.local_stack import SITE_A, SITE_B, start_site_pair
+    from infra.wan_link import WanLink
+
+    main_id, router_id = "main-decode-host-7", "router-0"
+    identities = (("main_decode", main_id), ("router", router_id)) if one_identity_per == "instance" else ()
+    creds = ensure_credentials(tmp_path / "secrets", instance_ids=(main_id, router_id))
+    link, processes = WanLink(), []
+    try:
+        sites = await start_site_pair(link, tmp_path, processes, credentials=creds, identities=identities)
+
+        def seed(role: str, instance_id: str) -> str:
+            return str(creds.seed_file(instance_id if identities else role))
+
+        router = await nats_client.connect(
+            sites[SITE_A].url,
+            role="router",
+            instance_id=router_id,
+            seed_file=seed("router", router_id),
+            ca_file=str(creds.ca_file),
+        )
+        main = await nats_client.connect(
+            sites[SITE_B].url,
+            role="main_decode",
+            instance_id=main_id,
+            seed_file=seed("main_decode", main_id),
+            ca_file=str(creds.ca_file),
+        )
+        request_id = subjects.new_request_id(router_id, "r1")
+        sent = [
+            subjects.load(SITE_B, "main_decode", main_id),
+            subjects.tokens(request_id, main_id),
+            subjects.request_events(request_id, main_id),
+        ]
+        received: set[str] = set()
+
+        async def heard(msg):
+            received.add(msg.subject)
+
+        for subject in (subjects.LOAD_ALL, subjects.tokens(request_id, "*"), subjects.request_events(request_id, "*")):
+            await router.subscribe(subject, cb=heard)
+        await router.flush()
+
+        async def send_all():
+            for subject in sent:
+                await main.publish(subject, b"{}")
+            await main.flush()
+            return received >= set(sent)
+
+        deadline = time.monotonic() + 15
+        while not await send_all() and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)  # the interest takes a moment to reach site B
+        assert received >= set(sent), sorted(set(sent) - received)
+        await router.close()
+        await main.close()
+    finally:
+        await link.close()
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=5)
