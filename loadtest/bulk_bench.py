@@ -79,17 +79,7 @@ async def _one_flow(loaded, prompt, frames, total_bytes: int, tls: bool, rate_bp
         link = WanLink(LinkProfile(bandwidth_bps=rate_bps, rtt_ms=0, jitter_ms=0))
         port = await link.add_route(Route("bench", "127.0.0.1", 0, host, port, from_site="site-a"))
     try:
-        flow_open = FlowOpen(
-            request_id="bench",
-            role="main_decode",
-            token_ids=prompt,
-            sampling=SamplingParams(max_tokens=1),
-            seed=0,
-            sender_id="bench",
-            receiver_id="bench",
-            unix_s=0.0,
-            nonce="",
-        )
+        flow_open = _flow_open(prompt)
         context = (
             client_context(str(creds.ca_file), str(creds.cert_file("prefill")), str(creds.key_file("prefill")))
             if tls
@@ -153,17 +143,7 @@ def receiver_checks(frames: list, prompt: list[int], megabytes: int = 128, flows
     values = torch.frombuffer(bytearray(bodies), dtype=torch.float32)
     copy_into = torch.empty_like(values)
     authenticator = FlowAuthenticator(verify_key(SECRET), "bench")
-    flow_open = FlowOpen(
-        request_id="bench",
-        role="main_decode",
-        token_ids=prompt,
-        sampling=SamplingParams(max_tokens=1),
-        seed=0,
-        sender_id="bench",
-        receiver_id="bench",
-        unix_s=0.0,
-        nonce="",
-    )
+    flow_open = _flow_open(prompt)
     opens = [
         sign(msgspec.structs.replace(flow_open, unix_s=time.time(), nonce=new_nonce()), SECRET) for _ in range(flows)
     ]
@@ -202,3 +182,18 @@ def loopback_bytes_per_s(loaded, megabytes: int = 64, repeats: int = 3, tls: boo
 def run_bulk_bench(loaded, megabytes: int = 256, rates: tuple[float, ...] = (0.0, 1e9), repeats: int = 3) -> dict:
     """Throughput per mode and link, and the TLS/plaintext ratio of the medians."""
     return asyncio.run(_run(loaded, megabytes, list(rates), repeats))
+
+
+def _flow_open(prompt: list[int]) -> FlowOpen:
+    """The benchmark's one flow, opened for main decode (signed by the caller)."""
+    return FlowOpen(
+        request_id="bench",
+        role="main_decode",
+        token_ids=prompt,
+        sampling=SamplingParams(max_tokens=1),
+        seed=0,
+        sender_id="bench",
+        receiver_id="bench",
+        unix_s=0.0,
+        nonce="",
+    )
