@@ -168,9 +168,7 @@ def _add_container_parsers(commands):
 
 def cmd_generate(args) -> int:
     """Stream one completion to stdout; statistics go to stderr."""
-    from shared.engine.backend import BackendOptions, create_backend
     from shared.engine.sampling import SamplingParams
-    from shared.model_loader import load_model
 
     sampling = SamplingParams(
         max_tokens=args.max_tokens,
@@ -179,7 +177,10 @@ def cmd_generate(args) -> int:
         seed=args.seed,
         stop=tuple(args.stop),
     )
-    sampling.validate()  # before the model loads: a bad flag costs nothing
+    sampling.validate()  # before torch and the model load: a bad flag costs nothing
+    from shared.engine.backend import BackendOptions, create_backend
+    from shared.model_loader import load_model
+
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     prompt = _prompt_ids(loaded.tokenizer, args.prompt, raw=args.raw)
     block_size = 32 if args.engine == "vllm" else 16  # vLLM's CPU attention takes multiples of 32

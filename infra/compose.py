@@ -18,6 +18,9 @@ CONTAINER_UID = 10001
 """The user the images run as (``infra/Dockerfile``, ``infra/nats/Dockerfile``)."""
 
 
+COMPOSE_HTTP_TIMEOUT_S = 600
+
+
 class ComposeError(RuntimeError):
     """A compose command failed, or the stack did not become ready in time."""
 
@@ -67,6 +70,9 @@ class ComposeStack:
     def compose(self, *args: str, check: bool = True, capture: bool = False) -> str:
         """Run a compose command for this project."""
         env = {
+            # Docker's API answers compose within 60 s by default; on a vfs data root removing
+            # a dozen full container filesystems takes longer than that.
+            "COMPOSE_HTTP_TIMEOUT": str(COMPOSE_HTTP_TIMEOUT_S),
             **os.environ,
             "PDD_SECRETS_DIR": str(self.secrets_dir),
             "PDD_ROUTER_PORT": str(self.router_port),
