@@ -40,8 +40,15 @@ def percentiles(values: list[float]) -> dict:
     }
 
 
-def summarise(records: list[RequestRecord], wall_s: float, ttft_slo_ms: float, itl_slo_ms: float) -> dict:
-    """One mode's figures."""
+def summarise(
+    records: list[RequestRecord],
+    wall_s: float,
+    ttft_slo_ms: float,
+    itl_slo_ms: float,
+    link: tuple[float, float] | None = None,
+) -> dict:
+    """One mode's figures; with ``link`` (its rate in bits/s, its RTT in seconds) also when the
+    KV landed at main decode (``kv_timing``)."""
     ok = [r for r in records if r.error is None]
     good = [
         r for r in ok if r.ttft_ms is not None and r.ttft_ms <= ttft_slo_ms and max(r.itl_ms, default=0) <= itl_slo_ms
@@ -66,7 +73,30 @@ def summarise(records: list[RequestRecord], wall_s: float, ttft_slo_ms: float, i
         "finished_on": count("finished_on"),
         "mean_output_tokens": round(output / len(ok), 1) if ok else 0.0,
         "wall_s": round(wall_s, 1),
+        **(kv_timing(ok, *link) if link else {}),
     }
+
+
+def kv_timing(records: list[RequestRecord], link_bps: float, rtt_s: float) -> dict:
+    """Over the requests whose KV crossed the WAN: ``kv_after_prefill_ms``, from the end of the
+    prefill to the last KV byte at main decode, and ``kv_excess_ms``, the same minus what a
+    perfect overlap on the link would give, ``max(0, bytes / rate − prefill) + RTT / 2``
+    (p50/p90 and the count)."""
+    after, excess = [], []
+    for r in records:
+        landed_ms, compute_ms = r.pdd.get("kv_after_prefill_ms"), r.pdd.get("prefill_compute_ms")
+        wan_bytes = r.pdd.get("wan_kv_bytes", 0)
+        if landed_ms is None or compute_ms is None or not wan_bytes:
+            continue
+        floor_ms = max(0.0, wan_bytes * 8 / link_bps * 1000 - compute_ms) + rtt_s * 500 if link_bps else rtt_s * 500
+        after.append(landed_ms)
+        excess.append(landed_ms - floor_ms)
+
+    def p50_p90(values: list[float]) -> dict:
+        figures = percentiles(values)
+        return {"p50": figures["p50"], "p90": figures["p90"], "requests": len(values)}
+
+    return {"kv_after_prefill_ms": p50_p90(after), "kv_excess_ms": p50_p90(excess)}
 
 
 def link_kv_bytes(wan_control_url: str, control_key: str) -> int:
@@ -121,12 +151,19 @@ def pooled_summary(mode: str, repetitions: list[dict], runs: list[ModeRun], args
     over the summed wall time, byte counts as the mean per repetition (one trace's worth)."""
     records = [r for run in runs for r in run.records]
     wall_s = sum(rep[mode]["wall_s"] for rep in repetitions)
-    summary = summarise(records, wall_s, args.ttft_slo_ms, args.itl_slo_ms)
+    summary = summarise(records, wall_s, args.ttft_slo_ms, args.itl_slo_ms, bench_link(args))
     summary["wan_kv_bytes"] = round(summary["wan_kv_bytes"] / len(runs))
     link = [run.link_kv_bytes for run in runs]
     summary["wan_link_kv_bytes"] = None if None in link else round(sum(link) / len(link))
     summary["repetitions"] = len(runs)
     return summary
+
+
+def bench_link(args) -> tuple[float, float]:
+    """The emulated link's rate (bits/s; 0: unlimited) and RTT (seconds) of a benchmark run."""
+    from infra.wan_link import parse_ms, parse_rate
+
+    return parse_rate(args.bandwidth), parse_ms(args.rtt) / 1000
 
 
 def bench_trace(args):
@@ -163,7 +200,7 @@ def run_bench(args) -> dict:
             for record in mode_records:
                 record.repetition = repetition
             runs[mode].append(ModeRun(mode_records, link_bytes))
-            summary = summarise(mode_records, wall_s, args.ttft_slo_ms, args.itl_slo_ms)
+            summary = summarise(mode_records, wall_s, args.ttft_slo_ms, args.itl_slo_ms, bench_link(args))
             summary["wan_link_kv_bytes"] = link_bytes
             results.setdefault("repetitions", [{} for _ in range(args.repeat)])[repetition][mode] = summary
             print(f"  {json.dumps(summary['ttft_ms'])} errors={summary['errors']}", flush=True)

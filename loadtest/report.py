@@ -120,6 +120,7 @@ def render(results: dict) -> str:
             f"{m['wan_kv_bytes'] / 1e6:.1f} | {_megabytes(m.get('wan_link_kv_bytes'))} | "
             f"{m['rld_token_share']:.3f} | {m['pipelines']} |"
         )
+    lines += _kv_timing_lines(modes)
     micro = results.get("handoff_microbench", {})
     if micro:
         ids, kv = micro["token_ids"], micro["incremental_kv"]
@@ -236,3 +237,26 @@ def checks(results: dict) -> list[str]:
     errors = {m: v["errors"] for m, v in modes.items()}
     line(not any(errors.values()), f"errors per mode: {errors}")
     return out
+
+
+def _kv_timing_lines(modes: dict) -> list[str]:
+    """When the KV landed at main decode after the prefill, per mode (requests that shipped KV
+    across the WAN)."""
+    timed = {mode: m for mode, m in modes.items() if m.get("kv_after_prefill_ms", {}).get("requests")}
+    if not timed:
+        return []
+    lines = [
+        "",
+        "## KV landed at main decode, after the end of the prefill",
+        "",
+        "Excess: minus what a perfect overlap on the link would give, max(0, bytes / rate - prefill) + RTT/2.",
+        "",
+        "| mode | requests | after prefill p50 ms | p90 | excess p50 ms | p90 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mode, m in timed.items():
+        after, excess = m["kv_after_prefill_ms"], m["kv_excess_ms"]
+        lines.append(
+            f"| {mode} | {after['requests']} | {after['p50']} | {after['p90']} | {excess['p50']} | {excess['p90']} |"
+        )
+    return lines

@@ -144,6 +144,9 @@ class EngineConfig(CommonConfig):
     block_size: int = setting(16, "tokens per KV block (same on every instance)", positive)
     kv_cache_mb: int = setting(512, "KV pool size in MiB", positive)
     max_sequences: int = setting(16, "requests held at once", positive)
+    max_batch_tokens: int = setting(
+        2048, "most tokens one engine step computes (a longer prompt is computed in chunks of this size)", positive
+    )
     torch_threads: int = setting(0, "torch CPU threads (0: torch's default)", non_negative)
     engine_call_log: str = setting(
         "",
@@ -205,6 +208,12 @@ class RelayDecodeConfig(BulkReceiverConfig):
 class PrefillConfig(EngineConfig):
     """Settings of the prefill service."""
 
+    max_batch_tokens: int = setting(
+        256,
+        "most prompt tokens one prefill step computes: a longer prompt is computed in chunks "
+        "of this size, and each chunk's complete blocks ship while the next one computes",
+        positive,
+    )
     frame_tokens: int = setting(256, "tokens of KV per bulk frame", positive)
     connect_timeout_s: float = setting(10.0, "bulk connect timeout", positive)
     accept_timeout_s: float = setting(

@@ -199,6 +199,7 @@ class PrefillCompleted(_Message, kw_only=True):
         compute_s: Prefill forward time.
         bytes_per_path: KV bytes sent per path (``local``, ``wan``).
         wan_rtt_s: Handshake time of the WAN flow (FlowOpen → FlowAccepted): one round trip.
+        computed_unix_s: Prefill's clock when the prompt was computed (its first token out).
     """
 
     request_id: str
@@ -209,6 +210,7 @@ class PrefillCompleted(_Message, kw_only=True):
     compute_s: float
     bytes_per_path: dict[str, int]
     wan_rtt_s: float = 0.0
+    computed_unix_s: float = 0.0
 
 
 class KvReady(_Message, kw_only=True):
@@ -224,6 +226,7 @@ class KvReady(_Message, kw_only=True):
         transfer_s: From flow open to the last frame.
         throughput_bps: WAN throughput measured between its first and last frame, in bits/s
             (0 when the transfer was too small to tell).
+        landed_unix_s: Main decode's clock when the flow's end arrived (the last KV byte).
     """
 
     request_id: str
@@ -234,6 +237,7 @@ class KvReady(_Message, kw_only=True):
     wan_kv_bytes: int
     transfer_s: float
     throughput_bps: float = 0.0
+    landed_unix_s: float = 0.0
 
 
 class KvImportAborted(_Message, kw_only=True):
@@ -337,6 +341,10 @@ class LoadReported(_Message, kw_only=True):
             prefill's queued work).
         live_request_ids: For a router: the (attempt) ids of every request it still runs.
             Its heartbeat renews their leases; engines free what a router no longer lists.
+        prefill_chunk_tokens: For a prefill: most prompt tokens one step computes (a long
+            prompt's KV ships chunk by chunk while the rest computes).
+        prefill_tokens_per_s: For a prefill: its recent rate of computing prompt tokens (0:
+            not measured yet).
         unix_s: Sender's clock when sent.
     """
 
@@ -348,6 +356,8 @@ class LoadReported(_Message, kw_only=True):
     total_blocks: int = 0
     pending_tokens: int = 0
     live_request_ids: list[str] = []
+    prefill_chunk_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
     unix_s: float
 
 

@@ -54,9 +54,14 @@ def test_bench_run_writes_results_report_and_plots_and_the_simulator_replays_it(
             "rld_token_share",
             "pipelines",
             "handoff_modes",
+            "kv_after_prefill_ms",
+            "kv_excess_ms",
         } <= set(figures)
     cross = results["modes"]["cross-site-pd"]
     assert cross["pipelines"] == {"P-MD": 4}
+    # every request shipped its KV across the WAN; each landed after its prefill ended
+    assert cross["kv_after_prefill_ms"]["requests"] == 4 and cross["kv_after_prefill_ms"]["p50"] > 0
+    assert "## KV landed at main decode" in (tmp_path / "report.md").read_text()
     # What the responses report is what the WAN link carried, plus flow control messages.
     assert cross["wan_kv_bytes"] <= cross["wan_link_kv_bytes"] <= 1.05 * cross["wan_kv_bytes"]
     micro = results["handoff_microbench"]

@@ -2,6 +2,8 @@
 
 import time
 
+import pytest
+
 from services.router.placement import place
 from services.router.registry import InstanceRegistry
 from services.router.wan_estimate import WanEstimate
@@ -254,3 +256,49 @@ def test_a_conversation_stays_on_the_decoder_whose_cache_keeps_its_kv_off_the_wa
         ttft_target_s=0.5,
     )
     assert far.main_decode.instance_id == "main-decode-1"
+
+
+def pipeline_for(prefill_report: dict, num_prompt_tokens: int) -> tuple[str, float]:
+    """The pipeline and predicted arrival of a cold prompt on a 100 Mbit/s, 40 ms link (KV of
+    46 KB per token, SmolLM2's), the prefill reporting ``prefill_report``."""
+    registry = InstanceRegistry(ttl_s=60)
+    for instance_id, service, extra in (
+        ("prefill-0", "prefill", prefill_report),
+        ("main-decode-0", "main_decode", {}),
+        ("relay-decode-0", "relay_decode", {}),
+    ):
+        report = LoadReported(
+            instance=InstanceRef(instance_id=instance_id, site="site-b"),
+            service=service,
+            total_blocks=1000,
+            unix_s=time.time(),
+            **extra,
+        )
+        registry.observe(report)
+    wan = WanEstimate(bandwidth_bps=100e6, rtt_s=0.040)
+    placement = place(
+        registry,
+        {},
+        num_prompt_tokens=num_prompt_tokens,
+        block_size=BLOCK_SIZE,
+        kv_bytes_per_token=46080,
+        wan=wan,
+        ttft_target_s=0.5,
+    )
+    return placement.pipeline, placement.predicted_wan_s
+
+
+def test_kv_shipped_while_the_prompt_computes_lands_soon_after_the_prefill():
+    tokens, rate, chunk = 704, 300.0, 64  # 2.3 s of compute; 32 MB, 2.6 s on the link
+    transfer_s, prefill_s = tokens * 46080 * 8 / 100e6, tokens / rate
+    pipeline, arrival_s = pipeline_for({"prefill_tokens_per_s": rate, "prefill_chunk_tokens": chunk}, tokens)
+    # the link starts with the first chunk: it runs past the prefill by what it lags behind
+    assert arrival_s == pytest.approx(chunk / rate + transfer_s - prefill_s + 0.020)
+    assert pipeline == "P-MD"  # within the target: no relay needed
+    # the same prompt before the prefill reported its rate: the whole transfer after a handshake
+    pipeline, arrival_s = pipeline_for({}, tokens)
+    assert arrival_s == pytest.approx(0.040 + transfer_s + 0.020)
+    assert pipeline == "P-RLD-MD"
+    # a prefill that computes the prompt in one step ships it all after its compute
+    pipeline, arrival_s = pipeline_for({"prefill_tokens_per_s": rate, "prefill_chunk_tokens": 2048}, tokens)
+    assert arrival_s == pytest.approx(transfer_s + 0.020) and pipeline == "P-RLD-MD"

@@ -61,6 +61,15 @@ def test_a_recovered_request_goes_on_from_the_tokens_the_client_has():
 
 def test_receivers_at_the_same_block_share_one_export_and_a_full_cache_needs_none():
     plan = ShippingPlan(command("P-RLD-MD"))
-    assert plan.export_range(32) == plan.export_range(32) == ExportRange(32, 100)
-    assert plan.export_range(0) != plan.export_range(32)
-    assert plan.export_range(100) is None
+    assert plan.next_export(32, 0, True, 16) == plan.next_export(32, 0, True, 16) == ExportRange(32, 100)
+    assert plan.next_export(0, 0, True, 16) != plan.next_export(32, 0, True, 16)
+    assert plan.next_export(100, 100, True, 16) is None
+
+
+def test_a_prompt_in_chunks_ships_complete_blocks_as_they_are_computed_then_the_rest():
+    plan, block_size = ShippingPlan(command("P-MD", relay=None)), 16  # a 100-token prompt
+    assert plan.next_export(0, 40, False, block_size) == ExportRange(0, 32)  # the partial block waits
+    assert plan.next_export(32, 40, False, block_size) is None
+    assert plan.next_export(32, 96, False, block_size) == ExportRange(32, 96)
+    assert plan.next_export(48, 20, False, block_size) is None  # its receiver's cache is ahead
+    assert plan.next_export(96, 100, True, block_size) == ExportRange(96, 100)  # the last, partial block

@@ -9,6 +9,7 @@ Each request is one ``MainRequest`` in ``self.requests``; ``HandoffIntake`` take
 """
 
 import asyncio
+import time
 
 from services.main_decode.handoff_intake import HandoffIntake
 from services.main_decode.main_request import MainRequest
@@ -61,6 +62,7 @@ class MainDecodeService(DecodeService):
                 wan_kv_bytes=stats.bytes_received,
                 transfer_s=stats.transfer_s,
                 throughput_bps=(stats.streaming_bytes_per_s or 0.0) * 8,
+                landed_unix_s=time.time() - (time.monotonic() - stats.finished_monotonic),
             ),
         )
         if seq.output_token_ids and request is not None:

@@ -5,6 +5,7 @@ import asyncio
 from typing import Any, Protocol
 
 from services.prefill.shipping_plan import ShippingPath
+from services.prefill.speed import PrefillSpeed
 from shared.bulk.sender import BulkFlow
 from shared.config import PrefillConfig
 from shared.engine.backend import EngineBackend
@@ -23,6 +24,7 @@ class PrefillHost(Protocol):
     worker: EngineWorker
     loop: EngineLoop
     slots: asyncio.Semaphore
+    speed: PrefillSpeed
     jobs: dict[str, Any]
     """The service's table of ``PrefillJob`` objects by request id."""
 

@@ -1,22 +1,23 @@
 """One prefill request on this instance, from its ``StartPrefill`` to its last KV frame.
 
 A ``PrefillJob`` owns everything the request holds here: its engine sequence, the flows to
-its receivers (one ``PathShipment`` per path: span, opening task, flow, exported frames,
-sending task), the exports queued on the engine thread, the first-token future and the
-``exports_due`` event the engine loop waits on. Whichever way the request ends (every frame
-shipped, cancelled by its router or its lease, failed, the service stopping), ``close``
-frees all of it, once, and takes the job out of its service's table.
+its receivers (one ``PathShipment`` per path: span, opening task, flow, exports, sending
+task), the exports queued on the engine thread and the first-token future. Whichever way
+the request ends (every frame shipped, cancelled by its router or its lease, failed, the
+service stopping), ``close`` frees all of it, once, and takes the job out of its service's
+table.
 
 The order of work:
 
 - The flows open first, so their handshakes overlap the compute.
-- The engine loop batches the prompt with others. When its first token comes out, the job
-  queues the exports of the flows already accepted before the loop steps again
-  (``exports_due``): a prompt's KV then leaves before the next prompt's prefill, instead
-  of waiting behind that whole step.
-- Each path ships as soon as its own flow is accepted and its frames are exported: a main
-  decoder that waits for blocks already in flight never delays the relay's copy.
-- Once every path's frames are exported, the sequence is freed (its blocks stay in the
+- The engine loop computes the prompt in chunks, batched with other prompts. Between two
+  steps the service hands every job how far its KV reaches (``queue_exports``): each
+  accepted path exports the blocks completed since, before the next chunk computes, and
+  sends them while it computes. When the first token comes out, the rest of the prompt is
+  exported the same way, before the loop steps again.
+- Each path ships as soon as its own flow is accepted: a main decoder that waits for blocks
+  already in flight never delays the relay's copy.
+- Once every path's last export is done, the sequence is freed (its blocks stay in the
   prefix cache) and so is the prefill slot; the router gets ``PrefillCompleted`` while the
   frames keep streaming. The first token travels in each flow's end: the decoder that
   continues the stream emits it.
@@ -61,8 +62,6 @@ class PrefillJob:
         self.log = host.log.bind(request_id=cmd.request_id, attempt=cmd.attempt, pipeline=cmd.pipeline)
         self.shipping: KvShipping | None = None
         self.first_token: asyncio.Future | None = None
-        self.exports_due: asyncio.Event | None = None
-        """Set while the first token is out and the exports it allows are not queued yet."""
         self.ships_for_cache = False
         """Its router finished the request; the KV still ships, for main decode's cache."""
         self.task: asyncio.Task | None = None
@@ -101,14 +100,22 @@ class PrefillJob:
         if out.error:
             future.set_exception(error_with_code(out.error_code or "engine_error", out.error))
         else:
-            self.exports_due = asyncio.Event()
             future.set_result(out)
 
-    def exports_queued(self):
-        """The exports the first token allows are queued: the engine loop may step again."""
-        if self.exports_due is not None:
-            self.exports_due.set()
-            self.exports_due = None
+    @property
+    def wants_exports(self) -> bool:
+        """Whether ``queue_exports`` has work: a path waits for KV the sequence holds."""
+        return self._holds_sequence and not self._closing and self.shipping is not None and self.shipping.wants_exports
+
+    def queue_exports(self, num_kv_tokens: int):
+        """Between two engine steps (the service calls it on the engine loop's turn): queue the
+        exports of the KV computed since, up to ``num_kv_tokens``; all of it once the first
+        token is out."""
+        if not self.wants_exports:
+            return
+        future = self.first_token
+        done = future is not None and future.done() and not future.cancelled() and future.exception() is None
+        self.shipping.queue_exports(num_kv_tokens, future.result() if done else None)
 
     async def close(self, reason: str):
         """Free everything the request holds here, once: cancel its tasks and exports, cancel
@@ -118,7 +125,6 @@ class PrefillJob:
             return
         self._closing = True
         try:
-            self.exports_queued()
             if self.first_token is not None:
                 self.first_token.cancel()
             if self.task is not None and self.task is not asyncio.current_task():
@@ -174,17 +180,16 @@ class PrefillJob:
             return self._failure("internal_error", repr(exc))
 
     async def _prefill(self, parent) -> PrefillCompleted:
-        """Open the paths, compute the first token, start each path's shipping, wait until
-        every path's frames are exported and free the sequence. A failure closes the job
-        before the router hears of it (and before the slot goes to the next prompt)."""
+        """Open the paths (their senders ship each chunk's KV as the engine loop exports it),
+        compute the first token, wait until every path's last export is done and free the
+        sequence. A failure closes the job before the router hears of it (and before the slot
+        goes to the next prompt)."""
         try:
             self.shipping = KvShipping(self._host, self.cmd)
             self.shipping.open_paths(parent)
             first, cached_tokens, compute_s = await self._compute(parent)
-            self.shipping.export_open_paths()
-            self.exports_queued()
-            self.shipping.start_sending(first)
-            frames = await self.shipping.frames_exported()
+            computed_unix_s = time.time()
+            bytes_per_path = await self.shipping.frames_exported()
             await self._host.worker.call(self._host.engine.free, self.request_id)
             self._holds_sequence = False
         except asyncio.CancelledError:
@@ -193,8 +198,6 @@ class PrefillJob:
         except BaseException as exc:
             await self.close(f"prefill failed: {getattr(exc, 'code', None) or type(exc).__name__}")
             raise
-        finally:
-            self.exports_queued()
         return PrefillCompleted(
             request_id=self.request_id,
             instance_id=self._host.instance_id,
@@ -202,8 +205,9 @@ class PrefillJob:
             prompt_tokens=len(self.cmd.token_ids),
             cached_tokens=cached_tokens,
             compute_s=compute_s,
-            bytes_per_path={path: sum(_frame_size(f) for f in frames[path]) for path in frames},
+            bytes_per_path=bytes_per_path,
             wan_rtt_s=self.shipping.wan_handshake_s,
+            computed_unix_s=computed_unix_s,
         )
 
     async def _respond(self, reply: PrefillCompleted | RequestFailed):
@@ -254,6 +258,7 @@ class PrefillJob:
             first, cached_tokens = await self._sample_first_token()
             compute_s = time.perf_counter() - started
             PREFILL_SECONDS.labels(self._host.config.served_model_name).observe(compute_s)
+            self._host.speed.add(len(self.cmd.token_ids) - cached_tokens, compute_s)
             span.set_attribute("cached_tokens", cached_tokens)
         return first, cached_tokens, compute_s
 
@@ -270,7 +275,3 @@ class PrefillJob:
         host.loop.wake()
         timeout_s = max(0.1, cmd.deadline_unix_s - time.time())
         return await asyncio.wait_for(self.first_token, timeout_s), seq.num_cached_tokens
-
-
-def _frame_size(parts: list) -> int:
-    return sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)

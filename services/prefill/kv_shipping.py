@@ -1,13 +1,18 @@
 """A prefill job's KV on its way to its receivers: one ``PathShipment`` per path (``wan`` to main
 decode, ``local`` to the relay) and the exports they share.
 
-Each path's flow opens before the compute (its handshake overlaps it); once the first token
-is out, each path exports from where its receiver stands and sends, as soon as its own flow
-is accepted. ``cancel`` stops all of it (the job's ``close`` calls it).
+Each path's flow opens before the compute (its handshake overlaps it). A long prompt is
+computed in chunks, one engine step each; between two steps the service calls
+``queue_exports`` with how far the prompt's KV now reaches, and every accepted path exports
+the complete blocks its receiver lacks and does not have yet, queued on the engine thread
+before the next chunk computes. Each path sends its exports in order as they come out, so the
+KV crosses while the rest of the prompt computes. Once the first token is out, the last export
+(up to the prompt's end, the partial last block included) and the flow's end follow.
+``cancel`` stops all of it (the job's ``close`` calls it).
 """
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
@@ -30,17 +35,25 @@ class PathShipment:
     Attributes:
         route: The path, its receiver and the role the receiver acts as.
         span: ``kv.transfer.<path>``, ended when the job closes.
-        exported: The frames exported for this receiver (set once, or failed).
+        all_queued: Resolves once the path's last export is queued (fails with the opening's
+            error if the flow could not be opened).
+        exports: The path's exports in prompt order, as queued.
+        queue: The same exports for the sending task, then None once the last is queued.
+        exported_to: Token index the path's exports reach (None until the flow is accepted:
+            it then starts where the receiver's cache ends).
         opening: The task opening the flow (``FlowOpen`` until ``FlowAccepted``).
         flow: The flow once accepted.
-        sending: The task that waits for the flow, exports what the receiver lacks and sends
-            it; None until the first token is out.
+        sending: The task that waits for the flow and sends each export as it comes out,
+            then the flow's end.
         ended: The flow's end went out: the receiver has it all, nothing to cancel.
     """
 
     route: ShippingPath
     span: trace.Span
-    exported: asyncio.Future
+    all_queued: asyncio.Future
+    exports: list[asyncio.Future] = field(default_factory=list)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    exported_to: int | None = None
     opening: asyncio.Task | None = None
     flow: BulkFlow | None = None
     sending: asyncio.Task | None = None
@@ -51,6 +64,21 @@ class PathShipment:
         """The flow if it was accepted and has not ended (one to cancel on a close)."""
         return self.flow if self.flow is not None and not self.ended else None
 
+    @property
+    def wants_exports(self) -> bool:
+        """Accepted, and its last export not queued yet."""
+        return self.exported_to is not None and not self.all_queued.done()
+
+    def queue_export(self, export: asyncio.Future, end: int):
+        self.exports.append(export)
+        self.queue.put_nowait(export)
+        self.exported_to = end
+
+    def close_queue(self):
+        """The last export is queued: the sender ends the flow after it."""
+        self.queue.put_nowait(None)
+        self.all_queued.set_result(None)
+
 
 class KvShipping:
     """The paths of one job and the exports they share."""
@@ -60,16 +88,38 @@ class KvShipping:
         self.plan = ShippingPlan(cmd)
         self.paths: dict[str, PathShipment] = {}
         self.exports: dict[ExportRange, asyncio.Future] = {}
+        self.first: StepOutput | None = None
+        """The first token, once the whole prompt is computed (it ends the flows)."""
 
-    def start_sending(self, first: StepOutput):
-        """The first token is out: every path ships (its end carries the first token)."""
+    @property
+    def wants_exports(self) -> bool:
+        """Some accepted path still waits for exports (``queue_exports`` has work)."""
+        return any(p.wants_exports for p in self.paths.values())
+
+    def queue_exports(self, num_kv_tokens: int, first: StepOutput | None):
+        """Between two engine steps: queue, for every accepted path, the export of the complete
+        blocks below ``num_kv_tokens`` its receiver lacks; with ``first`` (the prompt is
+        computed), the rest of the prompt and the end of the flow."""
+        if first is not None:
+            self.first = first
+        computed, block_size = self.first is not None, self._host.engine.block_size
         for shipment in self.paths.values():
-            end_tokens = self.plan.end_tokens(shipment.route.role, first.token_id, first.logprobs)
-            shipment.sending = asyncio.create_task(self._ship(shipment, end_tokens))
+            if not shipment.wants_exports:
+                continue
+            export = self.plan.next_export(shipment.exported_to, num_kv_tokens, computed, block_size)
+            if export is not None:
+                shipment.queue_export(self._export(export), export.end)
+            if computed:
+                shipment.close_queue()
 
-    async def frames_exported(self) -> dict[str, list]:
-        """Each path's frames, once all are exported (the sequence may then be freed)."""
-        return {path: await shipment.exported for path, shipment in self.paths.items()}
+    async def frames_exported(self) -> dict[str, int]:
+        """Each path's bytes, once every export is done (the sequence may then be freed)."""
+        sizes = {}
+        for path, shipment in self.paths.items():
+            await shipment.all_queued
+            frames = await asyncio.gather(*shipment.exports)
+            sizes[path] = sum(_frame_size(parts) for export in frames for parts in export)
+        return sizes
 
     async def sent(self):
         """Every path's frames and end are sent (raises the first path's failure)."""
@@ -86,7 +136,7 @@ class KvShipping:
         closes its connection; nobody else takes their outcomes), then cancel the flows still
         open (receivers discard what arrived; ``reason`` tells them why)."""
         tasks = [t for p in self.paths.values() for t in (p.opening, p.sending) if t is not None]
-        owned = [*tasks, *self.exports.values(), *(p.exported for p in self.paths.values())]
+        owned = [*tasks, *self.exports.values(), *(p.all_queued for p in self.paths.values())]
         for future in owned:
             future.cancel()
         await asyncio.gather(*owned, return_exceptions=True)
@@ -98,7 +148,8 @@ class KvShipping:
             shipment.span.end()
 
     def open_paths(self, parent):
-        """Start opening every path's flow, each in its span, before the compute."""
+        """Start opening every path's flow, each in its span, before the compute; each path's
+        sender starts with it."""
         loop = asyncio.get_running_loop()
         for route in self.plan.paths:
             span = _tracer.start_span(
@@ -106,8 +157,9 @@ class KvShipping:
                 context=parent,
                 attributes={"request_id": self.request_id, "path": route.path},
             )
-            shipment = self.paths[route.path] = PathShipment(route, span, exported=loop.create_future())
+            shipment = self.paths[route.path] = PathShipment(route, span, all_queued=loop.create_future())
             shipment.opening = asyncio.create_task(self._open(shipment))
+            shipment.sending = asyncio.create_task(self._ship(shipment))
 
     async def _open(self, shipment: PathShipment) -> BulkFlow:
         cmd, route = self.cmd, shipment.route
@@ -130,21 +182,9 @@ class KvShipping:
             shipment.flow = await self._host.dial(flow_open, route)
             return shipment.flow
 
-    def export_open_paths(self):
-        """Queue the exports of the paths whose flows are already open, and let the engine
-        step again: a prompt's KV then leaves before the next prompt's prefill, instead of
-        waiting behind that whole step (the job then lets the engine loop step)."""
-        for shipment in self.paths.values():
-            opening = shipment.opening
-            if not opening.done() or opening.cancelled() or opening.exception() is not None:
-                continue
-            export = self.plan.export_range(opening.result().first_token_index)
-            if export is not None:
-                self._export(export)
-
     def _export(self, export: ExportRange) -> asyncio.Future:
         """Queue the export on the engine thread now (before any step asked for later); paths
-        whose receivers start at the same token share it."""
+        whose receivers stand at the same token share it."""
         if export not in self.exports:
             self.exports[export] = self._host.worker.submit(
                 self._host.engine.export_frames,
@@ -156,32 +196,32 @@ class KvShipping:
             )
         return self.exports[export]
 
-    async def _ship(self, shipment: PathShipment, end_tokens: tuple[list, list]):
-        """One path: wait for its flow, export from where its receiver stands, send."""
+    async def _ship(self, shipment: PathShipment):
+        """One path: wait for its flow, then send its exports as they come out, then its end."""
         try:
             flow = await shipment.opening
-            export = self.plan.export_range(flow.first_token_index)
-            frames = [] if export is None else await self._export(export)
         except BaseException as exc:
-            if not shipment.exported.done():
-                shipment.exported.set_exception(exc)
+            if not shipment.all_queued.done():
+                shipment.all_queued.set_exception(exc)
             raise
-        shipment.exported.set_result(frames)
-        await self._send(shipment, frames, end_tokens)
+        shipment.exported_to = flow.first_token_index
+        self._host.loop.wake()  # the engine loop queues what is computed already, between steps
+        await asyncio.wait_for(self._send(shipment), self._host.config.send_timeout_s)
 
-    async def _send(self, shipment: PathShipment, frames: list, end_tokens: tuple[list, list]) -> int:
+    async def _send(self, shipment: PathShipment):
         flow, span, model = shipment.flow, shipment.span, self._host.config.served_model_name
         with trace.use_span(span, end_on_exit=False):
-
-            async def stream():
-                for parts in frames:
+            while (export := await shipment.queue.get()) is not None:
+                for parts in await export:
                     await flow.send_frame(parts)
-                await flow.end(*end_tokens)
-
-            await asyncio.wait_for(stream(), self._host.config.send_timeout_s)
+            first = self.first
+            await flow.end(*self.plan.end_tokens(shipment.route.role, first.token_id, first.logprobs))
             shipment.ended = True
             KV_TRANSFER_SECONDS.labels(model, flow.path).observe(flow.elapsed_s)
             KV_TRANSFER_BYTES.labels(model, flow.path).observe(flow.bytes_sent)
             span.set_attribute("kv_bytes", flow.bytes_sent)
             span.set_attribute("first_token_index", flow.first_token_index)
-            return flow.bytes_sent
+
+
+def _frame_size(parts: list) -> int:
+    return sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)

@@ -2,10 +2,12 @@
 
 For each ``StartPrefill`` it starts a ``PrefillJob`` (``services/prefill/job.py``), which
 opens the KV flows first (to main decode over the WAN, and to relay decode over the local
-path for P→RLD→MD) so their handshakes overlap the compute; then prefills (batched with
-other requests by the engine loop), exports the blocks each receiver lacks, frees its
-sequence (the blocks stay in its own prefix cache) and streams the frames on both paths at
-once. The first token travels with the KV: the decoder that continues the stream emits it.
+path for P→RLD→MD) so their handshakes overlap the compute; then prefills in chunks
+(batched with other requests by the engine loop). Between two steps the service lets every
+job export the blocks its last chunk completed, so they stream on both paths while the next
+chunk computes; after the last chunk the job frees its sequence (the blocks stay in its own
+prefix cache). The first token travels with the KV: the decoder that continues the stream
+emits it.
 
 The service holds what requests share: the engine and its loop, the prefill slots, the bulk
 channel's TLS, and the table of jobs, one per request, which its cancels, its lease and its
@@ -14,22 +16,22 @@ engine loop's outputs reach.
 
 import asyncio
 
+import msgspec
+
 from services.prefill.job import PrefillJob
 from services.prefill.shipping_plan import ShippingPath
+from services.prefill.speed import PrefillSpeed
 from shared import subjects
 from shared.bulk.sender import BulkFlow, open_flow
 from shared.config import PrefillConfig
 from shared.engine.backend import StepOutput
 from shared.engine_loop import EngineLoop
 from shared.engine_service import EngineService
-from shared.messages import CancelRequest, FlowOpen, StartPrefill, decoder
+from shared.messages import CancelRequest, FlowOpen, LoadReported, StartPrefill, decoder
 from shared.metrics import ENGINE_STEP_SECONDS
 from shared.tls import client_context
 
 _start_decoder = decoder(StartPrefill)
-EXPORT_QUEUE_WAIT_S = 1.0
-"""How long the engine loop holds its next step for a finished prompt to queue its exports
-(they are queued within a few event-loop turns; this only bounds a stuck one)."""
 
 RECEIVER_TLS_NAME = {"relay_decode": "relay-decode", "main_decode": "main-decode"}
 """The name a receiver's certificate must carry, by its role (whatever address reaches it)."""
@@ -47,6 +49,7 @@ class PrefillService(EngineService):
         """Every request held here, by request (attempt) id; a job leaves when it closes."""
         self.loop: EngineLoop | None = None
         self.slots: asyncio.Semaphore | None = None
+        self.speed = PrefillSpeed()
 
     async def on_start(self):
         config = self.config
@@ -59,7 +62,7 @@ class PrefillService(EngineService):
         self.loop = EngineLoop(
             self.worker,
             self._on_outputs,
-            between_steps=self._await_exports_queued,
+            between_steps=self._queue_exports,
             step_seconds=ENGINE_STEP_SECONDS.labels(config.served_model_name, self.service_name),
         )
         self.watch(self.loop.start())
@@ -87,6 +90,13 @@ class PrefillService(EngineService):
         await asyncio.gather(*(job.task for job in late), return_exceptions=True)
         if self.loop is not None:
             await self.loop.stop()
+
+    def load_report(self) -> LoadReported:
+        return msgspec.structs.replace(
+            super().load_report(),
+            prefill_chunk_tokens=self.config.max_batch_tokens,
+            prefill_tokens_per_s=round(self.speed.tokens_per_s, 1),
+        )
 
     async def held_request_ids(self) -> list[str]:
         # A request that ended elsewhere ships on for main decode's cache: its router rightly no
@@ -130,13 +140,18 @@ class PrefillService(EngineService):
             if job is not None:
                 job.on_step_output(out)
 
-    async def _await_exports_queued(self):
-        """Before the engine's next step: wait (briefly) until every prompt that has just
-        produced its first token has queued the exports it can already make."""
-        due = [job.exports_due for job in self.jobs.values() if job.exports_due is not None]
-        if not due:
+    async def _queue_exports(self):
+        """Before the engine's next step: every job whose receivers wait for KV queues the
+        export of what the last step computed (on the engine thread, ahead of that step)."""
+        jobs = [job for job in self.jobs.values() if job.wants_exports]
+        if not jobs:
             return
-        pending = [asyncio.create_task(event.wait()) for event in due]
-        _, late = await asyncio.wait(pending, timeout=EXPORT_QUEUE_WAIT_S)
-        for task in late:
-            task.cancel()
+        reach = await self.worker.call(_kv_reach, self.engine, [job.request_id for job in jobs])
+        for job in jobs:
+            job.queue_exports(reach.get(job.request_id, 0))
+
+
+def _kv_reach(engine, request_ids: list[str]) -> dict[str, int]:
+    """How many leading tokens of each live request have KV (on the engine thread)."""
+    views = ((rid, engine.request(rid)) for rid in request_ids)
+    return {rid: view.num_kv_tokens for rid, view in views if view is not None}

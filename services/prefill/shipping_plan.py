@@ -9,9 +9,11 @@ Pure decisions, no I/O; ``PrefillService`` carries them out over the bulk channe
   token the prefill sampled (and its log-probabilities); for a recovered request, the
   tokens the client already has instead; for a main decoder behind a relay, none (it waits
   for the relay's handoff).
-- **Exports.** Each receiver asks for the blocks from where its own cache ends; receivers
-  that start at the same block share one export, and one whose cache covers the whole
-  prompt needs none.
+- **Exports.** Each receiver gets the blocks from where its own cache ends. While the prompt
+  computes chunk by chunk, each path's next export runs from where its last one ended to
+  the last complete block with KV; once the prompt is computed, to the prompt's end (its
+  partial last block included). Receivers that stand at the same token get equal ranges
+  (one export serves both), and one whose cache covers the whole prompt needs none.
 """
 
 from dataclasses import dataclass
@@ -63,13 +65,18 @@ class ShippingPlan:
             return list(cmd.resume_token_ids), []
         return [first_token], [first_logprobs] if first_logprobs is not None else []
 
-    def export_range(self, receiver_start: int) -> ExportRange | None:
-        """What to export for a receiver whose cache ends at ``receiver_start``; None: nothing.
-        Equal ranges are one export."""
+    def next_export(
+        self, exported_to: int, num_kv_tokens: int, prompt_computed: bool, block_size: int
+    ) -> ExportRange | None:
+        """A path's next export: from ``exported_to`` (where its exports, or its receiver's
+        cache, end) to the last complete block below ``num_kv_tokens`` (the KV computed so
+        far), or to the prompt's end once ``prompt_computed``; None when nothing new."""
         num_prompt_tokens = len(self._cmd.token_ids)
-        if receiver_start >= num_prompt_tokens:
-            return None
-        return ExportRange(receiver_start, num_prompt_tokens)
+        if prompt_computed:
+            reach = num_prompt_tokens
+        else:
+            reach = min(num_kv_tokens // block_size * block_size, num_prompt_tokens)
+        return ExportRange(exported_to, reach) if reach > exported_to else None
 
 
 def _paths(cmd: StartPrefill) -> list[ShippingPath]:

@@ -53,6 +53,17 @@ class RequestOutcome:
     degraded_reason: str = ""
     queue_ms: float = 0.0
     prefill_cached_tokens: int = 0
+    prefill_compute_ms: float | None = None
+    prefill_computed_unix_s: float = 0.0
+    kv_landed_unix_s: float = 0.0
+
+    @property
+    def kv_after_prefill_ms(self) -> float | None:
+        """From the prompt computed at the prefill to its last KV byte at main decode, on the
+        two instances' clocks (one machine's in a benchmark); None without both."""
+        if not (self.prefill_computed_unix_s and self.kv_landed_unix_s):
+            return None
+        return round((self.kv_landed_unix_s - self.prefill_computed_unix_s) * 1000, 1)
 
     def place(self, placement: Placement):
         """Describe the attempt running on ``placement``."""
@@ -90,4 +101,6 @@ class RequestOutcome:
             "recoveries": [r.as_pdd() for r in self.recoveries],
             "degraded": self.degraded_reason or None,
             "queue_ms": round(self.queue_ms, 1),
+            "prefill_compute_ms": self.prefill_compute_ms,
+            "kv_after_prefill_ms": self.kv_after_prefill_ms,
         }

@@ -1,7 +1,10 @@
 """Where a request runs: prefill and main-decode instances, and the pipeline.
 
-P→RLD→MD when the WAN transfer of the blocks the chosen main decoder lacks is predicted to
-exceed the TTFT target (bytes / bandwidth + RTT); P→MD otherwise. P→RLD alone is chosen
+P→RLD→MD when the blocks the chosen main decoder lacks are predicted to land there more than
+the TTFT target after the prefill ends; P→MD otherwise. The prefill ships a long prompt's KV
+chunk by chunk while it computes, so the prediction overlaps the transfer with the compute
+(``WanEstimate.arrival_after_prefill_s``, with the chosen prefill's own reported chunk size
+and compute rate). P→RLD alone is chosen
 only while no main decoder is live (site B unreachable): serving at site A beats failing.
 
 Among main decode instances the cheapest wins, cost counted in KV blocks: the prompt blocks
@@ -17,12 +20,13 @@ least recently. Relays, whose work is decode steps, go to the fewest sequences.
 (docs/planning.md records the simulated runs behind these rules.)
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.router.registry import InstanceRegistry, InstanceState
 from services.router.wan_estimate import WanEstimate
 from shared.errors import PddError
-from shared.messages import InstanceRef, Pipeline
+from shared.messages import InstanceRef, LoadReported, Pipeline
 
 
 class NoInstances(PddError):
@@ -45,7 +49,7 @@ class Placement:
         num_prompt_blocks: KV blocks the prompt fills (the load it adds where it runs).
         prefill_compute_blocks: Prompt blocks the chosen prefill lacks (the work it adds there).
         missing_kv_bytes: KV bytes predicted to cross the WAN.
-        predicted_wan_s: Their predicted transfer time.
+        predicted_wan_s: When they are predicted to land, counted from the prefill's end.
         odd_traffic: Marked odd by the odd-traffic filter (relayed; WAN cancelled if the relay wins).
         degraded_reason: Why a ``P-RLD`` request is served at site A alone.
     """
@@ -138,8 +142,9 @@ def place(
     prefill_compute_blocks = max(0, num_prompt_blocks - hits.get(prefill.report.instance.instance_id, 0))
     if not mains:
         return _relay_only(prefill, relays, num_prompt_blocks, prefill_compute_blocks)
+    arrival_s = _overlapped_arrival(wan, prefill.report, prefill_compute_blocks * block_size)
     main, missing_bytes, predicted_s = _pick_main(
-        mains, hits, num_prompt_tokens, block_size, kv_bytes_per_token, wan, ttft_target_s
+        mains, hits, num_prompt_tokens, block_size, kv_bytes_per_token, arrival_s, ttft_target_s
     )
     odd = policy == "auto" and odd_rule is not None and odd_rule.is_odd(max_tokens, predicted_s)
     wants_relay = predicted_s > ttft_target_s or odd if policy == "auto" else policy == "P-RLD-MD"
@@ -160,27 +165,38 @@ def place(
     )
 
 
+def _overlapped_arrival(wan: WanEstimate, prefill: LoadReported, compute_tokens: int) -> Callable[[int], float]:
+    """``bytes → seconds after the prefill ends`` for a prompt whose ``compute_tokens`` the
+    chosen prefill computes at its reported rate, shipping each chunk as it is done."""
+    if prefill.prefill_tokens_per_s <= 0 or compute_tokens <= 0:
+        return wan.arrival_after_prefill_s
+    prefill_s = compute_tokens / prefill.prefill_tokens_per_s
+    chunk_tokens = prefill.prefill_chunk_tokens or compute_tokens
+    first_chunk_s = min(compute_tokens, chunk_tokens) / prefill.prefill_tokens_per_s
+    return lambda num_bytes: wan.arrival_after_prefill_s(num_bytes, prefill_s, first_chunk_s)
+
+
 def _pick_main(
     mains: list[InstanceState],
     hits: dict[str, int],
     num_prompt_tokens: int,
     block_size: int,
     kv_bytes_per_token: int,
-    wan: WanEstimate,
+    arrival_s: Callable[[int], float],
     ttft_target_s: float,
 ) -> tuple[InstanceState, int, float]:
-    """The main decoder (those whose missing KV crosses within the target first), the KV bytes
-    it lacks and their predicted WAN time."""
+    """The main decoder (those whose missing KV lands within the target first), the KV bytes
+    it lacks and when they are predicted to land after the prefill (``arrival_s``)."""
 
     def missing_bytes_at(state: InstanceState) -> int:
         cached = hits.get(state.report.instance.instance_id, 0)
         return max(0, num_prompt_tokens - cached * block_size) * kv_bytes_per_token
 
     candidates = _with_room(mains) or mains
-    quick = [s for s in candidates if wan.transfer_s(missing_bytes_at(s)) <= ttft_target_s]
+    quick = [s for s in candidates if arrival_s(missing_bytes_at(s)) <= ttft_target_s]
     main = _pick(quick or candidates, hits, -(-num_prompt_tokens // block_size))
     missing_bytes = missing_bytes_at(main)
-    return main, missing_bytes, wan.transfer_s(missing_bytes)
+    return main, missing_bytes, arrival_s(missing_bytes)
 
 
 def _with_room(instances: list[InstanceState]) -> list[InstanceState]:

@@ -424,6 +424,8 @@ class RequestFlow:
         elif isinstance(event, PrefillCompleted):
             self.load.release([prefill])  # its work for the request is done: it is free for the next
             self.ctx.wan.add_rtt(event.wan_rtt_s)
+            self.outcome.prefill_compute_ms = round(event.compute_s * 1000, 1)
+            self.outcome.prefill_computed_unix_s = event.computed_unix_s
             if self.attempt == 0:  # what the client's prompt reused (a recovery's prefill is ours)
                 self.outcome.prefill_cached_tokens = event.cached_tokens
             if not self._wan_bytes_final:
@@ -433,6 +435,7 @@ class RequestFlow:
             self._record_odd(self.odd.kv_landed())
             self.ctx.wan.add_throughput(event.throughput_bps, event.wan_kv_bytes)
             self.outcome.kv_transfer_ms = round(event.transfer_s * 1000, 1)
+            self.outcome.kv_landed_unix_s = event.landed_unix_s
             self.outcome.cached_blocks_md = event.cached_tokens // self.config.block_size
         elif isinstance(event, HandoffAccepted):
             self.watch.on_handoff_accepted(event.final)

@@ -35,9 +35,16 @@ class WanEstimate:
     bandwidth_bps: float
     rtt_s: float
 
-    def transfer_s(self, num_bytes: int) -> float:
-        """Predicted time to ship ``num_bytes`` (plus one round trip for the handshake)."""
-        return num_bytes * 8 / self.bandwidth_bps + self.rtt_s
+    def arrival_after_prefill_s(self, num_bytes: int, prefill_s: float = 0.0, first_chunk_s: float = 0.0) -> float:
+        """When the last of ``num_bytes`` of KV lands at main decode, counted from the end of
+        a prefill that computes for ``prefill_s`` and ships chunk by chunk from ``first_chunk_s``
+        on. The flow opens as the compute starts (one round trip), so its first byte leaves at
+        ``max(first_chunk_s, rtt)``, its last at ``max(prefill end, first byte + bytes / rate)``,
+        and lands one one-way delay later. Without a prefill estimate (0, 0): a round trip,
+        the whole transfer and a one-way delay."""
+        first_byte_s = max(first_chunk_s, self.rtt_s)
+        last_byte_s = max(prefill_s, first_byte_s + num_bytes * 8 / self.bandwidth_bps)
+        return last_byte_s - prefill_s + self.rtt_s / 2
 
 
 class WanEstimator:

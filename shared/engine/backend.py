@@ -52,6 +52,9 @@ class RequestView:
             when the request did not ask for them.
         finish_reason: ``stop``, ``length`` or ``error`` once finished.
         max_tokens: The request's output budget.
+        num_kv_tokens: Leading tokens whose KV exists here (cached, imported or computed):
+            the complete blocks below it can be exported while the rest of a long prompt is
+            still being computed. A backend that exports only finished prompts reports 0.
     """
 
     request_id: str
@@ -63,6 +66,7 @@ class RequestView:
     output_logprobs: tuple[TokenLogprobs | None, ...] | None
     finish_reason: str | None
     max_tokens: int
+    num_kv_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -129,6 +133,8 @@ class BackendOptions:
         dtype: Weights and KV dtype.
         kv_cache_bytes: KV pool size.
         block_size: Tokens per KV block (the same on every instance).
+        max_batch_tokens: Most tokens one step computes; a longer prompt is computed in
+            chunks of at most this many tokens, over several steps.
         enable_prefix_cache: Reuse cached prefix blocks.
         kv_listener: Receives stored/evicted block events; None publishes nothing.
     """
@@ -138,6 +144,7 @@ class BackendOptions:
     dtype: str = "float32"
     kv_cache_bytes: int = 512 << 20
     block_size: int = 16
+    max_batch_tokens: int = 2048
     enable_prefix_cache: bool = True
     kv_listener: KvEventListener | None = None
 

@@ -303,6 +303,7 @@ def create_hf_engine(options: BackendOptions, loaded: LoadedModel | None = None)
         loaded,
         kv_cache_bytes=options.kv_cache_bytes,
         block_size=options.block_size,
+        max_batch_tokens=options.max_batch_tokens,
         kv_listener=options.kv_listener,
         enable_prefix_cache=options.enable_prefix_cache,
     )

@@ -75,4 +75,5 @@ class Sequence:
             output_logprobs=tuple(self.output_logprobs) if self.sampling.logprobs is not None else None,
             finish_reason=self.finish_reason,
             max_tokens=self.sampling.max_tokens,
+            num_kv_tokens=self.num_kv_tokens,
         )
