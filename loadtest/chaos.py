@@ -68,6 +68,8 @@ class ChaosRow:
     pipelines: dict[str, int] = field(default_factory=dict)
     pipeline_after: str = ""
     notes: str = ""
+    seconds: float = 0.0
+    """Wall time of the scenario, from its start to its last check."""
 
 
 @dataclass
@@ -429,10 +431,12 @@ async def run(ctx: ChaosContext, names: list[str]) -> list[ChaosRow]:
     """Run scenarios in order; print each row as it is done."""
     rows = []
     for name in names:
+        started = time.monotonic()
         try:
             row = await run_scenario(ctx, name)
         except (TimeoutError, launcher.LauncherError, OSError) as exc:
             row = ChaosRow(name, ctx.streams, 0, 0, 0, 0, 0.0, -1, notes=f"scenario did not run: {exc}")
+        row.seconds = round(time.monotonic() - started, 1)
         print(json.dumps(asdict(row)), flush=True)
         rows.append(row)
     return rows
