@@ -275,7 +275,7 @@ class WanLink:
                 stall_s = 0.0
                 if profile.stall_probability and self._rng.random() < profile.stall_probability:
                     stall_s = profile.stall_ms / 1000
-                sent = link.schedule.submit(len(data), control and profile.control_priority, stall_s)
+                sent = link.schedule.submit(gate, len(data), control and profile.control_priority, stall_s)
                 gate.read(len(data), sent)
                 link.bytes += len(data)
                 link.queued_bytes += len(data)

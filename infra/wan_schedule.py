@@ -3,10 +3,11 @@ one connection.
 
 ``LinkSchedule`` is the wire of one direction, shared by every route and connection. The proxy
 submits each chunk it reads; the schedule commits a chunk (fixes when its last bit leaves) only
-once the wire is free, picking among the chunks waiting: control chunks first, then bulk ones,
-each class in the order read. A control chunk therefore waits for at most the one chunk already
-on the wire, never for bulk chunks read before it but not yet committed. With no control chunk
-waiting, bulk chunks keep the wire busy.
+once the wire is free, picking among the chunks waiting: control chunks first, then bulk ones;
+within a class the connections take turns, a chunk each, and each connection's chunks go in the
+order read. A control chunk therefore waits for at most the one chunk already on the wire, never
+for bulk chunks read before it but not yet committed. With no control chunk waiting, bulk chunks
+keep the wire busy.
 
 Time is virtual: a chunk starts when the wire became free (or when it was read, if later), not
 when a late timer wake-up got round to committing it. A busy machine's late wake-ups delay
@@ -19,8 +20,8 @@ read-ahead that keeps the wire busy through late wake-ups.
 """
 
 import asyncio
-from collections import deque
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 CHUNK_BYTES = 64 << 10
@@ -44,6 +45,12 @@ class _Waiting:
 class LinkSchedule:
     """The wire of one direction: commits chunks one after another at ``rate_bps()``.
 
+    Waiting chunks are kept per class and, within a class, per connection (``flow``). The wire
+    takes a control chunk if one was read by the time it is free, else a bulk one; within a
+    class it serves the connections in turn, one chunk each (a new connection after those
+    already waiting), so a small flow waits for one chunk per busy connection, not for all they
+    have read ahead.
+
     Args:
         rate_bps: The direction's capacity now, in bits/s (0: unlimited); read at each commit,
             so changes apply to chunks not yet committed.
@@ -53,21 +60,22 @@ class LinkSchedule:
         self._rate_bps = rate_bps
         self.free_at = 0.0
         """Loop time the last committed chunk's last bit leaves."""
-        self._queues = {CONTROL: deque(), BULK: deque()}
+        self._flows: dict[str, OrderedDict[Hashable, deque[_Waiting]]] = {CONTROL: OrderedDict(), BULK: OrderedDict()}
         self.waiting_bytes = {CONTROL: 0, BULK: 0}
         """Bytes read and not yet committed, per class."""
         self._timer: asyncio.TimerHandle | None = None
 
-    def submit(self, num_bytes: int, control: bool, extra_s: float = 0.0) -> asyncio.Future:
-        """Queue a chunk read now; the future gives the loop time its last bit leaves the wire.
+    def submit(self, flow: Hashable, num_bytes: int, control: bool, extra_s: float = 0.0) -> asyncio.Future:
+        """Queue a chunk of ``flow`` read now; the future gives the loop time its last bit leaves
+        the wire (cancelled by ``close``).
 
-        ``extra_s`` is added to its transmit time (a stall). Chunks of one class commit in the
-        order submitted, so one connection's chunks (all of one class) keep their order.
+        ``extra_s`` is added to its transmit time (a stall). One flow's chunks of one class
+        commit in the order submitted.
         """
         loop = asyncio.get_running_loop()
         sent = loop.create_future()
         klass = CONTROL if control else BULK
-        self._queues[klass].append(_Waiting(num_bytes, extra_s, loop.time(), sent))
+        self._flows[klass].setdefault(flow, deque()).append(_Waiting(num_bytes, extra_s, loop.time(), sent))
         self.waiting_bytes[klass] += num_bytes
         if self._timer is None:  # with a timer set the wire is busy until it fires
             self._commit_due()
@@ -78,9 +86,11 @@ class LinkSchedule:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        for klass, queue in self._queues.items():
-            while queue:
-                queue.popleft().sent.cancel()
+        for klass, flows in self._flows.items():
+            for queue in flows.values():
+                for chunk in queue:
+                    chunk.sent.cancel()
+            flows.clear()
             self.waiting_bytes[klass] = 0
 
     def _commit_due(self):
@@ -93,18 +103,27 @@ class LinkSchedule:
             transmit_s = chunk.num_bytes * 8 / rate_bps if rate_bps > 0 else 0.0
             self.free_at = max(self.free_at, chunk.read_at) + transmit_s + chunk.extra_s
             chunk.sent.set_result(self.free_at)
-        if any(self._queues.values()):
+        if any(self._flows.values()):
             self._timer = loop.call_at(self.free_at, self._commit_due)
 
     def _next(self) -> _Waiting | None:
-        """The chunk the wire takes next: the first control chunk read by the time the wire is
-        free, else the first bulk one; a chunk whose connection is gone is dropped."""
-        control, bulk = self._queues[CONTROL], self._queues[BULK]
-        while control or bulk:
-            first_read_at = min(queue[0].read_at for queue in (control, bulk) if queue)
-            starts_at = max(self.free_at, first_read_at)
-            klass = CONTROL if control and control[0].read_at <= starts_at else BULK
-            chunk = self._queues[klass].popleft()
+        """The chunk the wire takes next (see the class); a chunk whose connection is gone is
+        dropped."""
+        while any(self._flows.values()):
+            first_read_at = min(q[0].read_at for flows in self._flows.values() for q in flows.values())
+            starts_at = max(self.free_at, first_read_at)  # virtual: the wire's start, not now
+            klass, flow = next(
+                (klass, flow)
+                for klass in (CONTROL, BULK)
+                for flow, queue in self._flows[klass].items()
+                if queue[0].read_at <= starts_at
+            )
+            queue = self._flows[klass][flow]
+            chunk = queue.popleft()
+            if queue:
+                self._flows[klass].move_to_end(flow)  # its turn is over
+            else:
+                del self._flows[klass][flow]
             self.waiting_bytes[klass] -= chunk.num_bytes
             if not chunk.sent.done():
                 return chunk

@@ -99,10 +99,11 @@ MARGIN_S = 0.020
 
 
 async def test_a_control_message_waits_for_one_bulk_chunk_not_the_bulk_queue():
-    """At 10 Mbit/s one 64 KiB chunk takes 52 ms on the wire; each bulk connection keeps about
-    one chunk read and waiting, so without priority the message would queue behind about four
-    of them (~210 ms). The same measurement with ``control_priority`` off shows that wait: it
-    is well past the bound the prioritised message must meet."""
+    """At 10 Mbit/s one 64 KiB chunk takes 52 ms on the wire, and each bulk connection keeps one
+    chunk read and waiting (its read-ahead, 10 ms of wire time, is less than a chunk). Without
+    priority the message would wait for one chunk of each of the four connections (~210 ms):
+    the same measurement with ``control_priority`` off shows that wait, well past the bound the
+    prioritised message meets."""
     one_way_s = SATURATED.rtt_ms / 2000
     chunk_s = CHUNK_BYTES * 8 / SATURATED.bandwidth_bps
     bound_s = one_way_s + chunk_s + MARGIN_S
@@ -112,8 +113,8 @@ async def test_a_control_message_waits_for_one_bulk_chunk_not_the_bulk_queue():
     assert first.delay_s <= bound_s, (first, bound_s)
 
     fifo = await measure_control_delay(replace(SATURATED, control_priority=False), BULK_STREAMS)
-    # Behind everything waiting when it was written (less one chunk the wire may have taken
-    # while the link read the message); late wake-ups only add to this.
+    # Behind the chunk each connection had waiting when it was written (less one the wire may
+    # have taken while the link read the message); late wake-ups only add to this.
     fifo_floor_s = one_way_s + (fifo.waiting_bulk_bytes - CHUNK_BYTES) * 8 / SATURATED.bandwidth_bps
     assert fifo_floor_s > bound_s + MARGIN_S, (fifo, fifo_floor_s, bound_s)
     assert fifo.delay_s >= fifo_floor_s, (fifo, fifo_floor_s)
