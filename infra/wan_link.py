@@ -19,7 +19,8 @@ Two properties of a long real path are emulated as well:
   named ``leafnode…`` is control by default, any other bulk). A direction's wire takes waiting
   control chunks before waiting bulk ones (``infra/wan_schedule.py``), so a handoff or token
   message waits for at most the one bulk chunk (``CHUNK_BYTES``) already on the wire, not for
-  the KV read behind it. ``control_priority=False`` turns this off (one queue in read order).
+  the KV read behind it. Connections of one class take turns on the wire, a chunk each.
+  ``control_priority=False`` turns priority off (control connections take turns with bulk).
 
 A route's target may be ``*`` (a routed port): each connection then names its own target
 in a signed ``LinkRoute`` (``shared/bulk/link_route.py``), so one port reaches every main
