@@ -41,9 +41,10 @@ def add_serve_parsers(commands):
         "--route",
         action="append",
         default=[],
-        metavar="NAME=HOST:PORT>HOST:PORT@SITE",
+        metavar="NAME=HOST:PORT>HOST:PORT@SITE[:CLASS]",
         help="forward NAME from listen HOST:PORT to target HOST:PORT; SITE is the connecting side's site; "
-        "target * or *:PORT: each connection names its own (signed with the route key)",
+        "target * or *:PORT: each connection names its own (signed with the route key); CLASS control "
+        "(ahead of bulk on the wire) or bulk, by default control for a NAME starting with leafnode",
     )
     wan.add_argument(
         "--control-key-file",
@@ -58,6 +59,11 @@ def add_serve_parsers(commands):
     wan.add_argument("--rtt", default="40ms", help="base round trip")
     wan.add_argument("--jitter", default="5ms", help="standard deviation of the one-way delay")
     wan.add_argument("--seed", type=int, default=0, help="seed of the jitter and stall draws")
+    wan.add_argument(
+        "--window",
+        default="0",
+        help="most bytes one connection may have in flight per direction, e.g. 4MiB (0: no limit, the default)",
+    )
     wan.add_argument("--log-level", default="info", help="debug, info, warning or error")
 
 

@@ -4,7 +4,7 @@ import json
 import urllib.request
 from pathlib import Path
 
-from infra.wan_link import parse_ms, parse_rate
+from infra.wan_link import parse_bytes, parse_ms, parse_rate
 from shared.errors import PddError
 
 
@@ -26,13 +26,17 @@ def add_wan_parsers(commands, *, show_handler, set_handler, partition_handler):
     )
     actions = wan.add_subparsers(dest="wan_action", required=True)
     actions.add_parser("show", help="profile and byte counters").set_defaults(handler=show_handler)
-    change = actions.add_parser("set", help="change bandwidth, RTT, jitter or stalls")
+    change = actions.add_parser("set", help="change bandwidth, RTT, jitter, stalls, window or control priority")
     change.add_argument("--bandwidth", help="e.g. 100mbit, 1gbit, unlimited")
     change.add_argument("--rtt", help="e.g. 40ms")
     change.add_argument("--jitter", help="e.g. 10ms")
     change.add_argument("--stall-probability", type=float, help="chance per 64 KiB chunk of a stall")
     change.add_argument("--stall", help="stall length, e.g. 500ms")
     change.add_argument("--seed", type=int, help="reseed the jitter and stall draws")
+    change.add_argument("--window", help="most bytes in flight per connection and direction, e.g. 4MiB (0: no limit)")
+    change.add_argument(
+        "--control-priority", choices=["on", "off"], help="on: control routes' chunks go on the wire before bulk ones"
+    )
     change.set_defaults(handler=set_handler)
     partition = actions.add_parser("partition", help="cut (on) or restore (off) the link")
     partition.add_argument("state", choices=["on", "off"], help="on: nothing crosses; off: restored")
@@ -54,9 +58,14 @@ def profile_changes(args) -> dict:
         changes["stall_ms"] = parse_ms(args.stall)
     if args.seed is not None:
         changes["seed"] = args.seed
+    if args.window is not None:
+        changes["window_bytes"] = parse_bytes(args.window)
+    if args.control_priority is not None:
+        changes["control_priority"] = args.control_priority == "on"
     if not changes:
         raise WanControlError(
-            "nothing to set: give --bandwidth, --rtt, --jitter, --stall-probability, --stall or --seed"
+            "nothing to set: give --bandwidth, --rtt, --jitter, --stall-probability, --stall, --seed, --window "
+            "or --control-priority"
         )
     return changes
 

@@ -7,6 +7,21 @@ one-way delays, seeded jitter, optional stalls, and a partition switch that free
 traffic until it is lifted. Order within a connection is always preserved. Everything is
 adjustable at runtime through a small HTTP control API (``pdd wan``).
 
+Two properties of a long real path are emulated as well:
+
+- **A window per connection** (``window_bytes``; 0, the default: none). A chunk read from a
+  sender is in flight from when it is read until its delivery plus half the base RTT (the
+  acknowledgement's return); the link reads no more from that connection and direction while
+  its in-flight bytes reach the window. One connection then carries at most about
+  ``window_bytes / RTT`` (4 MiB over 40 ms: 0.84 Gbit/s), however fast the link; several share
+  the link's rate.
+- **Control before bulk.** Each route is ``control`` or ``bulk`` (``Route.traffic``; a route
+  named ``leafnode…`` is control by default, any other bulk). A direction's wire takes waiting
+  control chunks before waiting bulk ones (``infra/wan_schedule.py``), so a handoff or token
+  message waits for at most the one bulk chunk (``CHUNK_BYTES``) already on the wire, not for
+  the KV read behind it. Connections of one class take turns on the wire, a chunk each.
+  ``control_priority=False`` turns priority off (control connections take turns with bulk).
+
 A route's target may be ``*`` (a routed port): each connection then names its own target
 in a signed ``LinkRoute`` (``shared/bulk/link_route.py``), so one port reaches every main
 decoder at the far site, however many replicas run.
@@ -22,17 +37,13 @@ from dataclasses import asdict, dataclass, field
 import structlog
 from aiohttp import web
 
+from infra.wan_schedule import BULK, CONTROL, FlowGate, LinkSchedule
 from shared.bulk.framing import read_message
 from shared.bulk.link_route import RouteAuthenticator
 from shared.errors import KvFrameError
 from shared.messages import LinkRoute
 
 log = structlog.get_logger(__name__)
-CHUNK_BYTES = 64 << 10
-READ_AHEAD_S = 0.010
-"""How far ahead of the link the proxy reads. A sleep on a busy machine wakes a millisecond
-or more late; reading only once the link is free would leave it idle for that long after
-every chunk (81 % of 100 Mbit/s and 34 % of 1 Gbit/s were measured that way)."""
 ROUTE_TIMEOUT_S = 5.0
 """A connection to a routed port must name its target within this."""
 MAX_ROUTE_BYTES = 4 << 10
@@ -51,6 +62,9 @@ class LinkProfile:
         stall_ms: Length of a stall.
         partitioned: When True nothing crosses until it is False again.
         seed: Seed of the jitter and stall draws.
+        window_bytes: Most bytes one connection may have in flight per direction (read, not
+            yet acknowledged); 0 for no limit.
+        control_priority: Whether control routes' chunks go on the wire before waiting bulk ones.
     """
 
     bandwidth_bps: float = 100e6
@@ -60,6 +74,8 @@ class LinkProfile:
     stall_ms: float = 0.0
     partitioned: bool = False
     seed: int = 0
+    window_bytes: int = 0
+    control_priority: bool = True
 
 
 @dataclass(frozen=True)
@@ -74,6 +90,8 @@ class Route:
             ``LinkRoute`` says (a routed port).
         target_port: Target port; for a routed port the only port a route may name (0: any).
         from_site: Site the connecting side is at (decides the direction of each byte).
+        traffic: ``control`` (goes on the wire ahead of bulk) or ``bulk``; "" picks control
+            for a name starting with ``leafnode``, bulk otherwise.
     """
 
     name: str
@@ -82,16 +100,28 @@ class Route:
     target_host: str
     target_port: int
     from_site: str = "site-a"
+    traffic: str = ""
+
+    def __post_init__(self):
+        if not self.traffic:
+            object.__setattr__(self, "traffic", CONTROL if self.name.startswith("leafnode") else BULK)
+        if self.traffic not in (CONTROL, BULK):
+            raise ValueError(f"route {self.name!r}: traffic {self.traffic!r} is neither {CONTROL} nor {BULK}")
 
     @property
     def routed(self) -> bool:
         """Whether each connection names its own target."""
         return self.target_host == ANY
 
+    @property
+    def control(self) -> bool:
+        """Whether this route's chunks go on the wire ahead of bulk ones."""
+        return self.traffic == CONTROL
+
 
 @dataclass
 class _Direction:
-    free_at: float = 0.0
+    schedule: LinkSchedule
     bytes: int = 0
     queued_bytes: int = 0  # read from the sender, not yet delivered (in flight on the "wire")
 
@@ -113,7 +143,10 @@ class WanLink:
         # One for every routed port: a route's nonce is spent on all of them.
         self._routes_auth = RouteAuthenticator(route_key) if route_key else None
         self._rng = random.Random(self.profile.seed)
-        self._directions = {"site-a->site-b": _Direction(), "site-b->site-a": _Direction()}
+        self._directions = {
+            name: _Direction(LinkSchedule(lambda: self.profile.bandwidth_bps))
+            for name in ("site-a->site-b", "site-b->site-a")
+        }
         self._open = asyncio.Event()
         self._open.set()
         self._servers: dict[str, asyncio.Server] = {}
@@ -161,6 +194,8 @@ class WanLink:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for direction in self._directions.values():
+            direction.schedule.close()
 
     def snapshot(self) -> dict:
         """Profile and counters, for ``pdd wan show``."""
@@ -169,6 +204,7 @@ class WanLink:
             "routes": {n: {**asdict(r), **asdict(self.stats[n])} for n, r in self.routes.items()},
             "bytes_per_direction": {d: s.bytes for d, s in self._directions.items()},
             "queued_bytes_per_direction": {d: s.queued_bytes for d, s in self._directions.items()},
+            "waiting_bytes_per_direction": {d: dict(s.schedule.waiting_bytes) for d, s in self._directions.items()},
         }
 
     async def _accept(self, route: Route, client_reader, client_writer):
@@ -189,10 +225,10 @@ class WanLink:
             self._tasks.discard(task)
             return
         forward = asyncio.create_task(
-            self._pipe(client_reader, target_writer, f"{route.from_site}->{other}", stats, True)
+            self._pipe(client_reader, target_writer, f"{route.from_site}->{other}", stats, True, route.control)
         )
         reverse = asyncio.create_task(
-            self._pipe(target_reader, client_writer, f"{other}->{route.from_site}", stats, False)
+            self._pipe(target_reader, client_writer, f"{other}->{route.from_site}", stats, False, route.control)
         )
         try:
             await asyncio.gather(forward, reverse)
@@ -224,63 +260,67 @@ class WanLink:
         host, _, port = message.target.rpartition(":")
         return host, int(port)
 
-    async def _pipe(self, reader, writer, direction: str, stats: _RouteStats, forward: bool):
-        """Read at the link's pace, deliver after the one-way delay, in order."""
+    async def _pipe(self, reader, writer, direction: str, stats: _RouteStats, forward: bool, control: bool):
+        """Read as the wire and the connection's window allow; deliver in order (``_deliver``)."""
         queue: asyncio.Queue = asyncio.Queue()
-        deliver = asyncio.create_task(self._deliver(queue, writer, self._directions[direction]))
-        link, loop, last_delivery = self._directions[direction], asyncio.get_running_loop(), 0.0
+        link, gate = self._directions[direction], FlowGate()
+        deliver = asyncio.create_task(self._deliver(queue, writer, link, gate))
         try:
             while True:
-                data = await reader.read(CHUNK_BYTES)
+                # Not reading is how the sender feels the link: TCP back-pressure.
+                data = await reader.read(await gate.room(self.profile.window_bytes, self.profile.bandwidth_bps))
                 if not data:
                     break
                 await self._open.wait()
-                now = loop.time()
                 profile = self.profile
-                tx_s = len(data) * 8 / profile.bandwidth_bps if profile.bandwidth_bps > 0 else 0.0
+                stall_s = 0.0
                 if profile.stall_probability and self._rng.random() < profile.stall_probability:
-                    tx_s += profile.stall_ms / 1000
-                start = max(now, link.free_at)
-                link.free_at = start + tx_s
+                    stall_s = profile.stall_ms / 1000
+                sent = link.schedule.submit(gate, len(data), control and profile.control_priority, stall_s)
+                gate.read(len(data), sent)
                 link.bytes += len(data)
+                link.queued_bytes += len(data)
                 if forward:
                     stats.bytes_forward += len(data)
                 else:
                     stats.bytes_reverse += len(data)
                 one_way_s = max(0.0, profile.rtt_ms / 2000 + self._rng.gauss(0, profile.jitter_ms / 1000))
-                last_delivery = max(last_delivery, start + tx_s + one_way_s)
-                queue.put_nowait((last_delivery, data))
-                link.queued_bytes += len(data)
-                # Pace reading to the link: the sender feels the cap through TCP back-pressure.
-                if link.free_at - now > READ_AHEAD_S:
-                    await asyncio.sleep(link.free_at - now - READ_AHEAD_S)
+                queue.put_nowait((sent, one_way_s, data))
         except (ConnectionError, OSError):
             pass
         finally:
-            queue.put_nowait((0.0, None))
+            queue.put_nowait((None, 0.0, None))
             await asyncio.gather(deliver, return_exceptions=True)
 
-    async def _deliver(self, queue: asyncio.Queue, writer, link: _Direction):
-        loop = asyncio.get_running_loop()
+    async def _deliver(self, queue: asyncio.Queue, writer, link: _Direction, gate: FlowGate):
+        """Write each chunk one one-way delay after the wire sent it, never before an earlier one;
+        half the base RTT after it was due, its acknowledgement frees its bytes in the window."""
+        loop, last_delivery, undelivered = asyncio.get_running_loop(), 0.0, 0
         try:
             while True:
-                deliver_at, data = await queue.get()
+                sent, one_way_s, data = await queue.get()
                 if data is None:
                     break
-                delay = deliver_at - loop.time()
+                undelivered = len(data)
+                last_delivery = max(last_delivery, await sent + one_way_s)
+                delay = last_delivery - loop.time()
                 if delay > 0:
                     await asyncio.sleep(delay)
                 await self._open.wait()
                 writer.write(data)
-                link.queued_bytes -= len(data)
+                link.queued_bytes -= undelivered
+                undelivered = 0
+                # Timed from the due delivery, not the write: a late wake-up here must not shrink the window.
+                loop.call_at(last_delivery + self.profile.rtt_ms / 2000, gate.acknowledged, len(data))
                 await writer.drain()
             if writer.can_write_eof():
                 writer.write_eof()
         except (ConnectionError, OSError):
             pass
         finally:
-            while not queue.empty():  # undelivered when the connection broke: no longer queued
-                _, data = queue.get_nowait()
+            link.queued_bytes -= undelivered  # undelivered when the connection broke: no longer queued
+            while not queue.empty():
+                _, _, data = queue.get_nowait()
                 link.queued_bytes -= len(data or b"")
 
 
@@ -295,6 +335,8 @@ def _refuse(route: Route, stats: _RouteStats, reason: str, **fields) -> None:
 _RATE = re.compile(r"^\s*([0-9.]+)\s*(bit|kbit|mbit|gbit|bps|kbps|mbps|gbps)?\s*$", re.IGNORECASE)
 _TIME = re.compile(r"^\s*([0-9.]+)\s*(us|ms|s)?\s*$", re.IGNORECASE)
 _RATE_UNITS = {"bit": 1, "bps": 1, "kbit": 1e3, "kbps": 1e3, "mbit": 1e6, "mbps": 1e6, "gbit": 1e9, "gbps": 1e9}
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*(b|kb|kib|mb|mib|gb|gib)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"b": 1, "kb": 1e3, "kib": 1 << 10, "mb": 1e6, "mib": 1 << 20, "gb": 1e9, "gib": 1 << 30}
 
 
 def parse_rate(text: str) -> float:
@@ -316,34 +358,52 @@ def parse_ms(text: str) -> float:
     return float(match.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1000.0}[unit]
 
 
-def parse_profile(bandwidth: str, rtt: str, jitter: str, seed: int = 0) -> LinkProfile:
-    """A profile from the command-line spellings (``100mbit``, ``40ms``, ``5ms``)."""
-    return LinkProfile(bandwidth_bps=parse_rate(bandwidth), rtt_ms=parse_ms(rtt), jitter_ms=parse_ms(jitter), seed=seed)
+def parse_bytes(text: str) -> int:
+    """``4MiB`` → 4194304, ``4mb`` → 4000000, ``65536`` → 65536 (bare numbers are bytes; KiB,
+    MiB, GiB are powers of 1024, kB, MB, GB of 1000; case does not matter)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"size {text!r}: use e.g. 4MiB, 512KiB, 4mb or a number of bytes")
+    return int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "b").lower()])
+
+
+def parse_profile(bandwidth: str, rtt: str, jitter: str, seed: int = 0, window: str = "0") -> LinkProfile:
+    """A profile from the command-line spellings (``100mbit``, ``40ms``, ``5ms``, ``4MiB``)."""
+    return LinkProfile(
+        bandwidth_bps=parse_rate(bandwidth),
+        rtt_ms=parse_ms(rtt),
+        jitter_ms=parse_ms(jitter),
+        seed=seed,
+        window_bytes=parse_bytes(window),
+    )
 
 
 def parse_route(text: str) -> "Route":
     """``leafnode=127.0.0.1:17422>127.0.0.1:7422@site-b`` → Route.
 
     A target of ``*`` (any port) or ``*:PORT`` makes a routed port: each connection names
-    its target (``bulk=0.0.0.0:19100>*:9100@site-a``).
+    its target (``bulk=0.0.0.0:19100>*:9100@site-a``). ``@SITE:control`` or ``@SITE:bulk``
+    sets the route's traffic class; without it a route named ``leafnode…`` is control, any
+    other bulk.
 
     Raises:
-        argparse.ArgumentTypeError: the text is not ``NAME=HOST:PORT>HOST:PORT@SITE``.
+        argparse.ArgumentTypeError: the text is not ``NAME=HOST:PORT>HOST:PORT@SITE[:CLASS]``.
     """
     try:
         name, rest = text.split("=", 1)
         listen, rest = rest.split(">", 1)
-        target, from_site = rest.split("@", 1)
+        target, rest = rest.split("@", 1)
+        from_site, _, traffic = rest.partition(":")
         listen_host, listen_port = listen.rsplit(":", 1)
         if target in (ANY, f"{ANY}:{ANY}"):
             target = f"{ANY}:0"
         target_host, target_port = target.rsplit(":", 1)
         if not name or not from_site:
             raise ValueError(text)
-        return Route(name, listen_host, int(listen_port), target_host, int(target_port), from_site)
+        return Route(name, listen_host, int(listen_port), target_host, int(target_port), from_site, traffic)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"route {text!r}: expected NAME=HOST:PORT>HOST:PORT@SITE (target * or *:PORT: "
+            f"route {text!r}: expected NAME=HOST:PORT>HOST:PORT@SITE[:control|:bulk] (target * or *:PORT: "
             "each connection names its own)"
         ) from None
 

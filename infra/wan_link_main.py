@@ -29,7 +29,7 @@ async def run_wan_link(args):
             f"--control-host {args.control_host} is reachable from other machines: give "
             "--control-key-file (its /link changes the link) or listen on 127.0.0.1"
         )
-    link = WanLink(parse_profile(args.bandwidth, args.rtt, args.jitter, args.seed), route_key=key)
+    link = WanLink(parse_profile(args.bandwidth, args.rtt, args.jitter, args.seed, args.window), route_key=key)
     for text in args.route:
         await link.add_route(parse_route(text))
     runner = web.AppRunner(control_app(link, control_key), access_log=None)
