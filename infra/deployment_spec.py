@@ -47,6 +47,8 @@ class DeploymentSpec:
         bandwidth: WAN bandwidth as the link reads it (``100mbit``, ``1gbit``, ``unlimited``).
         rtt: WAN round trip (``40ms``).
         jitter: WAN jitter (``5ms``).
+        window: Most bytes one connection may have in flight across the link per direction
+            (``4MiB``; ``0``: no limit), as TCP's window caps one stream over a long path.
         seed: The link's jitter and stall seed.
         service_log_level: The services' log level.
         timeout_s: How long ``launcher.up`` waits for every instance to be healthy.
@@ -78,6 +80,7 @@ class DeploymentSpec:
     bandwidth: str = "100mbit"
     rtt: str = "40ms"
     jitter: str = "5ms"
+    window: str = "0"
     seed: int = 0
     service_log_level: str = "info"
     timeout_s: float = 180.0
@@ -167,6 +170,12 @@ def add_up_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--bandwidth", default=DEFAULT.bandwidth, help="WAN bandwidth (default 100mbit)")
     parser.add_argument("--rtt", default=DEFAULT.rtt, help="WAN round trip (default 40ms)")
     parser.add_argument("--jitter", default=DEFAULT.jitter, help="WAN jitter (default 5ms)")
+    parser.add_argument(
+        "--window",
+        default=DEFAULT.window,
+        help="most bytes one connection may have in flight across the link per direction, e.g. 4MiB "
+        "(default 0: no limit)",
+    )
     parser.add_argument("--seed", type=int, default=DEFAULT.seed, help="jitter seed")
     parser.add_argument("--service-log-level", default=DEFAULT.service_log_level, help="the services' log level")
     parser.add_argument(

@@ -138,6 +138,7 @@ def up(spec: DeploymentSpec) -> Deployment:
 
     The deployment records ``spec`` with its run folder filled in (``pdd chaos --scenario
     redeploy`` starts it again from there)."""
+    _check_link(spec)
     run_dir = run_dir_of(spec.run_dir)
     spec = replace(spec, run_dir=str(run_dir))
     existing = load_state(run_dir)
@@ -219,6 +220,16 @@ def _start_nats(run_dir: Path, deployment: Deployment, name: str, site: NatsSite
     deployment.commands[name] = _nats_command(run_dir, site.site)
 
 
+def _check_link(spec: DeploymentSpec):
+    """The link's settings read as the link will read them (before anything starts)."""
+    from infra.wan_link import parse_bytes, parse_ms, parse_rate
+
+    try:
+        parse_rate(spec.bandwidth), parse_ms(spec.rtt), parse_ms(spec.jitter), parse_bytes(spec.window)
+    except ValueError as exc:
+        raise LauncherError(str(exc)) from None
+
+
 def _start_wan_link(spec: DeploymentSpec, run_dir: Path, deployment: Deployment, creds: Credentials, routes: list):
     deployment.commands["wan-link"] = {
         "argv": [
@@ -232,6 +243,8 @@ def _start_wan_link(spec: DeploymentSpec, run_dir: Path, deployment: Deployment,
             spec.rtt,
             "--jitter",
             spec.jitter,
+            "--window",
+            spec.window,
             "--seed",
             str(spec.seed),
             "--route-key-file",

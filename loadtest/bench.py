@@ -337,6 +337,12 @@ def add_bench_run_parser(bench_kinds):
     run.add_argument("--bandwidth", default="100mbit", help="emulated WAN rate (default 100mbit)")
     run.add_argument("--rtt", default="40ms", help="emulated WAN round trip (default 40ms)")
     run.add_argument("--jitter", default="5ms", help="emulated WAN jitter (default 5ms)")
+    run.add_argument(
+        "--window",
+        default="4MiB",
+        help="bytes one connection may have in flight across the emulated link, as over a real path "
+        "(default 4MiB, this host's tcp_wmem maximum; 0: no limit)",
+    )
     run.add_argument("--seed", type=int, default=0, help="trace and jitter seed (default 0)")
     run.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool per engine (default 512)")
     run.add_argument("--ttft-slo-ms", type=float, default=3000.0, help="goodput's TTFT bound (default 3000)")

@@ -38,6 +38,7 @@ def bench_spec(args) -> DeploymentSpec:
         bandwidth=args.bandwidth,
         rtt=args.rtt,
         jitter=args.jitter,
+        window=getattr(args, "window", BENCH_SPEC.window),
         seed=args.seed,
         timeout_s=600.0 if args.engine == "vllm" else BENCH_SPEC.timeout_s,
     )

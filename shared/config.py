@@ -147,6 +147,11 @@ class EngineConfig(CommonConfig):
     max_batch_tokens: int = setting(
         2048, "most tokens one engine step computes (a longer prompt is computed in chunks of this size)", positive
     )
+    first_chunk_tokens: int = setting(
+        0,
+        "most tokens a prompt's first step computes (0: --max-batch-tokens; smaller: its KV leaves sooner)",
+        non_negative,
+    )
     torch_threads: int = setting(0, "torch CPU threads (0: torch's default)", non_negative)
     engine_call_log: str = setting(
         "",
@@ -213,6 +218,12 @@ class PrefillConfig(EngineConfig):
         "most prompt tokens one prefill step computes: a longer prompt is computed in chunks "
         "of this size, and each chunk's complete blocks ship while the next one computes",
         positive,
+    )
+    first_chunk_tokens: int = setting(
+        64,
+        "most tokens of a prompt's first chunk: smaller than the rest, so its KV starts crossing "
+        "sooner (0: --max-batch-tokens)",
+        non_negative,
     )
     frame_tokens: int = setting(256, "tokens of KV per bulk frame", positive)
     connect_timeout_s: float = setting(10.0, "bulk connect timeout", positive)

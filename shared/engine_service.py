@@ -51,6 +51,7 @@ class EngineService(Service):
             kv_cache_bytes=config.kv_cache_mb << 20,
             block_size=config.block_size,
             max_batch_tokens=config.max_batch_tokens,
+            first_chunk_tokens=config.first_chunk_tokens,
             enable_prefix_cache=config.prefix_cache,
             kv_listener=on_kv_event if self.publishes_kv_events else None,
         )

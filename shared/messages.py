@@ -341,8 +341,8 @@ class LoadReported(_Message, kw_only=True):
             prefill's queued work).
         live_request_ids: For a router: the (attempt) ids of every request it still runs.
             Its heartbeat renews their leases; engines free what a router no longer lists.
-        prefill_chunk_tokens: For a prefill: most prompt tokens one step computes (a long
-            prompt's KV ships chunk by chunk while the rest computes).
+        prefill_first_chunk_tokens: For a prefill: the tokens of a prompt's first chunk (a long
+            prompt's KV ships chunk by chunk while the rest computes; the first leaves after it).
         prefill_tokens_per_s: For a prefill: its recent rate of computing prompt tokens (0:
             not measured yet).
         unix_s: Sender's clock when sent.
@@ -356,7 +356,7 @@ class LoadReported(_Message, kw_only=True):
     total_blocks: int = 0
     pending_tokens: int = 0
     live_request_ids: list[str] = []
-    prefill_chunk_tokens: int = 0
+    prefill_first_chunk_tokens: int = 0
     prefill_tokens_per_s: float = 0.0
     unix_s: float
 

@@ -80,6 +80,8 @@ def tiny_deployment(tmp_path_factory):
             "tiny",
             "--md",
             "2",
+            "--window",
+            "4MiB",
             "--kv-cache-mb",
             "64",
             "--run-dir",

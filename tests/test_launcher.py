@@ -76,6 +76,8 @@ def test_status_and_wan_control(deployment):
     assert profile["bandwidth_bps"] == 1e9 and profile["rtt_ms"] == 10
     shown = json.loads(pdd("wan", "--control-url", control, *key, "show").stdout)
     assert shown["routes"]["leafnode"]["bytes_forward"] > 0
+    assert shown["profile"]["window_bytes"] == 4 << 20  # pdd up --window 4MiB
+    assert shown["routes"]["leafnode"]["traffic"] == "control"
     bad = pdd("wan", "--control-url", control, *key, "set", "--bandwidth", "fast")
     assert bad.returncode == 2 and "bandwidth 'fast'" in bad.stderr
 
@@ -406,6 +408,12 @@ def test_bench_run_url_benchmarks_a_running_endpoint_in_the_usual_shape(deployme
     assert {"itl_ms", "e2e_ms", "goodput_rps", "wan_kv_bytes", "rld_token_share", "pipelines"} <= set(figures)
     assert sum(figures["pipelines"].values()) == 4  # the PDD extension fields come back from a PDD server
     assert "| pdd-running |" in (tmp_path / "report.md").read_text()
+
+
+def test_pdd_up_refuses_a_link_setting_it_cannot_read_before_starting_anything(tmp_path):
+    result = pdd("up", "--detach", "--model", "tiny", "--run-dir", str(tmp_path), "--window", "lots")
+    assert result.returncode != 0 and "size 'lots'" in result.stderr + result.stdout
+    assert load_state(tmp_path) is None
 
 
 def test_bench_trace_exports_the_agentic_trace_for_aiperf(tmp_path):

@@ -291,7 +291,7 @@ def pipeline_for(prefill_report: dict, num_prompt_tokens: int) -> tuple[str, flo
 def test_kv_shipped_while_the_prompt_computes_lands_soon_after_the_prefill():
     tokens, rate, chunk = 704, 300.0, 64  # 2.3 s of compute; 32 MB, 2.6 s on the link
     transfer_s, prefill_s = tokens * 46080 * 8 / 100e6, tokens / rate
-    pipeline, arrival_s = pipeline_for({"prefill_tokens_per_s": rate, "prefill_chunk_tokens": chunk}, tokens)
+    pipeline, arrival_s = pipeline_for({"prefill_tokens_per_s": rate, "prefill_first_chunk_tokens": chunk}, tokens)
     # the link starts with the first chunk: it runs past the prefill by what it lags behind
     assert arrival_s == pytest.approx(chunk / rate + transfer_s - prefill_s + 0.020)
     assert pipeline == "P-MD"  # within the target: no relay needed
@@ -300,5 +300,5 @@ def test_kv_shipped_while_the_prompt_computes_lands_soon_after_the_prefill():
     assert arrival_s == pytest.approx(0.040 + transfer_s + 0.020)
     assert pipeline == "P-RLD-MD"
     # a prefill that computes the prompt in one step ships it all after its compute
-    pipeline, arrival_s = pipeline_for({"prefill_tokens_per_s": rate, "prefill_chunk_tokens": 2048}, tokens)
+    pipeline, arrival_s = pipeline_for({"prefill_tokens_per_s": rate, "prefill_first_chunk_tokens": 2048}, tokens)
     assert arrival_s == pytest.approx(transfer_s + 0.020) and pipeline == "P-RLD-MD"

@@ -39,6 +39,18 @@ def test_decodes_go_first_and_prompts_are_chunked_to_the_budget():
     assert plan(s.schedule()[0]) == [("long-prompt", 10, False)]
 
 
+def test_a_prompts_first_chunk_is_bounded_lower_so_its_first_blocks_are_ready_sooner():
+    cache = PrefixCache()
+    s = Scheduler(BlockManager(32, cache), cache, BLOCK, max_batch_tokens=16, first_chunk_tokens=4)
+    add(s, "long-prompt", 30)
+    chunks = []
+    while s.has_work():
+        batch, _ = s.schedule()
+        chunks.append(plan(batch)[0][1])
+        s.computed(batch)
+    assert chunks == [4, 16, 10]
+
+
 def test_computed_blocks_enter_the_prefix_cache_and_a_second_prompt_reuses_them():
     s = scheduler(num_blocks=32)
     first = add(s, "a", 10)

@@ -171,7 +171,7 @@ def _overlapped_arrival(wan: WanEstimate, prefill: LoadReported, compute_tokens:
     if prefill.prefill_tokens_per_s <= 0 or compute_tokens <= 0:
         return wan.arrival_after_prefill_s
     prefill_s = compute_tokens / prefill.prefill_tokens_per_s
-    chunk_tokens = prefill.prefill_chunk_tokens or compute_tokens
+    chunk_tokens = prefill.prefill_first_chunk_tokens or compute_tokens
     first_chunk_s = min(compute_tokens, chunk_tokens) / prefill.prefill_tokens_per_s
     return lambda num_bytes: wan.arrival_after_prefill_s(num_bytes, prefill_s, first_chunk_s)
 

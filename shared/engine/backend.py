@@ -135,6 +135,8 @@ class BackendOptions:
         block_size: Tokens per KV block (the same on every instance).
         max_batch_tokens: Most tokens one step computes; a longer prompt is computed in
             chunks of at most this many tokens, over several steps.
+        first_chunk_tokens: Most tokens a prompt's first computed chunk holds (0: no other
+            bound than ``max_batch_tokens``).
         enable_prefix_cache: Reuse cached prefix blocks.
         kv_listener: Receives stored/evicted block events; None publishes nothing.
     """
@@ -145,6 +147,7 @@ class BackendOptions:
     kv_cache_bytes: int = 512 << 20
     block_size: int = 16
     max_batch_tokens: int = 2048
+    first_chunk_tokens: int = 0
     enable_prefix_cache: bool = True
     kv_listener: KvEventListener | None = None
 

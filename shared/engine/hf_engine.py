@@ -60,6 +60,7 @@ class HfEngine(EngineBackend):
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         block_size: int = DEFAULT_BLOCK_SIZE,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        first_chunk_tokens: int = 0,
         kv_listener: KvEventListener | None = None,
         enable_prefix_cache: bool = True,
     ):
@@ -70,7 +71,9 @@ class HfEngine(EngineBackend):
         self.pool = KvPool(self.layout, num_blocks, loaded.device)
         self.prefix_cache = PrefixCache(kv_listener)
         self.blocks = BlockManager(num_blocks, self.prefix_cache)
-        self.scheduler = Scheduler(self.blocks, self.prefix_cache, block_size, max_batch_tokens, enable_prefix_cache)
+        self.scheduler = Scheduler(
+            self.blocks, self.prefix_cache, block_size, max_batch_tokens, enable_prefix_cache, first_chunk_tokens
+        )
         self.runner = ModelRunner(loaded, self.layout, self.pool)
         self.sampler = Sampler(loaded.eos_token_ids)
         self.stop_detector = StopDetector(loaded.tokenizer, loaded.eos_token_ids)
@@ -304,6 +307,7 @@ def create_hf_engine(options: BackendOptions, loaded: LoadedModel | None = None)
         kv_cache_bytes=options.kv_cache_bytes,
         block_size=options.block_size,
         max_batch_tokens=options.max_batch_tokens,
+        first_chunk_tokens=options.first_chunk_tokens,
         kv_listener=options.kv_listener,
         enable_prefix_cache=options.enable_prefix_cache,
     )

@@ -1,7 +1,8 @@
 """The scheduler: which sequences compute how many tokens in the next step, and their blocks.
 
 It owns the table of live sequences and their block tables. Each step takes decodes first,
-then chunks of prompts and extends, under a token budget. A sequence that cannot get blocks
+then chunks of prompts and extends, under a token budget; a prompt's first computed chunk may
+be bounded lower (``first_chunk_tokens``), so a prefill's first blocks are ready sooner. A sequence that cannot get blocks
 waits for others to finish; when none can run at all, the youngest running sequence is
 preempted (its blocks freed, its KV recomputed later, as vLLM's recompute preemption does).
 Completed blocks are published to the prefix cache as soon as their KV exists.
@@ -28,12 +29,14 @@ class Scheduler:
         block_size: int,
         max_batch_tokens: int,
         enable_prefix_cache: bool = True,
+        first_chunk_tokens: int = 0,
     ):
         self.blocks = blocks
         self.prefix_cache = prefix_cache
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
         self.enable_prefix_cache = enable_prefix_cache
+        self.first_chunk_tokens = first_chunk_tokens
         self.sequences: dict[str, Sequence] = {}
         self.num_preemptions = 0
 
@@ -74,7 +77,7 @@ class Scheduler:
         )
         budget, batch, starved = self.max_batch_tokens, [], []
         for seq in candidates:
-            num_tokens = min(seq.num_pending_tokens, budget)
+            num_tokens = min(seq.num_pending_tokens, budget, self._chunk_bound(seq))
             if num_tokens == 0:
                 break
             try:
@@ -92,6 +95,12 @@ class Scheduler:
             return [], starved[0]
         self._preempt(victim)
         return self.schedule()
+
+    def _chunk_bound(self, seq: Sequence) -> int:
+        """Most tokens ``seq`` may compute in this step."""
+        if self.first_chunk_tokens and not seq.num_computed_tokens:
+            return self.first_chunk_tokens
+        return self.max_batch_tokens
 
     def computed(self, batch: list[ScheduledSequence]) -> list[Sequence]:
         """Record the step's KV as computed; return the held extends it completed."""
