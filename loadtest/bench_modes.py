@@ -22,9 +22,11 @@ DEFAULT_MODES = ["same-site", "cross-site-pd", "cross-site-pd-drc", "pdd"]
 """The paper's comparison; ``pdd-plaintext`` (PDD without TLS or NATS identities) is run on
 request, beside ``pdd``, to measure what encryption costs."""
 
-BENCH_SPEC = DeploymentSpec(service_log_level="warning", timeout_s=300.0, progress=False)
+BENCH_SPEC = DeploymentSpec(service_log_level="warning", timeout_s=300.0, progress=False, window="4MiB")
 """What every benchmark deployment shares: one instance of each service, ``pdd up``'s model,
-pool and link unless a run says otherwise, quiet services, five minutes to become healthy."""
+pool and link unless a run says otherwise, with a 4 MiB window per connection on the link (one
+TCP stream's cap over a real long path: this host's ``tcp_wmem`` maximum), quiet services, five
+minutes to become healthy."""
 
 
 def bench_spec(args) -> DeploymentSpec:
