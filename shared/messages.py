@@ -67,6 +67,9 @@ class StartPrefill(_Message, kw_only=True):
         resume_token_ids: Output tokens the client already has (a recovery): the decoder that
             continues the stream receives them instead of the prefill's first token, computes
             their KV in one extend pass and samples from index ``len(resume_token_ids)`` on.
+        wan_after_prompt: Ship the WAN path only once the whole prompt is computed, not chunk
+            by chunk (odd traffic: the relay likely finishes first, and the router then
+            cancels the WAN copy before most of it has crossed).
     """
 
     request_id: str
@@ -79,6 +82,7 @@ class StartPrefill(_Message, kw_only=True):
     relay_decode: InstanceRef | None = None
     deadline_unix_s: float
     resume_token_ids: list[int] = []
+    wan_after_prompt: bool = False
 
 
 class HandoffTokens(_Message, kw_only=True):

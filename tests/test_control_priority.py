@@ -42,6 +42,7 @@ async def round_trips_during_bulk(tmp_path, control_priority: bool) -> tuple[lis
     try:
         sites = await start_site_pair(link, tmp_path, processes)
         requester, responder = await nats.connect(sites[SITE_A].url), await nats.connect(sites[SITE_B].url)
+
         async def accept(msg):
             await msg.respond(b"accepted")
 

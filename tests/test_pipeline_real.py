@@ -125,17 +125,19 @@ async def test_long_cold_prompt_with_long_output_catches_up(make_stack, smollm2)
     messages = [
         {
             "role": "user",
-            "content": "Tool output:\n" + long_tool_output(54) + "\nExplain every line of this output in detail.",
+            "content": "Tool output:\n" + long_tool_output(30) + "\nExplain every line of this output in detail.",
         }
     ]
     expected, _ = reference_chat_answer(smollm2, messages, 160, ignore_eos=True)
-    # The backlog at handoff is the relay's tokens while the WAN copy finishes after prefill: on a
-    # slow, loaded machine prefill takes longer and the WAN copy hides more of itself behind it,
-    # so a threshold well below the default keeps this a catch-up whatever the machine's speed.
+    # The backlog at handoff is the relay's tokens while the WAN copy lands after the prefill.
+    # The prefill ships while it computes, so on a link faster than the compute the copy lands
+    # soon after it: a 40 Mbit/s link (~8 s for this prompt's ~40 MB, the prefill ~3 s) leaves
+    # seconds of relayed tokens, and a threshold below the default keeps this a catch-up on a
+    # slow, loaded machine too.
     stack = await make_stack(
         loaded=smollm2,
         metadata=load_metadata("smollm2"),
-        profile=DEFAULT_WAN,
+        profile=LinkProfile(bandwidth_bps=40e6, rtt_ms=40, jitter_ms=5, seed=0),
         engine_settings={"kv_cache_mb": 256},
         relay_settings={"catch_up_threshold_tokens": 16},
         router_settings={"served_model_name": "smollm2"},

@@ -13,7 +13,9 @@ MAIN = InstanceRef(instance_id="main-decode-0", site="site-b", bulk_endpoint="12
 FIRST_LOGPROBS = TokenLogprobs(logprob=-0.5)
 
 
-def command(pipeline: str, *, main=MAIN, relay=RELAY, resume: list[int] | None = None) -> StartPrefill:
+def command(
+    pipeline: str, *, main=MAIN, relay=RELAY, resume: list[int] | None = None, wan_after_prompt: bool = False
+) -> StartPrefill:
     return StartPrefill(
         request_id="router-0-abc",
         token_ids=list(range(100)),
@@ -24,6 +26,7 @@ def command(pipeline: str, *, main=MAIN, relay=RELAY, resume: list[int] | None =
         relay_decode=relay,
         deadline_unix_s=0.0,
         resume_token_ids=resume or [],
+        wan_after_prompt=wan_after_prompt,
     )
 
 
@@ -61,15 +64,22 @@ def test_a_recovered_request_goes_on_from_the_tokens_the_client_has():
 
 def test_receivers_at_the_same_block_share_one_export_and_a_full_cache_needs_none():
     plan = ShippingPlan(command("P-RLD-MD"))
-    assert plan.next_export(32, 0, True, 16) == plan.next_export(32, 0, True, 16) == ExportRange(32, 100)
-    assert plan.next_export(0, 0, True, 16) != plan.next_export(32, 0, True, 16)
-    assert plan.next_export(100, 100, True, 16) is None
+    assert plan.next_export("wan", 32, 0, True, 16) == plan.next_export("wan", 32, 0, True, 16) == ExportRange(32, 100)
+    assert plan.next_export("wan", 0, 0, True, 16) != plan.next_export("wan", 32, 0, True, 16)
+    assert plan.next_export("wan", 100, 100, True, 16) is None
 
 
 def test_a_prompt_in_chunks_ships_complete_blocks_as_they_are_computed_then_the_rest():
     plan, block_size = ShippingPlan(command("P-MD", relay=None)), 16  # a 100-token prompt
-    assert plan.next_export(0, 40, False, block_size) == ExportRange(0, 32)  # the partial block waits
-    assert plan.next_export(32, 40, False, block_size) is None
-    assert plan.next_export(32, 96, False, block_size) == ExportRange(32, 96)
-    assert plan.next_export(48, 20, False, block_size) is None  # its receiver's cache is ahead
-    assert plan.next_export(96, 100, True, block_size) == ExportRange(96, 100)  # the last, partial block
+    assert plan.next_export("wan", 0, 40, False, block_size) == ExportRange(0, 32)  # the partial block waits
+    assert plan.next_export("wan", 32, 40, False, block_size) is None
+    assert plan.next_export("wan", 32, 96, False, block_size) == ExportRange(32, 96)
+    assert plan.next_export("wan", 48, 20, False, block_size) is None  # its receiver's cache is ahead
+    assert plan.next_export("wan", 96, 100, True, block_size) == ExportRange(96, 100)  # the last, partial block
+
+
+def test_odd_traffics_wan_copy_waits_for_the_whole_prompt_while_the_relay_gets_chunks():
+    plan = ShippingPlan(command("P-RLD-MD", wan_after_prompt=True))
+    assert plan.next_export("local", 0, 40, False, 16) == ExportRange(0, 32)
+    assert plan.next_export("wan", 0, 40, False, 16) is None
+    assert plan.next_export("wan", 0, 100, True, 16) == ExportRange(0, 100)

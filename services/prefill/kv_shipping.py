@@ -106,7 +106,9 @@ class KvShipping:
         for shipment in self.paths.values():
             if not shipment.wants_exports:
                 continue
-            export = self.plan.next_export(shipment.exported_to, num_kv_tokens, computed, block_size)
+            export = self.plan.next_export(
+                shipment.route.path, shipment.exported_to, num_kv_tokens, computed, block_size
+            )
             if export is not None:
                 shipment.queue_export(self._export(export), export.end)
             if computed:

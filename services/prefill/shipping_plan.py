@@ -13,7 +13,8 @@ Pure decisions, no I/O; ``PrefillService`` carries them out over the bulk channe
   computes chunk by chunk, each path's next export runs from where its last one ended to
   the last complete block with KV; once the prompt is computed, to the prompt's end (its
   partial last block included). Receivers that stand at the same token get equal ranges
-  (one export serves both), and one whose cache covers the whole prompt needs none.
+  (one export serves both), and one whose cache covers the whole prompt needs none. Odd
+  traffic's WAN path waits for the whole prompt: the router cancels it if the relay wins.
 """
 
 from dataclasses import dataclass
@@ -66,12 +67,15 @@ class ShippingPlan:
         return [first_token], [first_logprobs] if first_logprobs is not None else []
 
     def next_export(
-        self, exported_to: int, num_kv_tokens: int, prompt_computed: bool, block_size: int
+        self, path: str, exported_to: int, num_kv_tokens: int, prompt_computed: bool, block_size: int
     ) -> ExportRange | None:
-        """A path's next export: from ``exported_to`` (where its exports, or its receiver's
+        """``path``'s next export: from ``exported_to`` (where its exports, or its receiver's
         cache, end) to the last complete block below ``num_kv_tokens`` (the KV computed so
-        far), or to the prompt's end once ``prompt_computed``; None when nothing new."""
+        far), or to the prompt's end once ``prompt_computed``; None when nothing new. A WAN
+        path the router asked to wait (``wan_after_prompt``) ships only the whole prompt."""
         num_prompt_tokens = len(self._cmd.token_ids)
+        if path == "wan" and self._cmd.wan_after_prompt and not prompt_computed:
+            return None
         if prompt_computed:
             reach = num_prompt_tokens
         else:

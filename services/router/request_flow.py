@@ -341,6 +341,7 @@ class RequestFlow:
             relay_decode=p.relay_decode,
             deadline_unix_s=time.time() + self.config.first_token_timeout_s,
             resume_token_ids=list(self.log.token_ids),
+            wan_after_prompt=p.odd_traffic,
         )
         subject = subjects.instance_work(p.prefill.site, "prefill", p.prefill.instance_id, subjects.START_PREFILL)
         try:
