@@ -100,7 +100,6 @@ class BulkConnection:
 
     async def start_tls(self, context: ssl.SSLContext, *, server_side: bool, server_hostname: str | None = None):
         """Wrap the socket in TLS and complete the handshake (certificates checked by ``context``)."""
-
         if self._closed:
             raise ConnectionError("bulk connection closed")
         # Wrapped here and handshaken on the thread, so close() can shut the socket down meanwhile.
