@@ -184,11 +184,13 @@ async def _one_flow(kv: BenchKv, nbytes: int, tls: Contexts | None, rate_bps: fl
 
 
 def _contexts() -> Contexts:
-    creds = ensure_credentials(Path(tempfile.mkdtemp(prefix="pdd-bulk-bench-")) / "secrets")
-    return Contexts(
-        server_context(str(creds.ca_file), str(creds.cert_file(TLS_NAME)), str(creds.key_file(TLS_NAME))),
-        client_context(str(creds.ca_file), str(creds.cert_file("prefill")), str(creds.key_file("prefill"))),
-    )
+    """A fresh deployment's contexts (its files are gone once loaded)."""
+    with tempfile.TemporaryDirectory(prefix="pdd-bulk-bench-") as folder:
+        creds = ensure_credentials(Path(folder) / "secrets")
+        return Contexts(
+            server_context(str(creds.ca_file), str(creds.cert_file(TLS_NAME)), str(creds.key_file(TLS_NAME))),
+            client_context(str(creds.ca_file), str(creds.cert_file("prefill")), str(creds.key_file("prefill"))),
+        )
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -257,7 +259,7 @@ def run_bulk_bench(
         ratios = [ours / raw for ours, raw in zip(runs[f"ours_{mode}"], runs[f"raw_{mode}"], strict=True)]
         report[f"ours_over_raw_{mode}"] = round(statistics.median(ratios), 3)
     report.update(
-        units="Gbit/s (1e9 bit/s), memcpy included",
+        units="*_gbps: Gbit/s (1e9 bits per second), memcpy included; receiver_checks: GB/s and µs",
         runs_gbps=runs,
         setup={
             "megabytes_per_run": megabytes,
