@@ -216,6 +216,23 @@ async def test_a_silent_peer_is_dropped_and_peers_beyond_the_cap_are_refused(tin
         await receiver.stop()
 
 
+async def test_a_peer_silent_before_its_tls_handshake_is_dropped_within_the_authentication_time(
+    tiny, creds, monkeypatch
+):
+    """The authentication deadline covers the TLS handshake: a peer that connects and never
+    says hello holds its place among the unauthenticated only that long."""
+    monkeypatch.setattr(receiver_module, "AUTH_TIMEOUT_S", 0.5)
+    receiver, endpoint = await start_receiver(tiny, creds)
+    host, port = endpoint.rsplit(":", 1)
+    try:
+        reader, writer = await asyncio.open_connection(host, int(port))  # TCP only, no ClientHello
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        await until(lambda: receiver._unauthenticated == 0, 5, "its place to be freed")
+    finally:
+        await receiver.stop()
+
+
 class SlowToAccept(RecordingHandler):
     """Reserves the prompt's blocks only once told to (as when a full pool makes a flow wait)."""
 
