@@ -58,7 +58,10 @@ class BulkFlow:
     async def send_frame(self, parts: list[bytes | memoryview]):
         """Write one frame from its buffers as they are (no copy); returns once the kernel holds
         all of it, so a receiver that stops reading stalls the sender within the sockets'
-        buffers. A frame whose sender is cancelled still goes out whole, before a FlowCancel.
+        buffers. The buffers must stay unchanged until then (if this is cancelled: until the
+        flow is closed). A frame whose sender is cancelled still goes out whole before a
+        FlowCancel, unless the receiver does not take it within ``CANCEL_TIMEOUT_S``: the
+        connection then closes mid-frame and the receiver drops the flow as truncated.
 
         Raises:
             ConnectionError, OSError: the connection broke, or no byte left for the
