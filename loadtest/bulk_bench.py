@@ -1,16 +1,25 @@
-"""``pdd bench bulk``: what encryption costs the bulk channel, plaintext and mutual TLS side by
-side in one run, on unshaped loopback and through the WAN link at a set rate.
+"""``pdd bench bulk``: the bulk channel against this machine's own limits, side by side.
 
-Real sockets, the real sender and receiver with the deployment's kind of certificates, real KV
-frames (exported once by the tiny model's engine, sent again and again on one flow). The
-receiving end validates each frame and drops it, so the figure is the channel's, not an
-engine's import speed.
+Each repeat measures, back to back so all of them see the same machine noise: a raw socket
+pump on loopback (``loadtest.raw_pump``: the ceiling for Python on this machine), our channel
+(the real ``open_flow`` sender and ``BulkReceiver``, real KV wire frames, every frame validated
+by the receiver and then dropped, so the figure is the channel's, not an engine's import
+speed), each in plaintext and in mutual TLS with the deployment's kind of certificates (same
+contexts, so the same cipher suite), and memcpy on one core. Rates are Gbit/s (1e9 bits per
+second), each timed from the first KV byte sent to the last received (connection and
+handshake excluded, for the pump and the channel alike).
+
+Frames: KV of a given geometry (default SmolLM2-135M's: 30 layers × 3 KV heads × 64, float32,
+45 KiB per token, 11.8 MB per 256-token frame) encoded by the wire's own ``encode_frames``
+from random values, as an engine's export encodes its cache.
 """
 
 import asyncio
+import ssl
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -19,16 +28,85 @@ import xxhash
 
 from infra.credentials import ensure_credentials
 from infra.wan_link import LinkProfile, Route, WanLink
+from loadtest.raw_pump import PUMP_BUFFER_BYTES, memcpy_seconds, pump
 from shared.bulk.auth import FlowAuthenticator, new_nonce, sign, verify_key
 from shared.bulk.receiver import BulkReceiver
 from shared.bulk.sender import open_flow
 from shared.engine.backend import RequestStatus
 from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
+from shared.kv_layout import DEFAULT_BLOCK_SIZE, KvLayout
+from shared.kv_wire import FrameExpectation, encode_frames, values_are_finite
 from shared.messages import FlowOpen
 from shared.tls import client_context, server_context
 
 SECRET = "bulk-bench"
+TLS_NAME = "main-decode"
+SMOLLM2_GEOMETRY = (30, 3, 64)
+"""SmolLM2-135M's KV: layers, KV heads, head dim (its config.json)."""
+TIMEOUT_S = 120.0
+"""Longest one measured flow may take."""
+
+
+@dataclass(frozen=True)
+class BenchKv:
+    """What the benchmark sends: one prompt's frames and what the receiver accepts."""
+
+    prompt: list[int]
+    frames: list[list]
+    expectation: FrameExpectation
+
+    @property
+    def frame_bytes(self) -> int:
+        """Size of the first (largest) frame on the wire."""
+        return sum(memoryview(part).nbytes for part in self.frames[0])
+
+
+@dataclass(frozen=True)
+class Contexts:
+    """One deployment's TLS contexts: the receiver's (server) and the sender's (client)."""
+
+    server: ssl.SSLContext
+    client: ssl.SSLContext
+
+
+def synthetic_kv(
+    geometry: tuple[int, int, int] = SMOLLM2_GEOMETRY,
+    dtype: str = "float32",
+    prompt_tokens: int = 2048,
+    frame_tokens: int = 256,
+) -> BenchKv:
+    """Frames of random KV in ``geometry`` (layers, KV heads, head dim), ``frame_tokens`` per frame."""
+    num_layers, num_kv_heads, head_dim = geometry
+    layout = KvLayout(num_layers, num_kv_heads, head_dim, DEFAULT_BLOCK_SIZE, getattr(torch, dtype))
+    kv = torch.randn(num_layers, 2, prompt_tokens, num_kv_heads, head_dim).to(layout.dtype)
+    prompt = _prompt(prompt_tokens)
+    frames = encode_frames(
+        lambda start, end: kv[:, :, start:end],
+        prompt,
+        0,
+        prompt_tokens,
+        block_size=layout.block_size,
+        model_fingerprint="bulk-bench",
+        request_id="bench",
+        max_tokens_per_frame=frame_tokens,
+    )
+    return BenchKv(prompt, frames, FrameExpectation("bulk-bench", layout))
+
+
+def engine_kv(loaded, prompt_tokens: int) -> BenchKv:
+    """Frames ``loaded``'s engine exports after prefilling a prompt (the deployment's 256 tokens each)."""
+    engine = HfEngine(loaded, num_blocks=prompt_tokens // 16 + 4)
+    prompt = _prompt(prompt_tokens)
+    engine.add_request("bench", prompt, SamplingParams(max_tokens=1))
+    while engine.request("bench").status is RequestStatus.RUNNING:  # one prefill, one token
+        engine.step()
+    frames = [list(parts) for parts in engine.export_frames("bench", 0, prompt_tokens, max_tokens_per_frame=256)]
+    return BenchKv(prompt, frames, HfEngine(loaded, num_blocks=4).frame_expectation)
+
+
+def _prompt(num_tokens: int) -> list[int]:
+    return [(i * 7919) % 1000 + 10 for i in range(num_tokens)]
 
 
 class _Discard:
@@ -36,6 +114,7 @@ class _Discard:
 
     def __init__(self):
         self.done = asyncio.Event()
+        self.aborted = ""
 
     async def open_flow(self, flow_open, stats):
         return 0
@@ -43,35 +122,36 @@ class _Discard:
     async def import_frame(self, request_id, frame):
         pass
 
-    async def end_flow(self, request_id, output_token_ids, stats):
+    async def end_flow(self, request_id, end, stats):
         self.done.set()
 
     async def abort_flow(self, request_id, reason):
+        self.aborted = reason
         self.done.set()
 
 
-def _frames(loaded, num_tokens: int) -> tuple[list[int], list]:
-    engine = HfEngine(loaded, num_blocks=num_tokens // 16 + 4)
-    prompt = [(i * 7919) % 1000 + 10 for i in range(num_tokens)]
-    engine.add_request("bench", prompt, SamplingParams(max_tokens=1))
-    while engine.request("bench").status is RequestStatus.RUNNING:  # one prefill, one token
-        engine.step()
-    return prompt, [list(parts) for parts in engine.export_frames("bench", 0, num_tokens, max_tokens_per_frame=256)]
+@dataclass(frozen=True)
+class Sent:
+    """One measured flow: bytes, seconds from the first KV byte to the last frame validated,
+    and the TLS cipher suite (None: plaintext)."""
+
+    nbytes: int
+    seconds: float
+    cipher: str | None
 
 
-async def _one_flow(loaded, prompt, frames, total_bytes: int, tls: bool, rate_bps: float, creds) -> tuple[float, int]:
-    """Send at least ``total_bytes`` of frames on one flow: (seconds, bytes sent)."""
+async def _one_flow(kv: BenchKv, nbytes: int, tls: Contexts | None, rate_bps: float = 0.0) -> Sent:
+    """Send at least ``nbytes`` of ``kv``'s frames on one flow, through the WAN link at
+    ``rate_bps`` if set."""
     handler = _Discard()
     receiver = BulkReceiver(
         handler,
-        HfEngine(loaded, num_blocks=4).frame_expectation,
+        kv.expectation,
         verify_key(SECRET),
         path="wan",
-        frame_timeout_s=30,
+        frame_timeout_s=TIMEOUT_S,
         receiver_id="bench",
-        tls=server_context(str(creds.ca_file), str(creds.cert_file("main-decode")), str(creds.key_file("main-decode")))
-        if tls
-        else None,
+        tls=tls.server if tls else None,
     )
     host, port = await receiver.start()
     link = None
@@ -79,47 +159,157 @@ async def _one_flow(loaded, prompt, frames, total_bytes: int, tls: bool, rate_bp
         link = WanLink(LinkProfile(bandwidth_bps=rate_bps, rtt_ms=0, jitter_ms=0))
         port = await link.add_route(Route("bench", "127.0.0.1", 0, host, port, from_site="site-a"))
     try:
-        flow_open = _flow_open(prompt)
-        context = (
-            client_context(str(creds.ca_file), str(creds.cert_file("prefill")), str(creds.key_file("prefill")))
-            if tls
-            else None
+        flow = await open_flow(
+            f"127.0.0.1:{port}",
+            _flow_open(kv.prompt),
+            SECRET,
+            path="wan",
+            timeout_s=30,
+            tls=tls.client if tls else None,
+            tls_name=TLS_NAME,
         )
-        started = time.perf_counter()
-        flow = await open_flow(f"127.0.0.1:{port}", flow_open, SECRET, path="wan", timeout_s=30, tls=context)
-        sent = 0
-        while sent < total_bytes:
-            for parts in frames:
+        cipher, started = flow.tls_cipher, time.perf_counter()
+        while flow.bytes_sent < nbytes:
+            for parts in kv.frames:
                 await flow.send_frame(parts)
-            sent = flow.bytes_sent
         await flow.end([])
-        await asyncio.wait_for(handler.done.wait(), 120)
-        return time.perf_counter() - started, sent
+        await asyncio.wait_for(handler.done.wait(), TIMEOUT_S)
+        if handler.aborted:
+            raise RuntimeError(f"the benchmark's flow was aborted: {handler.aborted}")
+        return Sent(flow.bytes_sent, time.perf_counter() - started, cipher)
     finally:
         await receiver.stop()
         if link is not None:
             await link.close()
 
 
-async def _run(loaded, megabytes: int, rates: list[float], repeats: int) -> dict:
-    creds = ensure_credentials(Path(tempfile.mkdtemp(prefix="pdd-bulk-bench-")) / "secrets")
-    prompt, frames = _frames(loaded, 2048)
-    results = {}
-    for rate in rates:
-        label = "loopback" if not rate else f"{rate / 1e9:g} Gbit/s link"
-        runs = {"plaintext": [], "tls": []}
-        for _ in range(repeats):  # interleaved, so both see the same machine noise
-            for mode, rates_gbit in runs.items():
-                seconds, sent = await _one_flow(loaded, prompt, frames, megabytes << 20, mode == "tls", rate, creds)
-                rates_gbit.append(sent * 8 / seconds / 1e9)
-        medians = {mode: statistics.median(v) for mode, v in runs.items()}
-        results[label] = {
-            "gbit_per_s": {m: [round(x, 3) for x in v] for m, v in runs.items()},
-            "median_gbit_per_s": {m: round(x, 3) for m, x in medians.items()},
-            "tls_over_plaintext": round(medians["tls"] / medians["plaintext"], 3),
-        }
-    results["receiver_checks"] = receiver_checks(frames, prompt)
-    return results
+def _contexts() -> Contexts:
+    """A fresh deployment's contexts (its files are gone once loaded)."""
+    with tempfile.TemporaryDirectory(prefix="pdd-bulk-bench-") as folder:
+        creds = ensure_credentials(Path(folder) / "secrets")
+        return Contexts(
+            server_context(str(creds.ca_file), str(creds.cert_file(TLS_NAME)), str(creds.key_file(TLS_NAME))),
+            client_context(str(creds.ca_file), str(creds.cert_file("prefill")), str(creds.key_file("prefill"))),
+        )
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes * 8 / seconds / 1e9, 2)
+
+
+def measure_loopback(kv: BenchKv, megabytes: int, repeats: int, tls: Contexts) -> dict:
+    """Per repeat, back to back: raw pump and our channel, plaintext then TLS, then memcpy.
+    Returns the runs (Gbit/s) and the TLS cipher suites each side negotiated."""
+    nbytes = megabytes << 20
+    runs: dict[str, list[float]] = {k: [] for k in ("raw_plain", "ours_plain", "raw_tls", "ours_tls", "memcpy")}
+    ciphers = {}
+    for _ in range(repeats):
+        for mode, contexts in (("plain", None), ("tls", tls)):
+            pumped = pump(
+                nbytes, contexts.server if contexts else None, contexts.client if contexts else None, TLS_NAME
+            )
+            runs[f"raw_{mode}"].append(_gbps(pumped.nbytes, pumped.seconds))
+            sent = asyncio.run(_one_flow(kv, nbytes, contexts))
+            runs[f"ours_{mode}"].append(_gbps(sent.nbytes, sent.seconds))
+            if contexts:
+                ciphers = {"raw": pumped.cipher, "ours": sent.cipher}
+        runs["memcpy"].append(_gbps(PUMP_BUFFER_BYTES, memcpy_seconds()))
+    return {"runs": runs, "tls_ciphers": ciphers}
+
+
+def measure_link(kv: BenchKv, megabytes: int, repeats: int, tls: Contexts, rate_bps: float) -> dict:
+    """Our channel through the WAN link set to ``rate_bps``, plaintext and TLS interleaved.
+
+    The place for comparisons through the link (the emulator's own ceiling beside ours).
+    """
+    runs: dict[str, list[float]] = {"plaintext": [], "tls": []}
+    for _ in range(repeats):
+        for mode, rates in runs.items():
+            sent = asyncio.run(_one_flow(kv, megabytes << 20, tls if mode == "tls" else None, rate_bps))
+            rates.append(_gbps(sent.nbytes, sent.seconds))
+    medians = {mode: statistics.median(rates) for mode, rates in runs.items()}
+    return {
+        "rate_gbps": rate_bps / 1e9,
+        "runs_gbps": runs,
+        "median_gbps": medians,
+        "tls_over_plaintext": round(medians["tls"] / medians["plaintext"], 3),
+    }
+
+
+def run_bulk_bench(
+    megabytes: int = 256,
+    repeats: int = 3,
+    *,
+    geometry: tuple[int, int, int] = SMOLLM2_GEOMETRY,
+    dtype: str = "float32",
+    frame_tokens: int = 256,
+    prompt_tokens: int = 2048,
+    link_bps: float = 0.0,
+    checks_megabytes: int = 128,
+) -> dict:
+    """The comparison as one dict: medians (``*_gbps``), the ratios of ours to the raw pump
+    (``ours_over_raw_*``: median over repeats of the two measured back to back), every run,
+    the setup, ``link`` (None unless ``link_bps``) and the receiver's checks one by one."""
+    kv = synthetic_kv(geometry, dtype, prompt_tokens, frame_tokens)
+    tls = _contexts()
+    loopback = measure_loopback(kv, megabytes, repeats, tls)
+    runs = loopback["runs"]
+    report = {f"{name}_gbps": statistics.median(rates) for name, rates in runs.items()}
+    for mode in ("plain", "tls"):
+        ratios = [ours / raw for ours, raw in zip(runs[f"ours_{mode}"], runs[f"raw_{mode}"], strict=True)]
+        report[f"ours_over_raw_{mode}"] = round(statistics.median(ratios), 3)
+    report.update(
+        units="*_gbps: Gbit/s (1e9 bits per second), memcpy included; receiver_checks: GB/s and µs",
+        runs_gbps=runs,
+        setup={
+            "megabytes_per_run": megabytes,
+            "repeats": repeats,
+            "kv_geometry": "x".join(map(str, geometry)),
+            "dtype": dtype,
+            "frame_tokens": frame_tokens,
+            "frame_bytes": kv.frame_bytes,
+            "raw_pump_buffer_bytes": PUMP_BUFFER_BYTES,
+            "tls_ciphers": loopback["tls_ciphers"],
+        },
+        link=measure_link(kv, megabytes, repeats, tls, link_bps) if link_bps else None,
+        receiver_checks=receiver_checks(kv, checks_megabytes),
+    )
+    return report
+
+
+def format_report(report: dict) -> str:
+    """The comparison as a table for a terminal."""
+    runs, setup = report["runs_gbps"], report["setup"]
+
+    def cell(name: str) -> str:
+        return f"{report[name + '_gbps']:7.2f}  ({', '.join(f'{x:.2f}' for x in runs[name])})"
+
+    title = (
+        f"bulk channel on loopback, Gbit/s: median (runs), {setup['repeats']} × {setup['megabytes_per_run']} MiB, "
+        f"frames of {setup['frame_bytes'] / 1e6:.1f} MB ({setup['kv_geometry']} {setup['dtype']}, "
+        f"{setup['frame_tokens']} tokens)"
+    )
+    lines = [
+        title,
+        f"{'':12}{'raw socket pump':34}{'our channel':34}ours / raw",
+        f"{'plaintext':12}{cell('raw_plain'):34}{cell('ours_plain'):34}{report['ours_over_raw_plain']:.2f}",
+        f"{'mutual TLS':12}{cell('raw_tls'):34}{cell('ours_tls'):34}{report['ours_over_raw_tls']:.2f}",
+        f"{'memcpy':12}{cell('memcpy')}  (one core)",
+        f"TLS cipher suites: {setup['tls_ciphers']}",
+    ]
+    if report["link"]:
+        link = report["link"]
+        lines.append(
+            f"through the WAN link at {link['rate_gbps']:g} Gbit/s: plaintext {link['median_gbps']['plaintext']:.2f}, "
+            f"TLS {link['median_gbps']['tls']:.2f} (runs {link['runs_gbps']})"
+        )
+    checks = report["receiver_checks"]
+    lines.append(
+        f"receiver checks, one core, GB/s: xxh3 {checks['xxh3_checksum_gb_per_s']}, finiteness "
+        f"{checks['finite_check_gb_per_s']}; FlowOpen sign {checks['flow_open_sign_us']} µs, verify "
+        f"{checks['flow_open_verify_us']} µs"
+    )
+    return "\n".join(lines)
 
 
 def _gb_per_s(work, nbytes: int, repeats: int = 5) -> float:
@@ -134,16 +324,15 @@ def _timed(work) -> float:
     return time.perf_counter() - started
 
 
-def receiver_checks(frames: list, prompt: list[int], megabytes: int = 128, flows: int = 200) -> dict:
-    """What each check of the receive path costs on real KV frames (repeated to ``megabytes``,
-    beyond the caches), one core, beside memcpy."""
-    one_pass = b"".join(bytes(parts[-1]) for parts in frames)
-    bodies = one_pass * max(1, (megabytes << 20) // len(one_pass))
+def receiver_checks(kv: BenchKv, megabytes: int = 128, flows: int = 200) -> dict:
+    """What each check of the receive path costs on ``kv``'s frame bodies (repeated to
+    ``megabytes``, beyond the caches), on one core, as the receiver runs them."""
+    one_pass = b"".join(bytes(parts[-1]) for parts in kv.frames)
+    bodies = memoryview(one_pass * max(1, (megabytes << 20) // len(one_pass)))
     nbytes = len(bodies)
-    values = torch.frombuffer(bytearray(bodies), dtype=torch.float32)
-    copy_into = torch.empty_like(values)
+    dtype = str(kv.expectation.layout.dtype).removeprefix("torch.")
     authenticator = FlowAuthenticator(verify_key(SECRET), "bench")
-    flow_open = _flow_open(prompt)
+    flow_open = _flow_open(kv.prompt)
     opens = [
         sign(msgspec.structs.replace(flow_open, unix_s=time.time(), nonce=new_nonce()), SECRET) for _ in range(flows)
     ]
@@ -154,34 +343,25 @@ def receiver_checks(frames: list, prompt: list[int], megabytes: int = 128, flows
     sign_s = _timed(lambda: sign(flow_open, SECRET))
     return {
         "bytes": nbytes,
-        "memcpy_gb_per_s": _gb_per_s(lambda: copy_into.copy_(values), nbytes),
         "xxh3_checksum_gb_per_s": _gb_per_s(lambda: xxhash.xxh3_64_intdigest(bodies), nbytes),
-        "finite_check_gb_per_s": _gb_per_s(lambda: bool(torch.isfinite(values.sum(dtype=torch.float32))), nbytes),
+        "finite_check_gb_per_s": _gb_per_s(lambda: values_are_finite(bodies, dtype), nbytes),
         "flow_open_sign_us": round(sign_s * 1e6, 1),
         "flow_open_verify_us": round(verify_us, 1),
-        "prompt_tokens": len(prompt),
+        "prompt_tokens": len(kv.prompt),
     }
 
 
 def loopback_bytes_per_s(loaded, megabytes: int = 64, repeats: int = 3, tls: bool = False) -> float:
-    """The bulk channel's rate on unshaped loopback (median of ``repeats`` flows): what one
-    KV flow on a deployment's local path gets when nothing else competes for the machine."""
-
-    async def measure() -> float:
-        creds = ensure_credentials(Path(tempfile.mkdtemp(prefix="pdd-bulk-bench-")) / "secrets")
-        prompt, frames = _frames(loaded, 1024)
-        rates = []
-        for _ in range(repeats):
-            seconds, sent = await _one_flow(loaded, prompt, frames, megabytes << 20, tls, 0.0, creds)
-            rates.append(sent / seconds)
-        return statistics.median(rates)
-
-    return asyncio.run(measure())
-
-
-def run_bulk_bench(loaded, megabytes: int = 256, rates: tuple[float, ...] = (0.0, 1e9), repeats: int = 3) -> dict:
-    """Throughput per mode and link, and the TLS/plaintext ratio of the medians."""
-    return asyncio.run(_run(loaded, megabytes, list(rates), repeats))
+    """The bulk channel's rate on unshaped loopback (median of ``repeats`` flows of the frames
+    ``loaded``'s engine exports): what one KV flow on a deployment's local path gets when
+    nothing else competes for the machine."""
+    kv = engine_kv(loaded, 1024)
+    contexts = _contexts() if tls else None
+    rates = []
+    for _ in range(repeats):
+        sent = asyncio.run(_one_flow(kv, megabytes << 20, contexts))
+        rates.append(sent.nbytes / sent.seconds)
+    return statistics.median(rates)
 
 
 def _flow_open(prompt: list[int]) -> FlowOpen:

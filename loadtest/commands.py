@@ -48,11 +48,20 @@ def add_bench_parser(commands):
     micro.add_argument("--jitter", default="5ms", help="emulated WAN jitter")
     micro.set_defaults(handler=cmd_bench_handoff_micro)
     bulk = bench_kinds.add_parser(
-        "bulk", help="bulk channel throughput, plaintext vs mutual TLS, on loopback and through the WAN link"
+        "bulk",
+        help="bulk channel throughput beside a raw socket pump and memcpy, plaintext and mutual TLS, on loopback",
     )
     bulk.add_argument("--megabytes", type=int, default=256, help="per flow (default 256)")
-    bulk.add_argument("--link", default="1gbit", help="shaped rate besides unshaped loopback (default 1gbit)")
-    bulk.add_argument("--repeats", type=int, default=3, help="runs of each measurement")
+    bulk.add_argument("--repeats", type=int, default=3, help="runs of each measurement, interleaved (default 3)")
+    bulk.add_argument(
+        "--geometry",
+        default="30x3x64",
+        help="KV layers x KV heads x head dim of the frames (default 30x3x64: SmolLM2-135M; the tiny model: 2x2x16)",
+    )
+    bulk.add_argument("--dtype", default="float32", help="KV dtype (float32, bfloat16, float16)")
+    bulk.add_argument("--frame-tokens", type=int, default=256, help="tokens per frame (default 256, as deployed)")
+    bulk.add_argument("--link", default="", help="also measure through the WAN link at this rate (e.g. 1gbit)")
+    bulk.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bulk.set_defaults(handler=cmd_bench_bulk)
 
 
@@ -110,15 +119,25 @@ def cmd_bench_handoff_micro(args) -> int:
 
 
 def cmd_bench_bulk(args) -> int:
-    """Bulk channel throughput; JSON on stdout."""
+    """Bulk channel throughput beside the machine's limits; a table (or ``--json``) on stdout."""
     from infra.wan_link import parse_rate
-    from loadtest.bulk_bench import run_bulk_bench
-    from shared.model_loader import load_model
+    from loadtest.bulk_bench import format_report, run_bulk_bench
 
+    try:
+        geometry = tuple(int(n) for n in args.geometry.lower().split("x"))
+    except ValueError:
+        geometry = ()
+    if len(geometry) != 3 or min(geometry) < 1:
+        raise PddError(f"--geometry {args.geometry!r}: expected LAYERSxHEADSxDIM, e.g. 30x3x64")
     report = run_bulk_bench(
-        load_model("tiny"), megabytes=args.megabytes, rates=(0.0, parse_rate(args.link)), repeats=args.repeats
+        args.megabytes,
+        args.repeats,
+        geometry=geometry,
+        dtype=args.dtype,
+        frame_tokens=args.frame_tokens,
+        link_bps=parse_rate(args.link) if args.link else 0.0,
     )
-    print(json.dumps(report, indent=2))
+    print(json.dumps(report) if args.json else format_report(report))
     return 0
 
 

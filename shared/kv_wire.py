@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
+import numpy as np
 import xxhash
 
 from shared.block_hash import HASH_SCHEME_VERSION, ROOT_PARENT_HASH, hash_blocks
@@ -236,11 +237,29 @@ def decode_frame(buffer: bytes | bytearray | memoryview, expect: FrameExpectatio
     kv = torch.frombuffer(body, dtype=dtype).view(
         header.num_layers, 2, header.num_tokens, header.num_kv_heads, header.head_dim
     )
-    # The sum is not finite iff some value is NaN or infinite (or the values are absurdly large):
-    # one reduction at memory speed, ~15x faster here than an element-wise isfinite().all().
-    if not bool(torch.isfinite(kv.sum(dtype=torch.float32))):
+    if not values_are_finite(body, header.dtype):
         raise CorruptFrame(f"KV of request {header.request_id!r} holds non-finite values")
     return KvFrame(header, kv)
+
+
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+def values_are_finite(body: memoryview, dtype: str) -> bool:
+    """Whether the values of ``body`` (``dtype``, a wire dtype) sum to a finite float32: not iff
+    some value is NaN or infinite (or the values are absurdly large).
+
+    One reduction at memory speed, ~15x faster here than an element-wise ``isfinite().all()``:
+    numpy's, on the calling thread alone, where numpy has the dtype (torch's spreads over its
+    thread pool, which ran at a quarter of the speed beside a busy sender on two cores);
+    torch's for bfloat16.
+    """
+    if dtype in _NUMPY_DTYPES:
+        return bool(np.isfinite(np.add.reduce(np.frombuffer(body, dtype=_NUMPY_DTYPES[dtype]), dtype=np.float32)))
+    import torch
+
+    values = torch.frombuffer(body, dtype=getattr(torch, dtype))
+    return bool(torch.isfinite(values.sum(dtype=torch.float32)))
 
 
 def _check_compatible(header: KvFrameHeader, expect: FrameExpectation):

@@ -90,7 +90,7 @@ async def test_garbage_bytes_drop_the_connection(channel, tiny):
     prompt = prompt_of_length(tiny, 20)
     await open_flow(endpoint, flow_open_for("r", prompt), SECRET, path="wan", timeout_s=5)
     flow = await open_flow(endpoint, flow_open_for("g", prompt), SECRET, path="wan", timeout_s=5)
-    flow._writer.write(b"XXXX" + b"\0" * 64)
+    await flow._connection.send([b"XXXX" + b"\0" * 64])
     await until(
         lambda: ("abort", "kv_frame_corrupt: unexpected message magic b'XXXX'") in handler.events,
         5,

@@ -203,8 +203,8 @@ async def test_a_silent_peer_is_dropped_and_peers_beyond_the_cap_are_refused(tin
     receiver, endpoint = await start_receiver(tiny, creds)
     try:
         idle = [await raw_tls(endpoint, creds) for _ in range(3)]
-        extra_reader, _extra_writer = await raw_tls(endpoint, creds)
-        assert await asyncio.wait_for(extra_reader.read(), 2) == b""  # over the cap: closed at once
+        with pytest.raises((ConnectionError, ssl.SSLError)):  # over the cap: closed at once, before its handshake
+            await asyncio.wait_for(raw_tls(endpoint, creds), 2)
         for reader, writer in idle:  # silent: closed once the authentication time is up
             assert await asyncio.wait_for(reader.read(), 5) == b""
             writer.close()
@@ -212,6 +212,23 @@ async def test_a_silent_peer_is_dropped_and_peers_beyond_the_cap_are_refused(tin
             endpoint, bound("r", prompt_of_length(tiny, 40)), SECRET, path="wan", timeout_s=5, tls=ours(creds)
         )  # room again for an honest peer
         await flow.close()
+    finally:
+        await receiver.stop()
+
+
+async def test_a_peer_silent_before_its_tls_handshake_is_dropped_within_the_authentication_time(
+    tiny, creds, monkeypatch
+):
+    """The authentication deadline covers the TLS handshake: a peer that connects and never
+    says hello holds its place among the unauthenticated only that long."""
+    monkeypatch.setattr(receiver_module, "AUTH_TIMEOUT_S", 0.5)
+    receiver, endpoint = await start_receiver(tiny, creds)
+    host, port = endpoint.rsplit(":", 1)
+    try:
+        reader, writer = await asyncio.open_connection(host, int(port))  # TCP only, no ClientHello
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        await until(lambda: receiver._unauthenticated == 0, 5, "its place to be freed")
     finally:
         await receiver.stop()
 

@@ -23,10 +23,12 @@ from shared.errors import (
 from shared.kv_wire import (
     PREFIX,
     PREFIX_SIZE,
+    WIRE_DTYPES,
     FrameExpectation,
     KvFrameHeader,
     decode_frame,
     frame_bytes,
+    values_are_finite,
 )
 from shared.model_loader import load_model
 from tests.helpers import prompt_of_length
@@ -218,3 +220,13 @@ def test_a_frame_with_a_non_finite_value_is_refused_even_with_a_valid_checksum(p
     values[values.numel() // 2] = value
     poisoned = values.numpy().tobytes()
     assert_rejected(receiver, rebuild(header, poisoned, body_xxh3=xxhash.xxh3_64_intdigest(poisoned)), CorruptFrame)
+
+
+@pytest.mark.parametrize("dtype", sorted(WIRE_DTYPES))
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), None])
+def test_the_finiteness_check_finds_any_non_finite_value_in_every_wire_dtype(dtype, value):
+    values = torch.randn(4099).to(getattr(torch, dtype))
+    if value is not None:
+        values[2049] = value
+    body = memoryview(values.view(torch.uint8).numpy()).cast("B")
+    assert values_are_finite(body, dtype) is (value is None)

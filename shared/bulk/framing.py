@@ -1,13 +1,20 @@
 """Messages on a bulk connection: control messages and KV frames, told apart by magic.
 
 ``PDCT | u32 length | msgpack BulkControl`` for control, a KV wire frame (``PDKV…``) for KV.
-Sizes are checked before anything is read into memory.
+Sizes are checked before anything is read into memory. ``recv_message`` and ``send_buffers``
+move them on a blocking socket (plaintext or TLS) without a Python copy of KV bytes: a frame
+is read straight into one buffer of its exact size and validated there, and sent from the
+buffers it was exported as. ``read_message`` reads the same messages from an asyncio stream
+(the WAN link reads a connection's ``LinkRoute`` with it).
 """
 
 import asyncio
+import socket
+import ssl
 import struct
 
 import msgspec
+import numpy as np
 
 from shared import kv_wire
 from shared.errors import CorruptFrame, OversizedFrame, TruncatedFrame
@@ -18,6 +25,8 @@ MAX_CONTROL_BYTES = 16 << 20
 _CONTROL_LEN = struct.Struct("<I")
 _control_decoder = decoder(BulkControl)
 
+Message = BulkControl | kv_wire.KvFrame | None
+
 
 def control_bytes(message: BulkControl) -> bytes:
     """Encode a control message for the wire."""
@@ -25,16 +34,100 @@ def control_bytes(message: BulkControl) -> bytes:
     return CONTROL_MAGIC + _CONTROL_LEN.pack(len(payload)) + payload
 
 
-async def write_control(writer: asyncio.StreamWriter, message: BulkControl):
-    """Send a control message and wait for buffer room (back-pressure)."""
-    writer.write(control_bytes(message))
-    await writer.drain()
+def frame_buffer(nbytes: int) -> memoryview:
+    """An uninitialised writable buffer for one received frame (no zero-filling: the caller
+    overwrites every byte before anything reads it)."""
+    return memoryview(np.empty(nbytes, dtype=np.uint8))
+
+
+def send_buffers(sock: socket.socket, parts: list[bytes | memoryview]) -> int:
+    """Send ``parts`` in order from the buffers themselves (plaintext: one ``sendmsg`` per
+    system call, scatter-gather; TLS: OpenSSL encrypts from each buffer); return the bytes
+    sent. Blocks until the kernel holds all of them: the socket's timeout bounds each wait
+    without progress (``TimeoutError``)."""
+    views = [memoryview(part).cast("B") for part in parts]
+    total = sum(len(view) for view in views)
+    if isinstance(sock, ssl.SSLSocket):
+        for view in views:
+            sock.sendall(view)
+        return total
+    views = [view for view in views if len(view)]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        if sent:
+            views[0] = views[0][sent:]
+    return total
+
+
+def recv_message(
+    sock: socket.socket, expect: kv_wire.FrameExpectation | None, max_control_bytes: int = MAX_CONTROL_BYTES
+) -> tuple[Message, int]:
+    """Read the next control message or validated KV frame from a blocking socket, with its size.
+
+    A KV frame (only when ``expect`` is given) lands in one buffer of its declared size,
+    allocated once the prefix passed ``kv_wire.read_prefix``'s bounds, and is validated in
+    place (its body is viewed, not copied). A control message declaring more than
+    ``max_control_bytes`` is refused before any of it is read. Returns ``(None, 0)`` at a clean
+    end of stream.
+
+    Raises:
+        KvFrameError: the bytes are not a valid message (the connection must be dropped).
+        OSError: the socket failed or its timeout passed without progress (``TimeoutError``).
+    """
+    start = bytearray(kv_wire.PREFIX_SIZE)
+    view = memoryview(start)
+    got = _recv_into(sock, view[:4])
+    if got == 0:
+        return None, 0
+    _check_whole(got, 4)
+    magic = bytes(view[:4])
+    if magic == CONTROL_MAGIC:
+        _check_whole(_recv_into(sock, view[4:8]), 4)
+        (length,) = _CONTROL_LEN.unpack_from(start, 4)
+        if length > max_control_bytes:
+            raise OversizedFrame(f"control message of {length} bytes")
+        payload = bytearray(length)
+        _check_whole(_recv_into(sock, memoryview(payload)), length)
+        return _decode_control(payload), 8 + length
+    if magic == kv_wire.MAGIC and expect is not None:
+        _check_whole(_recv_into(sock, view[4:]), kv_wire.PREFIX_SIZE - 4)
+        header_len, body_len = kv_wire.read_prefix(start, expect)
+        frame = frame_buffer(kv_wire.PREFIX_SIZE + header_len + body_len)
+        frame[: kv_wire.PREFIX_SIZE] = start
+        _check_whole(_recv_into(sock, frame[kv_wire.PREFIX_SIZE :]), header_len + body_len)
+        return kv_wire.decode_frame(frame, expect), len(frame)
+    raise CorruptFrame(f"unexpected message magic {magic!r}")
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> int:
+    """Fill ``view`` from ``sock``; fewer bytes only at the end of the stream."""
+    got = 0
+    while got < len(view):
+        count = sock.recv_into(view[got:])
+        if count == 0:
+            break
+        got += count
+    return got
+
+
+def _check_whole(got: int, wanted: int):
+    if got < wanted:
+        raise TruncatedFrame("connection closed inside a message")
+
+
+def _decode_control(payload) -> BulkControl:
+    try:
+        return _control_decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CorruptFrame(f"bad control message: {exc}") from exc
 
 
 async def read_message(
     reader: asyncio.StreamReader, expect: kv_wire.FrameExpectation | None, max_control_bytes: int = MAX_CONTROL_BYTES
-) -> tuple[BulkControl | kv_wire.KvFrame | None, int]:
-    """Read the next control message or validated KV frame, with its size in bytes.
+) -> tuple[Message, int]:
+    """Read the next control message or validated KV frame from a stream, with its size in bytes.
 
     A control message declaring more than ``max_control_bytes`` is refused before any of it
     is read.
@@ -55,10 +148,7 @@ async def read_message(
             (length,) = _CONTROL_LEN.unpack(await reader.readexactly(_CONTROL_LEN.size))
             if length > max_control_bytes:
                 raise OversizedFrame(f"control message of {length} bytes")
-            try:
-                return _control_decoder.decode(await reader.readexactly(length)), 8 + length
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise CorruptFrame(f"bad control message: {exc}") from exc
+            return _decode_control(await reader.readexactly(length)), 8 + length
         if magic == kv_wire.MAGIC and expect is not None:
             prefix = magic + await reader.readexactly(kv_wire.PREFIX_SIZE - 4)
             header_len, body_len = kv_wire.read_prefix(prefix, expect)

@@ -2,6 +2,7 @@
 
 import asyncio
 import collections
+import socket
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ from typing import Protocol
 import structlog
 
 from shared.bulk.auth import FlowAuthenticator
-from shared.bulk.framing import read_message, write_control
+from shared.bulk.connection import BulkConnection
 from shared.errors import KvFrameError, PddError
 from shared.kv_wire import FrameExpectation, KvFrame
 from shared.messages import FlowAccepted, FlowCancel, FlowEnd, FlowOpen, FlowRejected
@@ -22,10 +23,14 @@ AUTH_TIMEOUT_S = 5.0
 MAX_PREAUTH_CONTROL_BYTES = 64 << 10
 """Largest message read from a peer that has not authenticated yet (a FlowOpen with ~20K tokens)."""
 MAX_UNAUTHENTICATED = 32
-"""Connections still authenticating at once; more are closed on arrival."""
+"""Connections still authenticating (TLS handshake included) at once; more are closed on
+arrival, before any handshake."""
 MAX_FLOWS_PER_SENDER = 128
 """Open flows one authenticated sender may hold at once (a prefill ships each request once per
 receiver, so this is far above an honest sender's need); more are refused (``too_many_flows``)."""
+LISTEN_BACKLOG = 128
+ACCEPT_RETRY_S = 0.5
+"""Pause after a failed accept (out of file descriptors) before accepting again."""
 
 
 @dataclass
@@ -82,7 +87,8 @@ class FlowHandler(Protocol):
 
 
 class BulkReceiver:
-    """TCP server for one receiving instance; one flow per connection."""
+    """TCP server for one receiving instance; one flow per connection, each with its own I/O
+    thread (``BulkConnection``) that reads every frame into one buffer and validates it there."""
 
     def __init__(
         self,
@@ -109,60 +115,92 @@ class BulkReceiver:
         self._path = path
         self._frame_timeout_s = frame_timeout_s
         self._host, self._port = host, port
-        self._server: asyncio.Server | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
         self._connections: set[asyncio.Task] = set()
 
     async def start(self) -> tuple[str, int]:
-        """Listen; return the bound (host, port)."""
-        self._server = await asyncio.start_server(
-            self._serve,
-            self._host,
-            self._port,
-            limit=1 << 20,
-            ssl=self._tls,
-            ssl_handshake_timeout=AUTH_TIMEOUT_S if self._tls else None,
-        )
-        self._host, self._port = self._server.sockets[0].getsockname()[:2]
+        """Listen (on the first address ``host`` resolves to); return the bound (host, port)."""
+        loop = asyncio.get_running_loop()
+        family, kind, proto, _, address = (
+            await loop.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        )[0]
+        listener = socket.socket(family, kind, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(address)
+            listener.listen(LISTEN_BACKLOG)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        self._host, self._port = listener.getsockname()[:2]
+        self._accepting = asyncio.create_task(self._accept_loop(listener))
         return self._host, self._port
 
     async def stop(self):
         """Stop listening and drop open flows (their handlers abort them)."""
-        if self._server:
-            self._server.close()
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
         for task in list(self._connections):
             task.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        if self._unauthenticated >= MAX_UNAUTHENTICATED:
-            log.warning("bulk_connection_refused", path=self._path, reason="too many unauthenticated peers")
-            writer.close()
-            return
-        task = asyncio.current_task()
-        self._connections.add(task)
+    async def _accept_loop(self, listener: socket.socket):
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # out of descriptors, say: let connections end, then accept again
+                log.warning("bulk_accept_failed", path=self._path, error=str(exc))
+                await asyncio.sleep(ACCEPT_RETRY_S)
+                continue
+            if self._unauthenticated >= MAX_UNAUTHENTICATED:
+                log.warning("bulk_connection_refused", path=self._path, reason="too many unauthenticated peers")
+                sock.close()
+                continue
+            self._unauthenticated += 1  # until _serve has authenticated it (or given up)
+            connection = BulkConnection(sock, self._stall_timeout_s, name=f"bulk-recv-{self._path}")
+            task = asyncio.create_task(self._serve(connection))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+            task.add_done_callback(lambda _, connection=connection: connection.close())  # even if never started
+
+    @property
+    def _stall_timeout_s(self) -> float:
+        """The connections' socket timeout: never shorter than a wait the receiver allows."""
+        return max(AUTH_TIMEOUT_S, self._frame_timeout_s)
+
+    async def _serve(self, connection: BulkConnection):
         try:
             stats = FlowStats()
-            self._unauthenticated += 1
             try:
-                flow_open = await self._authenticate(reader, writer)
+                flow_open = await self._authenticate(connection)
             finally:
                 self._unauthenticated -= 1
-            if flow_open is not None and await self._bounded(flow_open, writer):
+            if flow_open is not None and await self._bounded(flow_open, connection):
                 self._flows_by_sender[flow_open.sender_id] += 1
                 try:
-                    if await self._admit(flow_open, writer, stats):
-                        await self._receive(flow_open, reader, stats)
+                    if await self._admit(flow_open, connection, stats):
+                        await self._receive(flow_open, connection, stats)
                 finally:
                     self._flows_by_sender[flow_open.sender_id] -= 1
-        except (TimeoutError, ConnectionError, KvFrameError) as exc:
-            log.warning("bulk_connection_dropped", path=self._path, error=str(exc))
+        except (OSError, KvFrameError) as exc:  # timeouts, resets, failed TLS handshakes, bad bytes
+            log.warning("bulk_connection_dropped", path=self._path, error=str(exc) or type(exc).__name__)
         finally:
-            self._connections.discard(task)
-            writer.close()
+            connection.close()
 
-    async def _authenticate(self, reader, writer) -> FlowOpen | None:
-        """The peer's FlowOpen if it is authentic, fresh and for this receiver, else None."""
-        message, _ = await asyncio.wait_for(read_message(reader, None, MAX_PREAUTH_CONTROL_BYTES), AUTH_TIMEOUT_S)
+    async def _authenticate(self, connection: BulkConnection) -> FlowOpen | None:
+        """The peer's FlowOpen if it is authentic, fresh and for this receiver, else None; the
+        TLS handshake and the FlowOpen must both be done within ``AUTH_TIMEOUT_S``."""
+        async with asyncio.timeout(AUTH_TIMEOUT_S):
+            if self._tls is not None:
+                await connection.start_tls(self._tls, server_side=True)
+            message, _ = await connection.read_message(None, MAX_PREAUTH_CONTROL_BYTES)
         if not isinstance(message, FlowOpen):
             log.warning("bulk_flow_refused", path=self._path, reason="first message is not FlowOpen")
             return None
@@ -170,12 +208,12 @@ class BulkReceiver:
         if problem is None:
             return message
         log.warning("bulk_flow_refused", path=self._path, request_id=message.request_id, reason=problem)
-        await write_control(
-            writer, FlowRejected(request_id=message.request_id, code="unauthenticated", message=problem)
+        await connection.send_control(
+            FlowRejected(request_id=message.request_id, code="unauthenticated", message=problem), AUTH_TIMEOUT_S
         )
         return None
 
-    async def _bounded(self, flow_open: FlowOpen, writer) -> bool:
+    async def _bounded(self, flow_open: FlowOpen, connection: BulkConnection) -> bool:
         """Whether the sender may open one more flow now; refuse it otherwise."""
         if self._flows_by_sender[flow_open.sender_id] < self._max_flows_per_sender:
             return True
@@ -186,42 +224,44 @@ class BulkReceiver:
             reason="too many flows from this sender",
             sender=flow_open.sender_id,
         )
-        await write_control(
-            writer,
+        await connection.send_control(
             FlowRejected(
                 request_id=flow_open.request_id,
                 code="too_many_flows",
                 message=f"{self._max_flows_per_sender} flows from {flow_open.sender_id!r} are open already",
             ),
+            AUTH_TIMEOUT_S,
         )
         return False
 
-    async def _admit(self, flow_open: FlowOpen, writer, stats: FlowStats) -> bool:
+    async def _admit(self, flow_open: FlowOpen, connection: BulkConnection, stats: FlowStats) -> bool:
         """Ask the handler (which may wait for blocks in flight); answer the sender."""
         received = time.monotonic()
         try:
             first_index = await self._handler.open_flow(flow_open, stats)
         except PddError as exc:
-            await write_control(writer, FlowRejected(request_id=flow_open.request_id, code=exc.code, message=str(exc)))
+            await connection.send_control(
+                FlowRejected(request_id=flow_open.request_id, code=exc.code, message=str(exc)), self._frame_timeout_s
+            )
             return False
         try:
-            await write_control(
-                writer,
+            await connection.send_control(
                 FlowAccepted(
                     request_id=flow_open.request_id, first_token_index=first_index, queued_s=time.monotonic() - received
                 ),
+                self._frame_timeout_s,
             )
-        except (ConnectionError, OSError) as exc:
+        except OSError as exc:
             # The sender left while we waited for room (it was cancelled): free what we reserved.
             await self._handler.abort_flow(flow_open.request_id, f"sender gone before acceptance: {exc}")
             return False
         return True
 
-    async def _receive(self, flow_open: FlowOpen, reader, stats: FlowStats):
+    async def _receive(self, flow_open: FlowOpen, connection: BulkConnection, stats: FlowStats):
         request_id, reason = flow_open.request_id, "connection closed"
         try:
             while True:
-                message, size = await asyncio.wait_for(read_message(reader, self._expect), self._frame_timeout_s)
+                message, size = await connection.read_message(self._expect, timeout_s=self._frame_timeout_s)
                 stats.bytes_received += size
                 KV_BYTES.labels(self._path, "received").inc(size)
                 if isinstance(message, KvFrame):

@@ -7,7 +7,7 @@ import time
 import msgspec
 
 from shared.bulk.auth import new_nonce, sign
-from shared.bulk.framing import control_bytes, read_message, write_control
+from shared.bulk.connection import BulkConnection, dial
 from shared.bulk.link_route import route_key, sign_route
 from shared.errors import PddError
 from shared.messages import FlowAccepted, FlowCancel, FlowEnd, FlowOpen, FlowRejected
@@ -20,16 +20,29 @@ class FlowRefused(PddError):
     code = "bulk_flow_refused"
 
 
+SEND_STALL_TIMEOUT_S = 120.0
+"""Longest a send waits without progress (the receiver stopped reading) before it fails."""
+CANCEL_TIMEOUT_S = 1.0
+"""Longest a cancelled flow waits to tell the receiver before it just closes."""
+
+
 class BulkFlow:
     """One request's KV flow to one receiver."""
 
-    def __init__(self, request_id: str, path: str, reader, writer, first_token_index: int, handshake_s: float = 0.0):
+    def __init__(
+        self,
+        request_id: str,
+        path: str,
+        connection: BulkConnection,
+        first_token_index: int,
+        handshake_s: float = 0.0,
+    ):
         self.request_id = request_id
         self.handshake_s = handshake_s
         self.path = path
         self.first_token_index = first_token_index
         self.bytes_sent = 0
-        self._reader, self._writer = reader, writer
+        self._connection = connection
         self._opened = time.monotonic()
 
     @property
@@ -37,41 +50,51 @@ class BulkFlow:
         """Seconds since the flow was accepted."""
         return time.monotonic() - self._opened
 
+    @property
+    def tls_cipher(self) -> str | None:
+        """The TLS cipher suite of the connection (None: plaintext)."""
+        return self._connection.cipher
+
     async def send_frame(self, parts: list[bytes | memoryview]):
-        """Write one frame; waits while the socket's buffer is full (back-pressure)."""
-        self._writer.writelines(parts)
-        size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        """Write one frame from its buffers as they are (no copy); returns once the kernel holds
+        all of it, so a receiver that stops reading stalls the sender within the sockets'
+        buffers. The buffers must stay unchanged until then (if this is cancelled: until the
+        flow is closed). A frame whose sender is cancelled still goes out whole before a
+        FlowCancel, unless the receiver does not take it within ``CANCEL_TIMEOUT_S``: the
+        connection then closes mid-frame and the receiver drops the flow as truncated.
+
+        Raises:
+            ConnectionError, OSError: the connection broke, or no byte left for the
+                connection's stall timeout (``TimeoutError``).
+        """
+        size = await self._connection.send(parts)
         self.bytes_sent += size
         KV_BYTES.labels(self.path, "sent").inc(size)
-        await self._writer.drain()
 
     async def end(self, output_token_ids: list[int], output_logprobs: list | None = None):
         """Tell the receiver every frame is sent (and which output tokens it starts from), then close."""
-        await write_control(
-            self._writer,
-            FlowEnd(
-                request_id=self.request_id, output_token_ids=output_token_ids, output_logprobs=output_logprobs or []
-            ),
-        )
-        await self.close()
+        try:
+            await self._connection.send_control(
+                FlowEnd(
+                    request_id=self.request_id,
+                    output_token_ids=output_token_ids,
+                    output_logprobs=output_logprobs or [],
+                )
+            )
+        finally:
+            await self.close()
 
     async def cancel(self, reason: str):
         """Abandon the flow; the receiver discards what arrived."""
         try:
-            await asyncio.wait_for(
-                write_control(self._writer, FlowCancel(request_id=self.request_id, reason=reason)), 1.0
-            )
-        except (TimeoutError, ConnectionError):
+            await self._connection.send_control(FlowCancel(request_id=self.request_id, reason=reason), CANCEL_TIMEOUT_S)
+        except (TimeoutError, ConnectionError, OSError):
             pass
         await self.close()
 
     async def close(self):
-        """Close the connection (idempotent)."""
-        self._writer.close()
-        try:
-            await asyncio.wait_for(self._writer.wait_closed(), 1.0)
-        except (TimeoutError, ConnectionError):
-            pass
+        """Close the connection (idempotent); bytes already sent are still delivered."""
+        self._connection.close()
 
 
 async def open_flow(
@@ -85,17 +108,19 @@ async def open_flow(
     tls: ssl.SSLContext | None = None,
     tls_name: str = "",
     link: str = "",
+    stall_timeout_s: float = SEND_STALL_TIMEOUT_S,
 ) -> BulkFlow:
     """Connect to ``endpoint`` (``host:port``), authenticate and wait for FlowAccepted.
 
-    ``timeout_s`` bounds the connection; ``accept_timeout_s`` (default the same) bounds the
-    wait for the answer, which a receiver may delay while blocks this prompt needs are still
-    arriving on another flow. ``BulkFlow.handshake_s`` excludes that delay: one round trip.
-    With ``tls`` the connection is mutual TLS: the receiver must present a certificate of the
-    deployment's CA for ``tls_name`` (its service name, e.g. ``main-decode``; default the host
-    dialled), and we present ours. With ``link`` (the WAN link's routed port) the
-    connection goes there and opens with a signed ``LinkRoute`` naming ``endpoint``; it costs
-    no round trip, and TLS then runs end to end through the link.
+    ``timeout_s`` bounds the connection (TLS handshake included); ``accept_timeout_s``
+    (default the same) bounds the wait for the answer, which a receiver may delay while blocks
+    this prompt needs are still arriving on another flow. ``BulkFlow.handshake_s`` excludes
+    that delay: one round trip. ``stall_timeout_s`` bounds each later send's wait without
+    progress. With ``tls`` the connection is mutual TLS: the receiver must present a
+    certificate of the deployment's CA for ``tls_name`` (its service name, e.g.
+    ``main-decode``; default the host dialled), and we present ours. With ``link`` (the WAN
+    link's routed port) the connection goes there and opens with a signed ``LinkRoute``
+    naming ``endpoint``; it costs no round trip, and TLS then runs end to end through the link.
 
     Raises:
         FlowRefused: the receiver said no.
@@ -104,40 +129,38 @@ async def open_flow(
             FlowOpen then fails).
     """
     signed = sign(_stamp_fresh(flow_open), secret)
-    reader, writer = await asyncio.wait_for(_connect(endpoint, secret, tls, tls_name, link), timeout_s)
+    stall_timeout_s = max(stall_timeout_s, accept_timeout_s or timeout_s)
+    connection = await asyncio.wait_for(_connect(endpoint, secret, tls, tls_name, link, stall_timeout_s), timeout_s)
     started = time.monotonic()
     try:
-        await write_control(writer, signed)
-        reply, _ = await asyncio.wait_for(read_message(reader, None), accept_timeout_s or timeout_s)
+        await connection.send_control(signed, timeout_s)
+        reply, _ = await connection.read_message(None, timeout_s=accept_timeout_s or timeout_s)
     except BaseException:
-        writer.close()
+        connection.close()
         raise
     if isinstance(reply, FlowAccepted):
         handshake_s = max(0.0, time.monotonic() - started - reply.queued_s)
-        return BulkFlow(flow_open.request_id, path, reader, writer, reply.first_token_index, handshake_s=handshake_s)
-    writer.close()
+        return BulkFlow(flow_open.request_id, path, connection, reply.first_token_index, handshake_s=handshake_s)
+    connection.close()
     if isinstance(reply, FlowRejected):
         raise FlowRefused(f"{endpoint} refused flow: {reply.code}: {reply.message}")
     raise FlowRefused(f"{endpoint} closed the flow without answering")
 
 
-async def _connect(endpoint: str, secret: str, tls: ssl.SSLContext | None, tls_name: str, link: str):
-    if not link:
-        host, _, port = endpoint.rpartition(":")
-        return await asyncio.open_connection(
-            host, int(port), limit=1 << 20, ssl=tls, server_hostname=(tls_name or host) if tls else None
-        )
-    link_host, _, link_port = link.rpartition(":")
-    reader, writer = await asyncio.open_connection(link_host, int(link_port), limit=1 << 20)
+async def _connect(
+    endpoint: str, secret: str, tls: ssl.SSLContext | None, tls_name: str, link: str, stall_timeout_s: float
+) -> BulkConnection:
+    host, _, port = (link or endpoint).rpartition(":")
+    connection = await dial(host, int(port), stall_timeout_s)
     try:
-        writer.write(control_bytes(sign_route(endpoint, route_key(secret))))
-        await writer.drain()
+        if link:
+            await connection.send_control(sign_route(endpoint, route_key(secret)))
         if tls is not None:
-            await writer.start_tls(tls, server_hostname=tls_name or link_host)
+            await connection.start_tls(tls, server_side=False, server_hostname=tls_name or host)
     except BaseException:
-        writer.close()
+        connection.close()
         raise
-    return reader, writer
+    return connection
 
 
 def _stamp_fresh(flow_open: FlowOpen) -> FlowOpen:
