@@ -203,6 +203,7 @@ async def test_finished_prompt_ships_before_the_next_prompt_prefills(make_stack,
 
     stack = await make_stack(router_settings={"pipeline_policy": "P-MD"})
     stack.prefill.engine.scheduler.max_batch_tokens = 96
+    stack.prefill.engine.scheduler.first_chunk_tokens = 0  # each prompt in one step
     both_open, opened, open_flow = threading.Event(), [], prefill_module.open_flow
 
     async def counted_open_flow(*args, **kwargs):
