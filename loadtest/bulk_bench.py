@@ -19,7 +19,7 @@ import ssl
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import msgspec
@@ -140,9 +140,9 @@ class Sent:
     cipher: str | None
 
 
-async def _one_flow(kv: BenchKv, nbytes: int, tls: Contexts | None, rate_bps: float = 0.0) -> Sent:
-    """Send at least ``nbytes`` of ``kv``'s frames on one flow, through the WAN link at
-    ``rate_bps`` if set."""
+async def _one_flow(kv: BenchKv, nbytes: int, tls: Contexts | None, profile: LinkProfile | None = None) -> Sent:
+    """Send at least ``nbytes`` of ``kv``'s frames on one flow, through a WAN link with
+    ``profile`` if given (the time runs to the receiver's end of the flow)."""
     handler = _Discard()
     receiver = BulkReceiver(
         handler,
@@ -155,8 +155,8 @@ async def _one_flow(kv: BenchKv, nbytes: int, tls: Contexts | None, rate_bps: fl
     )
     host, port = await receiver.start()
     link = None
-    if rate_bps:
-        link = WanLink(LinkProfile(bandwidth_bps=rate_bps, rtt_ms=0, jitter_ms=0))
+    if profile is not None:
+        link = WanLink(replace(profile))
         port = await link.add_route(Route("bench", "127.0.0.1", 0, host, port, from_site="site-a"))
     try:
         flow = await open_flow(
@@ -217,22 +217,37 @@ def measure_loopback(kv: BenchKv, megabytes: int, repeats: int, tls: Contexts) -
     return {"runs": runs, "tls_ciphers": ciphers}
 
 
-def measure_link(kv: BenchKv, megabytes: int, repeats: int, tls: Contexts, rate_bps: float) -> dict:
-    """Our channel through the WAN link set to ``rate_bps``, plaintext and TLS interleaved.
+DEFAULT_STREAMS = 1
+"""Connections one flow uses today: a flow is one TCP stream (striping over several is not built)."""
 
-    The place for comparisons through the link (the emulator's own ceiling beside ours).
-    """
-    runs: dict[str, list[float]] = {"plaintext": [], "tls": []}
+
+def measure_link(kv: BenchKv, megabytes: int, repeats: int, tls: Contexts, profile: LinkProfile) -> dict:
+    """Through the WAN link with ``profile`` (its window caps one connection at window / RTT):
+    our channel (mutual TLS, as on the WAN path) with one stream and with the default stream
+    count, and the emulator's own ceiling, a raw sender with one and with four streams, runs
+    interleaved. Medians in Gbit/s; ``window_cap_gbps`` is window × 8 / RTT."""
+    from infra.wan_link_probe import measure_streams
+
+    runs: dict[str, list[float]] = {"ours_one_stream": [], "raw_one_stream": [], "raw_four_streams": []}
     for _ in range(repeats):
-        for mode, rates in runs.items():
-            sent = asyncio.run(_one_flow(kv, megabytes << 20, tls if mode == "tls" else None, rate_bps))
-            rates.append(_gbps(sent.nbytes, sent.seconds))
-    medians = {mode: statistics.median(rates) for mode, rates in runs.items()}
+        sent = asyncio.run(_one_flow(kv, megabytes << 20, tls, profile))
+        runs["ours_one_stream"].append(_gbps(sent.nbytes, sent.seconds))
+        runs["raw_one_stream"].append(round(asyncio.run(measure_streams(profile, 1, megabytes)), 2))
+        runs["raw_four_streams"].append(round(asyncio.run(measure_streams(profile, 4, megabytes)), 2))
+    medians = {name: statistics.median(rates) for name, rates in runs.items()}
+    rtt_s = profile.rtt_ms / 1000
     return {
-        "rate_gbps": rate_bps / 1e9,
+        "rate_gbps": profile.bandwidth_bps / 1e9,
+        "rtt_ms": profile.rtt_ms,
+        "window_bytes": profile.window_bytes,
+        "window_cap_gbps": round(profile.window_bytes * 8 / rtt_s / 1e9, 3) if profile.window_bytes and rtt_s else None,
+        "one_stream_gbps": medians["ours_one_stream"],
+        "default_streams": DEFAULT_STREAMS,
+        "default_gbps": medians["ours_one_stream"],
+        "raw_one_stream_gbps": medians["raw_one_stream"],
+        "raw_four_streams_gbps": medians["raw_four_streams"],
+        "megabytes_per_run": megabytes,
         "runs_gbps": runs,
-        "median_gbps": medians,
-        "tls_over_plaintext": round(medians["tls"] / medians["plaintext"], 3),
     }
 
 
@@ -244,12 +259,14 @@ def run_bulk_bench(
     dtype: str = "float32",
     frame_tokens: int = 256,
     prompt_tokens: int = 2048,
-    link_bps: float = 0.0,
+    link: LinkProfile | None = None,
+    link_megabytes: int = 200,
     checks_megabytes: int = 128,
 ) -> dict:
     """The comparison as one dict: medians (``*_gbps``), the ratios of ours to the raw pump
     (``ours_over_raw_*``: median over repeats of the two measured back to back), every run,
-    the setup, ``link`` (None unless ``link_bps``) and the receiver's checks one by one."""
+    the setup, ``link`` (through a WAN link with that profile; None without) and the receiver's
+    checks one by one."""
     kv = synthetic_kv(geometry, dtype, prompt_tokens, frame_tokens)
     tls = _contexts()
     loopback = measure_loopback(kv, megabytes, repeats, tls)
@@ -271,7 +288,7 @@ def run_bulk_bench(
             "raw_pump_buffer_bytes": PUMP_BUFFER_BYTES,
             "tls_ciphers": loopback["tls_ciphers"],
         },
-        link=measure_link(kv, megabytes, repeats, tls, link_bps) if link_bps else None,
+        link=measure_link(kv, link_megabytes, repeats, tls, link) if link is not None else None,
         receiver_checks=receiver_checks(kv, checks_megabytes),
     )
     return report
@@ -299,10 +316,20 @@ def format_report(report: dict) -> str:
     ]
     if report["link"]:
         link = report["link"]
-        lines.append(
-            f"through the WAN link at {link['rate_gbps']:g} Gbit/s: plaintext {link['median_gbps']['plaintext']:.2f}, "
-            f"TLS {link['median_gbps']['tls']:.2f} (runs {link['runs_gbps']})"
+        head = (
+            f"through the WAN link at {link['rate_gbps']:g} Gbit/s, {link['rtt_ms']:g} ms RTT, a window of "
+            f"{link['window_bytes']} bytes (cap {link['window_cap_gbps']} Gbit/s per stream), "
+            f"{link['megabytes_per_run']} MiB per run, Gbit/s:"
         )
+        ours = (
+            f"  our channel (TLS): one stream {link['one_stream_gbps']:.2f}, default "
+            f"({link['default_streams']} stream) {link['default_gbps']:.2f}"
+        )
+        raw = (
+            f"  the emulator with a raw sender: one stream {link['raw_one_stream_gbps']:.2f}, "
+            f"four streams {link['raw_four_streams_gbps']:.2f}"
+        )
+        lines += [head, ours, raw]
     checks = report["receiver_checks"]
     lines.append(
         f"receiver checks, one core, GB/s: xxh3 {checks['xxh3_checksum_gb_per_s']}, finiteness "

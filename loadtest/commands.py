@@ -60,7 +60,14 @@ def add_bench_parser(commands):
     )
     bulk.add_argument("--dtype", default="float32", help="KV dtype (float32, bfloat16, float16)")
     bulk.add_argument("--frame-tokens", type=int, default=256, help="tokens per frame (default 256, as deployed)")
-    bulk.add_argument("--link", default="", help="also measure through the WAN link at this rate (e.g. 1gbit)")
+    bulk.add_argument(
+        "--link", default="1gbit", help="also measure through the WAN link at this rate (default 1gbit; 0: not)"
+    )
+    bulk.add_argument("--link-rtt", default="40ms", help="the link's round trip (default 40ms)")
+    bulk.add_argument(
+        "--link-window", default="4MiB", help="bytes one connection may have in flight on the link (default 4MiB)"
+    )
+    bulk.add_argument("--link-megabytes", type=int, default=200, help="per flow through the link (default 200)")
     bulk.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bulk.set_defaults(handler=cmd_bench_bulk)
 
@@ -120,7 +127,7 @@ def cmd_bench_handoff_micro(args) -> int:
 
 def cmd_bench_bulk(args) -> int:
     """Bulk channel throughput beside the machine's limits; a table (or ``--json``) on stdout."""
-    from infra.wan_link import parse_rate
+    from infra.wan_link import LinkProfile, parse_bytes, parse_ms, parse_rate
     from loadtest.bulk_bench import format_report, run_bulk_bench
 
     try:
@@ -135,10 +142,26 @@ def cmd_bench_bulk(args) -> int:
         geometry=geometry,
         dtype=args.dtype,
         frame_tokens=args.frame_tokens,
-        link_bps=parse_rate(args.link) if args.link else 0.0,
+        link=_bench_link(args, LinkProfile, parse_bytes, parse_ms, parse_rate),
+        link_megabytes=args.link_megabytes,
     )
     print(json.dumps(report) if args.json else format_report(report))
     return 0
+
+
+def _bench_link(args, profile_cls, parse_bytes, parse_ms, parse_rate):
+    """The link ``pdd bench bulk`` measures through (None for ``--link 0``)."""
+    try:
+        rate_bps = parse_rate(args.link)
+        profile = profile_cls(
+            bandwidth_bps=rate_bps,
+            rtt_ms=parse_ms(args.link_rtt),
+            jitter_ms=0,
+            window_bytes=int(parse_bytes(args.link_window)),
+        )
+    except ValueError as exc:
+        raise PddError(str(exc)) from None
+    return profile if rate_bps else None
 
 
 def cmd_bench_handoff(args) -> int:
