@@ -127,7 +127,6 @@ def cmd_bench_handoff_micro(args) -> int:
 
 def cmd_bench_bulk(args) -> int:
     """Bulk channel throughput beside the machine's limits; a table (or ``--json``) on stdout."""
-    from infra.wan_link import LinkProfile, parse_bytes, parse_ms, parse_rate
     from loadtest.bulk_bench import format_report, run_bulk_bench
 
     try:
@@ -142,18 +141,20 @@ def cmd_bench_bulk(args) -> int:
         geometry=geometry,
         dtype=args.dtype,
         frame_tokens=args.frame_tokens,
-        link=_bench_link(args, LinkProfile, parse_bytes, parse_ms, parse_rate),
+        link=_bench_link(args),
         link_megabytes=args.link_megabytes,
     )
     print(json.dumps(report) if args.json else format_report(report))
     return 0
 
 
-def _bench_link(args, profile_cls, parse_bytes, parse_ms, parse_rate):
+def _bench_link(args):
     """The link ``pdd bench bulk`` measures through (None for ``--link 0``)."""
+    from infra.wan_link import LinkProfile, parse_bytes, parse_ms, parse_rate
+
     try:
         rate_bps = parse_rate(args.link)
-        profile = profile_cls(
+        profile = LinkProfile(
             bandwidth_bps=rate_bps,
             rtt_ms=parse_ms(args.link_rtt),
             jitter_ms=0,
