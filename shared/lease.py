@@ -4,8 +4,9 @@ Every request id names the router that minted it. A router's heartbeat renews th
 all its requests at once and lists the (attempt) ids it still runs. An engine service frees
 a request it holds when
 
-- its router has been silent for longer than the lease while other instances of its site
-  were heard (the router died), or its whole site has been silent for longer than the
+- its router has been silent for longer than the lease (since its last heartbeat, or since
+  the request arrived, whichever is later) while other instances of its site were heard (the
+  router died), or its whole site has been silent for longer than the
   cut-off lease (heartbeats crossing a congested or cut WAN arrive late or not at all: the
   link is judged apart from the router), or the router came back as a new incarnation
   (restarted under its name) since the request arrived: nobody will read the request's
@@ -87,8 +88,10 @@ class RequestLeases:
         for request_id, first_seen in self._first_seen.items():
             origin = subjects.origin_of(request_id)
             seen = self._routers.get(origin)
-            # A router never heard from counts from when this instance started listening.
-            silent_s = now - (seen.at if seen else self._started)
+            # A router never heard from counts from when this instance started listening, and a
+            # request of its arriving here is word from it too (a site back from an outage gets
+            # requests before the router's next heartbeat).
+            silent_s = now - max(seen.at if seen else self._started, first_seen)
             site_silent_s = now - self._sites.get(seen.site, self._started) if seen else silent_s
             lease_s = self.lease_s if site_silent_s <= self.lease_s else self.cut_off_lease_s
             if silent_s > lease_s:
