@@ -95,7 +95,7 @@ def test_a_huge_frame_is_refused_before_its_buffer_is_allocated(field, monkeypat
     header_len, body_len = (kv_wire.MAX_HEADER_BYTES + 1, 64) if field == "header" else (64, expect.max_body_bytes + 1)
     prefix = kv_wire.PREFIX.pack(kv_wire.MAGIC, kv_wire.WIRE_FORMAT_VERSION, 0, header_len, body_len)
     allocated = []
-    monkeypatch.setattr(framing, "frame_buffer", lambda n: allocated.append(n) or memoryview(bytearray(n)))
+    monkeypatch.setattr(framing, "frame_buffer", lambda n, *_: allocated.append(n) or memoryview(bytearray(n)))
     with pytest.raises(OversizedFrame):
         recv_message(SegmentedSocket(prefix, []), expect)
     assert allocated == []
@@ -235,7 +235,7 @@ async def test_a_peer_announcing_a_huge_frame_is_dropped_before_the_memory_is_al
     expect = expectation()
     _, endpoint = await start(expect=expect)
     allocated = []
-    monkeypatch.setattr(framing, "frame_buffer", lambda n: allocated.append(n) or memoryview(bytearray(n)))
+    monkeypatch.setattr(framing, "frame_buffer", lambda n, *_: allocated.append(n) or memoryview(bytearray(n)))
     reader, writer = await authenticated(endpoint, [1, 2, 3])
     writer.write(kv_wire.PREFIX.pack(kv_wire.MAGIC, kv_wire.WIRE_FORMAT_VERSION, 0, 64, expect.max_body_bytes + 1))
     await writer.drain()

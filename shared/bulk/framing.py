@@ -36,10 +36,21 @@ def control_bytes(message: BulkControl) -> bytes:
     return CONTROL_MAGIC + _CONTROL_LEN.pack(len(payload)) + payload
 
 
-def frame_buffer(nbytes: int) -> memoryview:
-    """An uninitialised writable buffer for one received frame (no zero-filling: the caller
-    overwrites every byte before anything reads it)."""
-    return memoryview(np.empty(nbytes, dtype=np.uint8))
+BODY_ALIGNMENT = 64
+"""Where a received frame's body starts: a multiple of this address (a cache line)."""
+
+
+def frame_buffer(nbytes: int, body_offset: int = 0) -> memoryview:
+    """An uninitialised writable buffer for one received frame whose byte ``body_offset`` (the
+    body's start) lies at a multiple of ``BODY_ALIGNMENT`` (no zero-filling: the caller
+    overwrites every byte before anything reads it).
+
+    Why aligned: the header's length varies, so an unaligned body was the rule, and numpy's
+    float32 sum (the finiteness check) then copies the body piece by piece: 2.4x slower.
+    """
+    block = np.empty(nbytes + BODY_ALIGNMENT, dtype=np.uint8)
+    start = -(block.ctypes.data + body_offset) % BODY_ALIGNMENT
+    return memoryview(block[start : start + nbytes])
 
 
 def send_buffers(sock: socket.socket, parts: list[bytes | memoryview]) -> int:
@@ -114,7 +125,7 @@ def recv_raw(
     if magic == kv_wire.MAGIC and expect is not None:
         _check_whole(_recv_into(sock, view[4:]), kv_wire.PREFIX_SIZE - 4)
         header_len, body_len = kv_wire.read_prefix(start, expect)
-        frame = frame_buffer(kv_wire.PREFIX_SIZE + header_len + body_len)
+        frame = frame_buffer(kv_wire.PREFIX_SIZE + header_len + body_len, kv_wire.PREFIX_SIZE + header_len)
         frame[: kv_wire.PREFIX_SIZE] = start
         _check_whole(_recv_into(sock, frame[kv_wire.PREFIX_SIZE :]), header_len + body_len)
         return frame, len(frame)
