@@ -15,7 +15,7 @@ socket down and so ends that call at once.
 
 Receiving in a pipeline: ``start_read`` queues the read of the next message and returns at
 once, and ``check_frame`` validates a frame read that way on a shared pool of check threads
-(``kv_wire.decode_frame``: checksum and finiteness, GIL released in the bulk of both). A
+(``kv_wire.decode_frame``: checksum and finiteness, both with the GIL released). A
 receiver can so have the socket drain frame N+1 while frame N is checked and imported: on
 loopback the transfer keeps one core busy and the checks take the other, instead of the two
 taking turns.
@@ -23,6 +23,7 @@ taking turns.
 
 import asyncio
 import concurrent.futures
+import functools
 import os
 import queue
 import socket
@@ -114,6 +115,14 @@ class BulkConnection:
             return negotiated[0] if negotiated else None
         return None
 
+    @property
+    def authenticates_bytes(self) -> bool:
+        """Whether every byte read is authenticated end to end by the transport: TLS after its
+        handshake (every suite our contexts allow carries an AEAD tag or a MAC per record, and a
+        record that fails it ends the connection). The receiver then skips a frame's xxh3
+        (``kv_wire.decode_frame(verify_checksum=False)``); plaintext keeps it."""
+        return self.cipher is not None
+
     async def call(self, work: Callable[[socket.socket], T], timeout_s: float | None) -> T:
         """Run ``work(sock)`` on the connection's thread after the calls queued before it.
 
@@ -173,16 +182,20 @@ class BulkConnection:
         sock = self._sock
         return asyncio.wrap_future(self._thread.submit(lambda: recv_raw(sock, expect, max_control_bytes)))
 
-    @staticmethod
-    async def check_frame(buffer: memoryview, expect: FrameExpectation, timeout_s: float | None = None) -> KvFrame:
-        """Validate a frame ``start_read`` returned, in place, on a check thread (``kv_wire.decode_frame``).
+    async def check_frame(
+        self, buffer: memoryview, expect: FrameExpectation, timeout_s: float | None = None
+    ) -> KvFrame:
+        """Validate a frame ``start_read`` returned, in place, on a check thread
+        (``kv_wire.decode_frame``; its xxh3 only where the transport does not authenticate
+        every byte: ``authenticates_bytes``).
 
         Raises:
             KvFrameError: the frame is not valid.
             TimeoutError: ``timeout_s`` passed (the check runs on to its end, then its result is dropped).
         """
         loop = asyncio.get_running_loop()
-        return await asyncio.wait_for(loop.run_in_executor(_check_pool(), decode_frame, buffer, expect), timeout_s)
+        check = functools.partial(decode_frame, buffer, expect, verify_checksum=not self.authenticates_bytes)
+        return await asyncio.wait_for(loop.run_in_executor(_check_pool(), check), timeout_s)
 
     def close(self):
         """Shut the socket down (ending any call in progress), then close it once the calls
