@@ -54,9 +54,7 @@ def _check_pool() -> concurrent.futures.ThreadPoolExecutor:
     """The process's threads that validate received frames (one per core: the checks are CPU work)."""
     global _checks
     if _checks is None:
-        _checks = concurrent.futures.ThreadPoolExecutor(
-            max_workers=os.cpu_count() or 1, thread_name_prefix="bulk-check"
-        )
+        _checks = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="kv-check")
     return _checks
 
 
