@@ -268,8 +268,9 @@ class BulkReceiver:
         ahead; the socket's stall timeout (no byte at all for as long) bounds the read itself.
         """
         request_id, reason = flow_open.request_id, "connection closed"
-        pending = connection.start_read(self._expect)
+        pending: asyncio.Future | None = None
         try:
+            pending = connection.start_read(self._expect)
             while True:
                 async with asyncio.timeout(self._frame_timeout_s):
                     message, size = await asyncio.shield(pending)
@@ -308,5 +309,6 @@ class BulkReceiver:
         except (ConnectionError, OSError) as exc:
             reason = f"connection lost: {exc}"
         finally:
-            pending.cancel()  # a read ahead still running: the connection closes next, which ends it
+            if pending is not None:
+                pending.cancel()  # a read ahead still running: the connection closes next, which ends it
         await self._handler.abort_flow(request_id, reason)
