@@ -88,7 +88,8 @@ class FlowHandler(Protocol):
 
 class BulkReceiver:
     """TCP server for one receiving instance; one flow per connection, each with its own I/O
-    thread (``BulkConnection``) that reads every frame into one buffer and validates it there."""
+    thread (``BulkConnection``) that reads every frame into one buffer, one frame ahead of the
+    frame being checked (on a check thread, in place) and imported."""
 
     def __init__(
         self,
