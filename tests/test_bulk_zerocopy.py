@@ -89,13 +89,21 @@ def test_a_frame_split_at_every_byte_boundary_arrives_whole():
         assert recv_message(sock, expect) == (None, 0)
 
 
+@pytest.mark.parametrize("request_id", ["r", "rr", "rrr", "rrrr"])
+def test_a_received_frame_body_starts_on_a_cache_line_whatever_the_header_length(request_id):
+    expect = expectation()
+    _, kv, frames = frames_of(expect, 3, 16, request_id=request_id)
+    frame, _ = recv_message(SegmentedSocket(kv_wire.frame_bytes(frames[0]), []), expect)
+    assert frame.kv.data_ptr() % framing.BODY_ALIGNMENT == 0 and torch.equal(frame.kv, kv)
+
+
 @pytest.mark.parametrize("field", ["header", "body"])
 def test_a_huge_frame_is_refused_before_its_buffer_is_allocated(field, monkeypatch):
     expect = expectation()
     header_len, body_len = (kv_wire.MAX_HEADER_BYTES + 1, 64) if field == "header" else (64, expect.max_body_bytes + 1)
     prefix = kv_wire.PREFIX.pack(kv_wire.MAGIC, kv_wire.WIRE_FORMAT_VERSION, 0, header_len, body_len)
     allocated = []
-    monkeypatch.setattr(framing, "frame_buffer", lambda n: allocated.append(n) or memoryview(bytearray(n)))
+    monkeypatch.setattr(framing, "frame_buffer", lambda n, *_: allocated.append(n) or memoryview(bytearray(n)))
     with pytest.raises(OversizedFrame):
         recv_message(SegmentedSocket(prefix, []), expect)
     assert allocated == []
@@ -235,7 +243,7 @@ async def test_a_peer_announcing_a_huge_frame_is_dropped_before_the_memory_is_al
     expect = expectation()
     _, endpoint = await start(expect=expect)
     allocated = []
-    monkeypatch.setattr(framing, "frame_buffer", lambda n: allocated.append(n) or memoryview(bytearray(n)))
+    monkeypatch.setattr(framing, "frame_buffer", lambda n, *_: allocated.append(n) or memoryview(bytearray(n)))
     reader, writer = await authenticated(endpoint, [1, 2, 3])
     writer.write(kv_wire.PREFIX.pack(kv_wire.MAGIC, kv_wire.WIRE_FORMAT_VERSION, 0, 64, expect.max_body_bytes + 1))
     await writer.drain()
@@ -260,7 +268,7 @@ async def test_a_receiver_that_stops_reading_stalls_the_sender_within_the_socket
     _, endpoint = await start()
     prompt, _, frames = frames_of(expectation(), 1024, 256)  # 128 KiB frames
     frame_size = len(kv_wire.frame_bytes(frames[0]))
-    bound = socket_buffer_bound() + frame_size
+    bound = socket_buffer_bound() + 2 * frame_size  # the frame held in import, one read ahead
     count = 2 * bound // frame_size + 1
     handler.gate.clear()
     flow = await open_flow(endpoint, flow_open_for("r", prompt), SECRET, path="local", timeout_s=5)
@@ -278,6 +286,51 @@ async def test_a_receiver_that_stops_reading_stalls_the_sender_within_the_socket
     await asyncio.wait_for(sending, 60)
     await asyncio.wait_for(handler.ended.wait(), 60)
     assert len(handler.frames) == count
+
+
+def recording_buffers(monkeypatch) -> list[int]:
+    """The sizes of the frame buffers the receiver allocates (one per frame it starts reading)."""
+    allocated, allocate = [], framing.frame_buffer
+    monkeypatch.setattr(framing, "frame_buffer", lambda n, *rest: allocated.append(n) or allocate(n, *rest))
+    return allocated
+
+
+async def test_the_receiver_reads_one_frame_ahead_while_a_frame_is_imported(gated, monkeypatch):
+    handler, start = gated
+    _, endpoint = await start()
+    allocated = recording_buffers(monkeypatch)
+    prompt, kv, frames = frames_of(expectation(), 64, 16)  # four frames
+    handler.gate.clear()
+    flow = await open_flow(endpoint, flow_open_for("r", prompt), SECRET, path="local", timeout_s=5)
+    for parts in frames:
+        await flow.send_frame(parts)
+    await flow.end([1])
+    await asyncio.wait_for(handler.holding.wait(), 10)  # frame 0 is being imported
+    await until(lambda: len(allocated) == 2, 10, "frame 1 to be read while frame 0 is imported")
+    await asyncio.sleep(0.2)
+    assert len(allocated) == 2 and not handler.ended.is_set()  # one ahead, no more; the end waits
+    handler.gate.set()
+    await asyncio.wait_for(handler.ended.wait(), 10)
+    assert torch.equal(torch.cat([frame.kv for frame in handler.frames], dim=2), kv)
+
+
+async def test_a_corrupt_frame_read_ahead_is_refused_and_nothing_after_it_imported(gated):
+    handler, start = gated
+    _, endpoint = await start()
+    prompt, _, frames = frames_of(expectation(), 48, 16)
+    corrupt = bytearray(kv_wire.frame_bytes(frames[1]))
+    corrupt[-5] ^= 0x01  # a finite value still: only the checksum finds it
+    handler.gate.clear()
+    _, writer = await authenticated(endpoint, prompt)
+    end = control_bytes(FlowEnd(request_id="r", output_token_ids=[1]))
+    writer.write(kv_wire.frame_bytes(frames[0]) + corrupt + kv_wire.frame_bytes(frames[2]) + end)
+    await writer.drain()
+    await asyncio.wait_for(handler.holding.wait(), 10)
+    handler.gate.set()
+    await asyncio.wait_for(handler.aborted.wait(), 10)
+    assert len(handler.frames) == 1 and handler.aborts[0].startswith("kv_frame_corrupt")
+    assert not handler.ended.is_set()
+    writer.close()
 
 
 async def test_a_frame_whose_send_is_cancelled_still_arrives_whole_before_the_cancel(gated, monkeypatch):

@@ -109,6 +109,21 @@ def test_flipped_body_byte_fails_checksum(pair):
     assert_rejected(receiver, frame, CorruptFrame)
 
 
+def test_only_an_authenticated_channel_may_skip_the_checksum_and_the_finiteness_check_stays(pair):
+    """The bulk channel's TLS path skips xxh3 (TLS authenticates every byte); all else is checked."""
+    _, receiver, frame = pair
+    header, body = split(frame)
+    values = torch.frombuffer(bytearray(body), dtype=torch.float32)
+    values[0] = values[0] + 1.0  # another finite value: only the checksum tells
+    changed = values.numpy().tobytes()
+    assert_rejected(receiver, rebuild(header, changed), CorruptFrame)
+    decoded = decode_frame(rebuild(header, changed), receiver.frame_expectation, verify_checksum=False)
+    assert decoded.kv.flatten()[0].item() == values[0].item()
+    values[1] = float("nan")
+    with pytest.raises(CorruptFrame):
+        decode_frame(rebuild(header, values.numpy().tobytes()), receiver.frame_expectation, verify_checksum=False)
+
+
 def test_bad_magic(pair):
     _, receiver, frame = pair
     frame[0:4] = b"XXXX"

@@ -12,10 +12,19 @@ below). The socket's timeout, ``stall_timeout_s``, bounds each blocking wait wit
 inside the thread, so no call can hang. A call that times out or is cancelled on the asyncio
 side may still be running in the thread: the owner then closes the connection, which shuts the
 socket down and so ends that call at once.
+
+Receiving in a pipeline: ``start_read`` queues the read of the next message and returns at
+once, and ``check_frame`` validates a frame read that way on a shared pool of check threads
+(``kv_wire.decode_frame``: checksum and finiteness, both with the GIL released). A
+receiver can so have the socket drain frame N+1 while frame N is checked and imported: on
+loopback the transfer keeps one core busy and the checks take the other, instead of the two
+taking turns.
 """
 
 import asyncio
 import concurrent.futures
+import functools
+import os
 import queue
 import socket
 import ssl
@@ -24,11 +33,29 @@ import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
-from shared.bulk.framing import MAX_CONTROL_BYTES, Message, control_bytes, recv_message, send_buffers
-from shared.kv_wire import FrameExpectation
+from shared.bulk.framing import (
+    MAX_CONTROL_BYTES,
+    Message,
+    RawMessage,
+    control_bytes,
+    recv_message,
+    recv_raw,
+    send_buffers,
+)
+from shared.kv_wire import FrameExpectation, KvFrame, decode_frame
 from shared.messages import BulkControl
 
 T = TypeVar("T")
+
+_checks: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _check_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's threads that validate received frames (one per core: the checks are CPU work)."""
+    global _checks
+    if _checks is None:
+        _checks = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="kv-check")
+    return _checks
 
 
 class _CallThread:
@@ -86,6 +113,14 @@ class BulkConnection:
             return negotiated[0] if negotiated else None
         return None
 
+    @property
+    def authenticates_bytes(self) -> bool:
+        """Whether every byte read is authenticated end to end by the transport: TLS after its
+        handshake (every suite our contexts allow carries an AEAD tag or a MAC per record, and a
+        record that fails it ends the connection). The receiver then skips a frame's xxh3
+        (``kv_wire.decode_frame(verify_checksum=False)``); plaintext keeps it."""
+        return self.cipher is not None
+
     async def call(self, work: Callable[[socket.socket], T], timeout_s: float | None) -> T:
         """Run ``work(sock)`` on the connection's thread after the calls queued before it.
 
@@ -125,6 +160,40 @@ class BulkConnection:
     ) -> tuple[Message, int]:
         """The next message, read and validated on the connection's thread (``framing.recv_message``)."""
         return await self.call(lambda sock: recv_message(sock, expect, max_control_bytes), timeout_s)
+
+    def start_read(
+        self, expect: FrameExpectation | None, max_control_bytes: int = MAX_CONTROL_BYTES
+    ) -> "asyncio.Future[tuple[RawMessage, int]]":
+        """Queue the read of the next message now (``framing.recv_raw``: a KV frame comes back
+        as its buffer, unchecked: pass it to ``check_frame``) and return its future.
+
+        The read runs whatever the caller does meanwhile, bounded only by the stall timeout:
+        await the future with a timeout of your own (through ``asyncio.shield`` if it should
+        survive that timeout), and cancel it (then close the connection, which ends the read
+        and drops its buffer) when giving up.
+
+        Raises:
+            ConnectionError: the connection is closed.
+        """
+        if self._closed:
+            raise ConnectionError("bulk connection closed")
+        sock = self._sock
+        return asyncio.wrap_future(self._thread.submit(lambda: recv_raw(sock, expect, max_control_bytes)))
+
+    async def check_frame(
+        self, buffer: memoryview, expect: FrameExpectation, timeout_s: float | None = None
+    ) -> KvFrame:
+        """Validate a frame ``start_read`` returned, in place, on a check thread
+        (``kv_wire.decode_frame``; its xxh3 only where the transport does not authenticate
+        every byte: ``authenticates_bytes``).
+
+        Raises:
+            KvFrameError: the frame is not valid.
+            TimeoutError: ``timeout_s`` passed (the check runs on to its end, then its result is dropped).
+        """
+        loop = asyncio.get_running_loop()
+        check = functools.partial(decode_frame, buffer, expect, verify_checksum=not self.authenticates_bytes)
+        return await asyncio.wait_for(loop.run_in_executor(_check_pool(), check), timeout_s)
 
     def close(self):
         """Shut the socket down (ending any call in progress), then close it once the calls

@@ -26,6 +26,8 @@ _CONTROL_LEN = struct.Struct("<I")
 _control_decoder = decoder(BulkControl)
 
 Message = BulkControl | kv_wire.KvFrame | None
+RawMessage = BulkControl | memoryview | None
+"""What ``recv_raw`` returns: a KV frame as its buffer, not yet validated."""
 
 
 def control_bytes(message: BulkControl) -> bytes:
@@ -34,10 +36,21 @@ def control_bytes(message: BulkControl) -> bytes:
     return CONTROL_MAGIC + _CONTROL_LEN.pack(len(payload)) + payload
 
 
-def frame_buffer(nbytes: int) -> memoryview:
-    """An uninitialised writable buffer for one received frame (no zero-filling: the caller
-    overwrites every byte before anything reads it)."""
-    return memoryview(np.empty(nbytes, dtype=np.uint8))
+BODY_ALIGNMENT = 64
+"""Where a received frame's body starts: a multiple of this address (a cache line)."""
+
+
+def frame_buffer(nbytes: int, body_offset: int = 0) -> memoryview:
+    """An uninitialised writable buffer for one received frame whose byte ``body_offset`` (the
+    body's start) lies at a multiple of ``BODY_ALIGNMENT`` (no zero-filling: the caller
+    overwrites every byte before anything reads it).
+
+    Why aligned: the header's length varies, so an unaligned body was the rule, and numpy's
+    float32 sum (the finiteness check) then copies the body piece by piece: 2.4x slower.
+    """
+    block = np.empty(nbytes + BODY_ALIGNMENT, dtype=np.uint8)
+    start = -(block.ctypes.data + body_offset) % BODY_ALIGNMENT
+    return memoryview(block[start : start + nbytes])
 
 
 def send_buffers(sock: socket.socket, parts: list[bytes | memoryview]) -> int:
@@ -66,11 +79,29 @@ def recv_message(
 ) -> tuple[Message, int]:
     """Read the next control message or validated KV frame from a blocking socket, with its size.
 
+    ``recv_raw``, then a KV frame is validated in place (``kv_wire.decode_frame``: its body is
+    viewed, not copied). Returns ``(None, 0)`` at a clean end of stream.
+
+    Raises:
+        KvFrameError: the bytes are not a valid message (the connection must be dropped).
+        OSError: the socket failed or its timeout passed without progress (``TimeoutError``).
+    """
+    message, size = recv_raw(sock, expect, max_control_bytes)
+    if isinstance(message, memoryview):
+        return kv_wire.decode_frame(message, expect), size
+    return message, size
+
+
+def recv_raw(
+    sock: socket.socket, expect: kv_wire.FrameExpectation | None, max_control_bytes: int = MAX_CONTROL_BYTES
+) -> tuple[RawMessage, int]:
+    """Read the next message from a blocking socket, with its size; a KV frame comes back as
+    its buffer, not yet validated (``kv_wire.decode_frame`` does that, on any thread).
+
     A KV frame (only when ``expect`` is given) lands in one buffer of its declared size,
-    allocated once the prefix passed ``kv_wire.read_prefix``'s bounds, and is validated in
-    place (its body is viewed, not copied). A control message declaring more than
-    ``max_control_bytes`` is refused before any of it is read. Returns ``(None, 0)`` at a clean
-    end of stream.
+    allocated once the prefix passed ``kv_wire.read_prefix``'s bounds. A control message
+    declaring more than ``max_control_bytes`` is refused before any of it is read. Returns
+    ``(None, 0)`` at a clean end of stream.
 
     Raises:
         KvFrameError: the bytes are not a valid message (the connection must be dropped).
@@ -94,10 +125,10 @@ def recv_message(
     if magic == kv_wire.MAGIC and expect is not None:
         _check_whole(_recv_into(sock, view[4:]), kv_wire.PREFIX_SIZE - 4)
         header_len, body_len = kv_wire.read_prefix(start, expect)
-        frame = frame_buffer(kv_wire.PREFIX_SIZE + header_len + body_len)
+        frame = frame_buffer(kv_wire.PREFIX_SIZE + header_len + body_len, kv_wire.PREFIX_SIZE + header_len)
         frame[: kv_wire.PREFIX_SIZE] = start
         _check_whole(_recv_into(sock, frame[kv_wire.PREFIX_SIZE :]), header_len + body_len)
-        return kv_wire.decode_frame(frame, expect), len(frame)
+        return frame, len(frame)
     raise CorruptFrame(f"unexpected message magic {magic!r}")
 
 

@@ -88,7 +88,8 @@ class FlowHandler(Protocol):
 
 class BulkReceiver:
     """TCP server for one receiving instance; one flow per connection, each with its own I/O
-    thread (``BulkConnection``) that reads every frame into one buffer and validates it there."""
+    thread (``BulkConnection``) that reads every frame into one buffer, one frame ahead of the
+    frame being checked (on a check thread, in place) and imported."""
 
     def __init__(
         self,
@@ -258,10 +259,25 @@ class BulkReceiver:
         return True
 
     async def _receive(self, flow_open: FlowOpen, connection: BulkConnection, stats: FlowStats):
+        """Import the flow's frames in order until its FlowEnd (or abort it).
+
+        One read ahead: once frame N is read, the read of the next message is queued before
+        frame N is checked (on a check thread) and imported, so the socket keeps draining
+        meanwhile. At most one frame beyond the one being handled is held, and nothing is read
+        past a FlowEnd or FlowCancel (only a frame starts a read ahead). The next message's
+        ``frame_timeout_s`` counts from when the receiver is ready for it, as without the read
+        ahead; the socket's stall timeout (no byte at all for as long) bounds the read itself.
+        """
         request_id, reason = flow_open.request_id, "connection closed"
+        pending: asyncio.Future | None = None
         try:
+            pending = connection.start_read(self._expect)
             while True:
-                message, size = await connection.read_message(self._expect, timeout_s=self._frame_timeout_s)
+                async with asyncio.timeout(self._frame_timeout_s):
+                    message, size = await asyncio.shield(pending)
+                if isinstance(message, memoryview):  # a KV frame, read but not yet checked
+                    pending = connection.start_read(self._expect)
+                    message = await connection.check_frame(message, self._expect, self._frame_timeout_s)
                 stats.bytes_received += size
                 KV_BYTES.labels(self._path, "received").inc(size)
                 if isinstance(message, KvFrame):
@@ -293,4 +309,7 @@ class BulkReceiver:
             reason = f"{exc.code}: {exc}"
         except (ConnectionError, OSError) as exc:
             reason = f"connection lost: {exc}"
+        finally:
+            if pending is not None:
+                pending.cancel()  # a read ahead still running: the connection closes next, which ends it
         await self._handler.abort_flow(request_id, reason)
