@@ -130,15 +130,15 @@ async def test_long_cold_prompt_with_long_output_catches_up(make_stack, smollm2)
     ]
     expected, _ = reference_chat_answer(smollm2, messages, 160, ignore_eos=True)
     # The backlog at handoff is the relay's tokens while the WAN copy lands after the prefill.
-    # The prefill ships while it computes, so on a link faster than the compute the copy lands
-    # soon after it: a 40 Mbit/s link (~8 s for this prompt's ~40 MB, the prefill ~3 s) leaves
-    # seconds of relayed tokens, and a threshold below the default keeps this a catch-up on a
-    # slow, loaded machine too.
+    # A prefill that ships while it computes lands its copy soon after the prompt when the
+    # compute is slow (a loaded machine): the backlog then shrinks to a few tokens and the
+    # handoff is one-shot. Here the prompt is computed in one step, so its ~40 MB leave after
+    # it and take ~8 s at 40 Mbit/s, seconds of relayed tokens however slow the machine.
     stack = await make_stack(
         loaded=smollm2,
         metadata=load_metadata("smollm2"),
         profile=LinkProfile(bandwidth_bps=40e6, rtt_ms=40, jitter_ms=5, seed=0),
-        engine_settings={"kv_cache_mb": 256},
+        engine_settings={"kv_cache_mb": 256, "max_batch_tokens": 4096, "first_chunk_tokens": 0},
         relay_settings={"catch_up_threshold_tokens": 16},
         router_settings={"served_model_name": "smollm2"},
     )
