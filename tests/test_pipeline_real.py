@@ -130,14 +130,14 @@ async def test_long_cold_prompt_with_long_output_catches_up(make_stack, smollm2)
     ]
     expected, _ = reference_chat_answer(smollm2, messages, 160, ignore_eos=True)
     # The backlog at handoff is the relay's tokens while the WAN copy lands after the prefill.
-    # A prefill that ships while it computes lands its copy soon after the prompt when the
-    # compute is slow (a loaded machine): the backlog then shrinks to a few tokens and the
-    # handoff is one-shot. Here the prompt is computed in one step, so its ~40 MB leave after
-    # it and take ~8 s at 40 Mbit/s, seconds of relayed tokens however slow the machine.
+    # The prompt is computed in one step, so its ~62 MB leave after it and take ~2.5 s at
+    # 200 Mbit/s: dozens of relayed tokens however loaded the machine (a slower machine decodes
+    # slower too), and well before the relay's 160th token (at 40 Mbit/s the copy took 16 s and
+    # an unloaded relay finished first).
     stack = await make_stack(
         loaded=smollm2,
         metadata=load_metadata("smollm2"),
-        profile=LinkProfile(bandwidth_bps=40e6, rtt_ms=40, jitter_ms=5, seed=0),
+        profile=LinkProfile(bandwidth_bps=200e6, rtt_ms=40, jitter_ms=5, seed=0),
         engine_settings={"kv_cache_mb": 256, "max_batch_tokens": 4096, "first_chunk_tokens": 0},
         relay_settings={"catch_up_threshold_tokens": 16},
         router_settings={"served_model_name": "smollm2"},
@@ -150,7 +150,7 @@ async def test_long_cold_prompt_with_long_output_catches_up(make_stack, smollm2)
     assert status == 200, body
     assert body["choices"][0]["message"]["content"] == expected
     pdd = body["pdd"]
-    assert pdd["pipeline"] == "P-RLD-MD" and pdd["finished_on"] == "MD"
+    assert pdd["pipeline"] == "P-RLD-MD" and pdd["finished_on"] == "MD", str(pdd)
     assert pdd["handoff_mode"] == "catch-up" and pdd["handoff_chunks"] >= 2, pdd
 
 
