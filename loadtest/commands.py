@@ -11,8 +11,8 @@ from shared.errors import PddError
 
 
 def add_bench_parser(commands):
-    """``pdd bench engine|handoff|run|trace|handoff-micro|bulk`` (the ``bench`` entry point of
-    ``pdd.commands``)."""
+    """``pdd bench engine|handoff|run|trace|handoff-micro|bulk|control-plane`` (the ``bench``
+    entry point of ``pdd.commands``)."""
     from loadtest.bench import add_bench_run_parser, write_trace
 
     bench = commands.add_parser("bench", help="benchmarks")
@@ -70,6 +70,42 @@ def add_bench_parser(commands):
     bulk.add_argument("--link-megabytes", type=int, default=200, help="per flow through the link (default 200)")
     bulk.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     bulk.set_defaults(handler=cmd_bench_bulk)
+    _add_control_plane_parser(bench_kinds)
+
+
+def _add_control_plane_parser(bench_kinds):
+    from loadtest.control_plane_bench import ControlPlaneLoad
+
+    default = ControlPlaneLoad()
+    plane = bench_kinds.add_parser(
+        "control-plane",
+        help="the token path (real services, NATS, WAN link, router) under load with a stand-in engine: "
+        "tokens/s, CPU per token of every process, p99 inter-token gap",
+    )
+    plane.add_argument("--streams", type=int, default=default.streams, help="concurrent streaming clients")
+    plane.add_argument(
+        "--rate", type=float, default=default.rate_tok_s, help="tokens/s the engines produce in all (default 2000)"
+    )
+    plane.add_argument("--md", type=int, default=default.md, help="main decode instances (default 2)")
+    plane.add_argument("--max-tokens", type=int, default=default.max_tokens, help="tokens per request")
+    plane.add_argument("--rounds", type=int, default=default.rounds, help="requests per client, back to back")
+    plane.add_argument("--routers", default="1", help="router counts to measure, comma-separated (today: 1)")
+    plane.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    plane.set_defaults(handler=cmd_bench_control_plane)
+
+
+def cmd_bench_control_plane(args) -> int:
+    """The control plane under load; a table (or ``--json``) on stdout."""
+    from loadtest.control_plane_bench import ControlPlaneLoad, format_report, run_control_plane_bench
+
+    try:
+        routers = [int(n) for n in args.routers.split(",")]
+    except ValueError:
+        raise PddError(f"--routers {args.routers!r}: expected router counts such as 1 or 1,2,4") from None
+    load = ControlPlaneLoad(args.streams, args.rate, args.md, args.max_tokens, args.rounds)
+    report = run_control_plane_bench(load, routers)
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0
 
 
 def add_chaos_parser(commands):

@@ -153,6 +153,12 @@ class EngineConfig(CommonConfig):
         non_negative,
     )
     torch_threads: int = setting(0, "torch CPU threads (0: torch's default)", non_negative)
+    standin_step_ms: float = setting(
+        20.0,
+        "--engine standin only: wall time of one engine step in milliseconds (sets the token rate: "
+        "sequences / step time per instance; 0: as fast as the CPU allows)",
+        non_negative,
+    )
     engine_call_log: str = setting(
         "",
         "append every engine-thread call (queued, start and end times; a step's "

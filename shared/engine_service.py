@@ -53,6 +53,7 @@ class EngineService(Service):
             max_batch_tokens=config.max_batch_tokens,
             first_chunk_tokens=config.first_chunk_tokens,
             enable_prefix_cache=config.prefix_cache,
+            standin_step_s=config.standin_step_ms / 1000,
             kv_listener=on_kv_event if self.publishes_kv_events else None,
         )
         engine = await loop.run_in_executor(None, create_backend, config.engine, options, self._loaded)

@@ -1,5 +1,6 @@
 """The services need nothing but ``EngineBackend``: a backend with no transformers inside (tests/
-fake_backend.py) serves router → prefill → relay → main decode over real NATS and sockets."""
+fake_backend.py, and the library's stand-in engine, which computes the same "model") serves
+router → prefill → relay → main decode over real NATS and sockets."""
 
 import random
 
@@ -15,11 +16,10 @@ from tests.helpers import post, until
 SLOW_WAN = LinkProfile(bandwidth_bps=20e6, rtt_ms=40, jitter_ms=0, seed=1)
 
 
-@pytest.mark.parametrize("policy", ["P-MD", "P-RLD-MD"])
-async def test_a_fake_backend_runs_the_whole_flow_token_exact(make_stack, tiny, policy):
-    stack = await make_stack(
-        profile=SLOW_WAN, engine_settings={"engine": "fake"}, router_settings={"pipeline_policy": policy}
-    )
+@pytest.mark.parametrize(("engine", "policy"), [("fake", "P-MD"), ("fake", "P-RLD-MD"), ("standin", "P-RLD-MD")])
+async def test_a_fake_backend_runs_the_whole_flow_token_exact(make_stack, tiny, engine, policy):
+    settings = {"engine": engine, "standin_step_ms": 4.0} if engine == "standin" else {"engine": engine}
+    stack = await make_stack(profile=SLOW_WAN, engine_settings=settings, router_settings={"pipeline_policy": policy})
     prompt = [random.Random(policy).randrange(1000, 2000) for _ in range(300)]
     status, body = await post(
         stack, "/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 300, "temperature": 0}
@@ -37,7 +37,12 @@ async def test_a_fake_backend_runs_the_whole_flow_token_exact(make_stack, tiny, 
 
 
 def test_the_engine_setting_names_the_registered_backends():
-    assert {"hf", "fake"} <= set(backend_names())
+    assert {"hf", "fake", "standin"} <= set(backend_names())
     assert build_config(EngineConfig, {"engine": "fake"}, {}).engine == "fake"
     with pytest.raises(ConfigError, match="engine.*no such engine backend"):
         build_config(EngineConfig, {"engine": "nope"}, {})
+
+
+def test_a_bad_stand_in_step_time_names_its_setting():
+    with pytest.raises(ConfigError, match="standin.step.ms"):
+        build_config(EngineConfig, {"engine": "standin", "standin_step_ms": -1.0}, {})

@@ -47,6 +47,7 @@ from shared.messages import (
     RequestFailed,
     ResendTokens,
     StartPrefill,
+    TokensEmitted,
     decoder,
     encode,
 )
@@ -353,6 +354,8 @@ class RequestFlow:
             queue.put_nowait(("prefill", exc))
 
     async def _ordered_tokens(self) -> AsyncIterator[list[int]]:
+        """Ordered token batches: everything that arrived together is merged into one batch
+        (one SSE event), and an event is acted on only after the tokens before it are out."""
         while not self.log.complete:
             # A new attempt waits for its first token as long as a new request does.
             timeout = self.watch.timeout_exceeded(time.monotonic())
@@ -363,30 +366,57 @@ class RequestFlow:
                     "timeout",
                 )
             await self._repair_gap()
-            try:
-                kind, item = await asyncio.wait_for(self._queue.get(), LIVENESS_TICK_S)
-            except TimeoutError:
+            arrived = await self._arrived()
+            if not arrived:
                 self._check_liveness()
                 continue
-            if kind != "tokens":
+            batch: list[int] = []
+            for kind, item in arrived:
+                if kind == "tokens":
+                    batch += self._released(item)
+                    continue
+                if batch:
+                    yield self._delivered(batch)
+                    batch = []
                 self._on_event(item)
-                continue
-            if not self.watch.may_write(item.instance_id):
-                # Only the instances this attempt was placed on write its stream.
-                REFUSED_MESSAGES.labels("router", "tokens_from_unplaced_instance").inc()
-                log.warning(
-                    "tokens_refused", request_id=self.request_id, instance=item.instance_id, reason="not placed on it"
-                )
-                continue
-            batch = self.log.add(item)
-            self.outcome.finish_reason, self.outcome.finished_on = self.log.finish_reason, self.log.finished_on
             if batch:
-                self.watch.on_tokens_released(time.monotonic())
-                if self.outcome.ttft_ms is None:
-                    self.outcome.ttft_ms = round((time.perf_counter() - self.started) * 1000, 1)
-                self.outcome.output_tokens = self.log.next_index
-                self.outcome.eager_tokens = self.log.eager_tokens
-                yield batch
+                yield self._delivered(batch)
+
+    async def _arrived(self) -> list[tuple[str, object]]:
+        """Everything queued for the attempt now, waiting up to a liveness tick for the first."""
+        queue, arrived = self._queue, []
+        if queue.empty():
+            try:
+                async with asyncio.timeout(LIVENESS_TICK_S):
+                    arrived.append(await queue.get())
+            except TimeoutError:
+                return []
+        while not queue.empty():
+            arrived.append(queue.get_nowait())
+        return arrived
+
+    def _released(self, tokens: TokensEmitted) -> list[int]:
+        """The tokens a producer's message lets the client have now (none from an instance
+        the attempt was not placed on)."""
+        if not self.watch.may_write(tokens.instance_id):
+            # Only the instances this attempt was placed on write its stream.
+            REFUSED_MESSAGES.labels("router", "tokens_from_unplaced_instance").inc()
+            log.warning(
+                "tokens_refused", request_id=self.request_id, instance=tokens.instance_id, reason="not placed on it"
+            )
+            return []
+        batch = self.log.add(tokens)
+        self.outcome.finish_reason, self.outcome.finished_on = self.log.finish_reason, self.log.finished_on
+        return batch
+
+    def _delivered(self, batch: list[int]) -> list[int]:
+        """Account a batch about to go to the client."""
+        self.watch.on_tokens_released(time.monotonic())
+        if self.outcome.ttft_ms is None:
+            self.outcome.ttft_ms = round((time.perf_counter() - self.started) * 1000, 1)
+        self.outcome.output_tokens = self.log.next_index
+        self.outcome.eager_tokens = self.log.eager_tokens
+        return batch
 
     async def _repair_gap(self):
         """Ask the decoders to resend from the first missing index when the stream has a hole

@@ -20,12 +20,15 @@ class RequestMetrics:
         self.model_name, self.started_s = model_name, started_s
         self._last_delivery_s: float | None = None
         self._finished = False
+        self._itl, self._itl_pipeline = None, None
 
     def delivered(self, pipeline: str):
         """A batch of tokens went to the client now."""
         now = time.perf_counter()
         if self._last_delivery_s is not None:
-            ITL_SECONDS.labels(self.model_name, pipeline).observe(now - self._last_delivery_s)
+            if self._itl_pipeline != pipeline:  # a labelled child costs a lookup: once per pipeline
+                self._itl, self._itl_pipeline = ITL_SECONDS.labels(self.model_name, pipeline), pipeline
+            self._itl.observe(now - self._last_delivery_s)
         self._last_delivery_s = now
 
     def finish(self, outcome: RequestOutcome, result: str):

@@ -19,6 +19,7 @@ from services.router.openai_api import ParsedRequest
 from services.router.prompts import PromptBuilder
 from services.router.request_flow import RequestFlow, UpstreamFailed, UpstreamTimeout
 from services.router.request_metrics import RequestMetrics
+from services.router.sse_chunks import ContentEvents
 from shared.metrics import SLOW_CLIENTS
 
 log = structlog.get_logger(__name__)
@@ -96,6 +97,7 @@ class ResponseWriter:
         self, response: web.StreamResponse, req: ParsedRequest, flow: RequestFlow, metrics: RequestMetrics, batches
     ):
         detok, first = Detokenizer(self.prompts.metadata.tokenizer, req.sampling.stop), True
+        content = ContentEvents(req, flow.request_id)
         num_sent, num_chars = 0, 0
         async for batch in batches:
             delta = await self.prompts.detokenize_batch(detok, batch)
@@ -103,11 +105,15 @@ class ResponseWriter:
             num_sent += len(batch)
             if logprobs is not None and not req.chat:
                 num_chars += sum(map(len, logprobs["tokens"]))
-            if delta or first or logprobs is not None:
+            if delta and not first and logprobs is None:
+                await self._write(response, content.event(delta))
+            elif delta or first or logprobs is not None:
                 chunk = openai_api.chunk_body(req, flow.request_id, delta, first=first, logprobs=logprobs)
                 await self._sse(response, chunk)
                 first = False
-                metrics.delivered(flow.outcome.pipeline)
+            else:
+                continue
+            metrics.delivered(flow.outcome.pipeline)
         rest = detok.flush()
         if rest:
             await self._sse(response, openai_api.chunk_body(req, flow.request_id, rest))
@@ -135,6 +141,7 @@ class ResponseWriter:
 
     async def _write(self, response: web.StreamResponse, data: bytes):
         try:
-            await asyncio.wait_for(response.write(data), self.sse_write_timeout_s)
+            async with asyncio.timeout(self.sse_write_timeout_s):  # no task per write, unlike wait_for
+                await response.write(data)
         except TimeoutError:
             raise SlowClient() from None

@@ -31,6 +31,7 @@ class StreamWatch:
         resend_after_s: float,
     ):
         self.placement = placement
+        self._decoder_ids = placement.decoder_ids
         self.first_token_timeout_s, self.token_timeout_s = first_token_timeout_s, token_timeout_s
         self.resend_after_s = resend_after_s
         self.kv_ready = False
@@ -57,7 +58,7 @@ class StreamWatch:
 
     def may_write(self, instance_id: str) -> bool:
         """Whether ``instance_id`` was placed to write this attempt's tokens."""
-        return instance_id in self.placement.decoder_ids
+        return instance_id in self._decoder_ids
 
     def on_kv_ready(self):
         """Main decode holds the prompt's KV."""

@@ -139,6 +139,8 @@ class BackendOptions:
             bound than ``max_batch_tokens``).
         enable_prefix_cache: Reuse cached prefix blocks.
         kv_listener: Receives stored/evicted block events; None publishes nothing.
+        standin_step_s: Wall time of one step of the stand-in engine (``standin``); other
+            backends ignore it.
     """
 
     model: str = "smollm2"
@@ -150,6 +152,7 @@ class BackendOptions:
     first_chunk_tokens: int = 0
     enable_prefix_cache: bool = True
     kv_listener: KvEventListener | None = None
+    standin_step_s: float = 0.0
 
 
 class EngineBackend(abc.ABC):
@@ -302,7 +305,11 @@ BackendFactory = Callable[..., EngineBackend]
 """``factory(options: BackendOptions, loaded=None)``: ``loaded`` is a model already in memory."""
 
 _FACTORIES: dict[str, BackendFactory] = {}
-_BUILT_IN = {"hf": "shared.engine.hf_engine", "vllm": "shared.engine.vllm.backend"}
+_BUILT_IN = {
+    "hf": "shared.engine.hf_engine",
+    "vllm": "shared.engine.vllm.backend",
+    "standin": "shared.engine.standin",
+}
 """Backends shipped here, imported on first use (their modules register themselves)."""
 
 
