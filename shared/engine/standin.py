@@ -319,6 +319,15 @@ class StandinEngine(EngineBackend):
         return -(-len(seq.token_ids) // self.block_size)
 
 
+def reference(prompt_token_ids: list[int], max_tokens: int) -> list[int]:
+    """What the stand-in generates for a prompt run alone, from the model's definition (each
+    next token from every key before it, not from the engine's running sums)."""
+    tokens = list(prompt_token_ids)
+    for _ in range(max_tokens):
+        tokens.append(FIRST_OUTPUT_TOKEN + sum((p + 1) * k for p, k in enumerate(tokens)) % NUM_OUTPUT_TOKENS)
+    return tokens[len(prompt_token_ids) :]
+
+
 def _pending(seq: _Sequence) -> bool:
     return seq.status is RequestStatus.RUNNING and len(seq.keys) < len(seq.token_ids)
 
