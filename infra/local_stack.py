@@ -124,6 +124,7 @@ class LocalStack:
         *,
         num_main: int = 1,
         num_relay: int = 1,
+        num_routers: int = 1,
         profile: LinkProfile | None = None,
         router_settings: dict | None = None,
         engine_settings: dict | None = None,
@@ -134,7 +135,7 @@ class LocalStack:
         engines: dict[str, str] | None = None,
     ):
         self.loaded, self.metadata = loaded, metadata
-        self.num_main, self.num_relay = num_main, num_relay
+        self.num_main, self.num_relay, self.num_routers = num_main, num_relay, num_routers
         self.link = WanLink(profile or LinkProfile(bandwidth_bps=0, rtt_ms=0, jitter_ms=0), route_key=route_key(secret))
         self.router_settings = router_settings or {}
         self.engine_settings = {"model": loaded.name, "kv_cache_mb": 64, **(engine_settings or {})}
@@ -154,21 +155,30 @@ class LocalStack:
         )
         self.nats_processes = []
         self.sites: dict[str, NatsSite] = {}
-        self.router: RouterService | None = None
+        self.routers: list[RouterService] = []
         self.prefill: PrefillService | None = None
         self.relays: list[RelayDecodeService] = []
         self.mains: list[MainDecodeService] = []
         self.cache_index: CacheIndexService | None = None
 
     @property
+    def router(self) -> RouterService | None:
+        """The first router (``router-0``)."""
+        return self.routers[0] if self.routers else None
+
+    @property
     def base_url(self) -> str:
-        """OpenAI base URL of the router."""
-        return f"http://127.0.0.1:{self.router.port}/v1"
+        """OpenAI base URL of the first router (``router_url(i)``: of router ``i``)."""
+        return self.router_url(0)
+
+    def router_url(self, index: int) -> str:
+        """OpenAI base URL of router ``index`` (each listens on its own free port)."""
+        return f"http://127.0.0.1:{self.routers[index].port}/v1"
 
     @property
     def services(self) -> list:
-        """Every service actor, router last."""
-        return [s for s in [self.cache_index, self.prefill, *self.relays, *self.mains, self.router] if s]
+        """Every service actor, routers last."""
+        return [s for s in [self.cache_index, self.prefill, *self.relays, *self.mains, *self.routers] if s]
 
     async def start(self) -> "LocalStack":
         """Start NATS, the link and every service; return once the router sees them all."""
@@ -187,7 +197,7 @@ class LocalStack:
             ("prefill", "prefill-0"),
             *(("relay_decode", f"relay-decode-{i}") for i in range(self.num_relay)),
             *(("main_decode", f"main-decode-{i}") for i in range(self.num_main)),
-            ("router", "router-0"),
+            *(("router", f"router-{i}") for i in range(self.num_routers)),
         )
 
     def security(self, instance_id: str) -> dict:
@@ -225,7 +235,7 @@ class LocalStack:
         wan_port = await self.link.add_route(Route("bulk-main-decode", "127.0.0.1", 0, "*", 0, from_site=SITE_A))
         for i in range(self.num_main):
             self.mains.append(self._main_service(i, receiver_key, wan_port))
-        self.router = self._router_service()
+        self.routers = [self._router_service(i) for i in range(self.num_routers)]
         for service in self.services:
             await service.start()
 
@@ -313,17 +323,17 @@ class LocalStack:
             self.loaded,
         )
 
-    def _router_service(self) -> RouterService:
-        """The router, at site A, on a free HTTP port (``router_settings`` override the rest)."""
+    def _router_service(self, index: int) -> RouterService:
+        """Router ``index``, at site A, on a free HTTP port (``router_settings`` override the rest)."""
         return RouterService(
             build_config(
                 RouterConfig,
                 {
                     **_COMMON_SETTINGS,
-                    **self.security("router-0"),
+                    **self.security(f"router-{index}"),
                     "site": SITE_A,
                     "nats_url": self.sites[SITE_A].url,
-                    "instance_id": "router-0",
+                    "instance_id": f"router-{index}",
                     "model": self.loaded.name,
                     "http_port": 0,
                     "instance_ttl_s": 2.0,
@@ -338,16 +348,19 @@ class LocalStack:
         return {"engine": self.engines[role]} if role in self.engines else {}
 
     async def wait_ready(self, timeout_s: float = 20.0):
-        """Until the router sees every engine instance and the cache-index is in sync."""
+        """Until every router sees every engine instance and the other routers, and the
+        cache-index is in sync."""
         want = {"prefill": 1, "relay_decode": len(self.relays), "main_decode": len(self.mains), "cache_index": 1}
 
+        def sees_all(router: RouterService) -> bool:
+            live = router.registry.summary()
+            routers = router.registry.routers()
+            return all(len(live[s]) >= n for s, n in want.items()) and len(routers) >= len(self.routers)
+
         def ready():
-            live = self.router.registry.summary()
             synced = all(idx.seq >= 0 for idx in self.cache_index.instances.values())
             return (
-                all(len(live[s]) >= n for s, n in want.items())
-                and synced
-                and len(self.cache_index.instances) >= 1 + len(self.mains)
+                all(map(sees_all, self.routers)) and synced and len(self.cache_index.instances) >= 1 + len(self.mains)
             )
 
         deadline = asyncio.get_running_loop().time() + timeout_s

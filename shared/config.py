@@ -246,6 +246,11 @@ class RouterConfig(CommonConfig):
     model: str = setting("smollm2", "model whose tokenizer the router uses")
     http_host: str = setting("127.0.0.1", "HTTP listen address")
     http_port: int = setting(8000, "HTTP port", non_negative)
+    http_reuse_port: bool = setting(
+        False,
+        "share the HTTP port with the other routers on this host (SO_REUSEPORT: the kernel spreads "
+        "new connections over every router listening; pdd up --routers N)",
+    )
     api_keys: str = setting(
         "",
         "comma-separated API keys clients must send as 'Authorization: Bearer <key>' (empty: none needed)",

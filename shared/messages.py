@@ -345,6 +345,9 @@ class LoadReported(_Message, kw_only=True):
             prefill's queued work).
         live_request_ids: For a router: the (attempt) ids of every request it still runs.
             Its heartbeat renews their leases; engines free what a router no longer lists.
+        sequences_by_router: For an engine: of the requests it holds, how many each router
+            minted (router instance id → count). Routers share an engine's ``max_sequences``
+            and each reads here what the others hold (``services/router/capacity_share.py``).
         prefill_first_chunk_tokens: For a prefill: the tokens of a prompt's first chunk (a long
             prompt's KV ships chunk by chunk while the rest computes; the first leaves after it).
         prefill_tokens_per_s: For a prefill: its recent rate of computing prompt tokens (0:
@@ -360,6 +363,7 @@ class LoadReported(_Message, kw_only=True):
     total_blocks: int = 0
     pending_tokens: int = 0
     live_request_ids: list[str] = []
+    sequences_by_router: dict[str, int] = {}
     prefill_first_chunk_tokens: int = 0
     prefill_tokens_per_s: float = 0.0
     unix_s: float

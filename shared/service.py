@@ -13,6 +13,7 @@ import secrets
 import signal
 import time
 
+import msgspec
 import nats
 import structlog
 
@@ -48,6 +49,7 @@ class Service:
         self.nc: nats.NATS | None = None
         self.bad_messages: BadMessageSink | None = None
         self._tasks: list[asyncio.Task] = []
+        self._lease_keeper: LeaseKeeper | None = None
         self.failed = asyncio.Event()
         self.failure: str | None = None
         self.log = log.bind(service=self.service_name, instance=self.instance_id)
@@ -121,6 +123,7 @@ class Service:
                 cut_off_lease_s=self.config.cut_off_lease_s,
             )
             keeper = LeaseKeeper(leases, self.service_name, self.held_request_ids, self.on_cancel, self.log)
+            self._lease_keeper = keeper
             await self.subscribe(subjects.LOAD_ALL, _load_decoder, keeper.on_heartbeat)
             self._tasks.append(asyncio.create_task(keeper.run(self.config.heartbeat_s), name="lease-reaper"))
         for task in self._tasks:
@@ -193,7 +196,10 @@ class Service:
     async def _heartbeat(self):
         subject = subjects.load(self.config.site, self.service_name, self.instance_id)
         while True:
-            await self.publish(subject, self.load_report())
+            report = self.load_report()
+            if self._lease_keeper is not None:  # what it holds for each router (routers share it)
+                report = msgspec.structs.replace(report, sequences_by_router=self._lease_keeper.held_by_router)
+            await self.publish(subject, report)
             await asyncio.sleep(self.config.heartbeat_s)
 
 

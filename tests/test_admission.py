@@ -1,6 +1,7 @@
-"""Admission control at the router, against a real stack: a burst beyond what the decoders
+"""Admission control at the routers, against a real stack: a burst beyond what the decoders
 hold is queued or refused with 429 and Retry-After, never a 5xx; no engine holds more than its
-max_sequences; /health keeps answering; what is admitted is exact; queue time is reported."""
+max_sequences, also when two routers share it; /health keeps answering; what is admitted is
+exact; queue time is reported."""
 
 import asyncio
 import time
@@ -13,26 +14,33 @@ from tests.helpers import chat_body, chat_prompt, expected_text, until
 MAX_SEQUENCES = 3
 
 
-async def post_status(session, stack, body) -> tuple[int, dict, dict]:
-    async with session.post(stack.base_url + "/chat/completions", json=body) as response:
+async def post_status(session, stack, body, router: int = 0) -> tuple[int, dict, dict]:
+    async with session.post(stack.router_url(router) + "/chat/completions", json=body) as response:
         return response.status, dict(response.headers), await response.json()
 
 
-async def test_a_burst_is_queued_or_refused_with_429_and_no_engine_exceeds_max_sequences(make_stack, tiny):
+async def test_a_burst_over_two_routers_is_queued_or_refused_with_429_and_no_engine_exceeds_max_sequences(
+    make_stack, tiny
+):
+    # Two routers share the one main decoder's 3 slots (2 + 1); each queues 4 more.
     stack = await make_stack(
+        num_routers=2,
         engine_settings={"max_sequences": MAX_SEQUENCES},
         router_settings={"pipeline_policy": "P-MD", "max_queued": 4, "queue_timeout_s": 60},
     )
     engines = [stack.prefill, *stack.relays, *stack.mains]
     most_held = {e.instance_id: 0 for e in engines}
+    most_admitted = 0  # by both routers together
     health_s: list[float] = []
     stop = asyncio.Event()
 
     async def watch():
+        nonlocal most_admitted
         async with aiohttp.ClientSession() as session:
             while not stop.is_set():
                 for engine in engines:
                     most_held[engine.instance_id] = max(most_held[engine.instance_id], engine.engine.num_sequences)
+                most_admitted = max(most_admitted, sum(router.admission.in_flight for router in stack.routers))
                 started = time.monotonic()
                 async with session.get(stack.base_url.removesuffix("/v1") + "/health") as response:
                     await response.read()
@@ -42,7 +50,9 @@ async def test_a_burst_is_queued_or_refused_with_429_and_no_engine_exceeds_max_s
     contents = [f"Burst request {i}: tell a story about boats." for i in range(30)]
     watcher = asyncio.create_task(watch())
     async with aiohttp.ClientSession() as session:
-        results = await asyncio.gather(*(post_status(session, stack, chat_body(c, 24)) for c in contents))
+        results = await asyncio.gather(
+            *(post_status(session, stack, chat_body(c, 24), router=i % 2) for i, c in enumerate(contents))
+        )
     stop.set()
     await watcher
     statuses = [status for status, _, _ in results]
@@ -57,6 +67,7 @@ async def test_a_burst_is_queued_or_refused_with_429_and_no_engine_exceeds_max_s
             assert body["choices"][0]["message"]["content"] == expected_text(tiny, chat_prompt(tiny, content), 24)
     assert any(body["pdd"]["queue_ms"] > 0 for status, _, body in results if status == 200)
     assert max(most_held.values()) <= MAX_SEQUENCES, most_held
+    assert most_admitted <= MAX_SEQUENCES  # the main decoder never had more to hold
     assert max(health_s) < 2.0
 
 

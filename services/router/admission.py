@@ -2,9 +2,12 @@
 bounded FIFO queue behind them, and 429 with ``Retry-After`` beyond that.
 
 Capacity is what the instances report: the sum of the live main decoders' ``max_sequences``
-(the relays' while no main decoder is reachable). A request holds its slot from admission
-to its end, recoveries included. Placement then puts it only on an instance with room, so no
-engine runs more than its ``max_sequences`` of this router's requests.
+(the relays' while no main decoder is reachable), of which each of N live routers admits its
+share (``capacity_share``: the shares of one decoder sum to its slots, and a router never
+counts slots that the decoder reports other routers' requests fill). A request holds its slot
+from admission to its end, recoveries included. Placement then puts it only on an instance
+where this router has room, so the routers together never run more than a decoder's
+``max_sequences`` on it.
 """
 
 import asyncio
@@ -31,7 +34,7 @@ class Overloaded(Exception):
 def capacity_of(registry: InstanceRegistry) -> int:
     """Requests the live decoders can hold at once (0: nothing to serve with)."""
     mains = registry.live("main_decode")
-    return sum(s.report.max_sequences for s in (mains or registry.live("relay_decode")))
+    return sum(s.capacity_sequences for s in (mains or registry.live("relay_decode")))
 
 
 class Admission:

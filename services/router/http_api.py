@@ -48,7 +48,8 @@ class RouterApi:
         self._runner: web.AppRunner | None = None
 
     async def start(self):
-        """Listen on ``http_host:http_port`` (port 0: any free one, then in ``port``)."""
+        """Listen on ``http_host:http_port`` (port 0: any free one, then in ``port``); with
+        ``http_reuse_port`` beside the other routers bound to the same port."""
         config = self.config
         guards = [
             http_guard.openai_errors(),
@@ -70,7 +71,7 @@ class RouterApi:
         )
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, config.http_host, config.http_port)
+        site = web.TCPSite(self._runner, config.http_host, config.http_port, reuse_port=config.http_reuse_port or None)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
         log.info("router_listening", url=f"http://{config.http_host}:{self.port}/v1")

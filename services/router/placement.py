@@ -200,8 +200,9 @@ def _pick_main(
 
 
 def _with_room(instances: list[InstanceState]) -> list[InstanceState]:
-    """Those holding fewer of this router's requests than their ``max_sequences``."""
-    return [s for s in instances if not s.report.max_sequences or s.assigned < s.report.max_sequences]
+    """Those where this router may place another request: within its share of their
+    ``max_sequences`` and the slots other routers' requests leave (``capacity_share``)."""
+    return [s for s in instances if s.room_sequences is None or s.room_sequences > 0]
 
 
 def _least_busy(relays: list[InstanceState]) -> InstanceState:

@@ -13,12 +13,17 @@ server answering the router's probe) has died. When its whole site is silent the
 link is to blame (heartbeats of a remote site cross the WAN), and the instance counts as
 dead only after ``partition_tolerance_s``: a stall shorter than that is neither a death nor
 an error. Placement still uses only instances heard within the TTL.
+
+Several routers share each engine's ``max_sequences``: the registry knows the live routers
+(their heartbeats) and gives every instance this router's share of its slots and the count of
+other routers' requests it reported (``capacity_share``).
 """
 
 import itertools
 import time
 from dataclasses import dataclass
 
+from services.router.capacity_share import capacity_in_slots, room_in_slots, share_of_slots
 from shared.messages import InstanceRef, LoadReported
 
 
@@ -35,6 +40,9 @@ class InstanceState:
             work, counted until ``PrefillCompleted``).
         last_placed: Serial number of this router's latest placement there (0: never).
         released_since_report: A request of this router's finished there after the heartbeat.
+        share_sequences: This router's share of its ``max_sequences`` among the live routers
+            (set by ``InstanceRegistry.live``).
+        others_sequences: Requests of other routers it held at its heartbeat.
     """
 
     report: LoadReported
@@ -44,6 +52,20 @@ class InstanceState:
     assigned_compute_blocks: int = 0
     last_placed: int = 0
     released_since_report: bool = False
+    share_sequences: int = 0
+    others_sequences: int = 0
+
+    @property
+    def room_sequences(self) -> int | None:
+        """Requests this router may still place here (None: it reports no limit)."""
+        if not self.report.max_sequences:
+            return None
+        return room_in_slots(self.share_sequences, self.report.max_sequences, self.assigned, self.others_sequences)
+
+    @property
+    def capacity_sequences(self) -> int:
+        """Requests of this router it may run at once (its share, less what others overfill)."""
+        return capacity_in_slots(self.share_sequences, self.report.max_sequences, self.others_sequences)
 
     @property
     def load_sequences(self) -> int:
@@ -70,8 +92,9 @@ class InstanceState:
 class InstanceRegistry:
     """Which instances are alive, per service; an instance silent for ``ttl_s`` is gone."""
 
-    def __init__(self, ttl_s: float, partition_tolerance_s: float | None = None):
+    def __init__(self, ttl_s: float, partition_tolerance_s: float | None = None, router_id: str = ""):
         self._ttl_s = ttl_s
+        self._router_id = router_id
         self._partition_tolerance_s = max(ttl_s, partition_tolerance_s or ttl_s)
         self._instances: dict[str, InstanceState] = {}
         self._site_seen: dict[str, float] = {}
@@ -82,13 +105,30 @@ class InstanceRegistry:
         self._site_seen[report.instance.site] = time.monotonic()
         state = self._instances.get(report.instance.instance_id)
         if state is None:
-            self._instances[report.instance.instance_id] = InstanceState(report, time.monotonic())
+            state = self._instances[report.instance.instance_id] = InstanceState(report, time.monotonic())
         else:
             state.report, state.seen_monotonic = report, time.monotonic()
             state.released_since_report = False
+        others = report.sequences_by_router
+        state.others_sequences = sum(n for router, n in others.items() if router != self._router_id)
 
     def live(self, service: str) -> list[InstanceState]:
-        """Live instances of ``service``, sorted by id (stable placement ties)."""
+        """Live instances of ``service``, sorted by id (stable placement ties), each with this
+        router's share of its sequences among the live routers."""
+        live = self._live(service)
+        if service != "router":
+            routers = self.routers() if self._router_id else []  # [] : alone, the whole slots
+            for state in live:
+                slots, instance_id = state.report.max_sequences, state.report.instance.instance_id
+                state.share_sequences = share_of_slots(slots, routers, self._router_id, instance_id)
+        return live
+
+    def routers(self) -> list[str]:
+        """The live routers' ids, sorted, this one always among them."""
+        ids = {s.report.instance.instance_id for s in self._live("router")}
+        return sorted(ids | {self._router_id} if self._router_id else ids)
+
+    def _live(self, service: str) -> list[InstanceState]:
         cutoff = time.monotonic() - self._ttl_s
         return sorted(
             (s for s in self._instances.values() if s.report.service == service and s.seen_monotonic >= cutoff),

@@ -48,6 +48,8 @@ _load_decoder = decoder(LoadReported)
 _tracer = tracer("pdd.router")
 SITE_TICK_S = 0.5
 SITE_PROBE_TIMEOUT_S = 1.0
+PEER_SETTLE_HEARTBEATS = 1.5
+"""Heartbeat intervals a router listens before it serves (it has heard every live peer by then)."""
 
 
 class RouterService(Service):
@@ -62,7 +64,7 @@ class RouterService(Service):
         super().__init__(config)
         self.config: RouterConfig = config
         self.metadata = metadata
-        self.registry = InstanceRegistry(config.instance_ttl_s, config.partition_tolerance_s)
+        self.registry = InstanceRegistry(config.instance_ttl_s, config.partition_tolerance_s, self.instance_id)
         self.site_health = SiteHealth(self.registry, config.site, config.instance_ttl_s)
         self.wan = WanEstimator(config.wan_bandwidth_mbit * 1e6, config.wan_rtt_ms / 1000)
         self.admission = Admission(
@@ -91,11 +93,17 @@ class RouterService(Service):
         self.responses = ResponseWriter(self.prompts, config.sse_write_timeout_s)
         self._bind_gauges()
         await self.subscribe(subjects.LOAD_ALL, _load_decoder, self._on_heartbeat)
+        listening_since = time.monotonic()
         self.mailbox = RequestMailbox(self.nc, self.instance_id, self.bad_messages)
         await self.mailbox.start()
         self._flows = FlowContext(self.nc, self.mailbox, self.registry, self.wan, config)
         self._tasks.append(asyncio.create_task(self._watch_sites(), name="site-health"))
         self.api = RouterApi(config, self.prompts, self.placer, self.admission, self.site_health, self.run)
+        # Serve only once every live peer router has been heard: each heartbeats every
+        # heartbeat_s, and admission counts them (their shares of the decoders) from the first request.
+        await asyncio.sleep(
+            max(0.0, PEER_SETTLE_HEARTBEATS * config.heartbeat_s - (time.monotonic() - listening_since))
+        )
         await self.api.start()
 
     def _bind_gauges(self):
