@@ -33,6 +33,10 @@ class DeploymentSpec:
         prefill: Prefill instances.
         rld: Relay decode instances.
         md: Main decode instances.
+        routers: Router instances, all on ``http_port`` (SO_REUSEPORT: the kernel spreads new
+            connections over them; one address, no proxy).
+        cache_index: Cache-index instances (a queue group: each holds the whole index and
+            answers a share of the overlap queries; the others answer while one is down).
         model: ``smollm2``, ``tiny`` (random test model) or an HF model folder.
         kv_cache_mb: KV pool per engine instance, in MiB.
         engine: Engine backend of every engine service (``hf``, ``vllm``).
@@ -66,6 +70,8 @@ class DeploymentSpec:
     prefill: int = 1
     rld: int = 1
     md: int = 1
+    routers: int = 1
+    cache_index: int = 1
     model: str = "smollm2"
     kv_cache_mb: int = 512
     engine: str = "hf"
@@ -93,6 +99,9 @@ class DeploymentSpec:
     progress: bool = True
 
     def __post_init__(self):
+        for name in ("routers", "cache_index"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)!r}: expected at least 1 instance")
         if self.md_site not in (SITE_A, SITE_B):
             raise ValueError(f"md_site {self.md_site!r}: expected {SITE_A} or {SITE_B}")
         if self.pipeline_policy not in PIPELINE_POLICIES:
@@ -142,6 +151,15 @@ def add_up_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--prefill", type=int, default=DEFAULT.prefill, help="prefill instances")
     parser.add_argument("--rld", type=int, default=DEFAULT.rld, help="relay decode instances")
     parser.add_argument("--md", type=int, default=DEFAULT.md, help="main decode instances")
+    parser.add_argument(
+        "--routers",
+        type=int,
+        default=DEFAULT.routers,
+        help="router instances, all behind --http-port (SO_REUSEPORT; they share the decoders' capacity)",
+    )
+    parser.add_argument(
+        "--cache-index", type=int, default=DEFAULT.cache_index, help="cache-index instances (a queue group)"
+    )
     parser.add_argument(
         "--model", default=DEFAULT.model, help="smollm2, tiny (random test model) or an HF model folder"
     )

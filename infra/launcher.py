@@ -134,11 +134,12 @@ def run_dir_of(given: str | None) -> Path:
 
 
 def up(spec: DeploymentSpec) -> Deployment:
-    """Start everything; return once the router reports every instance healthy.
+    """Start everything; return once every router reports every instance healthy.
 
     The deployment records ``spec`` with its run folder filled in (``pdd chaos --scenario
     redeploy`` starts it again from there)."""
     _check_link(spec)
+    _check_http_port_free(spec.http_port)
     run_dir = run_dir_of(spec.run_dir)
     spec = replace(spec, run_dir=str(run_dir))
     existing = load_state(run_dir)
@@ -172,7 +173,13 @@ def _admin_login(creds: Credentials | None) -> dict:
 
 def identities(spec: DeploymentSpec) -> tuple[tuple[str, str], ...]:
     """``(role, instance_id)`` of every service process ``pdd up`` starts for ``spec``."""
-    counts = {"cache-index": 1, "prefill": spec.prefill, "relay-decode": spec.rld, "main-decode": spec.md, "router": 1}
+    counts = {
+        "cache-index": spec.cache_index,
+        "prefill": spec.prefill,
+        "relay-decode": spec.rld,
+        "main-decode": spec.md,
+        "router": spec.routers,
+    }
     return tuple((SERVICE_OF[kind], f"{kind}-{i}") for kind, count in counts.items() for i in range(count))
 
 
@@ -218,6 +225,17 @@ def _start_all(spec: DeploymentSpec, run_dir: Path, deployment: Deployment):
 def _start_nats(run_dir: Path, deployment: Deployment, name: str, site: NatsSite):
     deployment.processes[name] = start_nats(site, run_dir, run_dir / "logs" / f"{name}.log").pid
     deployment.commands[name] = _nats_command(run_dir, site.site)
+
+
+def _check_http_port_free(port: int):
+    """The routers share ``port`` (SO_REUSEPORT): refuse to start beside a stranger already
+    listening there, which the kernel would otherwise hand a share of the connections."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not a listener
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise LauncherError(f"--http-port {port} is in use ({exc.strerror}); choose another") from None
 
 
 def _check_link(spec: DeploymentSpec):
@@ -298,7 +316,7 @@ class _Services:
     env: dict[str, dict[str, str]]
 
     def spawn(self, kind: str, index: int, *flags: str, site: str | None = None):
-        name = kind if kind == "router" else f"{kind}-{index}"
+        name = f"{kind}-{index}"
         metrics_port = free_port()
         self.deployment.metrics_urls[name] = f"http://127.0.0.1:{metrics_port}/metrics"
         argv = ["serve", SERVICE_OF[kind], "--instance-id", f"{kind}-{index}", "--metrics-port", str(metrics_port)]
@@ -318,7 +336,8 @@ def _start_services(spec: DeploymentSpec, services: _Services, bulk_link_port: i
     from infra.wan_link import parse_ms, parse_rate
 
     engines = spec.role_engines()
-    services.spawn("cache-index", 0)
+    for i in range(spec.cache_index):
+        services.spawn("cache-index", i)
     for i in range(spec.prefill):
         services.spawn("prefill", i, "--engine", engines["prefill"])
     for i in range(spec.rld):
@@ -328,18 +347,21 @@ def _start_services(spec: DeploymentSpec, services: _Services, bulk_link_port: i
     for i, local in enumerate(free_port() for _ in range(spec.md)):
         bulk = ["--bulk-port", str(local), "--bulk-advertise", f"127.0.0.1:{local}"]
         services.spawn("main-decode", i, *bulk, *link, *cache, "--engine", engines["main"], site=spec.md_site)
-    services.spawn(
-        "router",
-        0,
-        "--http-port",
-        str(spec.http_port),
-        "--wan-bandwidth-mbit",
-        str(parse_rate(spec.bandwidth) / 1e6 or 100000),
-        "--wan-rtt-ms",
-        str(parse_ms(spec.rtt)),
-        "--pipeline-policy",
-        spec.pipeline_policy,
-    )
+    for i in range(spec.routers):  # every router on the one port: the kernel spreads connections
+        services.spawn(
+            "router",
+            i,
+            "--http-port",
+            str(spec.http_port),
+            "--http-reuse-port",
+            "true",
+            "--wan-bandwidth-mbit",
+            str(parse_rate(spec.bandwidth) / 1e6 or 100000),
+            "--wan-rtt-ms",
+            str(parse_ms(spec.rtt)),
+            "--pipeline-policy",
+            spec.pipeline_policy,
+        )
 
 
 def _nats_command(run_dir: Path, site: str) -> dict:
@@ -379,9 +401,10 @@ PROGRESS_EVERY_S = 5.0
 
 
 def _wait_healthy(deployment: Deployment, spec: DeploymentSpec):
-    """Wait until the router sees every instance; say what is still missing every few seconds
-    (on stderr, unless ``spec.progress`` is False: the benchmark starts deployments quietly)."""
-    want = {"prefill": spec.prefill, "relay_decode": spec.rld, "main_decode": spec.md, "cache_index": 1}
+    """Wait until every router sees every instance and every other router; say what is still
+    missing every few seconds (on stderr, unless ``spec.progress`` is False: the benchmark
+    starts deployments quietly)."""
+    want = {"prefill": spec.prefill, "relay_decode": spec.rld, "main_decode": spec.md, "cache_index": spec.cache_index}
     started = last_report = time.monotonic()
 
     def healthy():
@@ -389,22 +412,41 @@ def _wait_healthy(deployment: Deployment, spec: DeploymentSpec):
         dead = [name for name, pid in deployment.processes.items() if not process_alive(pid)]
         if dead:
             raise LauncherError(f"{', '.join(dead)} exited; see {deployment.run_dir}/logs/")
-        health = get_json(deployment.router_url.removesuffix("/v1") + "/health")
-        seen = {s: len(health["instances"].get(s, [])) if health else 0 for s in want}
+        missing = {name: _router_missing(health, want, spec.routers) for name, health in _router_healths(deployment)}
         if spec.progress and time.monotonic() - last_report >= PROGRESS_EVERY_S:
             last_report = time.monotonic()
-            waiting = ", ".join(f"{s} {seen[s]}/{n}" for s, n in want.items() if seen[s] < n)
+            waiting = "; ".join(f"{name}: {what}" for name, what in missing.items() if what)
             print(
-                f"waiting {last_report - started:.0f} s: {'router' if not health else waiting} "
-                f"(loading the model; logs in {deployment.run_dir}/logs/)",
+                f"waiting {last_report - started:.0f} s: {waiting} (loading the model; logs in {deployment.run_dir}/logs/)",
                 file=sys.stderr,
                 flush=True,
             )
-        return bool(health) and all(seen[s] >= n for s, n in want.items())
+        return not any(missing.values())
 
     wait_until(
         healthy, spec.timeout_s, f"services not healthy after {spec.timeout_s:.0f} s; see {deployment.run_dir}/logs/"
     )
+
+
+def _router_healths(deployment: Deployment) -> list[tuple[str, dict | None]]:
+    """Each router process's own ``/health`` (on its metrics port: the shared HTTP port reaches
+    whichever router the kernel picks)."""
+    return [
+        (name, get_json(url.removesuffix("/metrics") + "/health"))
+        for name, url in deployment.metrics_urls.items()
+        if name.startswith("router-")
+    ]
+
+
+def _router_missing(health: dict | None, want: dict[str, int], routers: int) -> str:
+    """What one router does not see yet ("" once it sees every instance and router)."""
+    if not health or health.get("status") != "ok":
+        return "not serving yet"
+    seen = {s: len(health.get("instances", {}).get(s, [])) for s in want}
+    missing = [f"{s} {seen[s]}/{n}" for s, n in want.items() if seen[s] < n]
+    if len(health.get("routers", [])) < routers:
+        missing.append(f"router {len(health.get('routers', []))}/{routers}")
+    return ", ".join(missing)
 
 
 def down(run_dir: Path, quiet: bool = False) -> list[str]:

@@ -89,7 +89,11 @@ def _add_control_plane_parser(bench_kinds):
     plane.add_argument("--md", type=int, default=default.md, help="main decode instances (default 2)")
     plane.add_argument("--max-tokens", type=int, default=default.max_tokens, help="tokens per request")
     plane.add_argument("--rounds", type=int, default=default.rounds, help="requests per client, back to back")
-    plane.add_argument("--routers", default="1", help="router counts to measure, comma-separated (today: 1)")
+    plane.add_argument(
+        "--routers",
+        default="1",
+        help="router counts to measure, comma-separated, each on a fresh deployment (e.g. 1,2,4; default 1)",
+    )
     plane.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     plane.set_defaults(handler=cmd_bench_control_plane)
 
@@ -262,7 +266,7 @@ def cmd_chaos(args) -> int:
     unknown = [n for n in names if n not in chaos.SCENARIOS]
     if unknown:
         raise PddError(f"unknown scenario {unknown[0]!r}; choose from {', '.join(chaos.SCENARIOS)} or all")
-    model = deployment.commands["router"]["env"]["PDD_MODEL"]
+    model = deployment.commands["router-0"]["env"]["PDD_MODEL"]
     served = _get_served_model(deployment)
     ctx = chaos.ChaosContext(
         run_dir=run_dir,

@@ -57,7 +57,7 @@ async def make_stack(tiny, tiny_metadata):
 
 @pytest.fixture(scope="session")
 def tiny_deployment(tmp_path_factory):
-    """``pdd up --detach --md 2`` on the tiny model (separate processes, locked down as shipped,
+    """``pdd up --detach --md 2 --routers 2`` on the tiny model (separate processes, locked down as shipped,
     serving SmolLM2's model id), started once for the tests that drive a real deployment; yields
     its run folder and ports (``--http-port``… → port). Tests may kill and restart its
     processes (the supervisor brings them back) but leave it serving."""
@@ -79,6 +79,8 @@ def tiny_deployment(tmp_path_factory):
             "--model",
             "tiny",
             "--md",
+            "2",
+            "--routers",
             "2",
             "--window",
             "4MiB",

@@ -196,7 +196,7 @@ def restarts(run_dir) -> dict[str, int]:
 def test_generated_bodies_get_no_5xx_and_kill_no_process(deployment):
     run_dir, base_url = deployment
     before = restarts(run_dir)
-    assert set(before) >= {"prefill-0", "main-decode-0", "main-decode-1", "relay-decode-0", "router"}
+    assert set(before) >= {"prefill-0", "main-decode-0", "main-decode-1", "relay-decode-0", "router-0"}
 
     @settings(
         max_examples=NUM_EXAMPLES,

@@ -81,10 +81,17 @@ class Heartbeats:
 
 
 def refused_total(deployment) -> float:
-    text = urllib.request.urlopen(deployment.metrics_urls["router"], timeout=5).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("pdd_refused_messages_total{")
-    )
+    """Lies refused by every router (each counts those on the requests it minted)."""
+    total = 0.0
+    for name, url in deployment.metrics_urls.items():
+        if name.startswith("router-"):
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            total += sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("pdd_refused_messages_total{")
+            )
+    return total
 
 
 def forgeries(rid: str, victim: str) -> list[tuple[str, object, bool]]:

@@ -13,8 +13,9 @@ import time
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
+from infra.http_probe import http_ok
 from infra.launcher import load_state
-from tests.helpers import pdd, reference_greedy
+from tests.helpers import chat_prompt_ids, pdd, reference_greedy
 
 
 @pytest.fixture
@@ -119,6 +120,81 @@ def active_sequences(metrics_url: str) -> int:
     )
 
 
+def kv_blocks_used(metrics_urls: dict[str, str]) -> int:
+    """KV blocks the engines' requests hold now (their gauges, refreshed each heartbeat)."""
+    import urllib.request
+
+    total = 0
+    for name, url in metrics_urls.items():
+        if name.startswith(("prefill", "relay-decode", "main-decode")):
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            total += sum(
+                int(float(line.rsplit(" ", 1)[1]))
+                for line in text.splitlines()
+                if line.startswith("pdd_kv_blocks_used{")
+            )
+    return total
+
+
+async def test_two_routers_serve_behind_one_address_and_killing_one_leaves_new_requests_served(deployment, tiny):
+    """``--routers 2``: both routers answer exactly on the one port; SIGKILL one while it
+    streams: a new request is served within 2 s, and the engines hold nothing 10 s later."""
+    import aiohttp
+
+    run_dir, ports = deployment
+    url = f"http://127.0.0.1:{ports['--http-port']}/v1/chat/completions"
+    model = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+    def body(content: str, max_tokens: int, **extra) -> dict:
+        messages = [{"role": "user", "content": content}]
+        return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
+
+    # A fresh connection per request: the kernel picks a router for each (SO_REUSEPORT).
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        answered_by = set()
+        for i in range(16):
+            content = f"Router check {i}: name a river."
+            async with session.post(url, json=body(content, 12)) as response:
+                reply = await response.json()
+            assert reply["choices"][0]["message"]["content"] == tiny.tokenizer.decode(
+                reference_greedy(tiny, chat_prompt_ids(tiny, [{"role": "user", "content": content}]), 12),
+                skip_special_tokens=True,
+            ), reply
+            answered_by.add(reply["id"].rsplit("-", 1)[0])
+            if len(answered_by) == 2 and i >= 3:
+                break
+        assert answered_by == {"router-0", "router-1"}
+
+        # A long stream on router-1, then SIGKILL router-1 while it streams.
+        state = load_state(run_dir)
+        victim = "router-1"
+        for _ in range(32):
+            response = await session.post(url, json=body("Tell a long story.", 1000, stream=True, ignore_eos=True))
+            first = json.loads((await response.content.readline()).decode().removeprefix("data: "))
+            if first["id"].startswith(victim + "-"):
+                break
+            response.close()
+        else:
+            pytest.fail("no stream landed on router-1 in 32 connections")
+        os.kill(state.processes[victim], signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(aiohttp.ClientError):
+            await response.content.read()  # the dead router's client loses its stream
+        async with session.post(url, json=body("After the kill: name a hill.", 8)) as after:
+            assert after.status == 200 and (await after.json())["choices"][0]["message"]["content"]
+        assert time.monotonic() - killed < 2.0
+    while kv_blocks_used(state.metrics_urls) and time.monotonic() - killed < 10.0:
+        await asyncio.sleep(0.25)
+    assert kv_blocks_used(state.metrics_urls) == 0
+    # Leave it serving: the supervisor brings router-1 back (a new incarnation, on the same port).
+    deadline = time.monotonic() + 60
+    while load_state(run_dir).restarts.get(victim, 0) < 1 or not http_ok(
+        load_state(run_dir).metrics_urls[victim].removesuffix("/metrics") + "/health"
+    ):
+        assert time.monotonic() < deadline, "router-1 did not come back"
+        await asyncio.sleep(0.25)
+
+
 async def test_killing_the_busiest_main_decoder_loses_no_request(deployment, tiny):
     run_dir, ports = deployment
     api = client(ports)
@@ -213,7 +289,7 @@ def test_pdd_restart_covers_the_nats_servers_and_the_wan_link(deployment):
 
 
 POINT_3_FAMILIES = {
-    "router": [
+    "router-0": [
         "pdd_ttft_seconds",
         "pdd_inter_token_latency_seconds",
         "pdd_e2e_request_latency_seconds",
@@ -265,7 +341,7 @@ def test_every_service_exposes_its_metrics(deployment):
         if name.startswith("main-decode") and entry["state"] == "running" and entry["restarts"] == 0
     )
     expected = {
-        "router": [
+        "router-0": [
             "pdd_pipeline_choices_total",
             "pdd_ttft_seconds_bucket",
             "pdd_wan_estimate_bandwidth_bps",
@@ -372,7 +448,7 @@ async def test_pdd_ups_nats_refuses_anonymous_and_plaintext_clients(deployment):
 def test_every_line_every_service_logs_is_one_json_object(deployment):
     run_dir, _ = deployment
     logs = [p for p in (run_dir / "logs").glob("*.log") if not p.name.startswith("nats-")]
-    assert {"router.log", "prefill-0.log", "main-decode-0.log", "wan-link.log"} <= {p.name for p in logs}
+    assert {"router-0.log", "prefill-0.log", "main-decode-0.log", "wan-link.log"} <= {p.name for p in logs}
     for path in logs:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if line.strip():

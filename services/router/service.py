@@ -148,6 +148,12 @@ class RouterService(Service):
         except (TimeoutError, nats.errors.Error):
             pass  # the link or the site's server is down: instances' silence is not death yet
 
+    def health(self) -> tuple[bool, dict]:
+        """The service's health, with the fleet as this router sees it: live instances per
+        service and the live routers (``pdd up`` waits until every router sees everything)."""
+        healthy, details = super().health()
+        return healthy, {**details, "instances": self.registry.summary(), "routers": self.registry.routers()}
+
     def load_report(self) -> LoadReported:
         return LoadReported(
             instance=self.instance_ref(),
