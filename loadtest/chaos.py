@@ -8,6 +8,11 @@ duplicated tokens, the longest stall a client saw, and the KV blocks every engin
 holds 10 s after the streams ended (read sooner once every engine holds none). Killed
 processes are brought back by ``pdd up``'s supervisor; each scenario starts once the router
 sees every instance again.
+
+``router-kill`` kills the busiest router (``pdd up --routers 2``: the other one stays), then
+sends new requests to the same address at once: the row adds the clients affected (streams not
+answered exactly), how soon a new request was served after the kill and how many of a second
+round of new requests were served.
 """
 
 import asyncio
@@ -70,6 +75,12 @@ class ChaosRow:
     notes: str = ""
     seconds: float = 0.0
     """Wall time of the scenario, from its start to its last check."""
+    clients_affected: int = 0
+    """Streams not answered exactly (failed, or text other than the reference)."""
+    first_served_after_fault_s: float = -1.0
+    """Seconds from the fault until a new request was served (-1: not measured)."""
+    served_after_fault: int = 0
+    """New requests, sent once one had been served after the fault, that were served."""
 
 
 @dataclass
@@ -86,6 +97,7 @@ class ChaosContext:
     partition_s: float = 60.0
     saved_bandwidth_bps: float = 0.0
     fault_started_s: float = 0.0
+    after_fault: "AfterFault | None" = None
 
     @property
     def deployment(self) -> launcher.Deployment:
@@ -166,6 +178,10 @@ async def run_scenario(ctx: ChaosContext, scenario: str) -> ChaosRow:
         notes = "; ".join(filter(None, [notes, await _fills_landed_note(ctx, filling, ended_s)]))
     row = _row(scenario, records, expected, held, notes)
     row.cache_fill_blocks_after_10s = filling
+    row.clients_affected = row.requests - row.identical
+    if ctx.after_fault is not None:
+        row.first_served_after_fault_s, row.served_after_fault = ctx.after_fault
+        ctx.after_fault = None
     row.pipeline_after = probe.pdd.get("pipeline", probe.error or "none") if probe else ""
     return row
 
@@ -348,8 +364,53 @@ async def _prefill_kill(ctx):
     return _kill(ctx, "prefill-0")
 
 
+class AfterFault(NamedTuple):
+    """New requests after a fault: how soon the first was served, how many of a round were."""
+
+    first_served_s: float
+    served: int
+
+
 async def _router_kill(ctx):
-    return _kill(ctx, "router")
+    routers = [n for n in ctx.deployment.processes if n.startswith("router-")]
+    victim = await asyncio.to_thread(_busiest_router, ctx, routers)
+    note = _kill(ctx, victim)
+    killed_s = time.monotonic()
+    ctx.after_fault = await _new_requests_after(ctx, killed_s, round_size=2 * ctx.streams)
+    first_s, served = ctx.after_fault
+    return f"{note} of {len(routers)}; new requests served {first_s:.2f} s later, then {served}/{2 * ctx.streams}"
+
+
+def _busiest_router(ctx: ChaosContext, routers: list[str]) -> str:
+    urls = ctx.deployment.metrics_urls
+    running = {n: sum(_metric_sum(urls[n], "pdd_requests_running").values()) for n in routers}
+    return max(sorted(running), key=running.get)
+
+
+async def _new_requests_after(
+    ctx: ChaosContext, fault_s: float, round_size: int, timeout_s: float = 120.0
+) -> AfterFault:
+    """Send short requests to the deployment's address (fresh connections) until one is served;
+    then ``round_size`` at once, counting those served."""
+    chat = [{"role": "user", "content": "Still there after the fault?"}]
+    first_s = -1.0
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() - fault_s < timeout_s:
+            record = await stream_chat(
+                session, ctx.deployment.router_url, ctx.model_name, chat, 4, RequestRecord(0, 0, "after"), timeout_s=30
+            )
+            if record.error is None:
+                first_s = time.monotonic() - fault_s
+                break
+            await asyncio.sleep(0.05)
+        records = [RequestRecord(i, 0, "after") for i in range(round_size)]
+        await asyncio.gather(
+            *(
+                stream_chat(session, ctx.deployment.router_url, ctx.model_name, chat, 4, r, timeout_s=60)
+                for r in records
+            )
+        )
+    return AfterFault(round(first_s, 2), sum(r.error is None for r in records))
 
 
 async def _nats_a_restart(ctx):
