@@ -13,8 +13,8 @@ prefill are charged to its tokens), and the p50/p99 gap between consecutive cont
 a client sees (``p99_added_ms``: the p99 gap beyond the engine's step time, what the control
 plane adds).
 
-Only one router exists today: a router count other than 1 is refused until ``pdd up`` can
-start several (``DeploymentSpec.routers``); the loop over router counts is ready for it.
+Each router count runs on its own fresh deployment (``pdd up --routers N``: N routers on one
+port, the kernel spreading the clients' connections over them).
 """
 
 import asyncio
@@ -27,7 +27,6 @@ from dataclasses import dataclass, field, replace
 
 import aiohttp
 
-from infra.deployment_spec import DeploymentSpec
 from loadtest import proc_cpu
 from loadtest.bench_modes import BENCH_SPEC, deployed, mode_spec
 from loadtest.client import auth_headers
@@ -78,17 +77,12 @@ def run_control_plane_bench(load: ControlPlaneLoad, routers: list[int]) -> dict:
     """Measure ``load`` on a fresh deployment per router count; the report as a dict.
 
     Raises:
-        PddError: a router count ``pdd up`` cannot start yet, or a bad load.
+        PddError: a router count below 1, or a bad load.
     """
     if load.streams < 1 or load.rate_tok_s <= 0 or load.md < 1 or load.max_tokens < 1 or load.rounds < 1:
         raise PddError("control-plane bench: --streams, --rate, --md, --max-tokens and --rounds must be positive")
-    spec_fields = {f.name for f in dataclasses.fields(DeploymentSpec)}
-    unsupported = [n for n in routers if n != 1 and "routers" not in spec_fields]
-    if unsupported:
-        raise PddError(
-            f"--routers {unsupported[0]}: pdd up starts exactly one router today "
-            "(several behind one address is issue 30 point 2); measure --routers 1"
-        )
+    if not routers or min(routers) < 1:
+        raise PddError(f"--routers {','.join(map(str, routers))}: every router count must be at least 1")
     report = {"cores": len(os.sched_getaffinity(0)), "load": {**dataclasses.asdict(load), "step_ms": load.step_ms}}
     report["routers"] = {str(n): _measure(load, n) for n in routers}
     return report
@@ -101,7 +95,7 @@ def _measure(load: ControlPlaneLoad, num_routers: int) -> dict:
         engine="standin",
         served_model_name=SERVED_MODEL,
         md=load.md,
-        **({"routers": num_routers} if num_routers != 1 else {}),
+        routers=num_routers,
     )
     env = {"PDD_STANDIN_STEP_MS": str(load.step_ms), "PDD_MAX_SEQUENCES": str(max(16, load.streams))}
     saved = {name: os.environ.get(name) for name in env}

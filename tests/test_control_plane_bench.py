@@ -17,10 +17,10 @@ def test_the_control_plane_bench_delivers_every_token_and_reports_per_process_cp
     one = report["routers"]["1"]
     assert one["num_errors"] == 0 and one["tokens"] == one["expected_tokens"] == 4 * 8
     assert one["tok_s"] > 0 and one["p99_gap_ms"] >= one["p50_gap_ms"] > 0
-    assert one["router_us_per_token"] == one["us_per_token"]["router"]
-    assert {"router", "main-decode-0", "main-decode-1", "nats-a", "nats-b", "wan-link"} <= set(one["us_per_token"])
+    assert one["router_us_per_token"] == one["us_per_token"]["router-0"]
+    assert {"router-0", "main-decode-0", "main-decode-1", "nats-a", "nats-b", "wan-link"} <= set(one["us_per_token"])
 
 
-def test_router_counts_pdd_up_cannot_start_yet_are_refused_by_name():
-    done = pdd("bench", "control-plane", "--routers", "1,2", "--json")
-    assert done.returncode != 0 and "--routers 2" in done.stderr and done.stdout == ""
+def test_a_router_count_below_one_is_refused_by_name():
+    done = pdd("bench", "control-plane", "--routers", "2,0", "--json")
+    assert done.returncode != 0 and "--routers 2,0" in done.stderr and done.stdout == ""
