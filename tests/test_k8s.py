@@ -179,6 +179,19 @@ def test_main_decode_scales_behind_the_bulk_gateway(rendered):
     ]
 
 
+def test_routers_run_as_replicas_behind_one_service_each_its_own_instance(rendered):
+    """Two router replicas behind the ``router`` Service; each names itself after its pod (its
+    requests, cancels and leases are its own) and is ready only once it serves."""
+    router = objects(rendered, "site-a", "Deployment")["router"]
+    env = {e["name"]: e for e in router["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert router["spec"]["replicas"] >= 2
+    assert env["PDD_INSTANCE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    service = objects(rendered, "site-a", "Service")["router"]
+    assert service["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
+    probe = router["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+    assert probe["httpGet"]["path"] == "/health"
+
+
 @pytest.mark.parametrize("site", ["site-a", "site-b"])
 def test_probes_resources_secrets_and_jetstream_volumes(rendered, site):
     secret = next(iter(objects(rendered, site, "Secret").values()))
