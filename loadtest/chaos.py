@@ -78,7 +78,7 @@ class ChaosRow:
     clients_affected: int = 0
     """Streams not answered exactly (failed, or text other than the reference)."""
     first_served_after_fault_s: float = -1.0
-    """Seconds from the fault until a new request was served (-1: not measured)."""
+    """Seconds from the fault until a new request's first token (-1: not measured)."""
     served_after_fault: int = 0
     """New requests, sent once one had been served after the fault, that were served."""
 
@@ -365,7 +365,8 @@ async def _prefill_kill(ctx):
 
 
 class AfterFault(NamedTuple):
-    """New requests after a fault: how soon the first was served, how many of a round were."""
+    """New requests after a fault: how soon the first one's first token came, how many of a
+    round were served."""
 
     first_served_s: float
     served: int
@@ -391,16 +392,18 @@ async def _new_requests_after(
     ctx: ChaosContext, fault_s: float, round_size: int, timeout_s: float = 120.0
 ) -> AfterFault:
     """Send short requests to the deployment's address (fresh connections) until one is served;
-    then ``round_size`` at once, counting those served."""
+    then ``round_size`` at once, counting those served. Served "after" means its first token
+    arrived that long after the fault (its whole answer takes what the pipeline takes)."""
     chat = [{"role": "user", "content": "Still there after the fault?"}]
     first_s = -1.0
     async with aiohttp.ClientSession() as session:
         while time.monotonic() - fault_s < timeout_s:
+            sent_s = time.monotonic()
             record = await stream_chat(
                 session, ctx.deployment.router_url, ctx.model_name, chat, 4, RequestRecord(0, 0, "after"), timeout_s=30
             )
-            if record.error is None:
-                first_s = time.monotonic() - fault_s
+            if record.error is None and record.ttft_ms is not None:
+                first_s = sent_s - fault_s + record.ttft_ms / 1000
                 break
             await asyncio.sleep(0.05)
         records = [RequestRecord(i, 0, "after") for i in range(round_size)]
