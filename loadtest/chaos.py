@@ -9,10 +9,10 @@ holds 10 s after the streams ended (read sooner once every engine holds none). K
 processes are brought back by ``pdd up``'s supervisor; each scenario starts once the router
 sees every instance again.
 
-``router-kill`` kills the busiest router (``pdd up --routers 2``: the other one stays), then
-sends new requests to the same address at once: the row adds the clients affected (streams not
-answered exactly), how soon a new request was served after the kill and how many of a second
-round of new requests were served.
+``router-kill`` kills the busiest router; with several (``pdd up --routers 2``) it then sends
+new requests to the same address at once: the row adds the clients affected (streams not
+answered exactly), how soon a new request's first token came after the kill and how many of a
+second round of new requests were served.
 """
 
 import asyncio
@@ -377,6 +377,8 @@ async def _router_kill(ctx):
     victim = await asyncio.to_thread(_busiest_router, ctx, routers)
     note = _kill(ctx, victim)
     killed_s = time.monotonic()
+    if len(routers) == 1:  # nothing serves until the supervisor brings it back
+        return f"{note}, the only router"
     ctx.after_fault = await _new_requests_after(ctx, killed_s, round_size=2 * ctx.streams)
     first_s, served = ctx.after_fault
     return f"{note} of {len(routers)}; new requests served {first_s:.2f} s later, then {served}/{2 * ctx.streams}"
