@@ -117,7 +117,7 @@ class InstanceRegistry:
         router's share of its sequences among the live routers."""
         live = self._live(service)
         if service != "router":
-            routers = self.routers() if self._router_id else []  # [] : alone, the whole slots
+            routers = self.routers() if self._router_id else []  # no router id (the simulator): all slots
             for state in live:
                 slots, instance_id = state.report.max_sequences, state.report.instance.instance_id
                 state.share_sequences = share_of_slots(slots, routers, self._router_id, instance_id)
