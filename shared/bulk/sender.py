@@ -6,7 +6,7 @@ import collections
 import functools
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
@@ -16,7 +16,7 @@ from shared.bulk.link_route import route_key, sign_route
 from shared.bulk.path_sizing import MAX_STREAMS
 from shared.bulk.pool import BulkPool
 from shared.errors import PddError
-from shared.messages import FlowAccepted, FlowCancel, FlowEnd, FlowJoin, FlowOpen, FlowRejected, StreamEnd
+from shared.messages import BulkControl, FlowAccepted, FlowCancel, FlowEnd, FlowJoin, FlowOpen, FlowRejected, StreamEnd
 from shared.metrics import KV_BYTES
 
 
@@ -221,23 +221,29 @@ async def open_flow(
     except BaseException:
         await _close_all(extra)
         raise
-    release = functools.partial(_give_back, pool, peer) if pool is not None else None
     if isinstance(reply, FlowAccepted):
+        release = functools.partial(_give_back, pool, peer) if pool is not None else None
         handshake_s = max(0.0, time.monotonic() - started - reply.queued_s)
         flow = BulkFlow(flow_open.request_id, path, [lead, *joined], reply.first_token_index, handshake_s, release)
         await _join(flow, signed, joined, secret, timeout_s)
         return flow
-    lead.close()
-    for connection in joined:  # never used: fit for another flow
-        release([connection]) if release is not None else connection.close()
+    for connection in (lead, *joined):
+        connection.close()
     if isinstance(reply, FlowRejected):
         raise FlowRefused(f"{endpoint} refused flow: {reply.code}: {reply.message}")
     raise FlowRefused(f"{endpoint} closed the flow without answering")
 
 
-async def _open_lead(connect, flow_open: FlowOpen, secret: str, streams: int, timeout_s: float, accept_timeout_s):
-    """(lead connection, the signed FlowOpen it carried, the receiver's answer, when it was sent).
-    A pooled connection that turns out closed (no answer, a reset) is replaced once by a new one."""
+async def _open_lead(
+    connect: Callable[[], Awaitable[BulkConnection]],
+    flow_open: FlowOpen,
+    secret: str,
+    streams: int,
+    timeout_s: float,
+    accept_timeout_s: float | None,
+) -> tuple[BulkConnection, FlowOpen, BulkControl | None, float]:
+    """(lead connection, the signed FlowOpen it carried, the receiver's answer, when it was sent
+    (monotonic)). A pooled connection that turns out closed (no answer, a reset) is replaced once."""
     for attempt in range(2):
         connection = await connect()
         reused = connection.reused
