@@ -96,6 +96,9 @@ class BulkFlow:
         """
         stream = self._streams[self._frames_sent % len(self._streams)]
         self._frames_sent += 1
+        if len(self._streams) == 1:  # nothing to overlap: the send itself, as before striping
+            await self._send_on(stream, parts)
+            return
         sending = asyncio.ensure_future(self._send_on(stream, parts))
         sending.add_done_callback(_retrieve_exception)
         self._in_flight.append(sending)
