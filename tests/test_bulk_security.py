@@ -322,7 +322,10 @@ async def test_another_roles_or_instances_valid_credential_cannot_join_a_flow(ti
         relay_tls = client_context(*peer_files(creds, "relay-decode"))
         reader, writer = await asyncio.open_connection(host, int(port), ssl=relay_tls, server_hostname="main-decode")
         writer.write(control_bytes(sign(join, secret)) + kv_wire.frame_bytes(frames[0]))
-        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, never answered
+        try:  # closed, never answered (reset when the frame was still unread)
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        except (ConnectionError, ssl.SSLError):
+            pass
         writer.close()
         for parts in frames:
             await flow.send_frame(parts)
