@@ -338,8 +338,14 @@ def _start_services(spec: DeploymentSpec, services: _Services, bulk_link_port: i
     engines = spec.role_engines()
     for i in range(spec.cache_index):
         services.spawn("cache-index", i)
-    for i in range(spec.prefill):
-        services.spawn("prefill", i, "--engine", engines["prefill"])
+    wan = [
+        "--wan-bandwidth-mbit",
+        str(parse_rate(spec.bandwidth) / 1e6 or 100000),
+        "--wan-rtt-ms",
+        str(parse_ms(spec.rtt)),
+    ]
+    for i in range(spec.prefill):  # the WAN's rate and RTT size prefill's bulk streams per flow
+        services.spawn("prefill", i, "--engine", engines["prefill"], *wan)
     for i in range(spec.rld):
         services.spawn("relay-decode", i, "--engine", engines["relay"])
     link = ["--bulk-link", f"127.0.0.1:{bulk_link_port}"] if spec.md_site == SITE_B else []
@@ -355,10 +361,7 @@ def _start_services(spec: DeploymentSpec, services: _Services, bulk_link_port: i
             str(spec.http_port),
             "--http-reuse-port",
             "true",
-            "--wan-bandwidth-mbit",
-            str(parse_rate(spec.bandwidth) / 1e6 or 100000),
-            "--wan-rtt-ms",
-            str(parse_ms(spec.rtt)),
+            *wan,
             "--pipeline-policy",
             spec.pipeline_policy,
         )

@@ -31,6 +31,7 @@ from infra.credentials import ensure_credentials
 from infra.wan_link import LinkProfile, Route, WanLink
 from loadtest.raw_pump import PUMP_BUFFER_BYTES, memcpy_seconds, pump
 from shared.bulk.auth import FlowAuthenticator, new_nonce, sign, verify_key
+from shared.bulk.path_sizing import plan_path
 from shared.bulk.receiver import BulkReceiver
 from shared.bulk.sender import open_flow
 from shared.engine.backend import RequestStatus
@@ -141,9 +142,17 @@ class Sent:
     cipher: str | None
 
 
-async def _one_flow(kv: BenchKv, nbytes: int, tls: Contexts | None, profile: LinkProfile | None = None) -> Sent:
-    """Send at least ``nbytes`` of ``kv``'s frames on one flow, through a WAN link with
-    ``profile`` if given (the time runs to the receiver's end of the flow)."""
+async def _one_flow(
+    kv: BenchKv,
+    nbytes: int,
+    tls: Contexts | None,
+    profile: LinkProfile | None = None,
+    streams: int = 1,
+    buffer_bytes: int = 0,
+) -> Sent:
+    """Send at least ``nbytes`` of ``kv``'s frames on one flow striped over ``streams``
+    connections (socket buffers of ``buffer_bytes``, 0: autotuned), through a WAN link with ``profile`` if given (the time runs to the receiver's
+    end of the flow)."""
     handler = _Discard()
     receiver = BulkReceiver(
         handler,
@@ -168,6 +177,8 @@ async def _one_flow(kv: BenchKv, nbytes: int, tls: Contexts | None, profile: Lin
             timeout_s=30,
             tls=tls.client if tls else None,
             tls_name=TLS_NAME,
+            streams=streams,
+            buffer_bytes=buffer_bytes,
         )
         cipher, started = flow.tls_cipher, time.perf_counter()
         while flow.bytes_sent < nbytes:
@@ -198,11 +209,15 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes * 8 / seconds / 1e9, 2)
 
 
+LOOPBACK_RATES = ("raw_plain", "ours_plain", "raw_tls", "ours_tls", "ours_tls_two_streams", "memcpy")
+
+
 def measure_loopback(kv: BenchKv, megabytes: int, repeats: int, tls: Contexts) -> dict:
-    """Per repeat, back to back: raw pump and our channel, plaintext then TLS, then memcpy.
+    """Per repeat, back to back: raw pump and our channel, plaintext then TLS (then our TLS
+    flow striped over two connections, whose encryption runs on two threads), then memcpy.
     Returns the runs (Gbit/s) and the TLS cipher suites each side negotiated."""
     nbytes = megabytes << 20
-    runs: dict[str, list[float]] = {k: [] for k in ("raw_plain", "ours_plain", "raw_tls", "ours_tls", "memcpy")}
+    runs: dict[str, list[float]] = {k: [] for k in LOOPBACK_RATES}
     ciphers = {}
     for _ in range(repeats):
         for mode, contexts in (("plain", None), ("tls", tls)):
@@ -214,25 +229,28 @@ def measure_loopback(kv: BenchKv, megabytes: int, repeats: int, tls: Contexts) -
             runs[f"ours_{mode}"].append(_gbps(sent.nbytes, sent.seconds))
             if contexts:
                 ciphers = {"raw": pumped.cipher, "ours": sent.cipher}
+        striped = asyncio.run(_one_flow(kv, nbytes, tls, streams=2))
+        runs["ours_tls_two_streams"].append(_gbps(striped.nbytes, striped.seconds))
         runs["memcpy"].append(_gbps(PUMP_BUFFER_BYTES, memcpy_seconds()))
     return {"runs": runs, "tls_ciphers": ciphers}
-
-
-DEFAULT_STREAMS = 1
-"""Connections one flow uses today: a flow is one TCP stream (striping over several is not built)."""
 
 
 def measure_link(kv: BenchKv, megabytes: int, repeats: int, tls: Contexts, profile: LinkProfile) -> dict:
     """Through the WAN link with ``profile`` (its window caps one connection at window / RTT):
     our channel (mutual TLS, as on the WAN path) with one stream and with the default stream
-    count, and the emulator's own ceiling, a raw sender with one and with four streams, runs
+    count (``path_sizing.plan_path`` for the link's rate, RTT and window: what prefill
+    uses), and the emulator's own ceiling, a raw sender with one and with four streams, runs
     interleaved. Medians in Gbit/s; ``window_cap_gbps`` is window × 8 / RTT."""
     from infra.wan_link_probe import measure_streams
 
-    runs: dict[str, list[float]] = {"ours_one_stream": [], "raw_one_stream": [], "raw_four_streams": []}
+    plan = plan_path(profile.bandwidth_bps, profile.rtt_ms, profile.window_bytes)
+    runs: dict[str, list[float]] = {k: [] for k in ("ours_one_stream", "ours_default", "raw_one_stream")}
+    runs["raw_four_streams"] = []
     for _ in range(repeats):
         sent = asyncio.run(_one_flow(kv, megabytes << 20, tls, profile))
         runs["ours_one_stream"].append(_gbps(sent.nbytes, sent.seconds))
+        sent = asyncio.run(_one_flow(kv, megabytes << 20, tls, profile, plan.streams, plan.buffer_bytes))
+        runs["ours_default"].append(_gbps(sent.nbytes, sent.seconds))
         runs["raw_one_stream"].append(round(asyncio.run(measure_streams(profile, 1, megabytes)), 2))
         runs["raw_four_streams"].append(round(asyncio.run(measure_streams(profile, 4, megabytes)), 2))
     medians = {name: statistics.median(rates) for name, rates in runs.items()}
@@ -243,8 +261,9 @@ def measure_link(kv: BenchKv, megabytes: int, repeats: int, tls: Contexts, profi
         "window_bytes": profile.window_bytes,
         "window_cap_gbps": round(profile.window_bytes * 8 / rtt_s / 1e9, 3) if profile.window_bytes and rtt_s else None,
         "one_stream_gbps": medians["ours_one_stream"],
-        "default_streams": DEFAULT_STREAMS,
-        "default_gbps": medians["ours_one_stream"],
+        "default_streams": plan.streams,
+        "default_buffer_bytes": plan.buffer_bytes,
+        "default_gbps": medians["ours_default"],
         "raw_one_stream_gbps": medians["raw_one_stream"],
         "raw_four_streams_gbps": medians["raw_four_streams"],
         "megabytes_per_run": megabytes,
@@ -289,10 +308,20 @@ def run_bulk_bench(
             "raw_pump_buffer_bytes": PUMP_BUFFER_BYTES,
             "tls_ciphers": loopback["tls_ciphers"],
         },
-        link=measure_link(kv, link_megabytes, repeats, tls, link) if link is not None else None,
+        link=measure_link(_kv_for(link_megabytes, geometry, dtype, frame_tokens), link_megabytes, repeats, tls, link)
+        if link is not None
+        else None,
         receiver_checks=receiver_checks(kv, checks_megabytes),
     )
     return report
+
+
+def _kv_for(megabytes: int, geometry: tuple[int, int, int], dtype: str, frame_tokens: int) -> BenchKv:
+    """Frames of one prompt long enough that a flow of ``megabytes`` sends each frame once, in
+    the prompt's order (so a striped flow's receiver reorders real positions, never a repeat)."""
+    probe = synthetic_kv(geometry, dtype, frame_tokens, frame_tokens)
+    frames = -(-(megabytes << 20) // probe.frame_bytes)
+    return synthetic_kv(geometry, dtype, frames * frame_tokens, frame_tokens)
 
 
 def format_report(report: dict) -> str:
@@ -312,6 +341,7 @@ def format_report(report: dict) -> str:
         f"{'':12}{'raw socket pump':34}{'our channel':34}ours / raw",
         f"{'plaintext':12}{cell('raw_plain'):34}{cell('ours_plain'):34}{report['ours_over_raw_plain']:.2f}",
         f"{'mutual TLS':12}{cell('raw_tls'):34}{cell('ours_tls'):34}{report['ours_over_raw_tls']:.2f}",
+        f"{'':12}{'':34}{cell('ours_tls_two_streams'):34}(one flow striped over two connections)",
         f"{'memcpy':12}{cell('memcpy')}  (one core)",
         f"TLS cipher suites: {setup['tls_ciphers']}",
     ]
@@ -324,7 +354,7 @@ def format_report(report: dict) -> str:
         )
         ours = (
             f"  our channel (TLS): one stream {link['one_stream_gbps']:.2f}, default "
-            f"({link['default_streams']} stream) {link['default_gbps']:.2f}"
+            f"({link['default_streams']} streams, from the link's bandwidth-delay product) {link['default_gbps']:.2f}"
         )
         raw = (
             f"  the emulator with a raw sender: one stream {link['raw_one_stream_gbps']:.2f}, "

@@ -64,6 +64,13 @@ def host_port(value: str) -> str | None:
     return None if host and port.isdigit() else "must be host:port"
 
 
+def stream_count(value: int) -> str | None:
+    """Check: 0 (from the path's bandwidth-delay product) or a bulk stream count up to 8."""
+    from shared.bulk.path_sizing import MAX_STREAMS
+
+    return None if 0 <= value <= MAX_STREAMS else f"must be within 0..{MAX_STREAMS}"
+
+
 def known_backend(value: str) -> str | None:
     """Check: a registered engine backend."""
     from shared.engine.backend import backend_names  # the engine package imports torch
@@ -237,6 +244,22 @@ class PrefillConfig(EngineConfig):
         120.0, "wait for a receiver to accept a flow (it may wait for blocks another flow is bringing)", positive
     )
     send_timeout_s: float = setting(300.0, "longest time to ship one request's KV", positive)
+    wan_bandwidth_mbit: float = setting(
+        100.0, "the WAN path's rate, for its bandwidth-delay product (sizes --bulk-streams' default)", positive
+    )
+    wan_rtt_ms: float = setting(40.0, "the WAN path's round trip, for its bandwidth-delay product", non_negative)
+    bulk_window_bytes: int = setting(
+        0, "one connection's largest TCP window (0: this host's tcp_wmem maximum, 4 MiB here)", non_negative
+    )
+    bulk_streams: int = setting(
+        0,
+        "connections each WAN KV flow is striped over (0: from the path's bandwidth-delay product, "
+        "ceil(rate x RTT / --bulk-window-bytes), at most 8)",
+        stream_count,
+    )
+    bulk_streams_local: int = setting(
+        1, "connections each local-path KV flow is striped over (0: from a same-site path, i.e. 1)", stream_count
+    )
 
 
 @dataclass(frozen=True)

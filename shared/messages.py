@@ -391,8 +391,10 @@ class FlowOpen(_Message, kw_only=True):
             recorded before a restart is refused by the restarted process, whose replay
             memory is new.
         unix_s: Sender's clock (authentication freshness).
-        nonce: Random hex, unique per flow (replay protection).
-        mac: HMAC-SHA256 over the fields above with the deployment secret.
+        nonce: Random hex, unique per flow (replay protection); a ``FlowJoin`` names the flow by it.
+        streams: Connections the flow's frames are striped over: this one and ``streams - 1``
+            that each join with a ``FlowJoin`` (1: frames only on this connection).
+        mac: Ed25519 signature over the fields above (``shared.bulk.auth``).
     """
 
     request_id: str
@@ -408,7 +410,49 @@ class FlowOpen(_Message, kw_only=True):
     receiver_incarnation: str = ""
     unix_s: float
     nonce: str
+    streams: int = 1
     mac: str = ""
+
+
+class FlowJoin(_Message, kw_only=True):
+    """Sender → receiver, first message on each further connection of a striped flow, sent
+    once the flow's ``FlowAccepted`` arrived. KV frames of the flow follow at once, then a
+    ``StreamEnd``. The receiver answers with a ``FlowAccepted`` (or closes the connection), which
+    the sender reads before its ``StreamEnd`` (so no TLS record is left unread when it closes).
+    Signed like a ``FlowOpen``, so every connection authenticates on its own.
+
+    Attributes:
+        request_id: The request.
+        flow_nonce: The ``nonce`` of the flow's ``FlowOpen``: the one flow this joins.
+        stream: This connection's index among the flow's streams (1 .. ``streams - 1``).
+        sender_id: Sending instance (the flow's).
+        receiver_id: The instance the flow is for.
+        receiver_incarnation: That instance's incarnation.
+        unix_s: Sender's clock (freshness).
+        nonce: Random hex, unique per join (replay protection).
+        mac: Ed25519 signature over the fields above (``shared.bulk.auth``).
+    """
+
+    request_id: str
+    flow_nonce: str
+    stream: int
+    sender_id: str
+    receiver_id: str = ""
+    receiver_incarnation: str = ""
+    unix_s: float
+    nonce: str
+    mac: str = ""
+
+
+class StreamEnd(_Message, kw_only=True):
+    """Sender → receiver, on a joined connection: this stream carries no more of the flow's
+    frames (the connection may then serve another flow).
+
+    Attributes:
+        request_id: The request.
+    """
+
+    request_id: str
 
 
 class FlowAccepted(_Message, kw_only=True):
@@ -487,7 +531,7 @@ class LinkRoute(_Message, kw_only=True):
     mac: str = ""
 
 
-BulkControl = LinkRoute | FlowOpen | FlowAccepted | FlowRejected | FlowEnd | FlowCancel
+BulkControl = LinkRoute | FlowOpen | FlowJoin | FlowAccepted | FlowRejected | FlowEnd | FlowCancel | StreamEnd
 RequestEvent = PrefillCompleted | KvReady | KvImportAborted | HandoffAccepted | RequestFailed
 KvEvent = KvBlocksStored | KvBlocksEvicted
 HandoffReply = HandoffAccepted | RequestFailed

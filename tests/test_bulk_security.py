@@ -1,6 +1,7 @@
 """The bulk channel's locks, on real sockets: mutual TLS with the deployment's CA on the WAN
-path, FlowOpens bound to one receiver incarnation, and limits on peers that have not
-authenticated (time, size of what they may send, how many at once)."""
+path, FlowOpens bound to one receiver incarnation, every connection of a striped flow
+authenticated on its own, and limits on peers that have not authenticated (time, size of what
+they may send, how many at once)."""
 
 import asyncio
 import ssl
@@ -10,14 +11,16 @@ import msgspec
 import pytest
 
 from infra.credentials import ensure_credentials
+from shared import kv_wire
 from shared.bulk import receiver as receiver_module
-from shared.bulk.auth import sign, verify_key
+from shared.bulk.auth import new_nonce, sign, verify_key
 from shared.bulk.framing import CONTROL_MAGIC, control_bytes
 from shared.bulk.receiver import BulkReceiver
 from shared.bulk.sender import FlowRefused, open_flow
 from shared.engine.hf_engine import HfEngine
+from shared.messages import FlowJoin
 from shared.tls import client_context, server_context
-from tests.helpers import SECRET, RecordingHandler, flow_open_for, prompt_of_length, until
+from tests.helpers import SAMPLING, SECRET, RecordingHandler, flow_open_for, prompt_of_length, until
 
 
 @pytest.fixture
@@ -276,5 +279,58 @@ async def test_a_sender_gone_while_its_flow_waited_leaves_no_reservation(tiny, c
         handler.go.set()
         await asyncio.wait_for(handler.aborted.wait(), 10)
         assert engine.num_sequences == 0 and engine.blocks.num_used_blocks == 0
+    finally:
+        await receiver.stop()
+
+
+@pytest.mark.parametrize(
+    "signing_secret,sender_id",
+    [
+        ("stolen verify key", "test"),  # a relay's credential: its certificate and bulk-verify.pub
+        (SECRET, "prefill-1"),  # another prefill instance: the signing key, but not this flow's sender
+    ],
+)
+async def test_another_roles_or_instances_valid_credential_cannot_join_a_flow(tiny, creds, signing_secret, sender_id):
+    """A striped flow's further connections each authenticate on their own: a connection that
+    passes mutual TLS with a relay decoder's certificate and names the flow (its nonce, which
+    it should not even know) cannot join it, whatever it signs with; nor can one signed with
+    the flow key for another sender. It is closed, nothing it sent is imported, and the flow
+    ends with exactly the sender's own KV."""
+    receiver, endpoint = await start_receiver(tiny, creds)
+    handler, sender = receiver._handler, HfEngine(tiny, num_blocks=32)
+    prompt = prompt_of_length(tiny, 48)
+    sender.add_request("r", prompt, SAMPLING)
+    first = sender.step()[0].token_id
+    frames = sender.export_frames("r", 0, 48, max_tokens_per_frame=16)
+    try:
+        flow = await open_flow(
+            endpoint, bound("r", prompt), SECRET, path="wan", timeout_s=5, tls=ours(creds), streams=2
+        )
+        [flow_nonce] = receiver._flows
+        secret = verify_key(SECRET) if signing_secret == "stolen verify key" else signing_secret
+        join = FlowJoin(
+            request_id="r",
+            flow_nonce=flow_nonce,
+            stream=1,
+            sender_id=sender_id,
+            receiver_id="main-decode-0",
+            receiver_incarnation="inc-1",
+            unix_s=time.time(),
+            nonce=new_nonce(),
+        )
+        host, port = endpoint.rsplit(":", 1)
+        relay_tls = client_context(*peer_files(creds, "relay-decode"))
+        reader, writer = await asyncio.open_connection(host, int(port), ssl=relay_tls, server_hostname="main-decode")
+        writer.write(control_bytes(sign(join, secret)) + kv_wire.frame_bytes(frames[0]))
+        try:  # closed, never answered (reset when the frame was still unread)
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        except (ConnectionError, ssl.SSLError):
+            pass
+        writer.close()
+        for parts in frames:
+            await flow.send_frame(parts)
+        await flow.end([first])
+        await asyncio.wait_for(handler.ended.wait(), 5)
+        assert handler.events == [("open", "r"), ("frame", "r"), ("frame", "r"), ("frame", "r"), ("end", "r")]
     finally:
         await receiver.stop()

@@ -23,7 +23,10 @@ from tests.helpers import (
 
 @pytest.mark.parametrize("policy", ["P-MD", "P-RLD-MD"])
 async def test_chat_is_token_exact_through_each_pipeline(make_stack, tiny, policy):
-    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": policy})
+    # KV striped over three connections on the WAN and two on the local path, in 32-token frames
+    striped = {"bulk_streams": 3, "bulk_streams_local": 2, "frame_tokens": 32}
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": policy}, engine_settings=striped)
+    assert stack.prefill.path_streams["wan"].streams == 3 and stack.prefill.path_streams["local"].streams == 2
     content = "Describe the sea at night. " * 20
     status, body = await post(stack, "/chat/completions", chat_body(content, 120))
     assert status == 200, body

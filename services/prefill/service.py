@@ -17,11 +17,14 @@ engine loop's outputs reach.
 import asyncio
 
 import msgspec
+import structlog
 
 from services.prefill.job import PrefillJob
 from services.prefill.shipping_plan import ShippingPath
 from services.prefill.speed import PrefillSpeed
 from shared import subjects
+from shared.bulk.path_sizing import PathStreams, plan_path
+from shared.bulk.pool import BulkPool
 from shared.bulk.sender import BulkFlow, open_flow
 from shared.config import PrefillConfig
 from shared.engine.backend import StepOutput
@@ -31,6 +34,7 @@ from shared.messages import CancelRequest, FlowOpen, LoadReported, StartPrefill,
 from shared.metrics import ENGINE_STEP_SECONDS
 from shared.tls import client_context
 
+log = structlog.get_logger(__name__)
 _start_decoder = decoder(StartPrefill)
 
 RECEIVER_TLS_NAME = {"relay_decode": "relay-decode", "main_decode": "main-decode"}
@@ -50,6 +54,15 @@ class PrefillService(EngineService):
         self.loop: EngineLoop | None = None
         self.slots: asyncio.Semaphore | None = None
         self.speed = PrefillSpeed()
+        self.bulk_pool = BulkPool()
+        """Idle bulk connections, reused by the next flow to the same receiver."""
+        self.path_streams: dict[str, PathStreams] = {
+            "wan": plan_path(
+                config.wan_bandwidth_mbit * 1e6, config.wan_rtt_ms, config.bulk_window_bytes, config.bulk_streams
+            ),
+            "local": plan_path(0, 0, config.bulk_window_bytes, config.bulk_streams_local),
+        }
+        """How each path's flows use the network (connections per flow, socket buffers)."""
 
     async def on_start(self):
         config = self.config
@@ -66,6 +79,14 @@ class PrefillService(EngineService):
             step_seconds=ENGINE_STEP_SECONDS.labels(config.served_model_name, self.service_name),
         )
         self.watch(self.loop.start())
+        wan, local = self.path_streams["wan"], self.path_streams["local"]
+        log.info(
+            "bulk_streams_planned",
+            wan_streams=wan.streams,
+            wan_buffer_bytes=wan.buffer_bytes,
+            local_streams=local.streams,
+            local_buffer_bytes=local.buffer_bytes,
+        )
         site = self.config.site
         await self.subscribe(
             subjects.instance_work(site, self.service_name, self.instance_id, subjects.START_PREFILL),
@@ -88,6 +109,7 @@ class PrefillService(EngineService):
         for job in late:
             await job.close("prefill stopping")
         await asyncio.gather(*(job.task for job in late), return_exceptions=True)
+        self.bulk_pool.close()
         if self.loop is not None:
             await self.loop.stop()
 
@@ -115,8 +137,10 @@ class PrefillService(EngineService):
 
     async def dial(self, flow_open: FlowOpen, route: ShippingPath) -> BulkFlow:
         """Open one KV flow to ``route``'s receiver: TLS on the WAN (and locally if configured),
-        through the WAN link when the receiver is at another site."""
+        through the WAN link when the receiver is at another site, striped over the path's
+        streams on connections the pool keeps per receiver."""
         config, receiver = self.config, route.receiver
+        plan = self.path_streams.get(route.path, self.path_streams["local"])
         return await open_flow(
             receiver.bulk_endpoint,
             flow_open,
@@ -127,6 +151,9 @@ class PrefillService(EngineService):
             tls=self._bulk_tls if route.path == "wan" or config.bulk_tls_local else None,
             tls_name=RECEIVER_TLS_NAME[route.role],
             link=receiver.bulk_link if receiver.site != config.site else "",
+            streams=plan.streams,
+            pool=self.bulk_pool,
+            buffer_bytes=plan.buffer_bytes,
         )
 
     async def _on_start_msg(self, cmd: StartPrefill, msg):

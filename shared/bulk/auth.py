@@ -6,7 +6,10 @@ just the public key (``bulk-verify.pub``), which checks a signature but cannot m
 decoder can open a flow into another. Costs no extra round trip: the sender signs its FlowOpen
 (with its clock and a fresh nonce); the receiver checks the signature, that the flow names it
 (instance and incarnation, so a FlowOpen cannot be replayed to another receiver or to this one
-after a restart), the clock skew and that the nonce was not seen before.
+after a restart), the clock skew and that the nonce was not seen before. A striped flow's
+further connections each open with a ``FlowJoin`` signed and checked the same way, so every
+connection authenticates on its own (the union tag in the signed bytes keeps a FlowOpen's
+signature from passing for a FlowJoin's).
 """
 
 import functools
@@ -14,16 +17,20 @@ import hashlib
 import hmac
 import secrets
 import time
+from typing import TypeVar
 
 import msgspec
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from shared.messages import FlowOpen, encode
+from shared.messages import FlowJoin, FlowOpen, encode
 
 MAX_CLOCK_SKEW_S = 300.0
 _SIGNING_KEY_CONTEXT = b"pdd bulk flow signing key v1"
+Signed = FlowOpen | FlowJoin
+"""The signed openings of a bulk connection."""
+S = TypeVar("S", FlowOpen, FlowJoin)
 
 
 @functools.lru_cache(maxsize=8)
@@ -37,8 +44,9 @@ def verify_key(secret: str) -> str:
     return _signing_key(secret).public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
 
 
-def sign(flow_open: FlowOpen, secret: str) -> FlowOpen:
-    """Return ``flow_open`` with its signature (``mac``, hex) made with ``secret``'s private key."""
+def sign(flow_open: S, secret: str) -> S:
+    """Return ``flow_open`` (a FlowOpen or FlowJoin) with its signature (``mac``, hex) made with
+    ``secret``'s private key."""
     unsigned = msgspec.structs.replace(flow_open, mac="")
     return msgspec.structs.replace(flow_open, mac=_signing_key(secret).sign(encode(unsigned)).hex())
 
@@ -84,8 +92,9 @@ class FlowAuthenticator:
         self._receiver_id, self._incarnation = receiver_id, incarnation
         self._replays = ReplayGuard()
 
-    def verify(self, flow_open: FlowOpen, now: float | None = None) -> str | None:
-        """None if authentic and fresh, else why not."""
+    def verify(self, flow_open: Signed, now: float | None = None) -> str | None:
+        """None if ``flow_open`` (a FlowOpen or FlowJoin) is authentic, fresh and for this
+        receiver, else why not."""
         now = time.time() if now is None else now
         try:
             self._public_key.verify(bytes.fromhex(flow_open.mac), encode(msgspec.structs.replace(flow_open, mac="")))

@@ -26,6 +26,7 @@ import concurrent.futures
 import functools
 import os
 import queue
+import select
 import socket
 import ssl
 import threading
@@ -103,6 +104,8 @@ class BulkConnection:
         self._sock = sock
         self._thread = _CallThread(name)
         self._closed = False
+        self.reused = False
+        """Whether a pool handed it out again (an earlier flow used it)."""
         weakref.finalize(self, self._thread.stop)  # one dropped unclosed: its socket closes as it is collected
 
     @property
@@ -195,6 +198,24 @@ class BulkConnection:
         check = functools.partial(decode_frame, buffer, expect, verify_checksum=not self.authenticates_bytes)
         return await asyncio.wait_for(loop.run_in_executor(_check_pool(), check), timeout_s)
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called."""
+        return self._closed
+
+    def looks_idle(self) -> bool:
+        """Whether nothing has arrived on the connection (an idle pooled connection whose peer
+        closed it, or sent anything unasked, is readable: it must not be reused). Only call
+        while no call runs on the connection."""
+        if self._closed:
+            return False
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        pending = self._sock.pending() if isinstance(self._sock, ssl.SSLSocket) else 0
+        return not readable and not pending
+
     def close(self):
         """Shut the socket down (ending any call in progress), then close it once the calls
         already queued have ended; idempotent. Bytes already sent are still delivered."""
@@ -210,14 +231,21 @@ class BulkConnection:
         self._thread.stop()
 
 
-async def dial(host: str, port: int, stall_timeout_s: float) -> BulkConnection:
-    """Connect to ``host:port`` (each address it resolves to, in order, until one answers)."""
+async def dial(host: str, port: int, stall_timeout_s: float, buffer_bytes: int = 0) -> BulkConnection:
+    """Connect to ``host:port`` (each address it resolves to, in order, until one answers).
+
+    ``buffer_bytes`` > 0 sets the socket's send and receive buffers before it connects (so the
+    window scale covers them; ``path_sizing.socket_buffer_bytes``); 0 leaves the kernel's
+    autotuning alone."""
     loop = asyncio.get_running_loop()
     addresses = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     error: OSError = OSError(f"{host}:{port} resolves to no address")
     for family, kind, proto, _, address in addresses:
         sock = socket.socket(family, kind, proto)
         try:
+            if buffer_bytes > 0:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
             sock.setblocking(False)
             await loop.sock_connect(sock, address)
         except OSError as exc:

@@ -1,21 +1,35 @@
-"""Bulk receiver: accepts authenticated KV flows and hands their frames to a FlowHandler."""
+"""Bulk receiver: accepts authenticated KV flows and hands their frames to a FlowHandler, in
+the flow's order whichever of the flow's connections (streams) each frame came on."""
 
 import asyncio
 import collections
 import socket
 import ssl
 import time
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
 
 from shared.bulk.auth import FlowAuthenticator
 from shared.bulk.connection import BulkConnection
+from shared.bulk.flow_stats import FlowStats
+from shared.bulk.path_sizing import MAX_STREAMS
+from shared.bulk.striped_flow import StreamBroken, StripedFlow
 from shared.errors import KvFrameError, PddError
 from shared.kv_wire import FrameExpectation, KvFrame
-from shared.messages import FlowAccepted, FlowCancel, FlowEnd, FlowOpen, FlowRejected
+from shared.messages import (
+    BulkControl,
+    FlowAccepted,
+    FlowCancel,
+    FlowEnd,
+    FlowJoin,
+    FlowOpen,
+    FlowRejected,
+    StreamEnd,
+)
 from shared.metrics import KV_BYTES
+
+__all__ = ["BulkReceiver", "FlowHandler", "FlowStats"]
 
 log = structlog.get_logger(__name__)
 AUTH_TIMEOUT_S = 5.0
@@ -28,43 +42,14 @@ arrival, before any handshake."""
 MAX_FLOWS_PER_SENDER = 128
 """Open flows one authenticated sender may hold at once (a prefill ships each request once per
 receiver, so this is far above an honest sender's need); more are refused (``too_many_flows``)."""
+IDLE_TIMEOUT_S = 60.0
+"""Longest an authenticated connection waits idle between two flows (a sender's pool keeps it
+for ``pool.POOL_IDLE_S``, less); the socket's stall timeout bounds it too."""
+MAX_IDLE_CONNECTIONS = 256
+"""Idle connections kept at once, all senders together; one more is closed as its flow ends."""
 LISTEN_BACKLOG = 128
 ACCEPT_RETRY_S = 0.5
 """Pause after a failed accept (out of file descriptors) before accepting again."""
-
-
-@dataclass
-class FlowStats:
-    """What one flow delivered.
-
-    Attributes:
-        bytes_received: Bytes of frames and control messages after the FlowOpen.
-        frames: KV frames imported.
-        opened_monotonic: When the FlowOpen arrived.
-        first_frame_monotonic: When the first KV frame was complete.
-        first_frame_bytes: Size of that frame.
-        finished_monotonic: When the FlowEnd arrived.
-    """
-
-    bytes_received: int = 0
-    frames: int = 0
-    opened_monotonic: float = field(default_factory=time.monotonic)
-    first_frame_monotonic: float = 0.0
-    first_frame_bytes: int = 0
-    finished_monotonic: float = 0.0
-
-    @property
-    def transfer_s(self) -> float:
-        """Seconds from FlowOpen to FlowEnd (includes the sender's compute)."""
-        return max(0.0, self.finished_monotonic - self.opened_monotonic)
-
-    @property
-    def streaming_bytes_per_s(self) -> float | None:
-        """Link throughput seen between the first and the last frame (None: too few frames)."""
-        elapsed = self.finished_monotonic - self.first_frame_monotonic
-        if self.frames < 2 or elapsed <= 0:
-            return None
-        return (self.bytes_received - self.first_frame_bytes) / elapsed
 
 
 class FlowHandler(Protocol):
@@ -87,9 +72,15 @@ class FlowHandler(Protocol):
 
 
 class BulkReceiver:
-    """TCP server for one receiving instance; one flow per connection, each with its own I/O
-    thread (``BulkConnection``) that reads every frame into one buffer, one frame ahead of the
-    frame being checked (on a check thread, in place) and imported."""
+    """TCP server for one receiving instance. Each connection has its own I/O thread
+    (``BulkConnection``, so TLS and the kernel's copies of several connections run on several
+    cores) that reads every frame into one buffer, one frame ahead of the frame being checked
+    (on a check thread, in place) and imported.
+
+    A connection opens with a signed FlowOpen (it leads a new flow) or a signed FlowJoin (it
+    becomes one more stream of a flow already accepted, ``striped_flow``); once its part of a
+    flow ended cleanly it waits, idle, for the next opening (a sender's pool reuses it), and
+    each opening is authenticated again."""
 
     def __init__(
         self,
@@ -111,8 +102,11 @@ class BulkReceiver:
         self._auth = FlowAuthenticator(verify_key, receiver_id, incarnation)
         self._tls = tls
         self._unauthenticated = 0
+        self._idle = 0
         self._max_flows_per_sender = max_flows_per_sender
         self._flows_by_sender: collections.Counter[str] = collections.Counter()
+        self._flows: dict[str, StripedFlow] = {}
+        """Accepted flows by their FlowOpen's nonce (what a FlowJoin names)."""
         self._path = path
         self._frame_timeout_s = frame_timeout_s
         self._host, self._port = host, port
@@ -151,6 +145,11 @@ class BulkReceiver:
             task.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)
 
+    @property
+    def num_connections(self) -> int:
+        """Connections open now (authenticating, in a flow or idle)."""
+        return len(self._connections)
+
     async def _accept_loop(self, listener: socket.socket):
         loop = asyncio.get_running_loop()
         while True:
@@ -177,74 +176,111 @@ class BulkReceiver:
         return max(AUTH_TIMEOUT_S, self._frame_timeout_s)
 
     async def _serve(self, connection: BulkConnection):
+        """One connection: its first opening, then one flow (or stream of a flow) after another."""
         try:
-            stats = FlowStats()
             try:
-                flow_open = await self._authenticate(connection)
+                opening = await self._authenticate(connection)
             finally:
                 self._unauthenticated -= 1
-            if flow_open is not None and await self._bounded(flow_open, connection):
-                self._flows_by_sender[flow_open.sender_id] += 1
-                try:
-                    if await self._admit(flow_open, connection, stats):
-                        await self._receive(flow_open, connection, stats)
-                finally:
-                    self._flows_by_sender[flow_open.sender_id] -= 1
+            while opening is not None and await self._run(opening, connection):
+                opening = await self._next_opening(connection)
         except (OSError, KvFrameError) as exc:  # timeouts, resets, failed TLS handshakes, bad bytes
             log.warning("bulk_connection_dropped", path=self._path, error=str(exc) or type(exc).__name__)
         finally:
             connection.close()
 
-    async def _authenticate(self, connection: BulkConnection) -> FlowOpen | None:
-        """The peer's FlowOpen if it is authentic, fresh and for this receiver, else None; the
-        TLS handshake and the FlowOpen must both be done within ``AUTH_TIMEOUT_S``."""
+    async def _authenticate(self, connection: BulkConnection) -> FlowOpen | FlowJoin | None:
+        """The peer's first opening if it is authentic, fresh and for this receiver, else None;
+        the TLS handshake and the opening must both be done within ``AUTH_TIMEOUT_S``."""
         async with asyncio.timeout(AUTH_TIMEOUT_S):
             if self._tls is not None:
                 await connection.start_tls(self._tls, server_side=True)
             message, _ = await connection.read_message(None, MAX_PREAUTH_CONTROL_BYTES)
-        if not isinstance(message, FlowOpen):
+        return await self._verified(message, connection)
+
+    async def _next_opening(self, connection: BulkConnection) -> FlowOpen | FlowJoin | None:
+        """The next opening on a connection whose flow ended cleanly, or None: closed by the
+        peer, idle for ``IDLE_TIMEOUT_S``, or ``MAX_IDLE_CONNECTIONS`` idle already."""
+        if self._idle >= MAX_IDLE_CONNECTIONS:
+            return None
+        self._idle += 1
+        try:
+            async with asyncio.timeout(IDLE_TIMEOUT_S):
+                message, _ = await connection.read_message(None, MAX_PREAUTH_CONTROL_BYTES)
+        except TimeoutError:
+            return None
+        finally:
+            self._idle -= 1
+        return None if message is None else await self._verified(message, connection)
+
+    async def _verified(self, message: BulkControl | None, connection: BulkConnection) -> FlowOpen | FlowJoin | None:
+        """``message`` if it is a signed opening for this receiver, fresh and unseen, else None
+        (a refused FlowOpen is answered; a refused FlowJoin only closed)."""
+        if not isinstance(message, FlowOpen | FlowJoin):
             log.warning("bulk_flow_refused", path=self._path, reason="first message is not FlowOpen")
             return None
         problem = self._auth.verify(message)
         if problem is None:
             return message
         log.warning("bulk_flow_refused", path=self._path, request_id=message.request_id, reason=problem)
-        await connection.send_control(
-            FlowRejected(request_id=message.request_id, code="unauthenticated", message=problem), AUTH_TIMEOUT_S
-        )
+        if isinstance(message, FlowOpen):
+            await connection.send_control(
+                FlowRejected(request_id=message.request_id, code="unauthenticated", message=problem), AUTH_TIMEOUT_S
+            )
         return None
 
+    async def _run(self, opening: FlowOpen | FlowJoin, connection: BulkConnection) -> bool:
+        """Serve one opening; whether the connection ended it cleanly (and may serve another)."""
+        if isinstance(opening, FlowJoin):
+            return await self._serve_join(opening, connection)
+        if not await self._bounded(opening, connection):
+            return False
+        self._flows_by_sender[opening.sender_id] += 1
+        try:
+            flow = await self._admit(opening, connection)
+            if flow is None:
+                return False
+            try:
+                return await self._receive(flow, connection)
+            finally:
+                del self._flows[opening.nonce]
+        finally:
+            self._flows_by_sender[opening.sender_id] -= 1
+
     async def _bounded(self, flow_open: FlowOpen, connection: BulkConnection) -> bool:
-        """Whether the sender may open one more flow now; refuse it otherwise."""
-        if self._flows_by_sender[flow_open.sender_id] < self._max_flows_per_sender:
+        """Whether the sender may open one more flow now, over a stream count within
+        ``MAX_STREAMS``; refuse it otherwise."""
+        if not 1 <= flow_open.streams <= MAX_STREAMS:
+            code, message = "bad_streams", f"streams must be within 1..{MAX_STREAMS}, got {flow_open.streams}"
+        elif self._flows_by_sender[flow_open.sender_id] < self._max_flows_per_sender:
             return True
+        else:
+            code = "too_many_flows"
+            message = f"{self._max_flows_per_sender} flows from {flow_open.sender_id!r} are open already"
         log.warning(
             "bulk_flow_refused",
             path=self._path,
             request_id=flow_open.request_id,
-            reason="too many flows from this sender",
+            reason=code,
             sender=flow_open.sender_id,
         )
         await connection.send_control(
-            FlowRejected(
-                request_id=flow_open.request_id,
-                code="too_many_flows",
-                message=f"{self._max_flows_per_sender} flows from {flow_open.sender_id!r} are open already",
-            ),
-            AUTH_TIMEOUT_S,
+            FlowRejected(request_id=flow_open.request_id, code=code, message=message), AUTH_TIMEOUT_S
         )
         return False
 
-    async def _admit(self, flow_open: FlowOpen, connection: BulkConnection, stats: FlowStats) -> bool:
-        """Ask the handler (which may wait for blocks in flight); answer the sender."""
-        received = time.monotonic()
+    async def _admit(self, flow_open: FlowOpen, connection: BulkConnection) -> StripedFlow | None:
+        """Ask the handler (which may wait for blocks in flight); register the flow (so its
+        streams can join), then answer the sender. None: refused, or the sender left."""
+        received, stats = time.monotonic(), FlowStats()
         try:
             first_index = await self._handler.open_flow(flow_open, stats)
         except PddError as exc:
             await connection.send_control(
                 FlowRejected(request_id=flow_open.request_id, code=exc.code, message=str(exc)), self._frame_timeout_s
             )
-            return False
+            return None
+        flow = self._flows[flow_open.nonce] = StripedFlow(flow_open, connection, first_index, stats)
         try:
             await connection.send_control(
                 FlowAccepted(
@@ -254,62 +290,105 @@ class BulkReceiver:
             )
         except OSError as exc:
             # The sender left while we waited for room (it was cancelled): free what we reserved.
+            del self._flows[flow_open.nonce]
             await self._handler.abort_flow(flow_open.request_id, f"sender gone before acceptance: {exc}")
-            return False
-        return True
+            return None
+        return flow
 
-    async def _receive(self, flow_open: FlowOpen, connection: BulkConnection, stats: FlowStats):
-        """Import the flow's frames in order until its FlowEnd (or abort it).
+    async def _receive(self, flow: StripedFlow, connection: BulkConnection) -> bool:
+        """The lead stream: import its frames in the flow's order until its FlowEnd, then, once
+        every stream ended, end the flow (True); or abort it (False)."""
+        request_id = flow.request_id
+        try:
+            message = await self._stream_frames(flow, connection)
+            if isinstance(message, FlowEnd):
+                flow.stream_done(0)
+                await flow.all_streams_done(self._frame_timeout_s)
+                flow.stats.finished_monotonic = time.monotonic()
+                await self._handler.end_flow(request_id, message, flow.stats)
+                return True
+            if isinstance(message, FlowCancel):
+                reason = f"cancelled by sender: {message.reason}"
+            else:
+                reason = "connection closed" if message is None else f"unexpected {type(message).__name__}"
+        except asyncio.CancelledError:
+            await self._handler.abort_flow(request_id, flow.fail("receiver stopping"))
+            raise
+        except (StreamBroken, TimeoutError, PddError, OSError) as exc:
+            reason = self._reason(exc)
+        await self._handler.abort_flow(request_id, flow.fail(reason))
+        return False
+
+    async def _serve_join(self, join: FlowJoin, connection: BulkConnection) -> bool:
+        """A further stream of an accepted flow: import its frames in the flow's order until its
+        StreamEnd (True); anything else fails the whole flow (False)."""
+        flow = self._flows.get(join.flow_nonce)
+        if flow is None or flow.request_id != join.request_id or flow.flow_open.sender_id != join.sender_id:
+            problem = "no open flow of this sender and request has that nonce"
+        else:
+            problem = flow.join(join.stream, connection)
+        if problem is not None:
+            log.warning("bulk_stream_refused", path=self._path, request_id=join.request_id, reason=problem)
+            return False
+        try:
+            accepted = FlowAccepted(request_id=join.request_id, first_token_index=flow.first_token_index)
+            await connection.send_control(accepted, self._frame_timeout_s)
+            message = await self._stream_frames(flow, connection)
+            if isinstance(message, StreamEnd):
+                flow.stream_done(join.stream)
+                return True
+            reason = "closed before its StreamEnd" if message is None else f"unexpected {type(message).__name__}"
+        except asyncio.CancelledError:
+            flow.fail("receiver stopping")
+            raise
+        except (StreamBroken, TimeoutError, PddError, OSError) as exc:
+            reason = self._reason(exc)
+        flow.fail(f"stream {join.stream}: {reason}")
+        return False
+
+    def _reason(self, exc: BaseException) -> str:
+        """Why a stream ended, for the flow's abort."""
+        if isinstance(exc, StreamBroken):
+            return str(exc)
+        if isinstance(exc, TimeoutError):
+            return f"no data for {self._frame_timeout_s:.0f} s"
+        if isinstance(exc, PddError):
+            return f"{exc.code}: {exc}"
+        return f"connection lost: {exc}"
+
+    async def _stream_frames(self, flow: StripedFlow, connection: BulkConnection) -> BulkControl | None:
+        """Import one stream's frames, each in its turn, until a control message (returned; None
+        at the end of the stream).
 
         One read ahead: once frame N is read, the read of the next message is queued before
-        frame N is checked (on a check thread) and imported, so the socket keeps draining
-        meanwhile. At most one frame beyond the one being handled is held, and nothing is read
-        past a FlowEnd or FlowCancel (only a frame starts a read ahead). The next message's
-        ``frame_timeout_s`` counts from when the receiver is ready for it, as without the read
-        ahead; the socket's stall timeout (no byte at all for as long) bounds the read itself.
+        frame N is checked (on a check thread), waits for its turn and is imported, so the
+        socket keeps draining meanwhile. At most one frame beyond the one being handled is
+        held, and nothing is read past a control message (only a frame starts a read ahead),
+        so a connection whose part ended cleanly holds nothing unread. The next message's
+        ``frame_timeout_s`` counts from when the stream is ready for it; the socket's stall
+        timeout (no byte at all for as long) bounds the read itself.
+
+        Raises:
+            StreamBroken, TimeoutError, KvFrameError, PddError, OSError: the stream broke.
         """
-        request_id, reason = flow_open.request_id, "connection closed"
-        pending: asyncio.Future | None = None
+        pending: asyncio.Future | None = connection.start_read(self._expect)
         try:
-            pending = connection.start_read(self._expect)
             while True:
                 async with asyncio.timeout(self._frame_timeout_s):
                     message, size = await asyncio.shield(pending)
+                pending = None
                 if isinstance(message, memoryview):  # a KV frame, read but not yet checked
                     pending = connection.start_read(self._expect)
                     message = await connection.check_frame(message, self._expect, self._frame_timeout_s)
-                stats.bytes_received += size
+                flow.stats.bytes_received += size
                 KV_BYTES.labels(self._path, "received").inc(size)
-                if isinstance(message, KvFrame):
-                    if message.header.request_id != request_id:
-                        reason = f"frame of request {message.header.request_id!r} on this flow"
-                        break
-                    await self._handler.import_frame(request_id, message)
-                    stats.frames += 1
-                    if stats.frames == 1:
-                        stats.first_frame_monotonic, stats.first_frame_bytes = time.monotonic(), size
-                elif isinstance(message, FlowEnd):
-                    stats.finished_monotonic = time.monotonic()
-                    await self._handler.end_flow(request_id, message, stats)
-                    return
-                elif isinstance(message, FlowCancel):
-                    reason = f"cancelled by sender: {message.reason}"
-                    break
-                else:
-                    if message is not None:
-                        reason = f"unexpected {type(message).__name__}"
-                    break
-        except TimeoutError:
-            reason = f"no data for {self._frame_timeout_s:.0f} s"
-        except asyncio.CancelledError:
-            reason = "receiver stopping"
-            await self._handler.abort_flow(request_id, reason)
-            raise
-        except PddError as exc:
-            reason = f"{exc.code}: {exc}"
-        except (ConnectionError, OSError) as exc:
-            reason = f"connection lost: {exc}"
+                if not isinstance(message, KvFrame):
+                    return message
+                if message.header.request_id != flow.request_id:
+                    raise StreamBroken(f"frame of request {message.header.request_id!r} on this flow")
+                await flow.turn(message.header, self._frame_timeout_s)
+                await self._handler.import_frame(flow.request_id, message)
+                flow.imported(message.header, size)
         finally:
             if pending is not None:
                 pending.cancel()  # a read ahead still running: the connection closes next, which ends it
-        await self._handler.abort_flow(request_id, reason)

@@ -1,16 +1,22 @@
-"""Bulk sender: opens an authenticated per-request flow and streams KV frames with back-pressure."""
+"""Bulk sender: opens an authenticated per-request flow and streams KV frames with back-pressure,
+striped over one or more connections (``path_sizing`` says how many), pooled per peer."""
 
 import asyncio
+import collections
+import functools
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
 from shared.bulk.auth import new_nonce, sign
 from shared.bulk.connection import BulkConnection, dial
 from shared.bulk.link_route import route_key, sign_route
+from shared.bulk.path_sizing import MAX_STREAMS
+from shared.bulk.pool import BulkPool
 from shared.errors import PddError
-from shared.messages import FlowAccepted, FlowCancel, FlowEnd, FlowOpen, FlowRejected
+from shared.messages import BulkControl, FlowAccepted, FlowCancel, FlowEnd, FlowJoin, FlowOpen, FlowRejected, StreamEnd
 from shared.metrics import KV_BYTES
 
 
@@ -27,23 +33,42 @@ CANCEL_TIMEOUT_S = 1.0
 
 
 class BulkFlow:
-    """One request's KV flow to one receiver."""
+    """One request's KV flow to one receiver, its frames striped over one or more connections
+    (``streams``): frame k goes on connection ``k mod streams``, so each connection carries
+    its frames in the flow's order and the receiver puts the connections' frames back in order.
+    The first connection (the lead) carried the FlowOpen and carries the FlowEnd or FlowCancel."""
 
     def __init__(
         self,
         request_id: str,
         path: str,
-        connection: BulkConnection,
+        connection: BulkConnection | list[BulkConnection],
         first_token_index: int,
         handshake_s: float = 0.0,
+        release: Callable[[list[BulkConnection]], None] | None = None,
     ):
+        """``release`` takes the connections back once the flow ended cleanly (a pool keeps
+        them); without it they are closed."""
         self.request_id = request_id
         self.handshake_s = handshake_s
         self.path = path
         self.first_token_index = first_token_index
         self.bytes_sent = 0
-        self._connection = connection
+        self._streams = connection if isinstance(connection, list) else [connection]
+        self._release = release
+        self._in_flight: collections.deque[asyncio.Task] = collections.deque()
+        self._frames_sent = 0
         self._opened = time.monotonic()
+
+    @property
+    def _connection(self) -> BulkConnection:
+        """The lead connection."""
+        return self._streams[0]
+
+    @property
+    def streams(self) -> int:
+        """Connections the flow's frames are striped over."""
+        return len(self._streams)
 
     @property
     def elapsed_s(self) -> float:
@@ -56,24 +81,45 @@ class BulkFlow:
         return self._connection.cipher
 
     async def send_frame(self, parts: list[bytes | memoryview]):
-        """Write one frame from its buffers as they are (no copy); returns once the kernel holds
-        all of it, so a receiver that stops reading stalls the sender within the sockets'
-        buffers. The buffers must stay unchanged until then (if this is cancelled: until the
-        flow is closed). A frame whose sender is cancelled still goes out whole before a
-        FlowCancel, unless the receiver does not take it within ``CANCEL_TIMEOUT_S``: the
-        connection then closes mid-frame and the receiver drops the flow as truncated.
+        """Write one frame from its buffers as they are (no copy) on the flow's next connection;
+        returns once at most ``streams - 1`` frames are still on their way to the kernel (one
+        stream: once the kernel holds all of this one), so a receiver that stops reading stalls
+        the sender within the sockets' buffers. The buffers must stay unchanged until then (if
+        this is cancelled: until the flow is closed). A frame whose sender is cancelled still
+        goes out whole before a FlowCancel, unless the receiver does not take it within
+        ``CANCEL_TIMEOUT_S``: the connection then closes mid-frame and the receiver drops the
+        flow as truncated.
 
         Raises:
-            ConnectionError, OSError: the connection broke, or no byte left for the
-                connection's stall timeout (``TimeoutError``).
+            ConnectionError, OSError: a connection broke, or no byte left for the connection's
+                stall timeout (``TimeoutError``).
         """
-        size = await self._connection.send(parts)
+        stream = self._streams[self._frames_sent % len(self._streams)]
+        self._frames_sent += 1
+        if len(self._streams) == 1:  # nothing to overlap: the send itself, as before striping
+            await self._send_on(stream, parts)
+            return
+        sending = asyncio.ensure_future(self._send_on(stream, parts))
+        sending.add_done_callback(_retrieve_exception)
+        self._in_flight.append(sending)
+        while len(self._in_flight) >= len(self._streams):
+            await asyncio.shield(self._in_flight[0])
+            self._in_flight.popleft()
+
+    async def _send_on(self, stream: BulkConnection, parts: list[bytes | memoryview]):
+        size = await stream.send(parts)
         self.bytes_sent += size
         KV_BYTES.labels(self.path, "sent").inc(size)
 
     async def end(self, output_token_ids: list[int], output_logprobs: list | None = None):
-        """Tell the receiver every frame is sent (and which output tokens it starts from), then close."""
+        """Once every frame is sent, tell the receiver so (and which output tokens it starts
+        from): a StreamEnd on each joined connection, the FlowEnd on the lead. The connections
+        then go back to the pool (without one: they close); on a failure they close."""
         try:
+            while self._in_flight:
+                await asyncio.shield(self._in_flight[0])
+                self._in_flight.popleft()
+            await asyncio.gather(*(self._end_stream(stream) for stream in self._streams[1:]))
             await self._connection.send_control(
                 FlowEnd(
                     request_id=self.request_id,
@@ -81,8 +127,21 @@ class BulkFlow:
                     output_logprobs=output_logprobs or [],
                 )
             )
-        finally:
+        except BaseException:
             await self.close()
+            raise
+        if self._release is None:
+            await self.close()
+        else:
+            self._release(self._streams)
+
+    async def _end_stream(self, stream: BulkConnection):
+        """Read the receiver's answer to the stream's FlowJoin (long arrived: nothing waits on
+        it), then end the stream."""
+        reply, _ = await stream.read_message(None)
+        if not isinstance(reply, FlowAccepted):
+            raise ConnectionError(f"the receiver did not accept a stream of flow {self.request_id!r}")
+        await stream.send_control(StreamEnd(request_id=self.request_id))
 
     async def cancel(self, reason: str):
         """Abandon the flow; the receiver discards what arrived."""
@@ -93,8 +152,15 @@ class BulkFlow:
         await self.close()
 
     async def close(self):
-        """Close the connection (idempotent); bytes already sent are still delivered."""
-        self._connection.close()
+        """Close the connections (idempotent); bytes already sent are still delivered."""
+        for stream in self._streams:
+            stream.close()
+
+
+def _retrieve_exception(task: asyncio.Task):
+    # A send nobody awaits any more (its flow failed or was cancelled) must not warn at exit.
+    if not task.cancelled():
+        task.exception()
 
 
 async def open_flow(
@@ -109,49 +175,152 @@ async def open_flow(
     tls_name: str = "",
     link: str = "",
     stall_timeout_s: float = SEND_STALL_TIMEOUT_S,
+    streams: int = 1,
+    pool: BulkPool | None = None,
+    buffer_bytes: int = 0,
 ) -> BulkFlow:
-    """Connect to ``endpoint`` (``host:port``), authenticate and wait for FlowAccepted.
+    """Connect to ``endpoint`` (``host:port``), authenticate and wait for FlowAccepted; with
+    ``streams`` > 1, join that many connections in all to the flow (each with a signed FlowJoin).
 
-    ``timeout_s`` bounds the connection (TLS handshake included); ``accept_timeout_s``
+    ``timeout_s`` bounds each connection (TLS handshake included); ``accept_timeout_s``
     (default the same) bounds the wait for the answer, which a receiver may delay while blocks
     this prompt needs are still arriving on another flow. ``BulkFlow.handshake_s`` excludes
     that delay: one round trip. ``stall_timeout_s`` bounds each later send's wait without
-    progress. With ``tls`` the connection is mutual TLS: the receiver must present a
+    progress. With ``tls`` the connections are mutual TLS: the receiver must present a
     certificate of the deployment's CA for ``tls_name`` (its service name, e.g.
     ``main-decode``; default the host dialled), and we present ours. With ``link`` (the WAN
-    link's routed port) the connection goes there and opens with a signed ``LinkRoute``
+    link's routed port) each connection goes there and opens with a signed ``LinkRoute``
     naming ``endpoint``; it costs no round trip, and TLS then runs end to end through the link.
+    With ``pool`` the connections come from it when it has idle ones to this peer (the further
+    ones are dialled while the lead's FlowOpen waits for its answer) and go back to it once the
+    flow ended cleanly; a pooled lead the receiver has closed meanwhile is replaced by a new
+    connection once. ``buffer_bytes`` sizes new sockets' buffers (``path_sizing``).
 
     Raises:
         FlowRefused: the receiver said no.
         ConnectionError, OSError, asyncio.TimeoutError: it could not be reached in time (a
             link that refuses the route closes the connection: the TLS handshake or the
             FlowOpen then fails).
+        ValueError: ``streams`` is not within 1 .. ``MAX_STREAMS``.
     """
-    signed = sign(_stamp_fresh(flow_open), secret)
+    if not 1 <= streams <= MAX_STREAMS:
+        raise ValueError(f"streams must be within 1..{MAX_STREAMS}, got {streams}")
     stall_timeout_s = max(stall_timeout_s, accept_timeout_s or timeout_s)
-    connection = await asyncio.wait_for(_connect(endpoint, secret, tls, tls_name, link, stall_timeout_s), timeout_s)
-    started = time.monotonic()
+    peer = (endpoint, link, tls_name, id(tls) if tls is not None else None, buffer_bytes)
+
+    async def connect() -> BulkConnection:
+        taken = pool.take(peer) if pool is not None else None
+        if taken is not None:
+            return taken
+        made = _connect(endpoint, secret, tls, tls_name, link, stall_timeout_s, buffer_bytes)
+        return await asyncio.wait_for(made, timeout_s)
+
+    extra = [asyncio.ensure_future(connect()) for _ in range(streams - 1)]
     try:
-        await connection.send_control(signed, timeout_s)
-        reply, _ = await connection.read_message(None, timeout_s=accept_timeout_s or timeout_s)
+        lead, signed, reply, started = await _open_lead(
+            connect, flow_open, secret, streams, timeout_s, accept_timeout_s
+        )
+        joined = list(await asyncio.gather(*extra))
     except BaseException:
-        connection.close()
+        await _close_all(extra)
         raise
     if isinstance(reply, FlowAccepted):
+        release = functools.partial(_give_back, pool, peer) if pool is not None else None
         handshake_s = max(0.0, time.monotonic() - started - reply.queued_s)
-        return BulkFlow(flow_open.request_id, path, connection, reply.first_token_index, handshake_s=handshake_s)
-    connection.close()
+        flow = BulkFlow(flow_open.request_id, path, [lead, *joined], reply.first_token_index, handshake_s, release)
+        await _join(flow, signed, joined, secret, timeout_s)
+        return flow
+    for connection in (lead, *joined):
+        connection.close()
     if isinstance(reply, FlowRejected):
         raise FlowRefused(f"{endpoint} refused flow: {reply.code}: {reply.message}")
     raise FlowRefused(f"{endpoint} closed the flow without answering")
 
 
+async def _open_lead(
+    connect: Callable[[], Awaitable[BulkConnection]],
+    flow_open: FlowOpen,
+    secret: str,
+    streams: int,
+    timeout_s: float,
+    accept_timeout_s: float | None,
+) -> tuple[BulkConnection, FlowOpen, BulkControl | None, float]:
+    """(lead connection, the signed FlowOpen it carried, the receiver's answer, when it was sent
+    (monotonic)). A pooled connection that turns out closed (no answer, a reset) is replaced once."""
+    for attempt in range(2):
+        connection = await connect()
+        reused = connection.reused
+        signed = sign(_stamp_fresh(msgspec.structs.replace(flow_open, streams=streams)), secret)
+        started = time.monotonic()
+        try:
+            await connection.send_control(signed, timeout_s)
+            reply, _ = await connection.read_message(None, timeout_s=accept_timeout_s or timeout_s)
+        except ConnectionError:
+            connection.close()
+            if reused and attempt == 0:
+                continue
+            raise
+        except BaseException:
+            connection.close()
+            raise
+        if reply is None and reused and attempt == 0:
+            connection.close()
+            continue
+        return connection, signed, reply, started
+    raise AssertionError("unreachable")
+
+
+async def _join(flow: BulkFlow, signed: FlowOpen, joined: list[BulkConnection], secret: str, timeout_s: float):
+    """Send each further connection's signed FlowJoin without waiting for its answer (read at
+    the flow's end: a receiver that refuses one closes that connection, and the flow's next
+    send on it fails)."""
+    joins = [
+        sign(
+            FlowJoin(
+                request_id=signed.request_id,
+                flow_nonce=signed.nonce,
+                stream=index,
+                sender_id=signed.sender_id,
+                receiver_id=signed.receiver_id,
+                receiver_incarnation=signed.receiver_incarnation,
+                unix_s=time.time(),
+                nonce=new_nonce(),
+            ),
+            secret,
+        )
+        for index in range(1, len(joined) + 1)
+    ]
+    try:
+        await asyncio.gather(*(c.send_control(j, timeout_s) for c, j in zip(joined, joins, strict=True)))
+    except BaseException:
+        await flow.cancel("a stream could not join")
+        raise
+
+
+def _give_back(pool: BulkPool, peer, connections: list[BulkConnection]):
+    for connection in connections:
+        pool.give(peer, connection)
+
+
+async def _close_all(futures: list[asyncio.Future]):
+    for future in futures:
+        future.cancel()
+    for outcome in await asyncio.gather(*futures, return_exceptions=True):
+        if isinstance(outcome, BulkConnection):
+            outcome.close()
+
+
 async def _connect(
-    endpoint: str, secret: str, tls: ssl.SSLContext | None, tls_name: str, link: str, stall_timeout_s: float
+    endpoint: str,
+    secret: str,
+    tls: ssl.SSLContext | None,
+    tls_name: str,
+    link: str,
+    stall_timeout_s: float,
+    buffer_bytes: int = 0,
 ) -> BulkConnection:
     host, _, port = (link or endpoint).rpartition(":")
-    connection = await dial(host, int(port), stall_timeout_s)
+    connection = await dial(host, int(port), stall_timeout_s, buffer_bytes)
     try:
         if link:
             await connection.send_control(sign_route(endpoint, route_key(secret)))

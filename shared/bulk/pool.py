@@ -1,0 +1,75 @@
+"""Idle bulk connections kept per peer, so a flow reuses connections that earlier flows left
+open (TCP's window and TLS's handshake are then already done) instead of dialling anew.
+
+A connection enters the pool only after a flow ended on it cleanly (every byte sent, nothing
+left unread); it leaves when a flow takes it, when it has been idle for ``idle_s`` or when
+something arrived on it (the receiver closed it: ``BulkConnection.looks_idle``). Each flow
+still authenticates on every connection it uses (a signed FlowOpen or FlowJoin), so a pooled
+connection carries no trust from one flow to the next.
+"""
+
+import time
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import structlog
+
+from shared.bulk.connection import BulkConnection
+
+log = structlog.get_logger(__name__)
+POOL_IDLE_S = 30.0
+"""Longest a connection waits in the pool (receivers drop idle ones later: ``receiver.IDLE_TIMEOUT_S``)."""
+MAX_IDLE_PER_PEER = 16
+"""Idle connections kept per peer; more are closed as they come back."""
+
+
+@dataclass
+class _Idle:
+    connection: BulkConnection
+    since_monotonic: float = field(default_factory=time.monotonic)
+
+
+class BulkPool:
+    """Idle connections by peer (any hashable key naming the endpoint, route and TLS identity)."""
+
+    def __init__(self, idle_s: float = POOL_IDLE_S, max_idle_per_peer: int = MAX_IDLE_PER_PEER):
+        self._idle: dict[Hashable, deque[_Idle]] = {}
+        self._idle_s, self._max_idle = idle_s, max_idle_per_peer
+        self.reused = 0
+        """Connections handed out again (a count for tests and logs)."""
+
+    def take(self, peer: Hashable) -> BulkConnection | None:
+        """An idle connection to ``peer`` still fit for use (the most recently returned), or None;
+        stale ones met on the way are closed."""
+        waiting = self._idle.get(peer)
+        now = time.monotonic()
+        while waiting:
+            idle = waiting.pop()
+            if now - idle.since_monotonic <= self._idle_s and idle.connection.looks_idle():
+                self.reused += 1
+                idle.connection.reused = True
+                return idle.connection
+            idle.connection.close()
+        return None
+
+    def give(self, peer: Hashable, connection: BulkConnection):
+        """Keep ``connection`` (every flow on it ended cleanly) for the next flow to ``peer``."""
+        if connection.closed:
+            return
+        waiting = self._idle.setdefault(peer, deque())
+        waiting.append(_Idle(connection))
+        while len(waiting) > self._max_idle:
+            waiting.popleft().connection.close()
+
+    @property
+    def num_idle(self) -> int:
+        """Idle connections held, all peers together."""
+        return sum(len(waiting) for waiting in self._idle.values())
+
+    def close(self):
+        """Close every idle connection."""
+        for waiting in self._idle.values():
+            while waiting:
+                waiting.pop().connection.close()
+        self._idle.clear()
