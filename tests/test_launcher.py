@@ -180,8 +180,15 @@ async def test_two_routers_serve_behind_one_address_and_killing_one_leaves_new_r
         killed = time.monotonic()
         with pytest.raises(aiohttp.ClientError):
             await response.content.read()  # the dead router's client loses its stream
-        async with session.post(url, json=body("After the kill: name a hill.", 8)) as after:
-            assert after.status == 200 and (await after.json())["choices"][0]["message"]["content"]
+        # A connection the kernel had already queued on the killed router's socket is reset (see
+        # docs/control-plane.md): the client retries it, as OpenAI's client does.
+        for attempt in range(3):
+            try:
+                async with session.post(url, json=body("After the kill: name a hill.", 8)) as after:
+                    assert after.status == 200 and (await after.json())["choices"][0]["message"]["content"]
+                break
+            except aiohttp.ClientConnectionError:
+                assert attempt < 2, "three connections after the kill were reset"
         assert time.monotonic() - killed < 2.0
     while kv_blocks_used(state.metrics_urls) and time.monotonic() - killed < 10.0:
         await asyncio.sleep(0.25)
@@ -242,7 +249,8 @@ async def test_killing_the_busiest_main_decoder_loses_no_request(deployment, tin
         )
         assert text == tiny.tokenizer.decode(reference_greedy(tiny, prompt, max_tokens), skip_special_tokens=True)
     recovered = [pdd["recoveries"] for _, pdd in results if pdd["recoveries"]]
-    assert sum(active.values()) == streams and len(recovered) == active[victim], (active, recovered)
+    # The gauges follow heartbeats: a stream counted on the victim may have ended before the kill.
+    assert sum(active.values()) == streams and 1 <= len(recovered) <= active[victim], (active, recovered)
     assert all(r[0]["from"] == victim and r[0]["to"] != victim for r in recovered)
     # The next request succeeds, and the supervisor brings the killed decoder back.
     reply = await api.chat.completions.create(
