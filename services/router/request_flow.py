@@ -366,7 +366,7 @@ class RequestFlow:
                     "timeout",
                 )
             await self._repair_gap()
-            arrived = await self._arrived()
+            arrived = await _drained(self._queue, LIVENESS_TICK_S)
             if not arrived:
                 self._check_liveness()
                 continue
@@ -381,19 +381,6 @@ class RequestFlow:
                 self._on_event(item)
             if batch:
                 yield self._delivered(batch)
-
-    async def _arrived(self) -> list[tuple[str, object]]:
-        """Everything queued for the attempt now, waiting up to a liveness tick for the first."""
-        queue, arrived = self._queue, []
-        if queue.empty():
-            try:
-                async with asyncio.timeout(LIVENESS_TICK_S):
-                    arrived.append(await queue.get())
-            except TimeoutError:
-                return []
-        while not queue.empty():
-            arrived.append(queue.get_nowait())
-        return arrived
 
     def _released(self, tokens: TokensEmitted) -> list[int]:
         """The tokens a producer's message lets the client have now (none from an instance
@@ -493,3 +480,17 @@ class RequestFlow:
                     ref.instance_id,
                     "instance_unresponsive",
                 )
+
+
+async def _drained(queue: asyncio.Queue, wait_s: float) -> list:
+    """Everything in ``queue`` now, waiting up to ``wait_s`` for the first item ([] if none came)."""
+    arrived = []
+    if queue.empty():
+        try:
+            async with asyncio.timeout(wait_s):
+                arrived.append(await queue.get())
+        except TimeoutError:
+            return []
+    while not queue.empty():
+        arrived.append(queue.get_nowait())
+    return arrived

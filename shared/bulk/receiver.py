@@ -315,7 +315,7 @@ class BulkReceiver:
             await self._handler.abort_flow(request_id, flow.fail("receiver stopping"))
             raise
         except (StreamBroken, TimeoutError, PddError, OSError) as exc:
-            reason = self._reason(exc)
+            reason = _stream_end_reason(exc, self._frame_timeout_s)
         await self._handler.abort_flow(request_id, flow.fail(reason))
         return False
 
@@ -342,19 +342,9 @@ class BulkReceiver:
             flow.fail("receiver stopping")
             raise
         except (StreamBroken, TimeoutError, PddError, OSError) as exc:
-            reason = self._reason(exc)
+            reason = _stream_end_reason(exc, self._frame_timeout_s)
         flow.fail(f"stream {join.stream}: {reason}")
         return False
-
-    def _reason(self, exc: BaseException) -> str:
-        """Why a stream ended, for the flow's abort."""
-        if isinstance(exc, StreamBroken):
-            return str(exc)
-        if isinstance(exc, TimeoutError):
-            return f"no data for {self._frame_timeout_s:.0f} s"
-        if isinstance(exc, PddError):
-            return f"{exc.code}: {exc}"
-        return f"connection lost: {exc}"
 
     async def _stream_frames(self, flow: StripedFlow, connection: BulkConnection) -> BulkControl | None:
         """Import one stream's frames, each in its turn, until a control message (returned; None
@@ -392,3 +382,14 @@ class BulkReceiver:
         finally:
             if pending is not None:
                 pending.cancel()  # a read ahead still running: the connection closes next, which ends it
+
+
+def _stream_end_reason(exc: BaseException, frame_timeout_s: float) -> str:
+    """Why a stream ended, for the flow's abort."""
+    if isinstance(exc, StreamBroken):
+        return str(exc)
+    if isinstance(exc, TimeoutError):
+        return f"no data for {frame_timeout_s:.0f} s"
+    if isinstance(exc, PddError):
+        return f"{exc.code}: {exc}"
+    return f"connection lost: {exc}"

@@ -181,40 +181,23 @@ async def open_flow(
 ) -> BulkFlow:
     """Connect to ``endpoint`` (``host:port``), authenticate and wait for FlowAccepted; with
     ``streams`` > 1, join that many connections in all to the flow (each with a signed FlowJoin).
-
-    ``timeout_s`` bounds each connection (TLS handshake included); ``accept_timeout_s``
-    (default the same) bounds the wait for the answer, which a receiver may delay while blocks
-    this prompt needs are still arriving on another flow. ``BulkFlow.handshake_s`` excludes
-    that delay: one round trip. ``stall_timeout_s`` bounds each later send's wait without
-    progress. With ``tls`` the connections are mutual TLS: the receiver must present a
-    certificate of the deployment's CA for ``tls_name`` (its service name, e.g.
-    ``main-decode``; default the host dialled), and we present ours. With ``link`` (the WAN
-    link's routed port) each connection goes there and opens with a signed ``LinkRoute``
-    naming ``endpoint``; it costs no round trip, and TLS then runs end to end through the link.
-    With ``pool`` the connections come from it when it has idle ones to this peer (the further
-    ones are dialled while the lead's FlowOpen waits for its answer) and go back to it once the
-    flow ended cleanly; a pooled lead the receiver has closed meanwhile is replaced by a new
-    connection once. ``buffer_bytes`` sizes new sockets' buffers (``path_sizing``).
+    ``timeout_s`` bounds each connection (TLS included), ``accept_timeout_s`` (default the same)
+    the answer, which a receiver may delay (``BulkFlow.handshake_s`` excludes that delay), and
+    ``stall_timeout_s`` each later send's wait without progress. ``tls``: mutual TLS for
+    ``tls_name``; ``link``: through the WAN link (signed ``LinkRoute``, TLS end to end); ``pool``:
+    connections taken from it, given back after a clean end (a stale pooled lead is replaced
+    once); ``buffer_bytes`` sizes new sockets.
 
     Raises:
-        FlowRefused: the receiver said no.
-        ConnectionError, OSError, asyncio.TimeoutError: it could not be reached in time (a
-            link that refuses the route closes the connection: the TLS handshake or the
-            FlowOpen then fails).
-        ValueError: ``streams`` is not within 1 .. ``MAX_STREAMS``.
+        FlowRefused: the receiver said no. ValueError: ``streams`` not within 1 .. ``MAX_STREAMS``.
+        ConnectionError, OSError, asyncio.TimeoutError: not reached in time (or a route refused).
     """
     if not 1 <= streams <= MAX_STREAMS:
         raise ValueError(f"streams must be within 1..{MAX_STREAMS}, got {streams}")
-    stall_timeout_s = max(stall_timeout_s, accept_timeout_s or timeout_s)
     peer = (endpoint, link, tls_name, id(tls) if tls is not None else None, buffer_bytes)
-
-    async def connect() -> BulkConnection:
-        taken = pool.take(peer) if pool is not None else None
-        if taken is not None:
-            return taken
-        made = _connect(endpoint, secret, tls, tls_name, link, stall_timeout_s, buffer_bytes)
-        return await asyncio.wait_for(made, timeout_s)
-
+    stall_s = max(stall_timeout_s, accept_timeout_s or timeout_s)
+    dial = functools.partial(_connect, endpoint, secret, tls, tls_name, link, stall_s, buffer_bytes)
+    connect = functools.partial(_pooled_or_dialled, pool, peer, dial, timeout_s)
     extra = [asyncio.ensure_future(connect()) for _ in range(streams - 1)]
     try:
         lead, signed, reply, started = await _open_lead(
@@ -225,16 +208,35 @@ async def open_flow(
         await _close_all(extra)
         raise
     if isinstance(reply, FlowAccepted):
-        release = functools.partial(_give_back, pool, peer) if pool is not None else None
-        handshake_s = max(0.0, time.monotonic() - started - reply.queued_s)
-        flow = BulkFlow(flow_open.request_id, path, [lead, *joined], reply.first_token_index, handshake_s, release)
+        flow = _accepted_flow(flow_open, path, [lead, *joined], reply, started, pool, peer)
         await _join(flow, signed, joined, secret, timeout_s)
         return flow
-    for connection in (lead, *joined):
+    raise _refused(endpoint, reply, [lead, *joined])
+
+
+def _accepted_flow(
+    flow_open: FlowOpen, path: str, connections: list, reply: FlowAccepted, started: float, pool, peer: tuple
+) -> "BulkFlow":
+    """The flow over ``connections`` the receiver accepted (``started``: when the lead's
+    FlowOpen went out; the receiver's queueing is not handshake time)."""
+    handshake_s = max(0.0, time.monotonic() - started - reply.queued_s)
+    release = functools.partial(_give_back, pool, peer) if pool is not None else None
+    return BulkFlow(flow_open.request_id, path, connections, reply.first_token_index, handshake_s, release)
+
+
+async def _pooled_or_dialled(pool: BulkPool | None, peer: tuple, dial, timeout_s: float) -> BulkConnection:
+    """An idle pooled connection to ``peer``, else a new one dialled within ``timeout_s``."""
+    taken = pool.take(peer) if pool is not None else None
+    return taken if taken is not None else await asyncio.wait_for(dial(), timeout_s)
+
+
+def _refused(endpoint: str, reply, connections: list[BulkConnection]) -> FlowRefused:
+    """Close a refused flow's connections (never read to the end: not fit for a pool); the error."""
+    for connection in connections:
         connection.close()
     if isinstance(reply, FlowRejected):
-        raise FlowRefused(f"{endpoint} refused flow: {reply.code}: {reply.message}")
-    raise FlowRefused(f"{endpoint} closed the flow without answering")
+        return FlowRefused(f"{endpoint} refused flow: {reply.code}: {reply.message}")
+    return FlowRefused(f"{endpoint} closed the flow without answering")
 
 
 async def _open_lead(
