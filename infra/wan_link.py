@@ -32,12 +32,13 @@ import asyncio
 import hmac
 import random
 import re
+import socket
 from dataclasses import asdict, dataclass, field
 
 import structlog
 from aiohttp import web
 
-from infra.wan_schedule import BULK, CONTROL, FlowGate, LinkSchedule
+from infra.wan_schedule import BULK, CHUNK_BYTES, CONTROL, FlowGate, LinkSchedule
 from shared.bulk.framing import read_message
 from shared.bulk.link_route import RouteAuthenticator
 from shared.errors import KvFrameError
@@ -48,6 +49,8 @@ ROUTE_TIMEOUT_S = 5.0
 """A connection to a routed port must name its target within this."""
 MAX_ROUTE_BYTES = 4 << 10
 ANY = "*"
+ACCEPT_BUFFER_BYTES = 2 * CHUNK_BYTES
+"""Kernel receive buffer of a connection into the link: about what one read takes."""
 
 
 @dataclass
@@ -179,7 +182,7 @@ class WanLink:
         if route.routed and self._routes_auth is None:
             raise ValueError(f"routed port {route.name!r} needs the route key (--route-key-file)")
         server = await asyncio.start_server(
-            lambda r, w: self._accept(route, r, w), route.listen_host, route.listen_port
+            lambda r, w: self._accept(route, r, w), sock=_listening_socket(route), limit=CHUNK_BYTES
         )
         port = server.sockets[0].getsockname()[1]
         self._servers[route.name] = server
@@ -322,6 +325,25 @@ class WanLink:
             while not queue.empty():
                 _, _, data = queue.get_nowait()
                 link.queued_bytes -= len(data or b"")
+
+
+def _listening_socket(route: Route) -> socket.socket:
+    """The route's listening socket. Its connections' kernel receive buffers are set to
+    ``ACCEPT_BUFFER_BYTES`` (inherited from the listener) rather than autotuned to megabytes,
+    so bytes the link has not read stay in the sender's socket as not yet sent, as over a real
+    path, where only a window's worth is in flight (``BulkConnection.unsent_bytes`` relies on it)."""
+    family = socket.AF_INET6 if ":" in route.listen_host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, ACCEPT_BUFFER_BYTES)
+        sock.bind((route.listen_host, route.listen_port))
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
 
 
 def _refuse(route: Route, stats: _RouteStats, reason: str, **fields) -> None:

@@ -4,6 +4,7 @@ is cut off), connections reused across flows, a stream killed mid-flow, and the 
 setting and default."""
 
 import asyncio
+import socket
 import time
 
 import msgspec
@@ -12,6 +13,7 @@ import torch
 
 from shared import kv_wire
 from shared.bulk.auth import new_nonce, sign, verify_key
+from shared.bulk.connection import dial
 from shared.bulk.framing import control_bytes, read_message
 from shared.bulk.path_sizing import default_streams, plan_path, socket_buffer_bytes
 from shared.bulk.pool import BulkPool
@@ -158,6 +160,34 @@ async def test_connections_are_reused_by_the_next_flow_and_each_flow_authenticat
             await open_flow(endpoint, flow_open_for("c", [1, 2]), "not-the-secret", path="wan", timeout_s=5, pool=pool)
     finally:
         pool.close()
+
+
+async def test_a_pooled_connection_still_sending_an_earlier_flow_is_not_handed_out():
+    """A flow's end is written long before a slow path carries its last bytes: a flow opened on
+    that connection would reach the receiver only after them. It dials anew meanwhile, and the
+    connection serves again once its bytes have left."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a receiver far slower than the sender
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    pool, peer = BulkPool(), "far-receiver"
+    connection = await dial("127.0.0.1", listener.getsockname()[1], 5, buffer_bytes=1 << 20)
+    far_end, _ = listener.accept()
+    try:
+        await connection.send([b"k" * (512 << 10)])  # the kernel holds it all: the flow has "ended"
+        pool.give(peer, connection)
+        assert connection.unsent_bytes() > 0
+        assert pool.take(peer) is None and pool.num_idle == 1
+        received = 0
+        while received < 512 << 10:
+            received += len(await asyncio.to_thread(far_end.recv, 1 << 20))
+        await until(lambda: connection.unsent_bytes() == 0, 5, "the last bytes to be acknowledged")
+        assert pool.take(peer) is connection and connection.reused
+    finally:
+        pool.close()
+        connection.close()
+        far_end.close()
+        listener.close()
 
 
 async def test_a_stream_killed_mid_flow_fails_the_flow_on_both_sides_and_leaks_nothing(channel, tiny):

@@ -2,8 +2,6 @@
 
 import asyncio
 
-import pytest
-
 from infra.wan_link import LinkProfile
 from services.cache_index.service import CacheIndexService
 from shared.kv_wire import PREFIX_SIZE
@@ -98,11 +96,6 @@ async def test_follow_up_waits_for_blocks_already_in_flight(make_stack, tiny):
         assert answer["choices"][0]["text"] == expected_text(tiny, ids, 6)
 
 
-@pytest.mark.xfail(
-    reason="since the striped-bulk merge (a280666) turn 0 often no longer waits behind the other "
-    "session's import of the shared prefix (failed 3 of 4 runs, 1 of 3 at 265f0d4); not yet explained",
-    strict=False,
-)
 async def test_turns_queued_behind_a_shared_prefix_still_wait_for_each_other(make_stack, tiny):
     """Turn 1 arrives while turn 0 itself waits behind another session sharing the system
     prompt: turn 1 waits for turn 0's blocks instead of asking for them a second time."""

@@ -14,6 +14,7 @@ from infra.wan_control import call, profile_changes
 from infra.wan_link import LinkProfile, Route, WanLink, control_app, parse_bytes, parse_profile, parse_route
 from infra.wan_link_probe import measure_control_delay, measure_streams
 from infra.wan_schedule import BULK, CHUNK_BYTES, CONTROL
+from shared.bulk.connection import dial
 
 PAYLOAD_BYTES = 64 << 20
 BANDWIDTH_BPS = 1e9
@@ -55,6 +56,22 @@ async def test_link_carries_its_bandwidth_and_no_more():
     ideal_s = PAYLOAD_BYTES * 8 / BANDWIDTH_BPS + 0.005
     # Bounds wide enough for a busy 2-core machine; the old proxy carried 0.34-0.39 of this rate.
     assert 0.98 * ideal_s <= elapsed_s <= ideal_s / 0.85, (elapsed_s, ideal_s)
+
+
+async def test_bytes_the_link_has_not_carried_wait_unsent_in_the_senders_socket():
+    """As over a real path, where only a window is in flight: the sender's kernel can tell a
+    connection still busy with an earlier flow (what the bulk pool asks before reusing one)."""
+    link = WanLink(LinkProfile(bandwidth_bps=10e6, rtt_ms=10, jitter_ms=0))
+    server = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
+    port = await link.add_route(Route("test", "127.0.0.1", 0, "127.0.0.1", server.sockets[0].getsockname()[1]))
+    connection = await dial("127.0.0.1", port, 5, buffer_bytes=4 << 20)
+    try:
+        await connection.send([b"k" * (2 << 20)])  # 1.7 s of this link's time
+        assert connection.unsent_bytes() > 1 << 20
+    finally:
+        connection.close()
+        await link.close()
+        server.close()
 
 
 # --- a window per connection ------------------------------------------------------------------

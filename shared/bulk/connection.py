@@ -23,12 +23,14 @@ taking turns.
 
 import asyncio
 import concurrent.futures
+import fcntl
 import functools
 import os
 import queue
 import select
 import socket
 import ssl
+import struct
 import threading
 import weakref
 from collections.abc import Callable
@@ -47,6 +49,8 @@ from shared.kv_wire import FrameExpectation, KvFrame, decode_frame
 from shared.messages import BulkControl
 
 T = TypeVar("T")
+SIOCOUTQNSD = 0x894B
+"""Linux's ioctl for a TCP socket's bytes queued and not yet sent (``linux/sockios.h``)."""
 
 _checks: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -215,6 +219,19 @@ class BulkConnection:
             return False
         pending = self._sock.pending() if isinstance(self._sock, ssl.SSLSocket) else 0
         return not readable and not pending
+
+    def unsent_bytes(self) -> int:
+        """Bytes the kernel holds for the peer and has not sent yet (Linux's ``SIOCOUTQNSD``;
+        bytes sent and awaiting their acknowledgement do not count); 0 once closed or where the
+        kernel cannot say. A flow's end is written long before a slow path has carried it: a
+        connection with bytes left carries the next message only after them."""
+        if self._closed:
+            return 0
+        try:
+            queued = fcntl.ioctl(self._sock.fileno(), SIOCOUTQNSD, struct.pack("i", 0))
+        except (OSError, ValueError):
+            return 0
+        return struct.unpack("i", queued)[0]
 
     def close(self):
         """Shut the socket down (ending any call in progress), then close it once the calls

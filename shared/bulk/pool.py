@@ -2,8 +2,10 @@
 open (TCP's window and TLS's handshake are then already done) instead of dialling anew.
 
 A connection enters the pool only after a flow ended on it cleanly (every byte sent, nothing
-left unread); it leaves when a flow takes it, when it has been idle for ``idle_s`` or when
-something arrived on it (the receiver closed it: ``BulkConnection.looks_idle``). Each flow
+left unread); a flow takes it only once the kernel has sent every byte of the earlier flow
+(what is still in flight then is at most a window: about what a new connection's handshake
+costs). It leaves when a flow takes it, when it has been idle for ``idle_s``
+or when something arrived on it (the receiver closed it: ``BulkConnection.looks_idle``). Each flow
 still authenticates on every connection it uses (a signed FlowOpen or FlowJoin), so a pooled
 connection carries no trust from one flow to the next.
 """
@@ -40,18 +42,28 @@ class BulkPool:
         """Connections handed out again (a count for tests and logs)."""
 
     def take(self, peer: Hashable) -> BulkConnection | None:
-        """An idle connection to ``peer`` still fit for use (the most recently returned), or None;
-        stale ones met on the way are closed."""
+        """An idle connection to ``peer`` still fit for use whose earlier flow's bytes have all
+        left (the most recently returned such one), or None; stale ones met on the way are
+        closed. One still sending stays in the pool: a flow opened on it would wait behind
+        those bytes, unseen by the receiver's scheduling (``BulkConnection.unsent_bytes``)."""
         waiting = self._idle.get(peer)
         now = time.monotonic()
-        while waiting:
+        still_sending: list[_Idle] = []
+        taken = None
+        while waiting and taken is None:
             idle = waiting.pop()
-            if now - idle.since_monotonic <= self._idle_s and idle.connection.looks_idle():
-                self.reused += 1
-                idle.connection.reused = True
-                return idle.connection
-            idle.connection.close()
-        return None
+            if now - idle.since_monotonic > self._idle_s or not idle.connection.looks_idle():
+                idle.connection.close()
+            elif idle.connection.unsent_bytes() > 0:
+                still_sending.append(idle)
+            else:
+                taken = idle.connection
+        if waiting is not None:
+            waiting.extend(reversed(still_sending))
+        if taken is not None:
+            self.reused += 1
+            taken.reused = True
+        return taken
 
     def give(self, peer: Hashable, connection: BulkConnection):
         """Keep ``connection`` (every flow on it ended cleanly) for the next flow to ``peer``."""
