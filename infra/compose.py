@@ -85,7 +85,7 @@ class ComposeStack:
             raise ComposeError(f"{' '.join(argv[-len(args) :])} failed (exit {result.returncode})")
         return result.stdout or ""
 
-    def up(self, main_decoders: int = 1, relays: int = 1, prefills: int = 1):
+    def up(self, main_decoders: int = 1, relays: int = 1, prefills: int = 1, routers: int = 1):
         """Start the default profile with that many replicas of each scalable service."""
         self.compose(
             "up",
@@ -97,7 +97,19 @@ class ComposeStack:
             f"relay-decode={relays}",
             "--scale",
             f"prefill={prefills}",
+            "--scale",
+            f"router={routers}",
         )
+
+    def containers(self, service: str) -> list[str]:
+        """Ids of the running containers of ``service``, in a stable order."""
+        labels = [f"label=com.docker.compose.project={self.project}", f"label=com.docker.compose.service={service}"]
+        argv = ["docker", "ps", "-q", "--no-trunc", *(a for label in labels for a in ("--filter", label))]
+        return sorted(subprocess.run(argv, capture_output=True, text=True, check=True).stdout.split())
+
+    def kill(self, container: str):
+        """SIGKILL one container (a crash: nothing it runs gets to clean up)."""
+        subprocess.run(["docker", "kill", container], capture_output=True, check=True)
 
     def scale_main_decode(self, replicas: int):
         """Change the number of main-decode replicas (the others keep running)."""
@@ -114,7 +126,8 @@ class ComposeStack:
         return get_json(f"http://127.0.0.1:{self.router_port}/health", timeout_s=3.0)
 
     def wait_ready(self, want: dict[str, int], timeout_s: float = 420.0):
-        """Until the router sees ``want`` live instances per service (e.g. main_decode: 2)."""
+        """Until the router sees ``want`` live instances per service (e.g. main_decode: 2;
+        router: the live routers, itself included)."""
         deadline, last_report = time.monotonic() + timeout_s, 0.0
         while True:
             health = self.health()

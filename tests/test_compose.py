@@ -6,6 +6,7 @@ and WAN-link routes that lead to services that exist.
 """
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,8 +28,10 @@ SERVICES = COMPOSE["services"]
 OBSERVABILITY = {"jaeger", "prometheus", "grafana"}
 DEPLOYMENT_STEPS = {"streams-a": "site-a", "streams-b": "site-b"}
 """One-shot services: each site's JetStream streams, made as admin before the services start."""
-SCALABLE = {"prefill", "relay-decode", "main-decode"}
+SCALABLE = {"prefill", "relay-decode", "main-decode", "router"}
 """Services ``docker compose up --scale`` may run several of (no fixed name or address)."""
+FRONT_DOOR = "router-lb"
+"""HAProxy in front of the router replicas: compose's one address (``pdd up`` shares a port instead)."""
 
 
 def pdd_services():
@@ -69,7 +72,7 @@ def secrets_dir(tmp_path_factory) -> Path:
 
 
 def test_same_processes_on_the_same_sites_as_the_launcher():
-    assert set(SERVICES) - OBSERVABILITY - set(DEPLOYMENT_STEPS) == set(TOPOLOGY)
+    assert set(SERVICES) - OBSERVABILITY - set(DEPLOYMENT_STEPS) - {FRONT_DOOR} == set(TOPOLOGY)
     for name, sites in TOPOLOGY.items():
         assert sorted(SERVICES[name]["networks"]) == sorted(sites), name
 
@@ -120,6 +123,7 @@ MOUNTED_SECRETS = {  # each TLS peer its own certificate, for its own name
     # /metrics checks the metrics key against its hash (only Prometheus holds the key)
     "cache-index": {"ca.pem", "metrics-key.sha256", "cache_index.nk"},
     "router": {"ca.pem", "metrics-key.sha256", "router.nk"},
+    FRONT_DOOR: set(),
     "prefill": {"ca.pem", "metrics-key.sha256", "prefill.pem", "prefill.key", "bulk.secret", "prefill.nk"},
     **{
         name: {
@@ -204,7 +208,7 @@ _SECRETS_HINT = "run pdd secrets --out ./secrets and export PDD_SECRETS_DIR (doc
 
 
 def test_the_default_profile_needs_only_our_images_and_runs_them_as_non_root():
-    for name in TOPOLOGY:
+    for name in [*TOPOLOGY, FRONT_DOOR]:
         spec = SERVICES[name]
         assert re.fullmatch(r"\$\{PDD_(NATS_)?IMAGE:-pdd(-nats)?:latest\}", spec["image"]), name
         assert spec["user"] == "${PDD_UID:-10001}:${PDD_GID:-10001}", name
@@ -213,6 +217,26 @@ def test_the_default_profile_needs_only_our_images_and_runs_them_as_non_root():
         assert SERVICES[name]["profiles"] == ["observability"], name
     for spec in SERVICES.values():
         assert all(p.startswith("127.0.0.1:") for p in spec.get("ports", [])), spec["ports"]
+
+
+def test_the_routers_scale_behind_one_published_address():
+    """No router replica has a fixed name or host port; router-lb publishes the API port and
+    sends it to every replica Docker's DNS lists, checking each one's /health."""
+    router, front = SERVICES["router"], SERVICES[FRONT_DOOR]
+    assert "PDD_INSTANCE_ID" not in router["environment"] and "ports" not in router
+    assert front["ports"] == ["127.0.0.1:${PDD_ROUTER_PORT:-8000}:" + resolved_env(router)["PDD_HTTP_PORT"]]
+    assert front["networks"] == router["networks"] and front["depends_on"] == {
+        "router": {"condition": "service_healthy"}
+    }
+    source, target, _ = front["volumes"][0].split(":")
+    config = (ROOT / source).read_text()
+    assert f"-f {target}" in " ".join(front["command"])
+    assert re.search(r"^\s*server-template router \d+ router:8000\b", config, re.MULTILINE)
+    assert re.search(r"^\s*nameserver \w+ 127\.0\.0\.11:53$", config, re.MULTILINE)  # Docker's DNS
+    if shutil.which("haproxy"):  # the image's HAProxy (Debian's) reads it; so must this host's
+        checked = subprocess.run(["haproxy", "-c", "-f", str(ROOT / source)], capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "option httpchk GET /health" in config and re.search(r"^\s*bind :8000$", config, re.MULTILINE)
 
 
 def _wan_routes() -> list[str]:

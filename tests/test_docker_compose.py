@@ -1,6 +1,7 @@
 """docker-compose.yml for real: a private Docker engine, the images built offline, two main
-decoders behind one routed WAN-link port and two relays, greedy text equal to transformers', main decode
-scaled down and up again, and nothing left at the end (containers, networks, volumes, engine).
+decoders behind one routed WAN-link port, two relays and two routers behind router-lb, greedy text
+equal to transformers', main decode scaled down and up again, a router killed while the other
+serves on, and nothing left at the end (containers, networks, volumes, engine).
 
 Marked ``docker`` (``make test-docker``; ``make test`` leaves it out: building the images takes
 minutes). It needs root and ``dockerd`` (Debian's docker.io) and skips with the reason otherwise.
@@ -118,9 +119,9 @@ def test_compose_runs_exact_on_two_main_decoders_and_scales_main_decode(docker_e
     assert build.returncode == 0, "make images failed"
     secrets = new_secrets()
     stack = ComposeStack("pdd-test", secrets, free_port(), free_port(), env=let_containers_read(secrets))
-    want = {"prefill": 1, "relay_decode": 2, "main_decode": 2, "cache_index": 1}
+    want = {"prefill": 1, "relay_decode": 2, "main_decode": 2, "cache_index": 1, "router": 2}
     try:
-        stack.up(main_decoders=2, relays=2)
+        stack.up(main_decoders=2, relays=2, routers=2)
         stack.wait_ready(want)
         client = OpenAI(base_url=stack.router_url, api_key="not-needed", timeout=300)
         # Two conversations with nothing in common: a long cold first turn each (relayed while
@@ -148,12 +149,43 @@ def test_compose_runs_exact_on_two_main_decoders_and_scales_main_decode(docker_e
         added = set(stack.health()["instances"]["main_decode"]) - remaining
         fresh = Conversation(client, smollm2, "Chen").turn("Write a haiku about a relay race.")
         assert fresh["instances"]["main_decode"] in added, fresh  # the new replica is reachable at once
+
+        _both_routers_answer_then_one_is_killed(stack, client, smollm2)
+        stack.wait_ready({**want, "router": 1})
     finally:
         stack.down()
         left = stack.leftovers()
         shutil.rmtree(secrets.parent, ignore_errors=True)
     assert left == {"containers": [], "networks": [], "volumes": []}, left
     assert subprocess.run(["docker", "ps", "-a", "-q"], capture_output=True, text=True).stdout.split() == []
+
+
+def _both_routers_answer_then_one_is_killed(stack: ComposeStack, client: OpenAI, loaded):
+    """Through router-lb both routers answer (a request id names its router); SIGKILL one: a
+    new request's first token comes within 2 s, exact, from the other."""
+    routers = set(stack.health()["instances"]["router"])
+    answered_by = set()
+    for i in range(8):
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": f"Router check {i}: name a river."}],
+            max_tokens=4,
+            temperature=0,
+        )
+        answered_by.add(reply.id.rsplit("-", 1)[0])
+        if answered_by == routers:
+            break
+    assert answered_by == routers and len(routers) == 2, (answered_by, routers)
+    messages = [{"role": "user", "content": "Name a hill."}]
+    expected = references(loaded, [prompt_ids(loaded, messages)], MAX_TOKENS)[0]
+    served = client.models.list().data[0].id
+    fresh = OpenAI(base_url=stack.router_url, api_key="not-needed", timeout=60)  # new connections
+    stack.kill(stack.containers("router")[0])
+    answer, ttft_ms, pdd = stream_turn(fresh, served, messages, MAX_TOKENS)  # ttft counted from its own start
+    first_token_s = ttft_ms / 1000  # the stream starts right at the kill
+    assert answer == expected, pdd
+    print(f"first token {first_token_s:.2f} s after a router was killed", flush=True)
+    assert first_token_s < 2.0, pdd
 
 
 def _link_targets(stack: ComposeStack) -> dict[str, int]:

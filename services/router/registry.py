@@ -187,6 +187,7 @@ class InstanceRegistry:
             state.released_since_report = True
 
     def summary(self) -> dict[str, list[str]]:
-        """Live instance ids per service (for /health)."""
+        """Live instance ids per service (for /health), the live routers (this one included) under ``router``."""
         services = {"prefill", "relay_decode", "main_decode", "cache_index"}
-        return {service: [s.report.instance.instance_id for s in self.live(service)] for service in sorted(services)}
+        live = {service: [s.report.instance.instance_id for s in self.live(service)] for service in sorted(services)}
+        return {**live, "router": self.routers()}
