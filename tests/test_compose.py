@@ -19,7 +19,7 @@ from infra.credentials import TLS_PEERS
 from infra.launcher import SERVICE_OF, TOPOLOGY
 from infra.nats_server import nats_server_binary
 from infra.serve import SERVICE_CONFIGS
-from infra.wan_link import parse_route
+from infra.wan_link import parse_ms, parse_rate, parse_route
 from shared.config import build_config, env_name, settings_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -237,6 +237,16 @@ def test_the_routers_scale_behind_one_published_address():
         checked = subprocess.run(["haproxy", "-c", "-f", str(ROOT / source)], capture_output=True, text=True)
         assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "option httpchk GET /health" in config and re.search(r"^\s*bind :8000$", config, re.MULTILINE)
+
+
+def test_router_and_prefill_are_told_the_links_rate_and_round_trip():
+    """Placement's WAN estimate and prefill's stream sizing start from the link compose runs."""
+    command = SERVICES["wan-link"]["command"]
+    link = {flag: command[command.index(flag) + 1] for flag in ("--bandwidth", "--rtt")}
+    for name in ("router", "prefill"):
+        env = resolved_env(SERVICES[name])
+        assert float(env["PDD_WAN_BANDWIDTH_MBIT"]) * 1e6 == parse_rate(link["--bandwidth"]), name
+        assert float(env["PDD_WAN_RTT_MS"]) == parse_ms(link["--rtt"]), name
 
 
 def _wan_routes() -> list[str]:

@@ -100,6 +100,14 @@ def test_commands_and_settings_are_the_launchers(rendered, site):
         assert config.metrics_port == 9090 and config.metrics_host == "0.0.0.0"
 
 
+def test_router_and_prefill_hold_the_same_wan_path(rendered):
+    """Placement's WAN estimate and prefill's stream sizing describe one path: set both."""
+    deployments = objects(rendered, "site-a", "Deployment")
+    router, prefill = (container_env(rendered, "site-a", deployments[n]) for n in ("router", "prefill"))
+    for name in ("PDD_WAN_BANDWIDTH_MBIT", "PDD_WAN_RTT_MS"):
+        assert router[name] == prefill[name], name
+
+
 ENGINES = {"prefill", "relay-decode", "main-decode"}
 NATS_ITEMS = {"ca.pem", "nats-users.conf"}
 POD_SECRETS = {  # each TLS peer its own certificate, for its own name
