@@ -1,5 +1,7 @@
 """The HF engine's scheduler without a model: budgets, decode-first order, preemption."""
 
+import math
+
 from shared.engine.backend import RequestStatus
 from shared.engine.block_manager import BlockManager
 from shared.engine.prefix_cache import PrefixCache
@@ -49,6 +51,25 @@ def test_a_prompts_first_chunk_is_bounded_lower_so_its_first_blocks_are_ready_so
         chunks.append(plan(batch)[0][1])
         s.computed(batch)
     assert chunks == [4, 16, 10]
+
+
+def test_a_short_prompt_waits_for_no_chunk_of_a_long_one_that_arrived_first():
+    """A warm turn arriving while a cold prompt is computed in chunks goes in the next step, and
+    the long prompt fills what budget it leaves: it is delayed by the warm turn's tokens only."""
+    s = scheduler(num_blocks=64, max_batch_tokens=16)
+    add(s, "cold", 60)
+    s.computed(s.schedule()[0])  # the cold prompt's first chunk
+    add(s, "warm", 5, first_token=100)
+    assert plan(s.schedule()[0]) == [("warm", 5, True), ("cold", 11, False)]
+    steps = 1
+    while s.has_work():
+        batch, _ = s.schedule()
+        assert batch and sum(e.num_tokens for e in batch) <= 16
+        s.computed(batch)
+        steps += 1
+        if not s.get("cold").num_pending_tokens:
+            break
+    assert steps == math.ceil((60 + 5) / 16)  # every step full until the cold prompt's last
 
 
 def test_computed_blocks_enter_the_prefix_cache_and_a_second_prompt_reuses_them():

@@ -1,8 +1,11 @@
 """The scheduler: which sequences compute how many tokens in the next step, and their blocks.
 
 It owns the table of live sequences and their block tables. Each step takes decodes first,
-then chunks of prompts and extends, under a token budget; a prompt's first computed chunk may
-be bounded lower (``first_chunk_tokens``), so a prefill's first blocks are ready sooner. A sequence that cannot get blocks
+then prompts and extends by fewest tokens left to compute (ties in arrival order), under a
+token budget: a short or warm prompt never waits behind more than the one step in progress of
+a long prompt's chunks (which fill whatever budget the short ones leave). A prompt's first
+computed chunk may be bounded lower (``first_chunk_tokens``), so a prefill's first blocks are
+ready sooner. A sequence that cannot get blocks
 waits for others to finish; when none can run at all, the youngest running sequence is
 preempted (its blocks freed, its KV recomputed later, as vLLM's recompute preemption does).
 Completed blocks are published to the prefix cache as soon as their KV exists.
@@ -72,9 +75,7 @@ class Scheduler:
     def schedule(self) -> tuple[list[ScheduledSequence], Sequence | None]:
         """The next step's batch; or, when nothing fits even after preemption, the sequence
         that can never fit (it must fail)."""
-        candidates = sorted(
-            (s for s in self.sequences.values() if s.schedulable), key=lambda s: s.num_pending_tokens != 1
-        )
+        candidates = sorted((s for s in self.sequences.values() if s.schedulable), key=lambda s: s.num_pending_tokens)
         budget, batch, starved = self.max_batch_tokens, [], []
         for seq in candidates:
             num_tokens = min(seq.num_pending_tokens, budget, self._chunk_bound(seq))
