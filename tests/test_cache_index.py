@@ -99,11 +99,12 @@ async def test_follow_up_waits_for_blocks_already_in_flight(make_stack, tiny):
 async def test_turns_queued_behind_a_shared_prefix_still_wait_for_each_other(make_stack, tiny):
     """Turn 1 arrives while turn 0 itself waits behind another session sharing the system
     prompt: turn 1 waits for turn 0's blocks instead of asking for them a second time."""
-    # One frame per prompt: the shared blocks land only at the end of the other import,
-    # which turn 0's flow (its TLS handshake crossing the same busy link) must catch.
-    stack = await make_stack(
-        profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD"}, engine_settings={"frame_tokens": 2048}
-    )
+    # One step and one frame per prompt (no chunked prefill): the shared blocks land only at the
+    # end of the other import, which turn 0's flow (its TLS handshake crossing the same busy
+    # link) must catch. In chunks, a slow prefill ships the shared blocks first, and turn 0
+    # rightly finds them imported instead of waiting.
+    one_step = {"frame_tokens": 2048, "max_batch_tokens": 2048, "first_chunk_tokens": 0}
+    stack = await make_stack(profile=SLOW_WAN, router_settings={"pipeline_policy": "P-MD"}, engine_settings=one_step)
     encode = lambda text: tiny.tokenizer.encode(text, add_special_tokens=False)
     shared = encode("You are a careful agent who logs ships. " * 8)
     other_ids = shared + encode("Session one reads the tide tables. " * 120)

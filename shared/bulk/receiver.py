@@ -293,6 +293,10 @@ class BulkReceiver:
             del self._flows[flow_open.nonce]
             await self._handler.abort_flow(flow_open.request_id, f"sender gone before acceptance: {exc}")
             return None
+        except asyncio.CancelledError:  # stopped while the acceptance went out: free it too
+            del self._flows[flow_open.nonce]
+            await self._handler.abort_flow(flow_open.request_id, flow.fail("receiver stopping"))
+            raise
         return flow
 
     async def _receive(self, flow: StripedFlow, connection: BulkConnection) -> bool:
