@@ -54,8 +54,9 @@ async def test_link_carries_its_bandwidth_and_no_more():
     link = WanLink(LinkProfile(bandwidth_bps=BANDWIDTH_BPS, rtt_ms=10, jitter_ms=0))
     elapsed_s = await _seconds_to_cross(link, PAYLOAD_BYTES)
     ideal_s = PAYLOAD_BYTES * 8 / BANDWIDTH_BPS + 0.005
-    # Bounds wide enough for a busy 2-core machine; the old proxy carried 0.34-0.39 of this rate.
-    assert 0.98 * ideal_s <= elapsed_s <= ideal_s / 0.85, (elapsed_s, ideal_s)
+    # Bounds wide enough for a 2-core machine busy with other suites (0.84 of the rate was
+    # measured under a load average of 10); the old proxy carried 0.34-0.39 of it.
+    assert 0.98 * ideal_s <= elapsed_s <= ideal_s / 0.75, (elapsed_s, ideal_s)
 
 
 async def test_bytes_the_link_has_not_carried_wait_unsent_in_the_senders_socket():
