@@ -25,7 +25,7 @@ import nats
 import structlog
 from opentelemetry import trace
 
-from services.router.mailbox import RequestMailbox
+from services.router.mailbox import Inbox, RequestMailbox
 from services.router.odd_traffic import OddTrafficTracker, OddTransition
 from services.router.outcome import Recovery, RequestOutcome
 from services.router.placement import NoInstances, Placement
@@ -191,7 +191,7 @@ class RequestFlow:
             cached_blocks_md=placement.md_cached_blocks,
         )
         self.outcome.place(placement)
-        self._queue: asyncio.Queue | None = None
+        self._inbox: Inbox | None = None
         self._start_attempt_state()
 
     def _start_attempt_state(self):
@@ -250,8 +250,8 @@ class RequestFlow:
             )
 
     async def _attempt_tokens(self) -> AsyncIterator[list[int]]:
-        self._queue = self.ctx.mailbox.open(self.attempt_id)
-        dispatch = asyncio.create_task(self._dispatch(self._queue))
+        self._inbox = self.ctx.mailbox.open(self.attempt_id)
+        dispatch = asyncio.create_task(self._dispatch(self._inbox))
         try:
             async for batch in self._ordered_tokens():
                 yield batch
@@ -317,19 +317,16 @@ class RequestFlow:
         )
         deadline = time.monotonic() + ODD_CANCEL_REPORT_S
         while time.monotonic() < deadline:
-            try:
-                _kind, item = await asyncio.wait_for(self._queue.get(), deadline - time.monotonic())
-            except TimeoutError:
-                break
-            event = item
-            if isinstance(event, KvImportAborted):
-                self.outcome.wan_kv_bytes = self._wan_bytes_before + event.wan_kv_bytes
-                self._wan_bytes_final = True
-                return
-            if isinstance(event, PrefillCompleted):
-                self._on_event(event)
+            for item in await self._inbox.take():  # [] on the mailbox's tick: the deadline is checked
+                event = item[1]
+                if isinstance(event, KvImportAborted):
+                    self.outcome.wan_kv_bytes = self._wan_bytes_before + event.wan_kv_bytes
+                    self._wan_bytes_final = True
+                    return
+                if isinstance(event, PrefillCompleted):
+                    self._on_event(event)
 
-    async def _dispatch(self, queue: asyncio.Queue):
+    async def _dispatch(self, inbox: Inbox):
         p = self.placement
         command = StartPrefill(
             request_id=self.attempt_id,
@@ -349,9 +346,9 @@ class RequestFlow:
             reply = await self.ctx.nc.request(
                 subject, encode(command), headers=trace_headers(), timeout=self.config.first_token_timeout_s
             )
-            queue.put_nowait(("prefill", _prefill_reply_decoder.decode(reply.data)))
+            inbox.put(("prefill", _prefill_reply_decoder.decode(reply.data)))
         except (TimeoutError, nats.errors.Error, msgspec.DecodeError) as exc:
-            queue.put_nowait(("prefill", exc))
+            inbox.put(("prefill", exc))
 
     async def _ordered_tokens(self) -> AsyncIterator[list[int]]:
         """Ordered token batches: everything that arrived together is merged into one batch
@@ -366,19 +363,22 @@ class RequestFlow:
                     "timeout",
                 )
             await self._repair_gap()
-            arrived = await _drained(self._queue, LIVENESS_TICK_S)
-            if not arrived:
+            arrived = await self._inbox.take()
+            if not arrived:  # the mailbox's tick: quiet for a while
                 self._check_liveness()
                 continue
             batch: list[int] = []
-            for kind, item in arrived:
-                if kind == "tokens":
-                    batch += self._released(item)
-                    continue
-                if batch:
-                    yield self._delivered(batch)
-                    batch = []
-                self._on_event(item)
+            for item in arrived:
+                kind = item[0]
+                if kind == "step":
+                    batch += self._released_step(*item[1:])
+                elif kind == "tokens":
+                    batch += self._released(item[1])
+                else:
+                    if batch:
+                        yield self._delivered(batch)
+                        batch = []
+                    self._on_event(item[1])
             if batch:
                 yield self._delivered(batch)
 
@@ -386,15 +386,24 @@ class RequestFlow:
         """The tokens a producer's message lets the client have now (none from an instance
         the attempt was not placed on)."""
         if not self.watch.may_write(tokens.instance_id):
-            # Only the instances this attempt was placed on write its stream.
-            REFUSED_MESSAGES.labels("router", "tokens_from_unplaced_instance").inc()
-            log.warning(
-                "tokens_refused", request_id=self.request_id, instance=tokens.instance_id, reason="not placed on it"
-            )
+            self._refuse_tokens(tokens.instance_id)
             return []
         batch = self.log.add(tokens)
         self.outcome.finish_reason, self.outcome.finished_on = self.log.finish_reason, self.log.finished_on
         return batch
+
+    def _released_step(self, index: int, token: int, producer: str, sender: str) -> list[int]:
+        """What one ``StepTokens`` entry from ``sender`` (its subject's instance) lets the
+        client have now: nothing from an instance the attempt was not placed on."""
+        if not self.watch.may_write(sender):
+            self._refuse_tokens(sender)
+            return []
+        return self.log.add_one(index, token, producer)
+
+    def _refuse_tokens(self, instance_id: str):
+        """Only the instances this attempt was placed on write its stream."""
+        REFUSED_MESSAGES.labels("router", "tokens_from_unplaced_instance").inc()
+        log.warning("tokens_refused", request_id=self.request_id, instance=instance_id, reason="not placed on it")
 
     def _delivered(self, batch: list[int]) -> list[int]:
         """Account a batch about to go to the client."""
@@ -480,17 +489,3 @@ class RequestFlow:
                     ref.instance_id,
                     "instance_unresponsive",
                 )
-
-
-async def _drained(queue: asyncio.Queue, wait_s: float) -> list:
-    """Everything in ``queue`` now, waiting up to ``wait_s`` for the first item ([] if none came)."""
-    arrived = []
-    if queue.empty():
-        try:
-            async with asyncio.timeout(wait_s):
-                arrived.append(await queue.get())
-        except TimeoutError:
-            return []
-    while not queue.empty():
-        arrived.append(queue.get_nowait())
-    return arrived
