@@ -14,6 +14,7 @@ is placed on that sender, as it does a ``TokensEmitted``.
 """
 
 import asyncio
+from collections.abc import Callable
 
 import nats
 
@@ -26,44 +27,67 @@ _steps_decoder = decoder(StepTokens)
 _event_decoder = decoder(RequestEvent)
 
 
+DirectStep = Callable[[tuple], bool]
+"""Takes a ``("step", …)`` item on the spot, from the mailbox's callback; False: not now (it
+is then queued for the flow's task as usual)."""
+
+
 class Inbox:
     """One request's arrived items, in arrival order: ``("tokens", TokensEmitted)``,
     ``("event", RequestEvent)``, ``("step", index, token, producer, sender)`` and whatever its
-    flow puts itself. No timer per wait: the mailbox's tick wakes an inbox quiet since its
-    last tick."""
+    flow puts itself.
 
-    __slots__ = ("_fresh", "_waiter", "items")
+    No timer per wait: the mailbox's tick wakes an inbox quiet since its last tick. While its
+    flow waits with nothing queued, a step item goes to the flow's ``DirectStep`` at once (no
+    task wake-up); an exception it raises is queued as ``("raise", exc)`` for the flow's task.
+    """
+
+    __slots__ = ("_direct", "_fresh", "_waiter", "items")
 
     def __init__(self):
         self.items: list[tuple] = []
         self._waiter: asyncio.Future | None = None
+        self._direct: DirectStep | None = None
         self._fresh = False
 
     def put(self, item: tuple):
-        """Add an item and wake the flow if it waits."""
-        self.items.append(item)
+        """Hand a step item to the waiting flow directly if it takes it; else add the item and
+        wake the flow if it waits."""
         self._fresh = True
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        direct = self._direct
+        if direct is not None and item[0] == "step" and not self.items:
+            try:
+                if direct(item):
+                    return
+            except Exception as exc:  # noqa: BLE001 - whatever it is, the flow's task raises it
+                item = ("raise", exc)
+        self.items.append(item)
+        self._wake()
 
     def tick(self):
         """Wake a flow that waits and heard nothing since the last tick (it checks liveness)."""
-        if not self._fresh and self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        if not self._fresh:
+            self._wake()
         self._fresh = False
+
+    def _wake(self):
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+            self._direct = None  # the task takes over until it waits again
 
     def empty(self) -> bool:
         return not self.items
 
-    async def take(self) -> list[tuple]:
-        """Every item arrived, waiting for one if none has; [] when a tick came first."""
+    async def take(self, direct: DirectStep | None = None) -> list[tuple]:
+        """Every item arrived, waiting for one if none has; [] when a tick came first.
+        ``direct``: takes step items on the spot meanwhile."""
         if not self.items:
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter, self._direct = asyncio.get_running_loop().create_future(), direct
             try:
                 await self._waiter
             finally:
-                self._waiter = None
+                self._waiter = self._direct = None
         items, self.items = self.items, []
         return items
 

@@ -19,6 +19,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 import nats
@@ -64,6 +65,18 @@ GONE_REASONS = {"instance_unresponsive", "prefill_unreachable"}
 ODD_CANCEL_REPORT_S = 2.0
 
 Replacer = Callable[[frozenset[str]], Awaitable[Placement]]
+
+
+class DirectSink(Protocol):
+    """Where a streaming answer's tokens can go straight from the mailbox's callback."""
+
+    def ready(self) -> bool:
+        """Whether ``deliver`` of one plain token would finish now, without waiting."""
+
+    def deliver(self, batch: list[int]):
+        """Send ``batch`` to the client now (synchronously)."""
+
+
 """Places the request again, avoiding the given instance ids; raises ``NoInstances``."""
 
 
@@ -192,6 +205,7 @@ class RequestFlow:
         )
         self.outcome.place(placement)
         self._inbox: Inbox | None = None
+        self.sink: DirectSink | None = None
         self._start_attempt_state()
 
     def _start_attempt_state(self):
@@ -363,7 +377,7 @@ class RequestFlow:
                     "timeout",
                 )
             await self._repair_gap()
-            arrived = await self._inbox.take()
+            arrived = await self._inbox.take(self._direct_step if self.sink is not None else None)
             if not arrived:  # the mailbox's tick: quiet for a while
                 self._check_liveness()
                 continue
@@ -374,6 +388,8 @@ class RequestFlow:
                     batch += self._released_step(*item[1:])
                 elif kind == "tokens":
                     batch += self._released(item[1])
+                elif kind == "raise":
+                    raise item[1]
                 else:
                     if batch:
                         yield self._delivered(batch)
@@ -391,6 +407,17 @@ class RequestFlow:
         batch = self.log.add(tokens)
         self.outcome.finish_reason, self.outcome.finished_on = self.log.finish_reason, self.log.finished_on
         return batch
+
+    def _direct_step(self, item: tuple) -> bool:
+        """Deliver a step item from the mailbox's callback while this flow waits: only the next
+        token in line, from a decoder the attempt is placed on, into a sink that can write it
+        now; anything else goes to the flow's task."""
+        _, index, token, producer, sender = item
+        log = self.log
+        if index != log.next_index or log.has_gap or not self.watch.may_write(sender) or not self.sink.ready():
+            return False
+        self.sink.deliver(self._delivered(log.add_one(index, token, producer)))
+        return True
 
     def _released_step(self, index: int, token: int, producer: str, sender: str) -> list[int]:
         """What one ``StepTokens`` entry from ``sender`` (its subject's instance) lets the
