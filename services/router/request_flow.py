@@ -19,7 +19,6 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import msgspec
 import nats
@@ -32,6 +31,7 @@ from services.router.outcome import Recovery, RequestOutcome
 from services.router.placement import NoInstances, Placement
 from services.router.registry import InstanceRegistry
 from services.router.stream_watch import StreamWatch
+from services.router.token_intake import DirectSink, TokenIntake
 from services.router.token_log import TokenLog
 from services.router.wan_estimate import WanEstimator
 from shared import subjects
@@ -48,11 +48,10 @@ from shared.messages import (
     RequestFailed,
     ResendTokens,
     StartPrefill,
-    TokensEmitted,
     decoder,
     encode,
 )
-from shared.metrics import ODD_TRAFFIC, RECOVERIES, REFUSED_MESSAGES
+from shared.metrics import ODD_TRAFFIC, RECOVERIES
 from shared.tracing import trace_headers, tracer
 
 log = structlog.get_logger(__name__)
@@ -65,19 +64,6 @@ GONE_REASONS = {"instance_unresponsive", "prefill_unreachable"}
 ODD_CANCEL_REPORT_S = 2.0
 
 Replacer = Callable[[frozenset[str]], Awaitable[Placement]]
-
-
-class DirectSink(Protocol):
-    """Where a streaming answer's tokens can go straight from the mailbox's callback."""
-
-    def ready(self) -> bool:
-        """Whether ``deliver`` of one plain token would finish now, without waiting."""
-
-    def deliver(self, batch: list[int]):
-        """Send ``batch`` to the client now (synchronously)."""
-
-
-"""Places the request again, avoiding the given instance ids; raises ``NoInstances``."""
 
 
 class UpstreamFailed(PddError):
@@ -219,6 +205,7 @@ class RequestFlow:
             token_timeout_s=self.config.token_timeout_s,
             resend_after_s=RESEND_AFTER_S,
         )
+        self.intake = TokenIntake(self.request_id, self.log, self.watch, self.outcome, self.started)
 
     def _record_odd(self, transition: OddTransition | None, log_it: bool = True):
         """Count an odd-traffic transition; log it and add it to the current span."""
@@ -377,7 +364,9 @@ class RequestFlow:
                     "timeout",
                 )
             await self._repair_gap()
-            arrived = await self._inbox.take(self._direct_step if self.sink is not None else None)
+            intake = self.intake
+            intake.sink = self.sink
+            arrived = await self._inbox.take(intake.direct if intake.sink is not None else None)
             if not arrived:  # the mailbox's tick: quiet for a while
                 self._check_liveness()
                 continue
@@ -385,61 +374,18 @@ class RequestFlow:
             for item in arrived:
                 kind = item[0]
                 if kind == "step":
-                    batch += self._released_step(*item[1:])
+                    batch += intake.released_step(*item[1:])
                 elif kind == "tokens":
-                    batch += self._released(item[1])
+                    batch += intake.released(item[1])
                 elif kind == "raise":
                     raise item[1]
                 else:
                     if batch:
-                        yield self._delivered(batch)
+                        yield intake.delivered(batch)
                         batch = []
                     self._on_event(item[1])
             if batch:
-                yield self._delivered(batch)
-
-    def _released(self, tokens: TokensEmitted) -> list[int]:
-        """The tokens a producer's message lets the client have now (none from an instance
-        the attempt was not placed on)."""
-        if not self.watch.may_write(tokens.instance_id):
-            self._refuse_tokens(tokens.instance_id)
-            return []
-        batch = self.log.add(tokens)
-        self.outcome.finish_reason, self.outcome.finished_on = self.log.finish_reason, self.log.finished_on
-        return batch
-
-    def _direct_step(self, item: tuple) -> bool:
-        """Deliver a step item from the mailbox's callback while this flow waits: only the next
-        token in line, from a decoder the attempt is placed on, into a sink that can write it
-        now; anything else goes to the flow's task."""
-        _, index, token, producer, sender = item
-        log = self.log
-        if index != log.next_index or log.has_gap or not self.watch.may_write(sender) or not self.sink.ready():
-            return False
-        self.sink.deliver(self._delivered(log.add_one(index, token, producer)))
-        return True
-
-    def _released_step(self, index: int, token: int, producer: str, sender: str) -> list[int]:
-        """What one ``StepTokens`` entry from ``sender`` (its subject's instance) lets the
-        client have now: nothing from an instance the attempt was not placed on."""
-        if not self.watch.may_write(sender):
-            self._refuse_tokens(sender)
-            return []
-        return self.log.add_one(index, token, producer)
-
-    def _refuse_tokens(self, instance_id: str):
-        """Only the instances this attempt was placed on write its stream."""
-        REFUSED_MESSAGES.labels("router", "tokens_from_unplaced_instance").inc()
-        log.warning("tokens_refused", request_id=self.request_id, instance=instance_id, reason="not placed on it")
-
-    def _delivered(self, batch: list[int]) -> list[int]:
-        """Account a batch about to go to the client."""
-        self.watch.on_tokens_released(time.monotonic())
-        if self.outcome.ttft_ms is None:
-            self.outcome.ttft_ms = round((time.perf_counter() - self.started) * 1000, 1)
-        self.outcome.output_tokens = self.log.next_index
-        self.outcome.eager_tokens = self.log.eager_tokens
-        return batch
+                yield intake.delivered(batch)
 
     async def _repair_gap(self):
         """Ask the decoders to resend from the first missing index when the stream has a hole

@@ -175,7 +175,7 @@ def write_now(response: web.StreamResponse, data: bytes):
 class EventStream:
     """One streaming answer's content events: a batch of tokens at a time from the flow's task
     (``send``), or one plain token at a time from the mailbox's callback (``deliver``, a
-    ``request_flow.DirectSink``) while the client keeps up."""
+    ``token_intake.DirectSink``) while the client keeps up."""
 
     def __init__(
         self,
