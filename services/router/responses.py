@@ -162,8 +162,9 @@ def writes_now(transport: asyncio.Transport | None, data: bytes) -> bool:
 
 def write_now(response: web.StreamResponse, data: bytes):
     """``response.write(data)`` run to completion here, synchronously (``writes_now`` holds).
-    Should it still wait for the transport to drain, the bytes are already handed to the
-    transport; the wait is dropped and the next write waits instead, with the timeout."""
+    The server's writer (no compression, no chunk signal: neither is set up here) hands the
+    bytes to the transport before the only wait it has, for the transport to drain; should it
+    still wait, that wait is dropped and the next write waits instead, with the timeout."""
     write = response.write(data)
     try:
         write.send(None)
