@@ -91,7 +91,7 @@ def serve_service(args) -> int:
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(run_service(service))
+    return asyncio.run(run_service(service, freeze_start_up_heap=True))
 
 
 def _make_service(name: str, config):

@@ -27,6 +27,7 @@ from shared.messages import (
     KvImportAborted,
     RequestFailed,
     ResendTokens,
+    StepTokens,
     TokensEmitted,
     decoder,
 )
@@ -245,7 +246,12 @@ class DecodeService(EngineService):
         )
 
     async def _on_outputs(self, outputs: list[StepOutput]):
+        """One step's outputs: its plain tokens as one ``StepTokens`` per router, everything
+        else (a request's last token, tokens with log-probabilities, failures) per request."""
+        await self._publish_step_tokens(outputs)
         for out in outputs:
+            if _is_plain(out):
+                continue
             if out.error:
                 await self.publish(
                     subjects.request_events(out.request_id, self.instance_id),
@@ -268,9 +274,33 @@ class DecodeService(EngineService):
                 self.recent_outputs.remember(await self.worker.call(self.engine.free, out.request_id))
                 await self.on_finished(out)
 
+    async def _publish_step_tokens(self, outputs: list[StepOutput]):
+        """The step's plain tokens, one ``StepTokens`` message per router that minted their requests."""
+        by_router: dict[str, tuple[list[str], list[int], list[int]]] = {}
+        for out in outputs:
+            if _is_plain(out):
+                rid = out.request_id
+                origin = rid[: rid.rindex("-")]  # subjects.origin_of, inlined: once per token
+                entries = by_router.get(origin)
+                if entries is None:
+                    entries = by_router[origin] = ([], [], [])
+                entries[0].append(rid)
+                entries[1].append(out.token_index)
+                entries[2].append(out.token_id)
+        for origin, (request_ids, indices, token_ids) in by_router.items():
+            await self.publish(
+                subjects.step_tokens(origin, self.instance_id),
+                StepTokens(producer=self.producer, request_ids=request_ids, indices=indices, token_ids=token_ids),
+            )
+
     async def on_finished(self, out: StepOutput):
         """A sequence ended here (its output, or an error for it alone): close its request."""
         await self.requests.close(out.request_id, "failed" if out.error else "finished")
+
+
+def _is_plain(out: StepOutput) -> bool:
+    """A sampled token that ends nothing and carries no log-probabilities (``StepTokens``)."""
+    return out.token_id is not None and not out.finished and out.error is None and out.logprobs is None
 
 
 def _cache_fill_blocks(importer: KvImporter, engine: EngineBackend) -> int:

@@ -191,6 +191,33 @@ class TokensEmitted(_Message, kw_only=True):
     logprobs: list[TokenLogprobs | None] | None = None
 
 
+class StepTokens(_Message, kw_only=True):
+    """A decoder → one router: every plain token one engine step gave that router's requests.
+
+    Struct of arrays: entry ``i`` is token ``token_ids[i]`` at output index ``indices[i]`` of
+    request ``request_ids[i]``. Only tokens that end no request and carry no log-probabilities
+    travel here; a request's last token, tokens with log-probabilities and resends travel as
+    ``TokensEmitted``. The sender is the instance its subject names (``subjects.step_tokens``,
+    pinned by the servers); the body names none, and a receiver takes each entry only for a
+    request placed on that sender.
+
+    Attributes:
+        producer: ``RLD`` or ``MD``.
+        request_ids: One per entry.
+        indices: Output index of each entry's token.
+        token_ids: Each entry's token.
+    """
+
+    producer: Producer
+    request_ids: list[str]
+    indices: list[int]
+    token_ids: list[int]
+
+    def __post_init__(self):
+        if not len(self.request_ids) == len(self.indices) == len(self.token_ids):
+            raise ValueError("request_ids, indices and token_ids must be of one length")
+
+
 class PrefillCompleted(_Message, kw_only=True):
     """Prefill → request events: prompt computed and KV shipped.
 

@@ -74,7 +74,7 @@ def _role_subjects(role: str, me: str) -> tuple[list[str], list[str]]:
                 *(_instance_verb(d, subjects.RESEND) for d in DECODERS),
                 f"$JS.{ANY}.API.INFO",
             ],  # probing each site's JetStream domain
-            [subjects.tokens_of_origin(me), subjects.request_events_of_origin(me)],
+            [subjects.tokens_of_origin(me), subjects.step_tokens_of_origin(me), subjects.request_events_of_origin(me)],
         )
     if role == "cache_index":
         # It follows every site's KV event stream with ordered consumers. The local domain's API
@@ -102,7 +102,7 @@ def _role_subjects(role: str, me: str) -> tuple[list[str], list[str]]:
             subjects.shared_work(ANY, "prefill", subjects.START_PREFILL),
         ]
     if role in DECODERS:
-        publish.append(subjects.tokens_by(me))
+        publish += [subjects.tokens_by(me), subjects.step_tokens_by(me)]
         subscribe.append(_instance_verb(role, subjects.RESEND, me))
     if role == "relay_decode":
         publish.append(subjects.handoff(ANY, ANY, me))
@@ -116,7 +116,7 @@ def leafnode_permissions(spoke_site: str, main_decode_ids: tuple[str, ...] = (AN
     """What the leafnode may carry, as the hub's permissions for its user (the spoke's view):
     ``publish`` is what site B may send into site A, ``subscribe`` what site A sends to site B.
 
-    B to A: its main decoders' tokens, request events and heartbeats, and replies to site A's
+    B to A: its main decoders' tokens (per request and per step), request events and heartbeats, and replies to site A's
     requests (handoffs, resends, dumps, JetStream lookups of B's domain). A to B: cancels,
     heartbeats, work addressed to those main decoders, the KV event stream's lookups and
     consumers in B's domain. Nothing else crosses: no prompt (``StartPrefill``), no other
@@ -129,6 +129,7 @@ def leafnode_permissions(spoke_site: str, main_decode_ids: tuple[str, ...] = (AN
         for md in main_decode_ids
         for subject in (
             subjects.tokens_by(md),
+            subjects.step_tokens_by(md),
             subjects.request_events_by(md),
             subjects.load(spoke_site, "main_decode", md),
         )

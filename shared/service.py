@@ -9,6 +9,7 @@ what went missing.
 """
 
 import asyncio
+import gc
 import secrets
 import signal
 import time
@@ -230,11 +231,22 @@ async def wait_for_termination(failed: asyncio.Event | None = None):
             waiting.cancel()
 
 
-async def run_service(service: Service) -> int:
-    """Run until SIGTERM/SIGINT or a failure, then stop; return the process exit code."""
+async def run_service(service: Service, freeze_start_up_heap: bool = False) -> int:
+    """Run until SIGTERM/SIGINT or a failure, then stop; return the process exit code.
+
+    ``freeze_start_up_heap`` (a service's own process): once started, what start-up made
+    (imports, the model's metadata and tokenizer, the engine) leaves the garbage collector's
+    sight (``gc.freeze``), so a full collection scans only what the service made since.
+    Measured under ``pdd bench control-plane``: full collections of ~210k start-up objects
+    paused main decoders 235-350 ms and the prefill 300 ms mid-load, each a stall of every
+    stream there; with the heap frozen the main decoders' took 2-10 ms, the prefill's 23-69 ms.
+    """
     configure_logging(service.config.log_level)
     configure_tracing(f"pdd-{service.service_name}", service.config.otlp_endpoint, instance_id=service.instance_id)
     await service.start()
+    if freeze_start_up_heap:
+        gc.collect()  # start-up's own garbage first: frozen, it would never be freed
+        gc.freeze()
     await wait_for_termination(service.failed)
     await service.stop()
     return 1 if service.failure is not None else 0

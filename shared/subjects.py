@@ -2,7 +2,8 @@
 
 Shapes (DESIGN §4b): ``pdd.<site>.<service>.<verb>`` for work shared by a queue group,
 ``pdd.<site>.<service>.<instance>.<verb>`` for a chosen instance,
-``pdd.tokens.<origin>.<request>.<sender>`` for a request's token stream and
+``pdd.tokens.<origin>.<request>.<sender>`` for a request's token stream,
+``pdd.steps.<origin>.<sender>`` for a decoder's per-step tokens of all of one router's requests,
 ``pdd.req.<origin>.<request>.<sender>`` for its lifecycle events (``<origin>`` is the router
 that minted the request id), ``pdd.evt.<site>.kv.<instance>`` and
 ``pdd.evt.<site>.load.<service>.<instance>`` for KV and load events, ``pdd.cancel.<router>``
@@ -101,6 +102,21 @@ def tokens_by(sender: str) -> str:
     return f"{PREFIX}.tokens.*.*.{sender}"
 
 
+def step_tokens(origin: str, sender: str) -> str:
+    """Decoder ``sender``'s per-step tokens of the requests router ``origin`` minted (``StepTokens``)."""
+    return f"{PREFIX}.steps.{origin}.{sender}"
+
+
+def step_tokens_of_origin(origin: str) -> str:
+    """Every decoder's per-step tokens for router ``origin`` (a router's one subscription)."""
+    return f"{PREFIX}.steps.{origin}.*"
+
+
+def step_tokens_by(sender: str) -> str:
+    """Every per-step token message instance ``sender`` writes (what its permissions allow)."""
+    return f"{PREFIX}.steps.*.{sender}"
+
+
 def request_events_by(sender: str) -> str:
     """Every request event instance ``sender`` sends (what its permissions allow)."""
     return f"{PREFIX}.req.*.*.{sender}"
@@ -117,12 +133,13 @@ REQUEST_EVENTS_ALL = f"{PREFIX}.req.*.*.*"
 
 def sender_of(subject: str) -> str | None:
     """The instance a subject says published on it (its last token), for the subjects whose
-    publishers the servers pin (tokens, request events, load, KV events, handoffs, cancels);
+    publishers the servers pin (tokens, step tokens, request events, load, KV events, handoffs,
+    cancels);
     None for any other subject."""
     parts = subject.split(".")
     if len(parts) < 3 or parts[0] != PREFIX:
         return None
-    shapes = {("tokens", 5), ("req", 5), ("cancel", 3)}
+    shapes = {("tokens", 5), ("steps", 4), ("req", 5), ("cancel", 3)}
     if (
         (parts[1], len(parts)) in shapes
         or (len(parts) == 5 and parts[1] == "evt" and parts[3] == "kv")

@@ -27,6 +27,7 @@ from shared.messages import (
     KvBlocksStored,
     LoadReported,
     RequestFailed,
+    StepTokens,
     TokensEmitted,
     decoder,
     encode,
@@ -135,6 +136,11 @@ def forgeries(rid: str, victim: str) -> list[tuple[str, object, bool]]:
             KvBlocksStored(publisher_id=victim, epoch="x", seq=1, block_hashes=[1, 2, 3]),
             True,
         ),
+        (
+            subjects.step_tokens(router, victim),
+            StepTokens(producer="MD", request_ids=[rid] * 3, indices=[0, 1, 2], token_ids=[5, 5, 5]),
+            True,
+        ),
         (subjects.cancel(router), CancelRequest(request_id=rid, kind="kill", reason="forged"), True),
         # On its own subjects: its name in the subject, another's in the body, or not placed.
         (
@@ -152,6 +158,11 @@ def forgeries(rid: str, victim: str) -> list[tuple[str, object, bool]]:
                 instance_id=THIEF,
                 finish_reason="stop",
             ),
+            False,
+        ),
+        (
+            subjects.step_tokens(router, THIEF),
+            StepTokens(producer="MD", request_ids=[rid] * 3, indices=[0, 1, 2], token_ids=[5, 5, 5]),
             False,
         ),
         (

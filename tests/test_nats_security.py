@@ -29,6 +29,7 @@ from shared.messages import (
     LoadReported,
     RequestFailed,
     StartPrefill,
+    StepTokens,
     TokensEmitted,
     decoder,
     encode,
@@ -201,6 +202,18 @@ def server_refused_forgeries(rid: str, victim: str, thief: str) -> list[tuple[st
         ),
         (
             thief,
+            subjects.step_tokens(subjects.origin_of(rid), victim),
+            StepTokens(  # a step's tokens under the placed decoder's name
+                producer="MD", request_ids=[rid], indices=[0], token_ids=[1]
+            ),
+        ),
+        (
+            "relay-decode-0",
+            subjects.step_tokens(subjects.origin_of(rid), "main-decode-0"),
+            StepTokens(producer="MD", request_ids=[rid], indices=[0], token_ids=[1]),  # a relay as a main decoder
+        ),
+        (
+            thief,
             subjects.request_events(rid, victim),
             RequestFailed(request_id=rid, instance_id=victim, code="forged", message="forged"),
         ),
@@ -309,6 +322,11 @@ async def test_lies_on_a_credential_own_subjects_are_dropped_and_counted(stack, 
             subjects.tokens(rid, thief),
             encode(TokensEmitted(request_id=rid, start_index=0, token_ids=[7] * 100, producer="MD", instance_id=thief)),
         )
+        for index in range(3):  # a step's tokens, entry by entry refused
+            await nc.publish(
+                subjects.step_tokens(subjects.origin_of(rid), thief),
+                encode(StepTokens(producer="MD", request_ids=[rid, rid + "x"], indices=[index, 0], token_ids=[7, 7])),
+            )
         await nc.publish(
             subjects.request_events(rid, thief),
             encode(
@@ -328,7 +346,7 @@ async def test_lies_on_a_credential_own_subjects_are_dropped_and_counted(stack, 
         await until(
             lambda: (
                 mismatch._value.get() >= before[0] + 4
-                and unplaced._value.get() > before[1]
+                and unplaced._value.get() >= before[1] + 4  # the TokensEmitted, and 3 step entries
                 and other_ready._value.get() > before[2]
             ),
             10,
@@ -348,6 +366,8 @@ async def test_lies_on_a_credential_own_subjects_are_dropped_and_counted(stack, 
     "instance_id,subject",
     [
         ("main-decode-0", subjects.tokens_of_origin("router-0")),  # reading a router's streams
+        ("main-decode-0", subjects.step_tokens_of_origin("router-0")),
+        ("relay-decode-0", subjects.step_tokens_of_origin("router-0")),
         ("prefill-0", subjects.handoff("site-b", "main-decode-0", "*")),
         ("main-decode-1", subjects.handoff("site-b", "main-decode-0", "*")),  # another decoder's handoffs
         ("router-0", "_INBOX.prefill.>"),

@@ -7,6 +7,7 @@ first token the moment it holds the KV must still be heard.
 
 import asyncio
 
+import msgspec
 import nats
 import pytest_asyncio
 
@@ -15,7 +16,7 @@ from infra.wan_link import LinkProfile, WanLink
 from services.router.mailbox import RequestMailbox
 from shared import subjects
 from shared.dead_letters import BadMessageSink
-from shared.messages import KvReady, TokensEmitted, encode
+from shared.messages import KvReady, StepTokens, TokensEmitted, encode
 
 RTT_MS = 400
 
@@ -43,7 +44,7 @@ async def started_mailbox(router_nc, main_nc) -> RequestMailbox:
     await mailbox.start()
     probe_id = subjects.new_request_id("router-0", "probe")
     probe = mailbox.open(probe_id)
-    while probe.empty():
+    while True:
         await main_nc.publish(
             subjects.request_events(probe_id, "main-decode-0"),
             encode(
@@ -60,7 +61,7 @@ async def started_mailbox(router_nc, main_nc) -> RequestMailbox:
             ),
         )
         try:
-            await asyncio.wait_for(probe.get(), 0.2)
+            await asyncio.wait_for(probe.take(), 0.2)
             break
         except TimeoutError:
             pass
@@ -72,7 +73,7 @@ async def test_first_token_published_at_once_by_the_other_site_arrives(two_sites
     router_nc, main_nc = two_sites
     mailbox = await started_mailbox(router_nc, main_nc)
     request_id = subjects.new_request_id("router-0", "abc123")
-    queue = mailbox.open(request_id)
+    inbox = mailbox.open(request_id)
     await main_nc.publish(
         subjects.tokens(request_id, "main-decode-0"),
         encode(
@@ -81,7 +82,7 @@ async def test_first_token_published_at_once_by_the_other_site_arrives(two_sites
             )
         ),
     )
-    kind, message = await asyncio.wait_for(queue.get(), 5 * RTT_MS / 1000)
+    [(kind, message)] = await asyncio.wait_for(inbox.take(), 5 * RTT_MS / 1000)
     assert kind == "tokens" and message.token_ids == [7]
 
 
@@ -89,7 +90,7 @@ async def test_messages_go_only_to_their_own_request(two_sites):
     router_nc, main_nc = two_sites
     mailbox = await started_mailbox(router_nc, main_nc)
     first, second = (subjects.new_request_id("router-0", n) for n in ("aaa", "bbb"))
-    queues = {rid: mailbox.open(rid) for rid in (first, second)}
+    inboxes = {rid: mailbox.open(rid) for rid in (first, second)}
     mailbox.close(second)
     for rid, index in ((second, 5), (first, 0)):
         await main_nc.publish(
@@ -100,9 +101,9 @@ async def test_messages_go_only_to_their_own_request(two_sites):
                 )
             ),
         )
-    _, message = await asyncio.wait_for(queues[first].get(), 5 * RTT_MS / 1000)
+    [(_, message)] = await asyncio.wait_for(inboxes[first].take(), 5 * RTT_MS / 1000)
     assert message.request_id == first
-    assert queues[first].empty() and queues[second].empty()
+    assert inboxes[first].empty() and inboxes[second].empty()
 
 
 async def test_a_message_that_does_not_decode_is_counted_and_never_queued(two_sites):
@@ -111,7 +112,7 @@ async def test_a_message_that_does_not_decode_is_counted_and_never_queued(two_si
     router_nc, main_nc = two_sites
     mailbox = await started_mailbox(router_nc, main_nc)
     request_id = subjects.new_request_id("router-0", "ccc")
-    queue = mailbox.open(request_id)
+    inbox = mailbox.open(request_id)
     label = BAD_MESSAGES.labels("router", subjects.tokens_of_origin("router-0"))
     before = label._value.get()
     await main_nc.publish(subjects.tokens(request_id, "main-decode-0"), b"\xc1 not msgpack")
@@ -123,9 +124,64 @@ async def test_a_message_that_does_not_decode_is_counted_and_never_queued(two_si
             )
         ),
     )
-    _, message = await asyncio.wait_for(queue.get(), 5 * RTT_MS / 1000)
-    assert message.token_ids == [3] and queue.empty()
+    [(_, message)] = await asyncio.wait_for(inbox.take(), 5 * RTT_MS / 1000)
+    assert message.token_ids == [3] and inbox.empty()
     assert label._value.get() == before + 1
+
+
+async def test_a_step_message_is_split_to_the_open_requests_it_names_with_its_subjects_sender(two_sites):
+    router_nc, main_nc = two_sites
+    mailbox = await started_mailbox(router_nc, main_nc)
+    first, second, closed = (subjects.new_request_id("router-0", n) for n in ("s1", "s2", "s3"))
+    inboxes = {rid: mailbox.open(rid) for rid in (first, second, closed)}
+    mailbox.close(closed)
+    elsewhere = subjects.new_request_id("router-1", "s4")  # another router's request: not ours
+    await main_nc.publish(
+        subjects.step_tokens("router-0", "main-decode-0"),
+        encode(
+            StepTokens(
+                producer="MD",
+                request_ids=[first, closed, elsewhere, second],
+                indices=[4, 0, 0, 9],
+                token_ids=[40, 1, 2, 90],
+            )
+        ),
+    )
+    assert await asyncio.wait_for(inboxes[first].take(), 5 * RTT_MS / 1000) == [("step", 4, 40, "MD", "main-decode-0")]
+    assert await asyncio.wait_for(inboxes[second].take(), 1) == [("step", 9, 90, "MD", "main-decode-0")]
+    assert inboxes[closed].empty()
+
+
+async def test_a_step_message_with_arrays_of_unequal_length_is_bad_and_never_queued(two_sites):
+    from shared.dead_letters import BAD_MESSAGES
+
+    router_nc, main_nc = two_sites
+    mailbox = await started_mailbox(router_nc, main_nc)
+    request_id = subjects.new_request_id("router-0", "s5")
+    inbox = mailbox.open(request_id)
+    label = BAD_MESSAGES.labels("router", subjects.step_tokens_of_origin("router-0"))
+    before = label._value.get()
+    subject = subjects.step_tokens("router-0", "main-decode-0")
+    lopsided = {
+        "type": "steptokens",
+        "producer": "MD",
+        "request_ids": [request_id],
+        "indices": [0, 1],
+        "token_ids": [5],
+    }
+    await main_nc.publish(subject, msgspec.msgpack.encode(lopsided))
+    await main_nc.publish(
+        subject, encode(StepTokens(producer="MD", request_ids=[request_id], indices=[0], token_ids=[6]))
+    )
+    assert await asyncio.wait_for(inbox.take(), 5 * RTT_MS / 1000) == [("step", 0, 6, "MD", "main-decode-0")]
+    assert label._value.get() == before + 1
+
+
+def test_step_subjects_name_their_router_and_sender():
+    assert subjects.step_tokens("router-1", "main-decode-0") == "pdd.steps.router-1.main-decode-0"
+    assert subjects.sender_of(subjects.step_tokens("router-1", "relay-decode-0")) == "relay-decode-0"
+    assert subjects.step_tokens_of_origin("router-1") == "pdd.steps.router-1.*"
+    assert subjects.step_tokens_by("main-decode-0") == "pdd.steps.*.main-decode-0"
 
 
 def test_request_ids_name_their_router():

@@ -39,3 +39,14 @@ def test_a_recovered_attempt_re_emitting_delivered_tokens_adds_nothing_twice():
     assert log.add(emitted(0, [1, 2, 3, 4])) == [4]
     assert log.add(emitted(4, [5, 9], finish="stop")) == [5, 9]
     assert log.token_ids == [1, 2, 3, 4, 5, 9] and log.complete and log.eager_tokens == 3
+
+
+def test_step_entries_and_messages_merge_by_index_whichever_comes_first():
+    log = TokenLog()
+    assert log.add_one(0, 30, "RLD") == [30]
+    assert log.add_one(2, 32, "MD") == []  # index 1 is still missing
+    assert log.add_one(0, 99, "MD") == []  # an index the client has is not taken again
+    assert log.add(emitted(3, [33], finish="length")) == []  # the last token, overtaking a step
+    assert log.add_one(1, 31, "RLD") == [31, 32, 33]
+    assert log.complete and log.token_ids == [30, 31, 32, 33] and log.eager_tokens == 2
+    assert log.logprobs == [None] * 4

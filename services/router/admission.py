@@ -72,10 +72,11 @@ class Admission:
             self.wake()
 
     async def _acquire(self) -> float:
-        if self.in_flight < self.limit and not self._waiters:
+        limit = self.limit
+        if self.in_flight < limit and not self._waiters:
             self.in_flight += 1
             return 0.0
-        max_queued = self._max_queued or max(1, self.limit)
+        max_queued = self._max_queued or max(1, limit)
         if len(self._waiters) >= max_queued:
             raise Overloaded(
                 f"server busy: {self.in_flight} requests running and {len(self._waiters)} waiting", self.retry_after_s()
@@ -109,7 +110,8 @@ class Admission:
 
     def wake(self):
         """Grant free slots to waiters in arrival order (after a release or a new heartbeat)."""
-        while self._waiters and self.in_flight < self.limit:
+        limit = self.limit  # the registry does not change meanwhile: one look at the fleet
+        while self._waiters and self.in_flight < limit:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 self.in_flight += 1

@@ -25,12 +25,13 @@ import nats
 import structlog
 from opentelemetry import trace
 
-from services.router.mailbox import RequestMailbox
+from services.router.mailbox import Inbox, RequestMailbox
 from services.router.odd_traffic import OddTrafficTracker, OddTransition
 from services.router.outcome import Recovery, RequestOutcome
 from services.router.placement import NoInstances, Placement
 from services.router.registry import InstanceRegistry
 from services.router.stream_watch import StreamWatch
+from services.router.token_intake import DirectSink, TokenIntake
 from services.router.token_log import TokenLog
 from services.router.wan_estimate import WanEstimator
 from shared import subjects
@@ -47,11 +48,10 @@ from shared.messages import (
     RequestFailed,
     ResendTokens,
     StartPrefill,
-    TokensEmitted,
     decoder,
     encode,
 )
-from shared.metrics import ODD_TRAFFIC, RECOVERIES, REFUSED_MESSAGES
+from shared.metrics import ODD_TRAFFIC, RECOVERIES
 from shared.tracing import trace_headers, tracer
 
 log = structlog.get_logger(__name__)
@@ -64,7 +64,6 @@ GONE_REASONS = {"instance_unresponsive", "prefill_unreachable"}
 ODD_CANCEL_REPORT_S = 2.0
 
 Replacer = Callable[[frozenset[str]], Awaitable[Placement]]
-"""Places the request again, avoiding the given instance ids; raises ``NoInstances``."""
 
 
 class UpstreamFailed(PddError):
@@ -191,7 +190,8 @@ class RequestFlow:
             cached_blocks_md=placement.md_cached_blocks,
         )
         self.outcome.place(placement)
-        self._queue: asyncio.Queue | None = None
+        self._inbox: Inbox | None = None
+        self.sink: DirectSink | None = None
         self._start_attempt_state()
 
     def _start_attempt_state(self):
@@ -205,6 +205,7 @@ class RequestFlow:
             token_timeout_s=self.config.token_timeout_s,
             resend_after_s=RESEND_AFTER_S,
         )
+        self.intake = TokenIntake(self.request_id, self.log, self.watch, self.outcome, self.started)
 
     def _record_odd(self, transition: OddTransition | None, log_it: bool = True):
         """Count an odd-traffic transition; log it and add it to the current span."""
@@ -250,8 +251,8 @@ class RequestFlow:
             )
 
     async def _attempt_tokens(self) -> AsyncIterator[list[int]]:
-        self._queue = self.ctx.mailbox.open(self.attempt_id)
-        dispatch = asyncio.create_task(self._dispatch(self._queue))
+        self._inbox = self.ctx.mailbox.open(self.attempt_id)
+        dispatch = asyncio.create_task(self._dispatch(self._inbox))
         try:
             async for batch in self._ordered_tokens():
                 yield batch
@@ -317,19 +318,16 @@ class RequestFlow:
         )
         deadline = time.monotonic() + ODD_CANCEL_REPORT_S
         while time.monotonic() < deadline:
-            try:
-                _kind, item = await asyncio.wait_for(self._queue.get(), deadline - time.monotonic())
-            except TimeoutError:
-                break
-            event = item
-            if isinstance(event, KvImportAborted):
-                self.outcome.wan_kv_bytes = self._wan_bytes_before + event.wan_kv_bytes
-                self._wan_bytes_final = True
-                return
-            if isinstance(event, PrefillCompleted):
-                self._on_event(event)
+            for item in await self._inbox.take():  # [] on the mailbox's tick: the deadline is checked
+                event = item[1]
+                if isinstance(event, KvImportAborted):
+                    self.outcome.wan_kv_bytes = self._wan_bytes_before + event.wan_kv_bytes
+                    self._wan_bytes_final = True
+                    return
+                if isinstance(event, PrefillCompleted):
+                    self._on_event(event)
 
-    async def _dispatch(self, queue: asyncio.Queue):
+    async def _dispatch(self, inbox: Inbox):
         p = self.placement
         command = StartPrefill(
             request_id=self.attempt_id,
@@ -349,9 +347,9 @@ class RequestFlow:
             reply = await self.ctx.nc.request(
                 subject, encode(command), headers=trace_headers(), timeout=self.config.first_token_timeout_s
             )
-            queue.put_nowait(("prefill", _prefill_reply_decoder.decode(reply.data)))
+            inbox.put(("prefill", _prefill_reply_decoder.decode(reply.data)))
         except (TimeoutError, nats.errors.Error, msgspec.DecodeError) as exc:
-            queue.put_nowait(("prefill", exc))
+            inbox.put(("prefill", exc))
 
     async def _ordered_tokens(self) -> AsyncIterator[list[int]]:
         """Ordered token batches: everything that arrived together is merged into one batch
@@ -366,44 +364,28 @@ class RequestFlow:
                     "timeout",
                 )
             await self._repair_gap()
-            arrived = await _drained(self._queue, LIVENESS_TICK_S)
-            if not arrived:
+            intake = self.intake
+            intake.sink = self.sink
+            arrived = await self._inbox.take(intake.direct if intake.sink is not None else None)
+            if not arrived:  # the mailbox's tick: quiet for a while
                 self._check_liveness()
                 continue
             batch: list[int] = []
-            for kind, item in arrived:
-                if kind == "tokens":
-                    batch += self._released(item)
-                    continue
-                if batch:
-                    yield self._delivered(batch)
-                    batch = []
-                self._on_event(item)
+            for item in arrived:
+                kind = item[0]
+                if kind == "step":
+                    batch += intake.released_step(*item[1:])
+                elif kind == "tokens":
+                    batch += intake.released(item[1])
+                elif kind == "raise":
+                    raise item[1]
+                else:
+                    if batch:
+                        yield intake.delivered(batch)
+                        batch = []
+                    self._on_event(item[1])
             if batch:
-                yield self._delivered(batch)
-
-    def _released(self, tokens: TokensEmitted) -> list[int]:
-        """The tokens a producer's message lets the client have now (none from an instance
-        the attempt was not placed on)."""
-        if not self.watch.may_write(tokens.instance_id):
-            # Only the instances this attempt was placed on write its stream.
-            REFUSED_MESSAGES.labels("router", "tokens_from_unplaced_instance").inc()
-            log.warning(
-                "tokens_refused", request_id=self.request_id, instance=tokens.instance_id, reason="not placed on it"
-            )
-            return []
-        batch = self.log.add(tokens)
-        self.outcome.finish_reason, self.outcome.finished_on = self.log.finish_reason, self.log.finished_on
-        return batch
-
-    def _delivered(self, batch: list[int]) -> list[int]:
-        """Account a batch about to go to the client."""
-        self.watch.on_tokens_released(time.monotonic())
-        if self.outcome.ttft_ms is None:
-            self.outcome.ttft_ms = round((time.perf_counter() - self.started) * 1000, 1)
-        self.outcome.output_tokens = self.log.next_index
-        self.outcome.eager_tokens = self.log.eager_tokens
-        return batch
+                yield intake.delivered(batch)
 
     async def _repair_gap(self):
         """Ask the decoders to resend from the first missing index when the stream has a hole
@@ -480,17 +462,3 @@ class RequestFlow:
                     ref.instance_id,
                     "instance_unresponsive",
                 )
-
-
-async def _drained(queue: asyncio.Queue, wait_s: float) -> list:
-    """Everything in ``queue`` now, waiting up to ``wait_s`` for the first item ([] if none came)."""
-    arrived = []
-    if queue.empty():
-        try:
-            async with asyncio.timeout(wait_s):
-                arrived.append(await queue.get())
-        except TimeoutError:
-            return []
-    while not queue.empty():
-        arrived.append(queue.get_nowait())
-    return arrived

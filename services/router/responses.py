@@ -77,7 +77,7 @@ class ResponseWriter:
         try:
             try:
                 async with contextlib.aclosing(flow.tokens()) as batches:
-                    await self._stream_events(response, req, flow, metrics, batches)
+                    await self._stream_events(request, response, req, flow, metrics, batches)
                 metrics.finish(flow.outcome, "ok")
             except (UpstreamFailed, UpstreamTimeout) as exc:
                 metrics.finish(flow.outcome, "error")
@@ -94,27 +94,22 @@ class ResponseWriter:
         return response
 
     async def _stream_events(
-        self, response: web.StreamResponse, req: ParsedRequest, flow: RequestFlow, metrics: RequestMetrics, batches
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        req: ParsedRequest,
+        flow: RequestFlow,
+        metrics: RequestMetrics,
+        batches,
     ):
-        detok, first = Detokenizer(self.prompts.metadata.tokenizer, req.sampling.stop), True
-        content = ContentEvents(req, flow.request_id)
-        num_sent, num_chars = 0, 0
-        async for batch in batches:
-            delta = await self.prompts.detokenize_batch(detok, batch)
-            logprobs = self._logprobs(req, flow, num_sent, num_sent + len(batch), num_chars)
-            num_sent += len(batch)
-            if logprobs is not None and not req.chat:
-                num_chars += sum(map(len, logprobs["tokens"]))
-            if delta and not first and logprobs is None:
-                await self._write(response, content.event(delta))
-            elif delta or first or logprobs is not None:
-                chunk = openai_api.chunk_body(req, flow.request_id, delta, first=first, logprobs=logprobs)
-                await self._sse(response, chunk)
-                first = False
-            else:
-                continue
-            metrics.delivered(flow.outcome.pipeline)
-        rest = detok.flush()
+        events = EventStream(self, request, response, req, flow, metrics)
+        flow.sink = events
+        try:
+            async for batch in batches:
+                await events.send(batch)
+        finally:
+            flow.sink = None
+        rest = events.detok.flush()
         if rest:
             await self._sse(response, openai_api.chunk_body(req, flow.request_id, rest))
         outcome = flow.outcome
@@ -145,3 +140,92 @@ class ResponseWriter:
                 await response.write(data)
         except TimeoutError:
             raise SlowClient() from None
+
+
+MAX_WRITE_NOW_BYTES = 16 << 10
+"""Below every transport's high-water mark (uvloop's and asyncio's: 64 KiB)."""
+
+
+def writes_now(transport: asyncio.Transport | None, data: bytes) -> bool:
+    """Whether a response's ``write(data)`` on ``transport`` completes without waiting: the
+    transport is open and holds no unsent bytes (so it is not paused: a transport resumes
+    writing once its buffer drains below the low-water mark), and ``data`` alone cannot reach
+    the high-water mark. A client that stops reading fills its kernel buffers, then the
+    transport's: from then on every write waits, with the slow-client timeout."""
+    return (
+        transport is not None
+        and not transport.is_closing()
+        and transport.get_write_buffer_size() == 0
+        and len(data) < MAX_WRITE_NOW_BYTES
+    )
+
+
+def write_now(response: web.StreamResponse, data: bytes):
+    """``response.write(data)`` run to completion here, synchronously (``writes_now`` holds).
+    The server's writer (no compression, no chunk signal: neither is set up here) hands the
+    bytes to the transport before the only wait it has, for the transport to drain; should it
+    still wait, that wait is dropped and the next write waits instead, with the timeout."""
+    write = response.write(data)
+    try:
+        write.send(None)
+    except StopIteration:
+        return
+    write.close()
+
+
+class EventStream:
+    """One streaming answer's content events: a batch of tokens at a time from the flow's task
+    (``send``), or one plain token at a time from the mailbox's callback (``deliver``, a
+    ``token_intake.DirectSink``) while the client keeps up."""
+
+    def __init__(
+        self,
+        writer: ResponseWriter,
+        request: web.Request,
+        response: web.StreamResponse,
+        req: ParsedRequest,
+        flow: RequestFlow,
+        metrics: RequestMetrics,
+    ):
+        self.writer, self.response, self.req, self.flow, self.metrics = writer, response, req, flow, metrics
+        self.transport = request.transport
+        self.detok = Detokenizer(writer.prompts.metadata.tokenizer, req.sampling.stop)
+        self.content = ContentEvents(req, flow.request_id)
+        self.first = True
+        self.num_sent = self.num_chars = 0
+
+    async def send(self, batch: list[int]):
+        """Write the event of a batch the flow's task yielded (none when it adds no text)."""
+        req, flow = self.req, self.flow
+        delta = await self.writer.prompts.detokenize_batch(self.detok, batch)
+        logprobs = self.writer._logprobs(req, flow, self.num_sent, self.num_sent + len(batch), self.num_chars)
+        self.num_sent += len(batch)
+        if logprobs is not None and not req.chat:
+            self.num_chars += sum(map(len, logprobs["tokens"]))
+        if delta and not self.first and logprobs is None:
+            await self._write(self.content.event(delta))
+        elif delta or self.first or logprobs is not None:
+            chunk = openai_api.chunk_body(req, flow.request_id, delta, first=self.first, logprobs=logprobs)
+            await self.writer._sse(self.response, chunk)
+            self.first = False
+        else:
+            return
+        self.metrics.delivered(flow.outcome.pipeline)
+
+    def ready(self) -> bool:
+        """A plain content event (after the first, without log-probabilities) can go now."""
+        return not self.first and self.req.sampling.logprobs is None and writes_now(self.transport, b"")
+
+    async def _write(self, data: bytes):
+        if writes_now(self.transport, data):
+            await self.response.write(data)  # it cannot wait: no timer
+        else:
+            await self.writer._write(self.response, data)
+
+    def deliver(self, batch: list[int]):
+        """``send`` of a short batch, synchronously (``ready`` held)."""
+        delta = self.detok.add(batch)
+        self.num_sent += len(batch)
+        if delta:
+            write_now(self.response, self.content.event(delta))
+            self.metrics.delivered(self.flow.outcome.pipeline)

@@ -23,7 +23,7 @@ from services.router.placement import NoInstances, Placement
 from services.router.placer import Placer
 from services.router.prompts import PromptBuilder
 from services.router.registry import InstanceRegistry
-from services.router.request_flow import FlowContext, RequestFlow, new_request_id
+from services.router.request_flow import LIVENESS_TICK_S, FlowContext, RequestFlow, new_request_id
 from services.router.request_metrics import RequestMetrics
 from services.router.responses import ResponseWriter
 from services.router.site_health import SiteHealth, SiteState, SiteTransition
@@ -96,6 +96,7 @@ class RouterService(Service):
         listening_since = time.monotonic()
         self.mailbox = RequestMailbox(self.nc, self.instance_id, self.bad_messages)
         await self.mailbox.start()
+        self._tasks.append(asyncio.create_task(self.mailbox.tick_forever(LIVENESS_TICK_S), name="mailbox-tick"))
         self._flows = FlowContext(self.nc, self.mailbox, self.registry, self.wan, config)
         self._tasks.append(asyncio.create_task(self._watch_sites(), name="site-health"))
         self.api = RouterApi(config, self.prompts, self.placer, self.admission, self.site_health, self.run)

@@ -62,6 +62,21 @@ class TokenLog:
         if message.finish_reason is not None and self._final_index is None:
             self._final_index = message.start_index + len(message.token_ids) - 1
             self.finish_reason, self.finished_on = message.finish_reason, message.producer
+        return self._release()
+
+    def add_one(self, index: int, token: int, producer: str) -> list[int]:
+        """Take one plain token (no log-probabilities, ends nothing: a ``StepTokens`` entry);
+        return the tokens it lets the client have now, in order."""
+        if index == len(self.token_ids) and not self._pending:  # the usual case: next in line
+            self.token_ids.append(token)
+            self.logprobs.append(None)
+            self.eager_tokens += producer == "RLD"
+            return [token]
+        if index >= len(self.token_ids) and index not in self._pending:
+            self._pending[index] = (token, producer, None)
+        return self._release()
+
+    def _release(self) -> list[int]:
         released = []
         while self.next_index in self._pending:
             token, producer, logprob = self._pending.pop(self.next_index)
