@@ -206,7 +206,11 @@ def read_prefix(prefix: bytes | memoryview, expect: FrameExpectation) -> tuple[i
 
 
 def decode_frame(
-    buffer: bytes | bytearray | memoryview, expect: FrameExpectation, *, verify_checksum: bool = True
+    buffer: bytes | bytearray | memoryview,
+    expect: FrameExpectation,
+    *,
+    verify_checksum: bool = True,
+    checked: "BodyDigest | None" = None,
 ) -> KvFrame:
     """Validate one whole frame and view its body without copying; its values must be finite.
 
@@ -214,6 +218,10 @@ def decode_frame(
     a channel authenticating every byte end to end (the bulk channel's mutual TLS: each record's
     AEAD tag or MAC already fails on any changed byte and kills the connection); the header's
     ``body_xxh3`` is still there (files, plaintext paths) and every other check runs.
+
+    ``checked``: the body's checks already run on this buffer as it arrived (``BodyCheck``);
+    used only where it covers the whole body in the header's dtype (and its xxh3 when that is
+    verified), else the checks run here.
 
     Raises:
         TruncatedFrame, CorruptFrame, OversizedFrame, IncompatibleFrame: the frame is bad.
@@ -225,28 +233,38 @@ def decode_frame(
         raise TruncatedFrame(f"frame is {len(view)} bytes, prefix declares {expected_len}")
     if len(view) > expected_len:
         raise CorruptFrame(f"frame has {len(view) - expected_len} trailing bytes")
-    try:
-        header = _header_decoder.decode(view[PREFIX_SIZE : PREFIX_SIZE + header_len])
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise CorruptFrame(f"undecodable frame header: {exc}") from exc
+    header = _decode_header(view[PREFIX_SIZE : PREFIX_SIZE + header_len])
     _check_compatible(header, expect)
     _check_consistent(header, body_len)
     body = view[PREFIX_SIZE + header_len :]
-    if verify_checksum and body_checksum(body) != header.body_xxh3:
+    if checked is None or not checked.covers(body_len, header.dtype, verify_checksum):
+        checked = BodyDigest(
+            body_len,
+            header.dtype,
+            body_checksum(body) if verify_checksum else None,
+            values_are_finite(body, header.dtype),
+        )
+    if verify_checksum and checked.xxh3 != header.body_xxh3:
         raise CorruptFrame(f"body checksum mismatch for request {header.request_id!r}")
+    if not checked.finite:
+        raise CorruptFrame(f"KV of request {header.request_id!r} holds non-finite values")
     import torch
 
-    dtype = getattr(torch, header.dtype)
     # torch.frombuffer shares memory with the receive buffer; a read-only buffer (bytes)
     # would make later in-place ops undefined, so ask for a writable one.
     if view.readonly:
         body = memoryview(bytearray(body))
-    kv = torch.frombuffer(body, dtype=dtype).view(
+    kv = torch.frombuffer(body, dtype=getattr(torch, header.dtype)).view(
         header.num_layers, 2, header.num_tokens, header.num_kv_heads, header.head_dim
     )
-    if not values_are_finite(body, header.dtype):
-        raise CorruptFrame(f"KV of request {header.request_id!r} holds non-finite values")
     return KvFrame(header, kv)
+
+
+def _decode_header(encoded: memoryview) -> KvFrameHeader:
+    try:
+        return _header_decoder.decode(encoded)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CorruptFrame(f"undecodable frame header: {exc}") from exc
 
 
 def body_checksum(body: memoryview) -> int:
@@ -255,24 +273,118 @@ def body_checksum(body: memoryview) -> int:
     return xxhash.xxh3_64(body).intdigest()
 
 
-_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+_NON_FINITE_FROM = {
+    "float32": (np.int32, np.uint32, 0x7F80_0000, 0xFF80_0000),
+    "float16": (np.int16, np.uint16, 0x7C00, 0xFC00),
+    "bfloat16": (np.int16, np.uint16, 0x7F80, 0xFF80),
+}
+"""Per wire dtype: its bits as a signed and an unsigned integer, and the least positive and
+negative value whose exponent bits are all set (infinity; above it, NaN)."""
+FINITE_PIECE_BYTES = 512 << 10
+"""Bytes ``values_are_finite`` reads at a time (half of this machine's per-core L2 cache: its
+second pass over a piece reads it from there, not from memory)."""
 
 
 def values_are_finite(body: memoryview, dtype: str) -> bool:
-    """Whether the values of ``body`` (``dtype``, a wire dtype) sum to a finite float32: not iff
-    some value is NaN or infinite (or the values are absurdly large).
+    """Whether every value of ``body`` (``dtype``, a wire dtype) is finite: neither NaN nor
+    infinite, i.e. no value has all its exponent bits set.
 
-    One reduction at memory speed, ~15x faster here than an element-wise ``isfinite().all()``:
-    numpy's, on the calling thread alone, where numpy has the dtype (torch's spreads over its
-    thread pool, which ran at a quarter of the speed beside a busy sender on two cores);
-    torch's for bfloat16.
+    Exact, in integers: read as signed integers, a positive value is not finite iff it is at
+    least infinity's bits; read as unsigned, a negative value likewise. So two integer maxima
+    (vectorised by numpy, the GIL released), piece by piece so that the second reads from the
+    cache. (It replaced one float32 sum of the body, which also refused finite values whose sum
+    overflowed, and was slower on cached bytes: 0.45 against 0.33 ms per 11.8 MB here.)
     """
-    if dtype in _NUMPY_DTYPES:
-        return bool(np.isfinite(np.add.reduce(np.frombuffer(body, dtype=_NUMPY_DTYPES[dtype]), dtype=np.float32)))
-    import torch
+    signed, unsigned, positive, negative = _NON_FINITE_FROM[dtype]
+    as_signed = np.frombuffer(body, dtype=signed)
+    as_unsigned = as_signed.view(unsigned)
+    step = FINITE_PIECE_BYTES // as_signed.itemsize
+    for start in range(0, len(as_signed), step):
+        if as_signed[start : start + step].max() >= positive or as_unsigned[start : start + step].max() >= negative:
+            return False
+    return True
 
-    values = torch.frombuffer(body, dtype=getattr(torch, dtype))
-    return bool(torch.isfinite(values.sum(dtype=torch.float32)))
+
+CHECK_PIECE_BYTES = 256 << 10
+"""Least bytes ``BodyCheck.advance`` checks at once (fewer calls, each on bytes still in the
+L2 cache the socket's copy just wrote them to)."""
+
+
+@dataclass(frozen=True)
+class BodyDigest:
+    """What a frame body's checks found (``BodyCheck.finish``).
+
+    Attributes:
+        nbytes: Bytes of the body that both checks covered.
+        dtype: The dtype the finiteness check read the body as.
+        xxh3: The body's xxh3-64 (None: not computed).
+        finite: Whether every value checked is finite.
+    """
+
+    nbytes: int
+    dtype: str
+    xxh3: int | None
+    finite: bool
+
+    def covers(self, body_len: int, dtype: str, checksum: bool) -> bool:
+        """Whether this digest is of a whole body of ``body_len`` bytes of ``dtype`` (with its
+        xxh3 if ``checksum``)."""
+        return self.nbytes == body_len and self.dtype == dtype and (self.xxh3 is not None or not checksum)
+
+
+class BodyCheck:
+    """A frame body's checks run as the body arrives, each piece while it is still in the CPU's
+    caches: its xxh3-64 (``checksum``) and the finiteness of its values (``dtype``). Reading
+    the bytes once more afterwards, from memory, cost a pass of each check per frame.
+
+    The caller writes the body front to back and calls ``advance`` with how many bytes are in;
+    ``finish`` once all are. The digest is of the bytes as they were when checked: the buffer
+    must not change afterwards (the receiver's buffer is its own until the frame is decoded).
+    """
+
+    def __init__(self, body: memoryview, dtype: str, checksum: bool):
+        self._body = body
+        self._dtype = dtype
+        self._itemsize = WIRE_DTYPES[dtype]
+        self._hash = xxhash.xxh3_64() if checksum else None
+        self._checked = 0
+        self._finite = True
+
+    def advance(self, received: int):
+        """The body's first ``received`` bytes are in: check them if ``CHECK_PIECE_BYTES`` or more
+        wait (whole values only)."""
+        if received - self._checked >= CHECK_PIECE_BYTES:
+            self._check_to(received)
+
+    def finish(self) -> BodyDigest:
+        """Check what is left; the digest of the whole body."""
+        self._check_to(len(self._body))
+        return BodyDigest(
+            self._checked, self._dtype, self._hash.intdigest() if self._hash is not None else None, self._finite
+        )
+
+    def _check_to(self, received: int):
+        end = received - received % self._itemsize
+        if end <= self._checked:
+            return
+        piece = self._body[self._checked : end]
+        if self._hash is not None:
+            self._hash.update(piece)
+        self._finite = self._finite and values_are_finite(piece, self._dtype)
+        self._checked = end
+
+
+def body_check(header_bytes: memoryview, body: memoryview, checksum: bool) -> BodyCheck:
+    """The checks for ``body``, a frame body whose header (``header_bytes``) arrived before it.
+
+    Raises:
+        CorruptFrame: the header does not decode. IncompatibleFrame: its dtype is not one the
+            wire carries.
+    """
+    header = _decode_header(header_bytes)
+    if header.dtype not in WIRE_DTYPES:
+        raise IncompatibleFrame(f"frame dtype {header.dtype!r} not in {sorted(WIRE_DTYPES)}")
+    return BodyCheck(body, header.dtype, checksum)
 
 
 def _check_compatible(header: KvFrameHeader, expect: FrameExpectation):
