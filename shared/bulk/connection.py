@@ -14,16 +14,18 @@ side may still be running in the thread: the owner then closes the connection, w
 socket down and so ends that call at once.
 
 Receiving in a pipeline: ``start_read`` queues the read of the next message and returns at
-once; the thread reads a KV frame and checks it as it lands (``framing.recv_message``: each
-piece of the body is checksummed and checked finite while it is still in the CPU's caches,
-with the GIL released). A receiver can so have the socket drain (and check) frame N+1 while
-frame N is imported. (The checks ran on a pool of check threads after the read until
-2026-12-04: a second pass over each frame, from memory, and one more thread handoff.)
+once, and ``check_frame`` validates a frame read that way on a shared pool of check threads
+(``kv_wire.decode_frame``: checksum and finiteness, both with the GIL released). A
+receiver can so have the socket drain frame N+1 while frame N is checked and imported: on
+loopback the transfer keeps one core busy and the checks take the other, instead of the two
+taking turns.
 """
 
 import asyncio
 import concurrent.futures
 import fcntl
+import functools
+import os
 import queue
 import select
 import socket
@@ -36,18 +38,29 @@ from typing import TypeVar
 
 from shared.bulk.framing import (
     MAX_CONTROL_BYTES,
-    FrameBuffers,
     Message,
+    RawMessage,
     control_bytes,
     recv_message,
+    recv_raw,
     send_buffers,
 )
-from shared.kv_wire import FrameExpectation
+from shared.kv_wire import FrameExpectation, KvFrame, decode_frame
 from shared.messages import BulkControl
 
 T = TypeVar("T")
 SIOCOUTQNSD = 0x894B
 """Linux's ioctl for a TCP socket's bytes queued and not yet sent (``linux/sockios.h``)."""
+
+_checks: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _check_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's threads that validate received frames (one per core: the checks are CPU work)."""
+    global _checks
+    if _checks is None:
+        _checks = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="kv-check")
+    return _checks
 
 
 class _CallThread:
@@ -111,8 +124,8 @@ class BulkConnection:
     def authenticates_bytes(self) -> bool:
         """Whether every byte read is authenticated end to end by the transport: TLS after its
         handshake (every suite our contexts allow carries an AEAD tag or a MAC per record, and a
-        record that fails it ends the connection). Reads then skip a frame's xxh3
-        (``framing.recv_message(verify_checksum=False)``); plaintext keeps it."""
+        record that fails it ends the connection). The receiver then skips a frame's xxh3
+        (``kv_wire.decode_frame(verify_checksum=False)``); plaintext keeps it."""
         return self.cipher is not None
 
     async def call(self, work: Callable[[socket.socket], T], timeout_s: float | None) -> T:
@@ -153,16 +166,13 @@ class BulkConnection:
         timeout_s: float | None = None,
     ) -> tuple[Message, int]:
         """The next message, read and validated on the connection's thread (``framing.recv_message``)."""
-        return await self.call(self._reader(expect, max_control_bytes, None), timeout_s)
+        return await self.call(lambda sock: recv_message(sock, expect, max_control_bytes), timeout_s)
 
     def start_read(
-        self,
-        expect: FrameExpectation | None,
-        buffers: FrameBuffers | None = None,
-        max_control_bytes: int = MAX_CONTROL_BYTES,
-    ) -> "asyncio.Future[tuple[Message, int]]":
-        """Queue the read of the next message now (``framing.recv_message``: a KV frame comes
-        back validated, in a buffer from ``buffers`` if given) and return its future.
+        self, expect: FrameExpectation | None, max_control_bytes: int = MAX_CONTROL_BYTES
+    ) -> "asyncio.Future[tuple[RawMessage, int]]":
+        """Queue the read of the next message now (``framing.recv_raw``: a KV frame comes back
+        as its buffer, unchecked: pass it to ``check_frame``) and return its future.
 
         The read runs whatever the caller does meanwhile, bounded only by the stall timeout:
         await the future with a timeout of your own (through ``asyncio.shield`` if it should
@@ -174,18 +184,23 @@ class BulkConnection:
         """
         if self._closed:
             raise ConnectionError("bulk connection closed")
-        sock, read = self._sock, self._reader(expect, max_control_bytes, buffers)
-        return asyncio.wrap_future(self._thread.submit(lambda: read(sock)))
+        sock = self._sock
+        return asyncio.wrap_future(self._thread.submit(lambda: recv_raw(sock, expect, max_control_bytes)))
 
-    def _reader(
-        self, expect: FrameExpectation | None, max_control_bytes: int, buffers: FrameBuffers | None
-    ) -> Callable[[socket.socket], tuple[Message, int]]:
-        """One read of ``recv_message`` on this connection (a frame's xxh3 only where the
-        transport does not authenticate every byte: ``authenticates_bytes``)."""
-        verify_checksum = not self.authenticates_bytes
-        return lambda sock: recv_message(
-            sock, expect, max_control_bytes, verify_checksum=verify_checksum, buffers=buffers
-        )
+    async def check_frame(
+        self, buffer: memoryview, expect: FrameExpectation, timeout_s: float | None = None
+    ) -> KvFrame:
+        """Validate a frame ``start_read`` returned, in place, on a check thread
+        (``kv_wire.decode_frame``; its xxh3 only where the transport does not authenticate
+        every byte: ``authenticates_bytes``).
+
+        Raises:
+            KvFrameError: the frame is not valid.
+            TimeoutError: ``timeout_s`` passed (the check runs on to its end, then its result is dropped).
+        """
+        loop = asyncio.get_running_loop()
+        check = functools.partial(decode_frame, buffer, expect, verify_checksum=not self.authenticates_bytes)
+        return await asyncio.wait_for(loop.run_in_executor(_check_pool(), check), timeout_s)
 
     @property
     def closed(self) -> bool:

@@ -3,19 +3,15 @@
 ``PDCT | u32 length | msgpack BulkControl`` for control, a KV wire frame (``PDKV…``) for KV.
 Sizes are checked before anything is read into memory. ``recv_message`` and ``send_buffers``
 move them on a blocking socket (plaintext or TLS) without a Python copy of KV bytes: a frame
-is read straight into one buffer of its exact size and validated there (the body's checks
-piece by piece as it lands, while the pieces are still in the CPU's caches), and sent from the
-buffers it was exported as. A receiver may reuse the buffers of one stream's frames once
-nothing refers to them any more (``FrameBuffers``). ``read_message`` reads the same messages
-from an asyncio stream (the WAN link reads a connection's ``LinkRoute`` with it).
+is read straight into one buffer of its exact size and validated there, and sent from the
+buffers it was exported as. ``read_message`` reads the same messages from an asyncio stream
+(the WAN link reads a connection's ``LinkRoute`` with it).
 """
 
 import asyncio
 import socket
 import ssl
 import struct
-import sys
-from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -30,6 +26,8 @@ _CONTROL_LEN = struct.Struct("<I")
 _control_decoder = decoder(BulkControl)
 
 Message = BulkControl | kv_wire.KvFrame | None
+RawMessage = BulkControl | memoryview | None
+"""What ``recv_raw`` returns: a KV frame as its buffer, not yet validated."""
 
 
 def control_bytes(message: BulkControl) -> bytes:
@@ -45,66 +43,14 @@ BODY_ALIGNMENT = 64
 def frame_buffer(nbytes: int, body_offset: int = 0) -> memoryview:
     """An uninitialised writable buffer for one received frame whose byte ``body_offset`` (the
     body's start) lies at a multiple of ``BODY_ALIGNMENT`` (no zero-filling: the caller
-    overwrites every byte before anything reads it). Its ``obj`` is the memory's owner, which
-    everything viewing the memory refers to (``FrameBuffers`` relies on that).
+    overwrites every byte before anything reads it).
 
     Why aligned: the header's length varies, so an unaligned body was the rule, and numpy's
-    float32 sum (the finiteness check then) copied the body piece by piece: 2.4x slower.
+    float32 sum (the finiteness check) then copies the body piece by piece: 2.4x slower.
     """
-    return _aligned(np.empty(nbytes + BODY_ALIGNMENT, dtype=np.uint8), nbytes, body_offset)
-
-
-def _aligned(block: np.ndarray, nbytes: int, body_offset: int) -> memoryview:
+    block = np.empty(nbytes + BODY_ALIGNMENT, dtype=np.uint8)
     start = -(block.ctypes.data + body_offset) % BODY_ALIGNMENT
-    return memoryview(block)[start : start + nbytes]
-
-
-FRAME_BUFFERS_KEPT = 4
-"""Buffers a ``FrameBuffers`` keeps for reuse: the frame being read, the one read before it
-(being imported), one waiting for its turn in a striped flow, one more."""
-
-
-class FrameBuffers:
-    """The receive buffers of one stream of one flow: a frame's buffer is reused for a later
-    frame of the same stream once nothing refers to its memory any more (the frame's import
-    copied it and dropped the frame), never while anything does.
-
-    Why: a fresh 11.8 MB buffer per frame cost the kernel's zeroing of its pages on first touch
-    (a pass over memory the raw socket pump never pays). Why one stream of one flow: a buffer
-    never carries one flow's bytes into another's (a flow's streams and flows come and go with
-    their own ``FrameBuffers``).
-
-    How it knows: everything that views a buffer's memory (a slice of it, the frame's tensor,
-    a queued import holding the frame) refers, through its chain of buffer exports, to the
-    array that owns the memory; so when only this object refers to that array, nothing else can
-    reach the memory (CPython's reference count, read under the GIL: a count only other
-    threads could lower). ``take`` is called from one thread at a time (the stream's reader).
-    """
-
-    def __init__(self, keep: int = FRAME_BUFFERS_KEPT):
-        self._owners: list[np.ndarray] = []
-        self._keep = keep
-
-    def take(self, nbytes: int, body_offset: int = 0) -> memoryview:
-        """A buffer as ``frame_buffer`` makes one: a kept one nothing refers to if one is large
-        enough, else a new one (kept if there is room)."""
-        for index in range(len(self._owners)):
-            if self._owners[index].nbytes >= nbytes + BODY_ALIGNMENT and self._only_here(index):
-                return _aligned(self._owners[index], nbytes, body_offset)
-        buffer = frame_buffer(nbytes, body_offset)
-        if isinstance(buffer.obj, np.ndarray):
-            for index in range(len(self._owners)):  # a free one too small: this one replaces it
-                if self._only_here(index):
-                    self._owners[index] = buffer.obj
-                    return buffer
-            if len(self._owners) < self._keep:
-                self._owners.append(buffer.obj)
-        return buffer
-
-    def _only_here(self, index: int) -> bool:
-        """Whether nothing but this list refers to owner ``index`` (the list and the call's
-        argument are the count's two)."""
-        return sys.getrefcount(self._owners[index]) == 2
+    return memoryview(block[start : start + nbytes])
 
 
 def send_buffers(sock: socket.socket, parts: list[bytes | memoryview]) -> int:
@@ -129,22 +75,33 @@ def send_buffers(sock: socket.socket, parts: list[bytes | memoryview]) -> int:
 
 
 def recv_message(
-    sock: socket.socket,
-    expect: kv_wire.FrameExpectation | None,
-    max_control_bytes: int = MAX_CONTROL_BYTES,
-    *,
-    verify_checksum: bool = True,
-    buffers: FrameBuffers | None = None,
+    sock: socket.socket, expect: kv_wire.FrameExpectation | None, max_control_bytes: int = MAX_CONTROL_BYTES
 ) -> tuple[Message, int]:
     """Read the next control message or validated KV frame from a blocking socket, with its size.
 
-    A KV frame (only when ``expect`` is given) lands in one buffer of its declared size (from
-    ``buffers`` if given), allocated once the prefix passed ``kv_wire.read_prefix``'s bounds;
-    its header is decoded as soon as it is in, and the body's checks run piece by piece as the
-    body lands (``kv_wire.BodyCheck``; its xxh3 only if ``verify_checksum``), then
-    ``kv_wire.decode_frame`` validates the whole frame in place (its body is viewed, not
-    copied). A control message declaring more than ``max_control_bytes`` is refused before
-    any of it is read. Returns ``(None, 0)`` at a clean end of stream.
+    ``recv_raw``, then a KV frame is validated in place (``kv_wire.decode_frame``: its body is
+    viewed, not copied). Returns ``(None, 0)`` at a clean end of stream.
+
+    Raises:
+        KvFrameError: the bytes are not a valid message (the connection must be dropped).
+        OSError: the socket failed or its timeout passed without progress (``TimeoutError``).
+    """
+    message, size = recv_raw(sock, expect, max_control_bytes)
+    if isinstance(message, memoryview):
+        return kv_wire.decode_frame(message, expect), size
+    return message, size
+
+
+def recv_raw(
+    sock: socket.socket, expect: kv_wire.FrameExpectation | None, max_control_bytes: int = MAX_CONTROL_BYTES
+) -> tuple[RawMessage, int]:
+    """Read the next message from a blocking socket, with its size; a KV frame comes back as
+    its buffer, not yet validated (``kv_wire.decode_frame`` does that, on any thread).
+
+    A KV frame (only when ``expect`` is given) lands in one buffer of its declared size,
+    allocated once the prefix passed ``kv_wire.read_prefix``'s bounds. A control message
+    declaring more than ``max_control_bytes`` is refused before any of it is read. Returns
+    ``(None, 0)`` at a clean end of stream.
 
     Raises:
         KvFrameError: the bytes are not a valid message (the connection must be dropped).
@@ -167,40 +124,22 @@ def recv_message(
         return _decode_control(payload), 8 + length
     if magic == kv_wire.MAGIC and expect is not None:
         _check_whole(_recv_into(sock, view[4:]), kv_wire.PREFIX_SIZE - 4)
-        return _recv_frame(sock, start, expect, verify_checksum, buffers)
+        header_len, body_len = kv_wire.read_prefix(start, expect)
+        frame = frame_buffer(kv_wire.PREFIX_SIZE + header_len + body_len, kv_wire.PREFIX_SIZE + header_len)
+        frame[: kv_wire.PREFIX_SIZE] = start
+        _check_whole(_recv_into(sock, frame[kv_wire.PREFIX_SIZE :]), header_len + body_len)
+        return frame, len(frame)
     raise CorruptFrame(f"unexpected message magic {magic!r}")
 
 
-def _recv_frame(
-    sock: socket.socket,
-    prefix: bytearray,
-    expect: kv_wire.FrameExpectation,
-    verify_checksum: bool,
-    buffers: FrameBuffers | None,
-) -> tuple[kv_wire.KvFrame, int]:
-    """The rest of a KV frame whose ``prefix`` was read: header, then body checked as it lands."""
-    header_len, body_len = kv_wire.read_prefix(prefix, expect)
-    body_at = kv_wire.PREFIX_SIZE + header_len
-    frame = (buffers.take if buffers is not None else frame_buffer)(body_at + body_len, body_at)
-    frame[: kv_wire.PREFIX_SIZE] = prefix
-    _check_whole(_recv_into(sock, frame[kv_wire.PREFIX_SIZE : body_at]), header_len)
-    check = kv_wire.body_check(frame[kv_wire.PREFIX_SIZE : body_at], frame[body_at:], verify_checksum)
-    _check_whole(_recv_into(sock, frame[body_at:], check.advance), body_len)
-    checked = check.finish()
-    return kv_wire.decode_frame(frame, expect, verify_checksum=verify_checksum, checked=checked), len(frame)
-
-
-def _recv_into(sock: socket.socket, view: memoryview, progress: Callable[[int], None] | None = None) -> int:
-    """Fill ``view`` from ``sock``; fewer bytes only at the end of the stream. ``progress``
-    hears how many bytes are in after each receive."""
+def _recv_into(sock: socket.socket, view: memoryview) -> int:
+    """Fill ``view`` from ``sock``; fewer bytes only at the end of the stream."""
     got = 0
     while got < len(view):
         count = sock.recv_into(view[got:])
         if count == 0:
             break
         got += count
-        if progress is not None:
-            progress(got)
     return got
 
 

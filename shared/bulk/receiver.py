@@ -13,7 +13,6 @@ import structlog
 from shared.bulk.auth import FlowAuthenticator
 from shared.bulk.connection import BulkConnection
 from shared.bulk.flow_stats import FlowStats
-from shared.bulk.framing import FrameBuffers
 from shared.bulk.path_sizing import MAX_STREAMS
 from shared.bulk.striped_flow import StreamBroken, StripedFlow
 from shared.errors import KvFrameError, PddError
@@ -75,8 +74,8 @@ class FlowHandler(Protocol):
 class BulkReceiver:
     """TCP server for one receiving instance. Each connection has its own I/O thread
     (``BulkConnection``, so TLS and the kernel's copies of several connections run on several
-    cores) that reads every frame into one buffer and checks it there as it lands, one frame
-    ahead of the frame being imported.
+    cores) that reads every frame into one buffer, one frame ahead of the frame being checked
+    (on a check thread, in place) and imported.
 
     A connection opens with a signed FlowOpen (it leads a new flow) or a signed FlowJoin (it
     becomes one more stream of a flow already accepted, ``striped_flow``); once its part of a
@@ -351,30 +350,30 @@ class BulkReceiver:
         """Import one stream's frames, each in its turn, until a control message (returned; None
         at the end of the stream).
 
-        One read ahead: once frame N is read (and checked as it landed, on the connection's
-        thread), the read of the next message is queued before frame N waits for its turn and
-        is imported, so the socket keeps draining meanwhile. At most one frame beyond the one
-        being handled is held, and nothing is read past a control message (only a frame starts
-        a read ahead), so a connection whose part ended cleanly holds nothing unread. The next
-        message's ``frame_timeout_s`` counts from when the stream is ready for it; the socket's
-        stall timeout (no byte at all for as long) bounds the read itself. The stream's frames
-        land in buffers of its own, each reused once nothing refers to it (``FrameBuffers``).
+        One read ahead: once frame N is read, the read of the next message is queued before
+        frame N is checked (on a check thread), waits for its turn and is imported, so the
+        socket keeps draining meanwhile. At most one frame beyond the one being handled is
+        held, and nothing is read past a control message (only a frame starts a read ahead),
+        so a connection whose part ended cleanly holds nothing unread. The next message's
+        ``frame_timeout_s`` counts from when the stream is ready for it; the socket's stall
+        timeout (no byte at all for as long) bounds the read itself.
 
         Raises:
             StreamBroken, TimeoutError, KvFrameError, PddError, OSError: the stream broke.
         """
-        buffers = FrameBuffers()
-        pending: asyncio.Future | None = connection.start_read(self._expect, buffers)
+        pending: asyncio.Future | None = connection.start_read(self._expect)
         try:
             while True:
                 async with asyncio.timeout(self._frame_timeout_s):
                     message, size = await asyncio.shield(pending)
                 pending = None
+                if isinstance(message, memoryview):  # a KV frame, read but not yet checked
+                    pending = connection.start_read(self._expect)
+                    message = await connection.check_frame(message, self._expect, self._frame_timeout_s)
                 flow.stats.bytes_received += size
                 KV_BYTES.labels(self._path, "received").inc(size)
                 if not isinstance(message, KvFrame):
                     return message
-                pending = connection.start_read(self._expect, buffers)
                 if message.header.request_id != flow.request_id:
                     raise StreamBroken(f"frame of request {message.header.request_id!r} on this flow")
                 await flow.turn(message.header, self._frame_timeout_s)
