@@ -232,20 +232,20 @@ def decode_frame(
     _check_compatible(header, expect)
     _check_consistent(header, body_len)
     body = view[PREFIX_SIZE + header_len :]
-    if verify_checksum and body_checksum(body) != header.body_xxh3:
+    checksum, finite = body_checks(body, header.dtype, verify_checksum)
+    if verify_checksum and checksum != header.body_xxh3:
         raise CorruptFrame(f"body checksum mismatch for request {header.request_id!r}")
+    if not finite:
+        raise CorruptFrame(f"KV of request {header.request_id!r} holds non-finite values")
     import torch
 
-    dtype = getattr(torch, header.dtype)
     # torch.frombuffer shares memory with the receive buffer; a read-only buffer (bytes)
     # would make later in-place ops undefined, so ask for a writable one.
     if view.readonly:
         body = memoryview(bytearray(body))
-    kv = torch.frombuffer(body, dtype=dtype).view(
+    kv = torch.frombuffer(body, dtype=getattr(torch, header.dtype)).view(
         header.num_layers, 2, header.num_tokens, header.num_kv_heads, header.head_dim
     )
-    if not values_are_finite(body, header.dtype):
-        raise CorruptFrame(f"KV of request {header.request_id!r} holds non-finite values")
     return KvFrame(header, kv)
 
 
@@ -255,24 +255,55 @@ def body_checksum(body: memoryview) -> int:
     return xxhash.xxh3_64(body).intdigest()
 
 
-_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+BODY_PIECE_BYTES = 512 << 10
+"""Bytes of a body the receiver's checks take at a time (half of this machine's per-core L2
+cache): the checksum brings a piece into the cache and the finiteness check reads it from
+there, so the body is read from memory once rather than once per check."""
+
+
+def body_checks(body: memoryview, dtype: str, checksum: bool) -> tuple[int | None, bool]:
+    """A frame body's checks in one pass over memory, piece by piece (``BODY_PIECE_BYTES``):
+    its xxh3-64 (None unless ``checksum``; the same digest ``body_checksum`` gives) and whether
+    every value (``dtype``, a wire dtype) is finite (``values_are_finite``). Both release the GIL."""
+    digest = xxhash.xxh3_64() if checksum else None
+    finite = True
+    for start in range(0, len(body), BODY_PIECE_BYTES):
+        piece = body[start : start + BODY_PIECE_BYTES]
+        if digest is not None:
+            digest.update(piece)
+        finite = finite and values_are_finite(piece, dtype)
+    return (digest.intdigest() if digest is not None else None), finite
+
+
+_NON_FINITE_FROM = {
+    "float32": (np.int32, np.uint32, 0x7F80_0000, 0xFF80_0000),
+    "float16": (np.int16, np.uint16, 0x7C00, 0xFC00),
+    "bfloat16": (np.int16, np.uint16, 0x7F80, 0xFF80),
+}
+"""Per wire dtype: its bits as a signed and an unsigned integer, and the least positive and
+negative value whose exponent bits are all set (infinity; above it, NaN)."""
 
 
 def values_are_finite(body: memoryview, dtype: str) -> bool:
-    """Whether the values of ``body`` (``dtype``, a wire dtype) sum to a finite float32: not iff
-    some value is NaN or infinite (or the values are absurdly large).
+    """Whether every value of ``body`` (``dtype``, a wire dtype) is finite: neither NaN nor
+    infinite, i.e. no value has all its exponent bits set.
 
-    One reduction at memory speed, ~15x faster here than an element-wise ``isfinite().all()``:
-    numpy's, on the calling thread alone, where numpy has the dtype (torch's spreads over its
-    thread pool, which ran at a quarter of the speed beside a busy sender on two cores);
-    torch's for bfloat16.
+    Exact, in integers: read as signed integers, a positive value is not finite iff it is at
+    least infinity's bits; read as unsigned, a negative value likewise. So two integer maxima
+    (vectorised by numpy, the GIL released), piece by piece so that the second reads the piece
+    from the cache. It replaced one float32 sum of the body (numpy's; torch's for bfloat16),
+    which also refused finite values whose sum overflowed, and took 0.45 ms per 11.8 MB of
+    cached bytes here against 0.30 (but read from memory it is the faster: 0.53 against 0.69;
+    ``body_checks`` gives it cached bytes).
     """
-    if dtype in _NUMPY_DTYPES:
-        return bool(np.isfinite(np.add.reduce(np.frombuffer(body, dtype=_NUMPY_DTYPES[dtype]), dtype=np.float32)))
-    import torch
-
-    values = torch.frombuffer(body, dtype=getattr(torch, dtype))
-    return bool(torch.isfinite(values.sum(dtype=torch.float32)))
+    signed, unsigned, positive, negative = _NON_FINITE_FROM[dtype]
+    as_signed = np.frombuffer(body, dtype=signed)
+    as_unsigned = as_signed.view(unsigned)
+    step = BODY_PIECE_BYTES // as_signed.itemsize
+    for start in range(0, len(as_signed), step):
+        if as_signed[start : start + step].max() >= positive or as_unsigned[start : start + step].max() >= negative:
+            return False
+    return True
 
 
 def _check_compatible(header: KvFrameHeader, expect: FrameExpectation):

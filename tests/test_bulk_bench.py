@@ -13,7 +13,8 @@ def test_the_bulk_bench_reports_every_rate_and_ratio():
     assert report["ours_over_raw_plain"] > 0 and report["ours_over_raw_tls"] > 0
     ciphers = report["setup"]["tls_ciphers"]
     assert ciphers["raw"] == ciphers["ours"] and ciphers["ours"].startswith("TLS_")
-    assert report["link"] is None and report["receiver_checks"]["xxh3_checksum_gb_per_s"] > 0
+    checks = report["receiver_checks"]
+    assert report["link"] is None and checks["xxh3_checksum_gb_per_s"] > 0 and checks["both_checks_gb_per_s"] > 0
     assert "ours / raw" in format_report(report)
 
 

@@ -13,12 +13,14 @@ import torch
 
 from shared import kv_wire
 from shared.bulk.auth import new_nonce, sign, verify_key
-from shared.bulk.connection import dial
+from shared.bulk.connection import BulkConnection, dial
+from shared.bulk.flow_stats import FlowStats
 from shared.bulk.framing import control_bytes, read_message
 from shared.bulk.path_sizing import default_streams, plan_path, socket_buffer_bytes
 from shared.bulk.pool import BulkPool
 from shared.bulk.receiver import BulkReceiver
 from shared.bulk.sender import FlowRefused, open_flow
+from shared.bulk.striped_flow import StripedFlow
 from shared.config import PrefillConfig, build_config
 from shared.engine.hf_engine import HfEngine
 from shared.errors import ConfigError
@@ -98,12 +100,39 @@ async def test_frames_that_arrive_out_of_order_across_streams_are_imported_in_or
     frames = [kv_wire.frame_bytes(p) for p in sender.export_frames("r", 0, 32, max_tokens_per_frame=16)]
     lead, nonce, [(_, join)] = await raw_flow(endpoint, prompt, streams=2)
     join.write(frames[1] + control_bytes(StreamEnd(request_id="r")))  # the second frame comes first
-    await until(lambda: receiver._flows[nonce]._waiting == 1, 5, "the second frame to wait for the first")
+    await until(lambda: len(receiver._flows[nonce]._waiting) == 1, 5, "the second frame to wait for the first")
     assert handler.events == [("open", "r")]
     lead[1].write(frames[0] + control_bytes(FlowEnd(request_id="r", output_token_ids=[first])))
     await asyncio.wait_for(handler.ended.wait(), 5)  # the engine refuses a frame out of order: none was
     assert handler.events == [("open", "r"), ("frame", "r"), ("frame", "r"), ("end", "r")]
     assert torch.equal(imported_kv(handler.engine, "r", 32), imported_kv(sender, "r", 32))
+
+
+async def test_a_frame_given_its_turn_as_every_other_stream_brings_a_later_one_is_not_taken_for_missing(channel, tiny):
+    """Frames 1 and 2 wait on streams 1 and 2; frame 0 is imported, and stream 0's next frame
+    (3) arrives before frame 1's reader has run again: every stream now holds a waiting frame,
+    but frame 1 has its turn, so the flow goes on (it was failed as out of order)."""
+    sender, *_ = channel
+    prompt = prompt_of_length(tiny, 64)
+    prefilled(sender, "r", prompt)
+    exported = sender.export_frames("r", 0, 64, max_tokens_per_frame=16)
+    headers = [kv_wire.decode_frame(kv_wire.frame_bytes(p), sender.frame_expectation).header for p in exported]
+    ends = socket.socketpair()
+    lead = BulkConnection(ends[0], 5)
+    flow = StripedFlow(msgspec.structs.replace(flow_open_for("r", prompt), streams=3), lead, 0, FlowStats())
+
+    async def stream(header):
+        await flow.turn(header, 5)
+        flow.imported(header, 1)
+
+    others = [asyncio.create_task(stream(headers[i])) for i in (1, 2)]
+    await until(lambda: len(flow._waiting) == 2, 5, "frames 1 and 2 to wait for frame 0")
+    flow.imported(headers[0], 1)
+    await stream(headers[3])  # runs in this task at once: frame 1's reader has not run yet
+    await asyncio.gather(*others)
+    assert flow.failure is None and flow.stats.frames == 4
+    lead.close()
+    ends[1].close()
 
 
 async def test_a_sender_that_skips_a_frame_is_cut_off_at_once_and_nothing_piles_up(channel, tiny):

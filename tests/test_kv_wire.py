@@ -245,3 +245,40 @@ def test_the_finiteness_check_finds_any_non_finite_value_in_every_wire_dtype(dty
         values[2049] = value
     body = memoryview(values.view(torch.uint8).numpy()).cast("B")
     assert values_are_finite(body, dtype) is (value is None)
+
+
+@pytest.mark.parametrize("where", [0, 0.3, 0.5, -1])
+@pytest.mark.parametrize("spoil", ["flip", "nan", "-inf"])
+def test_a_large_body_checked_piece_by_piece_is_refused_whichever_piece_is_bad(where, spoil):
+    """A 1.5 MiB body spans three of the checks' pieces (``BODY_PIECE_BYTES``): a changed
+    byte or a non-finite value in the first, a middle or the last one is found."""
+    from shared.kv_layout import KvLayout
+    from shared.kv_wire import BODY_PIECE_BYTES, encode_frame
+
+    tokens = 96
+    kv = torch.randn(4, 2, tokens, 8, 64)
+    expect = FrameExpectation("pieces", KvLayout(4, 8, 64, 16, torch.float32))
+    parts = encode_frame(
+        kv=kv,
+        model_fingerprint="pieces",
+        block_size=16,
+        request_id="r",
+        first_block_index=0,
+        parent_hash=0,
+        token_ids=list(range(10, 10 + tokens)),
+    )
+    header, body = split(frame_bytes(parts))
+    assert len(body) >= 3 * BODY_PIECE_BYTES
+    values = torch.frombuffer(bytearray(body), dtype=torch.float32)
+    index = int(where * values.numel()) if where != -1 else values.numel() - 1
+    if spoil == "flip":
+        spoiled = bytearray(values.numpy().tobytes())
+        spoiled[index * 4] ^= 0x01
+        frame = rebuild(header, bytes(spoiled))
+    else:
+        values[index] = float(spoil)
+        poisoned = values.numpy().tobytes()
+        frame = rebuild(header, poisoned, body_xxh3=xxhash.xxh3_64_intdigest(poisoned))
+    with pytest.raises(CorruptFrame):
+        decode_frame(frame, expect)
+    assert torch.equal(decode_frame(bytearray(frame_bytes(parts)), expect).kv, kv)

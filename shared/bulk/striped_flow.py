@@ -42,7 +42,7 @@ class StripedFlow:
         self._next_token = first_token_index
         self._streams: dict[int, BulkConnection] = {0: lead}
         self._done = 0  # streams that sent their last frame (the lead's FlowEnd, a StreamEnd)
-        self._waiting = 0  # frames waiting for their turn
+        self._waiting: list[int] = []  # first tokens of the frames waiting for their turn
         self._changed = asyncio.Event()
 
     @property
@@ -76,7 +76,7 @@ class StripedFlow:
         if self.num_streams == 1 or start <= self._next_token:
             return
         deadline = time.monotonic() + timeout_s
-        self._waiting += 1
+        self._waiting.append(start)
         self._notify()
         try:
             while not (self.failure is not None or start <= self._next_token or self._stuck()):
@@ -86,15 +86,17 @@ class StripedFlow:
                 except TimeoutError:
                     raise StreamBroken(f"a frame waited {timeout_s:.0f} s for the frames before it") from None
         finally:
-            self._waiting -= 1
+            self._waiting.remove(start)
         if self.failure is not None:
             raise StreamBroken(self.failure)
         if start > self._next_token:
             raise StreamBroken(self.fail(f"frames out of order: none of the streams brings token {self._next_token}"))
 
     def _stuck(self) -> bool:
-        """Every stream that may still send waits for a turn."""
-        return self._waiting >= self.num_streams - self._done
+        """Every stream that may still send waits for a turn, and none of them holds the frame
+        the flow needs next (one that does has its turn and goes on, once its task runs: a frame
+        imported just now gives the turn to a waiting one while the others may still arrive)."""
+        return len(self._waiting) >= self.num_streams - self._done and min(self._waiting) > self._next_token
 
     def imported(self, header: KvFrameHeader, size: int):
         """The frame ``header`` heads is imported: the flow moves on past its tokens."""
