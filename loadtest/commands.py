@@ -24,6 +24,14 @@ def add_bench_parser(commands):
         "--json", action="store_true", help='print {"<engine>": {figures...}, ...} instead of the side-by-side table'
     )
     engine.add_argument(
+        "--threads", type=int, default=0, help="torch intra-op threads (0: torch's default, one per core)"
+    )
+    engine.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time by the process's CPU time, not the wall clock (with --threads 1: robust to a shared machine)",
+    )
+    engine.add_argument(
         "--peak-gflop-s", type=float, default=157.0, help="this machine's peak fp32 GFLOP/s (the prefill floor)"
     )
     engine.add_argument(
@@ -233,11 +241,15 @@ def cmd_bench_engine(args) -> int:
     from loadtest.engine_limits import MachineLimits
     from shared.model_loader import load_model
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     model = "tiny" if args.quick and args.model == "smollm2" else args.model
     loaded = load_model(model, device=args.device, dtype=args.dtype)
     names = [n.strip() for n in args.engine_name.split(",") if n.strip()]
     limits = MachineLimits(peak_gflop_s=args.peak_gflop_s, read_gb_s=args.read_gb_s)
-    figures = compare_engines(loaded, names, quick=args.quick, limits=limits)["engines"]
+    figures = compare_engines(loaded, names, quick=args.quick, limits=limits, cpu_time=args.cpu_time)["engines"]
     print(json.dumps(figures, indent=2) if args.json else format_side_by_side(figures))
     return 0
 

@@ -9,6 +9,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+import torch
+
 from loadtest.engine_limits import MachineLimits, ModelCosts
 from shared.engine.backend import BackendOptions, EngineBackend, create_backend
 from shared.engine.hf_engine import HfEngine
@@ -84,16 +86,22 @@ def _until_output(engine: EngineBackend, request_ids: list[str]):
         waiting -= {out.request_id for out in engine.step()}
 
 
-def bench_prefill(engine: EngineBackend, loaded: LoadedModel, num_tokens: int, repeats: int) -> float:
+def bench_prefill(
+    engine: EngineBackend,
+    loaded: LoadedModel,
+    num_tokens: int,
+    repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """Prompt tokens per second for a cold prefill of ``num_tokens`` (to its first token)."""
     seeds = iter(range(1000, 2000))
 
     def once() -> float:
         prompt = synthetic_prompt(loaded, num_tokens, next(seeds))
-        start = time.perf_counter()
+        start = clock()
         engine.add_request("p", prompt, SamplingParams(max_tokens=1))
         _until_output(engine, ["p"])
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         engine.free("p")
         _drain(engine)
         return elapsed
@@ -101,7 +109,14 @@ def bench_prefill(engine: EngineBackend, loaded: LoadedModel, num_tokens: int, r
     return num_tokens / _median_s(once, repeats)
 
 
-def bench_decode(engine: EngineBackend, loaded: LoadedModel, batch: int, context: int, steps: int) -> float:
+def bench_decode(
+    engine: EngineBackend,
+    loaded: LoadedModel,
+    batch: int,
+    context: int,
+    steps: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """Milliseconds per decode step with ``batch`` sequences at ``context`` tokens."""
     ids = [f"d{batch}-{i}" for i in range(batch)]
     for i, request_id in enumerate(ids):
@@ -114,17 +129,24 @@ def bench_decode(engine: EngineBackend, loaded: LoadedModel, batch: int, context
         )
     _until_output(engine, ids)
     engine.step()  # warm-up
-    start = time.perf_counter()
+    start = clock()
     for _ in range(steps):
         engine.step()
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     for request_id in ids:
         engine.free(request_id)
     _drain(engine)
     return elapsed / steps * 1000
 
 
-def bench_extend(engine: EngineBackend, loaded: LoadedModel, context: int, num_tokens: int, repeats: int) -> float:
+def bench_extend(
+    engine: EngineBackend,
+    loaded: LoadedModel,
+    context: int,
+    num_tokens: int,
+    repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """Milliseconds for main decode to absorb ``num_tokens`` handed-over token IDs in one pass.
 
     As on a real main decoder, the prompt KV is already there (here from the prefix cache)
@@ -147,9 +169,9 @@ def bench_extend(engine: EngineBackend, loaded: LoadedModel, context: int, num_t
         engine.begin_import("x", prompt, sampling)
         engine.finish_import("x", [])
         engine.extend("x", handed)
-        start = time.perf_counter()
+        start = clock()
         _until_output(engine, ["x"])
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         engine.free("x")
         _drain(engine)
         return elapsed
@@ -197,21 +219,29 @@ PREFILL_TOKENS = {"256": 256, "1k": 1024, "4k": 4096}
 
 
 def run_engine_bench(
-    loaded: LoadedModel, *, quick: bool = False, engine_name: str = "hf", limits: MachineLimits | None = None
+    loaded: LoadedModel,
+    *,
+    quick: bool = False,
+    engine_name: str = "hf",
+    limits: MachineLimits | None = None,
+    cpu_time: bool = False,
 ) -> dict:
     """All engine figures for ``loaded`` on one ``engine_name`` backend; ``quick`` shrinks contexts
     and repeats. Flat keys (``decode_b1_ms`` ... ``prefill_4k_tok_s``) carry the headline figures,
-    and ``limit_fraction`` each one's share of this machine's floor (``engine_limits``)."""
+    and ``limit_fraction`` each one's share of this machine's floor (``engine_limits``).
+    ``cpu_time``: time by the process's CPU time (every thread's) instead of the wall clock; with
+    one thread, what other processes on a shared machine take does not count."""
+    clock = time.process_time if cpu_time else time.perf_counter
     limits = limits or MachineLimits()
     context = 256 if quick else 1024
     steps = 4 if quick else 16
     repeats = 1 if quick else 3
     # Room for batch 16 at ``context`` beside the prefix cache's idle blocks.
     engine = open_engine(loaded, engine_name, kv_cache_bytes=1280 << 20)
-    decode_ms = {b: bench_decode(engine, loaded, b, context, steps) for b in DECODE_BATCHES}
-    extend_ms = {n: bench_extend(engine, loaded, context, n, repeats) for n in EXTEND_TOKENS}
+    decode_ms = {b: bench_decode(engine, loaded, b, context, steps, clock) for b in DECODE_BATCHES}
+    extend_ms = {n: bench_extend(engine, loaded, context, n, repeats, clock) for n in EXTEND_TOKENS}
     prefill = {
-        name: bench_prefill(engine, loaded, n, repeats)
+        name: bench_prefill(engine, loaded, n, repeats, clock)
         for name, n in PREFILL_TOKENS.items()
         if n < engine.max_context_len
     }
@@ -223,6 +253,8 @@ def run_engine_bench(
         "engine": engine_name,
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
+        "clock": "process_cpu" if cpu_time else "wall",
+        "torch_threads": torch.get_num_threads(),
         **figures,
         "limit_fraction": _limit_fractions(loaded, limits, context, decode_ms, extend_ms, prefill),
         "prefill_tok_s": {str(PREFILL_TOKENS[name]): tok_s for name, tok_s in prefill.items()},
@@ -248,11 +280,19 @@ def _limit_fractions(loaded: LoadedModel, limits: MachineLimits, context: int, d
 
 
 def compare_engines(
-    loaded: LoadedModel, engine_names: list[str], *, quick: bool = False, limits: MachineLimits | None = None
+    loaded: LoadedModel,
+    engine_names: list[str],
+    *,
+    quick: bool = False,
+    limits: MachineLimits | None = None,
+    cpu_time: bool = False,
 ) -> dict:
     """Each engine's figures in one run, and each figure's ratio to the first engine's (the HF
     engine and one vLLM engine can share a process)."""
-    figures = {name: run_engine_bench(loaded, quick=quick, engine_name=name, limits=limits) for name in engine_names}
+    figures = {
+        name: run_engine_bench(loaded, quick=quick, engine_name=name, limits=limits, cpu_time=cpu_time)
+        for name in engine_names
+    }
     base = figures[engine_names[0]]
     ratios = {}
     for name in engine_names[1:]:
