@@ -53,7 +53,9 @@ def _work(role: str, threads: int, start_at: multiprocessing.Value, ready, secon
             _drain(engine)
         times_s.append(time.perf_counter() - begin)
     median_s = statistics.median(times_s)
-    figure = {"decode_ms_per_step": median_s * 1000} if role == "decode" else {"prefill_tok_s": PROMPT_TOKENS / median_s}
+    figure = (
+        {"decode_ms_per_step": median_s * 1000} if role == "decode" else {"prefill_tok_s": PROMPT_TOKENS / median_s}
+    )
     results.put({"role": role, "threads": threads, "operations": len(times_s), **figure})
 
 

@@ -1,7 +1,9 @@
 """The model runner's packed, paged forward pass gives transformers' own logits."""
 
+import pytest
 import torch
 
+from shared.engine import attention
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_pool import KvPool
 from shared.engine.model_runner import ModelRunner, ScheduledSequence
@@ -49,11 +51,16 @@ def test_a_chunk_that_does_not_sample_still_writes_the_kv_the_next_chunk_reads(t
     torch.testing.assert_close(logits[0], reference, rtol=1e-4, atol=1e-4)
 
 
-def test_decodes_chunks_over_cached_context_and_a_fresh_prompt_in_one_pass_match_transformers(smollm2):
+@pytest.mark.parametrize("gather_budget_bytes", [attention.GATHER_BUDGET_BYTES, 1])
+def test_decodes_chunks_over_cached_context_and_a_fresh_prompt_in_one_pass_match_transformers(
+    smollm2, gather_budget_bytes, monkeypatch
+):
     """One forward holds every kind of work a step can mix: decodes at different context lengths
     (padded to the longest), two chunks of different sizes over cached prefixes (queries padded),
     and a prompt with nothing cached; each sampling row gives transformers' last-token logits.
-    SmolLM2, since the tiny model's near one-hot attention would pass with a wrong mask."""
+    SmolLM2, since the tiny model's near one-hot attention would pass with a wrong mask. With a
+    1-byte gather budget every sequence gets its own attention call; the logits are the same."""
+    monkeypatch.setattr(attention, "GATHER_BUDGET_BYTES", gather_budget_bytes)
     layout = KvLayout.from_model(smollm2.model, 16)
     pool = KvPool(layout, 64, smollm2.device)
     blocks = BlockManager(64, PrefixCache())
