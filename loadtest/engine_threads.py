@@ -16,6 +16,7 @@ import time
 
 PROMPT_TOKENS = 1024
 DECODE_BATCH = 4
+DECODE_MAX_TOKENS = 1000  # more steps than a run takes; 4 x 2K tokens fit the 512 MiB pool
 
 
 def _work(role: str, threads: int, start_at: multiprocessing.Value, ready, seconds: float, results):
@@ -35,7 +36,7 @@ def _work(role: str, threads: int, start_at: multiprocessing.Value, ready, secon
             engine.add_request(
                 request_id,
                 synthetic_prompt(loaded, PROMPT_TOKENS, next(seeds)),
-                SamplingParams(max_tokens=100_000, ignore_eos=True),
+                SamplingParams(max_tokens=DECODE_MAX_TOKENS, ignore_eos=True),
             )
         _until_output(engine, ids)
     ready.release()
@@ -72,7 +73,7 @@ def run(roles: list[str], threads: list[int], seconds: float) -> list[dict]:
     for _ in procs:
         ready.acquire()
     start_at.value = time.monotonic() + 0.5
-    figures = [results.get() for _ in procs]
+    figures = [results.get(timeout=seconds + 900) for _ in procs]  # a failed process: queue.Empty, no hang
     for proc in procs:
         proc.join()
     return figures
