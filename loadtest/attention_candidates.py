@@ -83,7 +83,7 @@ def _reduction_attention(pool_layer, tables, query, mask):
     k = pool_layer[0][:, tables].view(KV_HEADS, batch, -1, HEAD_DIM).transpose(0, 1)
     v = pool_layer[1][:, tables].view(KV_HEADS, batch, -1, HEAD_DIM).transpose(0, 1)
     q = query.view(batch, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM)
-    scores = (q.unsqueeze(-2) * k.unsqueeze(2)).sum(-1) * HEAD_DIM**-0.5 + mask[:, 0]
+    scores = (q.unsqueeze(-2) * k.unsqueeze(2)).sum(-1) * HEAD_DIM**-0.5 + mask
     weights = torch.softmax(scores, -1)
     return (weights.unsqueeze(-1) * v.unsqueeze(2)).sum(-2).view(batch, Q_HEADS, 1, HEAD_DIM)
 
