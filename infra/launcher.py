@@ -298,12 +298,27 @@ def _service_env(spec: DeploymentSpec, creds: Credentials, locked: Credentials |
             for kind in ("relay-decode", "main-decode")
         },
     }
+    own_threads = _torch_threads(spec)
+    for kind, role in zip(ENGINE_KINDS, ("prefill", "relay", "main"), strict=True):
+        if own_threads and spec.role_engines()[role] == "hf":
+            own[kind]["PDD_TORCH_THREADS"] = own_threads
     if locked:
         env["PDD_TLS_CA_FILE"] = str(creds.ca_file)
         for kind in ENGINE_KINDS:  # each engine its own certificate
             peer = PEER_OF_ROLE[SERVICE_OF[kind]]
             own[kind].update(PDD_TLS_CERT_FILE=str(creds.cert_file(peer)), PDD_TLS_KEY_FILE=str(creds.key_file(peer)))
     return {kind: {**env, **own.get(kind, {})} for kind in SERVICE_OF}
+
+
+def _torch_threads(spec: DeploymentSpec) -> str:
+    """Torch threads per HF engine process: the cores shared out among the engine processes
+    (at least one each), unless ``PDD_TORCH_THREADS`` is set already ("": leave it). Measured
+    on 2 cores (docs/engine.md): three engines at torch's default of 2 threads each decoded at
+    8.2-8.3 s per step and prefilled 26 tok/s; at 1 thread each, 226-244 ms and 172 tok/s."""
+    if "PDD_TORCH_THREADS" in os.environ:
+        return ""
+    engines = spec.prefill + spec.rld + spec.md
+    return str(max(1, (os.cpu_count() or 1) // max(1, engines)))
 
 
 @dataclass

@@ -17,9 +17,26 @@ def add_bench_parser(commands):
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
-    engine = bench_kinds.add_parser("engine", help="engine microbenchmark, JSON on stdout")
+    engine = bench_kinds.add_parser("engine", help="engine microbenchmark, side by side or JSON on stdout")
     add_model_args(engine)
     engine.add_argument("--quick", action="store_true", help="short contexts, one repeat")
+    engine.add_argument(
+        "--json", action="store_true", help='print {"<engine>": {figures...}, ...} instead of the side-by-side table'
+    )
+    engine.add_argument(
+        "--threads", type=int, default=0, help="torch intra-op threads (0: torch's default, one per core)"
+    )
+    engine.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time by the process's CPU time, not the wall clock (with --threads 1: robust to a shared machine)",
+    )
+    engine.add_argument(
+        "--peak-gflop-s", type=float, default=157.0, help="this machine's peak fp32 GFLOP/s (the prefill floor)"
+    )
+    engine.add_argument(
+        "--read-gb-s", type=float, default=12.0, help="this machine's read bandwidth, GB/s (the decode floor)"
+    )
     engine.add_argument(
         "--engine",
         dest="engine_name",
@@ -220,16 +237,20 @@ def cmd_bench_handoff(args) -> int:
 
 def cmd_bench_engine(args) -> int:
     """The engine microbenchmark (several engines side by side when given); JSON on stdout."""
-    from loadtest.engine_bench import compare_engines, run_engine_bench
+    from loadtest.engine_bench import compare_engines, format_side_by_side
+    from loadtest.engine_limits import MachineLimits
     from shared.model_loader import load_model
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     model = "tiny" if args.quick and args.model == "smollm2" else args.model
     loaded = load_model(model, device=args.device, dtype=args.dtype)
     names = [n.strip() for n in args.engine_name.split(",") if n.strip()]
-    if len(names) == 1:
-        print(json.dumps(run_engine_bench(loaded, quick=args.quick, engine_name=names[0]), indent=2))
-    else:
-        print(json.dumps(compare_engines(loaded, names, quick=args.quick), indent=2))
+    limits = MachineLimits(peak_gflop_s=args.peak_gflop_s, read_gb_s=args.read_gb_s)
+    figures = compare_engines(loaded, names, quick=args.quick, limits=limits, cpu_time=args.cpu_time)["engines"]
+    print(json.dumps(figures, indent=2) if args.json else format_side_by_side(figures))
     return 0
 
 

@@ -1,7 +1,9 @@
 """The model runner's packed, paged forward pass gives transformers' own logits."""
 
+import pytest
 import torch
 
+from shared.engine import attention
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_pool import KvPool
 from shared.engine.model_runner import ModelRunner, ScheduledSequence
@@ -47,3 +49,37 @@ def test_a_chunk_that_does_not_sample_still_writes_the_kv_the_next_chunk_reads(t
     with torch.inference_mode():
         reference = tiny.model(input_ids=torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(logits[0], reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("gather_budget_bytes", [attention.GATHER_BUDGET_BYTES, 1])
+def test_decodes_chunks_over_cached_context_and_a_fresh_prompt_in_one_pass_match_transformers(
+    smollm2, gather_budget_bytes, monkeypatch
+):
+    """One forward holds every kind of work a step can mix: decodes at different context lengths
+    (padded to the longest), two chunks of different sizes over cached prefixes (queries padded),
+    and a prompt with nothing cached; each sampling row gives transformers' last-token logits.
+    SmolLM2, since the tiny model's near one-hot attention would pass with a wrong mask. With a
+    1-byte gather budget every sequence gets its own attention call; the logits are the same."""
+    monkeypatch.setattr(attention, "GATHER_BUDGET_BYTES", gather_budget_bytes)
+    layout = KvLayout.from_model(smollm2.model, 16)
+    pool = KvPool(layout, 64, smollm2.device)
+    blocks = BlockManager(64, PrefixCache())
+    runner = ModelRunner(smollm2, layout, pool)
+    # (prompt length, tokens already in the pool): decodes, chunks over cached context, a fresh prompt.
+    shapes = [(37, 36), (70, 69), (50, 17), (61, 48), (29, 0)]
+    prompts = [prompt_of_length(smollm2, length, seed=10 + i) for i, (length, _) in enumerate(shapes)]
+    seqs = [sequence_with_blocks(f"r{i}", p, blocks, 16) for i, p in enumerate(prompts)]
+    for seq, (_, cached) in zip(seqs, shapes, strict=True):
+        if cached:
+            runner.run([ScheduledSequence(seq, cached, samples=False)])
+            seq.num_kv_tokens = cached
+    logits = runner.run(
+        [
+            ScheduledSequence(seq, length - cached, samples=True)
+            for seq, (length, cached) in zip(seqs, shapes, strict=True)
+        ]
+    )
+    for row, prompt in enumerate(prompts):
+        with torch.inference_mode():
+            reference = smollm2.model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(logits[row], reference, rtol=1e-4, atol=1e-4)

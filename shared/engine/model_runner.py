@@ -1,8 +1,8 @@
 """The model runner: one packed forward pass of an HF model over the paged KV pool.
 
 A batch is a list of ``(sequence, tokens to compute, samples)``. Their tokens are packed
-into one row; paged attention (``attention``) reads and writes each sequence's KV through its
-block table. Only the rows that sample keep logits.
+into one row; paged attention (``attention``) reads and writes the batch's KV through their
+block tables, one batched call per layer. Only the rows that sample keep logits.
 """
 
 import math
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine import attention
-from shared.engine.attention import ForwardPlan, SequencePlan, forward_plan
+from shared.engine.attention import SequencePlan, build_plan, forward_plan
 from shared.engine.kv_pool import KvPool
 from shared.engine.sequence import Sequence
 from shared.kv_layout import KvLayout
@@ -53,9 +53,7 @@ class ModelRunner:
                 SequencePlan(
                     len(input_ids),
                     len(input_ids) + entry.num_tokens,
-                    torch.tensor(
-                        seq.block_ids[: math.ceil(end / self._layout.block_size)], dtype=torch.long, device=self._device
-                    ),
+                    seq.block_ids[: math.ceil(end / self._layout.block_size)],
                     end,
                 )
             )
@@ -68,7 +66,7 @@ class ModelRunner:
 
     def _forward(self, input_ids, positions, slots, plans, sample_rows) -> torch.Tensor:
         device = self._device
-        plan = ForwardPlan(self._pool, torch.tensor(slots, dtype=torch.long, device=device), plans)
+        plan = build_plan(self._pool, torch.tensor(slots, dtype=torch.long, device=device), plans)
         # With nothing to sample (a prompt chunk), still keep one row: HF treats 0 as "all".
         keep = torch.tensor(sample_rows or [len(input_ids) - 1], dtype=torch.long, device=device)
         with torch.inference_mode(), forward_plan(plan):
