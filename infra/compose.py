@@ -113,8 +113,12 @@ class ComposeStack:
 
     def scale_main_decode(self, replicas: int):
         """Change the number of main-decode replicas (the others keep running)."""
+        self.scale("main-decode", replicas)
+
+    def scale(self, service: str, replicas: int):
+        """Change the number of ``service``'s replicas (the others keep running)."""
         self.compose(
-            "up", "-d", "--no-build", "--no-recreate", "--no-deps", "--scale", f"main-decode={replicas}", "main-decode"
+            "up", "-d", "--no-build", "--no-recreate", "--no-deps", "--scale", f"{service}={replicas}", service
         )
 
     def down(self):
