@@ -44,12 +44,14 @@ def test_generate_rejects_bad_sampling():
 
 
 def test_bench_engine_quick_prints_every_figure():
-    result = run_pdd("bench", "engine", "--quick")
+    result = run_pdd("bench", "engine", "--quick", "--json")
     assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    report = json.loads(result.stdout)["hf"]
     assert set(report["prefill_tok_s"]) == {"256", "1024"}
-    assert set(report["decode_ms_per_step"]) == {"batch_1", "batch_4"}
+    assert set(report["decode_ms_per_step"]) == {"batch_1", "batch_4", "batch_8", "batch_16"}
     assert set(report["extend_cost_in_decode_steps"]) == {"16", "64", "100"}
+    figures = ("decode_b1_ms", "decode_b4_ms", "decode_b8_ms", "decode_b16_ms", "extend_16_ms", "extend_64_ms")
+    assert all(report[name] > 0 for name in (*figures, "extend_100_ms", "prefill_256_tok_s", "prefill_1k_tok_s"))
     assert report["kv_transfer"]["export_gb_s"] > 0 and report["kv_transfer"]["import_gb_s"] > 0
     assert report["decode_throughput_ratio_batch4_vs_batch1"] > 0
 
