@@ -5,7 +5,8 @@ once avoids the per-step re-concatenation of HF's DynamicCache. Heads outermost 
 layer's K or V) make a block of one head 16 contiguous rows: gathering a batch's block
 tables gives every sequence's K and V as contiguous ``[tokens, head_dim]`` rows per head,
 the layout SDPA reads fastest (measured against token-major blocks: 1.4x less attention time
-at batch 16, docs/engine.md); export and import are still one gather/scatter over block ids.
+at batch 16, docs/engine.md); export and import copy one block at a time between the pool
+and the wire's token-major frames.
 """
 
 import torch
@@ -58,20 +59,43 @@ class KvPool:
         return keys, values
 
     def export_tokens(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """Copy out ``num_tokens`` tokens held in ``block_ids``: ``[layers, 2, tokens, heads, dim]``."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        tokens = self.kv.index_select(3, index).flatten(3, 4)[:, :, :, :num_tokens]
-        return tokens.transpose(2, 3).contiguous()
+        """Copy out ``num_tokens`` tokens held in ``block_ids``: ``[layers, 2, tokens, heads, dim]``.
+
+        One strided copy per block straight into the token-major result (no intermediate
+        gather), every layer's K and V in the same call.
+        """
+        layout = self.layout
+        tokens_kv = torch.empty(
+            layout.num_layers,
+            2,
+            num_tokens,
+            layout.num_kv_heads,
+            layout.head_dim,
+            dtype=layout.dtype,
+            device=self.device,
+        )
+        head_major = tokens_kv.permute(0, 1, 3, 2, 4)
+        for start, block_id, length in self._block_runs(block_ids, num_tokens):
+            head_major[:, :, :, start : start + length].copy_(self.kv[:, :, :, block_id, :length])
+        return tokens_kv
 
     def import_tokens(self, block_ids: list[int], tokens_kv: torch.Tensor):
         """Write ``[layers, 2, tokens, heads, dim]`` into ``block_ids`` from their first slot on.
 
         Converts dtype and device when the sender's differ (heterogeneous instances).
         """
-        block_size = self.layout.block_size
         num_tokens = tokens_kv.shape[2]
-        slots = torch.cat([torch.arange(b * block_size, (b + 1) * block_size, device=self.device) for b in block_ids])[
-            :num_tokens
-        ]
-        tokens_kv = tokens_kv.to(device=self.device, dtype=self.layout.dtype)
-        self._flat.index_copy_(3, slots, tokens_kv.transpose(2, 3))
+        head_major = tokens_kv.to(device=self.device, dtype=self.layout.dtype).permute(0, 1, 3, 2, 4)
+        for start, block_id, length in self._block_runs(block_ids, num_tokens):
+            self.kv[:, :, :, block_id, :length].copy_(head_major[:, :, :, start : start + length])
+
+    def _block_runs(self, block_ids: list[int], num_tokens: int):
+        """``(first token, block id, tokens)`` of each block holding part of ``num_tokens``."""
+        block_size = self.layout.block_size
+        if num_tokens > len(block_ids) * block_size:
+            raise ValueError(f"{num_tokens} tokens do not fit in {len(block_ids)} blocks")
+        for index, block_id in enumerate(block_ids):
+            start = index * block_size
+            if start >= num_tokens:
+                return
+            yield start, block_id, min(block_size, num_tokens - start)
