@@ -88,6 +88,7 @@ class EngineService(Service):
             max_sequences=self.config.max_sequences,
             used_blocks=load.num_used_blocks,
             total_blocks=load.num_blocks,
+            free_blocks=load.num_free_blocks,
             pending_tokens=load.num_pending_tokens,
             unix_s=time.time(),
         )

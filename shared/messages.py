@@ -368,6 +368,9 @@ class LoadReported(_Message, kw_only=True):
         max_sequences: Requests it accepts at most.
         used_blocks: KV blocks held by the requests it runs now (shared prefix blocks once).
         total_blocks: Size of its KV pool.
+        free_blocks: KV blocks neither held by a request nor caching a prefix (0: not
+            reported). Routers break placement ties towards the most, so routers that do not
+            talk to each other still spread cold prompts, and a prompt evicts the least cache.
         pending_tokens: Prompt and extend tokens it has taken on and not computed yet (a
             prefill's queued work).
         live_request_ids: For a router: the (attempt) ids of every request it still runs.
@@ -388,6 +391,7 @@ class LoadReported(_Message, kw_only=True):
     max_sequences: int = 0
     used_blocks: int = 0
     total_blocks: int = 0
+    free_blocks: int = 0
     pending_tokens: int = 0
     live_request_ids: list[str] = []
     sequences_by_router: dict[str, int] = {}

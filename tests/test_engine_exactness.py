@@ -161,6 +161,17 @@ def test_load_reports_the_prompt_tokens_still_to_compute(tiny):
     assert engine.load().num_pending_tokens == 0
 
 
+def test_load_counts_a_finished_prompts_cached_blocks_as_neither_used_nor_free(tiny):
+    """The heartbeat's ``free_blocks``: routers break placement ties towards the most."""
+    engine = HfEngine(tiny, num_blocks=64)
+    engine.generate("r", prompt_of_length(tiny, 100), GREEDY)
+    load = engine.load()
+    assert load.num_used_blocks == 0
+    cached = engine.cached_block_hashes()
+    assert len(cached) >= 100 // engine.block_size  # its full blocks stay cached
+    assert load.num_free_blocks == 64 - len(cached)
+
+
 def test_import_converts_dtype_between_heterogeneous_instances(tiny):
     """An fp32 sender and a bf16 receiver of the same model exchange KV."""
     bf16 = load_model("tiny", dtype="bfloat16")

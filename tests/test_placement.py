@@ -90,6 +90,44 @@ def test_a_heartbeat_from_before_a_request_finished_does_not_keep_its_load():
     assert route(registry, {"main-decode-0": 1}, 40) == "main-decode-0"
 
 
+def heartbeat(instance_id: str, service: str, free_blocks: int) -> LoadReported:
+    site = "site-a" if service == "prefill" else "site-b"
+    instance = InstanceRef(instance_id=instance_id, site=site)
+    return LoadReported(
+        instance=instance, service=service, total_blocks=1000, free_blocks=free_blocks, unix_s=time.time()
+    )
+
+
+def test_two_routers_spread_cold_prompts_by_the_spare_blocks_instances_report():
+    fleet = {"prefill-0": "prefill", "prefill-1": "prefill", "main-decode-0": "main_decode"}
+    fleet["main-decode-1"] = "main_decode"
+    routers = [InstanceRegistry(ttl_s=60, router_id=f"router-{name}") for name in "ab"]
+    free = dict.fromkeys(fleet, 1000)
+    used = []
+    for turn in range(4):  # cold prompts one after another, the routers taking turns
+        for registry in routers:
+            for instance_id, service in fleet.items():
+                registry.observe(heartbeat(instance_id, service, free[instance_id]))
+        registry = routers[turn % 2]
+        placement = place(
+            registry,
+            {},
+            num_prompt_tokens=40,
+            block_size=BLOCK_SIZE,
+            kv_bytes_per_token=100,
+            wan=FAST_WAN,
+            ttft_target_s=1.0,
+        )
+        registry.assign(placement.instance_ids, placement.num_prompt_blocks, placement.compute_blocks)
+        registry.release(placement.instance_ids, placement.num_prompt_blocks, placement.compute_blocks)
+        used.append((placement.prefill.instance_id, placement.main_decode.instance_id))
+        for instance_id in used[-1]:
+            free[instance_id] -= 3 + turn  # each prompt stays cached where it ran
+    # Each router alone would start on instance 0: router b's first prompt went there too.
+    assert used[:2] == [("prefill-0", "main-decode-0"), ("prefill-1", "main-decode-1")]
+    assert sorted(used[2:]) == [("prefill-0", "main-decode-0"), ("prefill-1", "main-decode-1")]
+
+
 def prefill_registry(prefills: int, pending_tokens: dict[str, int] | None = None) -> InstanceRegistry:
     registry = registry_with(main_decodes=1)
     for i in range(1, prefills):

@@ -96,14 +96,21 @@ def prefill_cost_blocks(state: InstanceState, hits: dict[str, int], num_prompt_b
     return missing + state.pending_compute_blocks(block_size)
 
 
+def tie_break(state: InstanceState) -> tuple[int, int]:
+    """Among instances of equal cost: the most spare KV blocks (a fleet-wide fact every router
+    reads from the heartbeats, so routers spread cold prompts without talking to each other,
+    and a prompt evicts the least cache), then the one this router placed on longest ago."""
+    return -state.spare_blocks, state.last_placed
+
+
 def _pick(candidates: list[InstanceState], hits: dict[str, int], num_prompt_blocks: int) -> InstanceState:
-    return min(candidates, key=lambda s: (placement_cost_blocks(s, hits, num_prompt_blocks), s.last_placed))
+    return min(candidates, key=lambda s: (placement_cost_blocks(s, hits, num_prompt_blocks), *tie_break(s)))
 
 
 def _pick_prefill(
     candidates: list[InstanceState], hits: dict[str, int], num_prompt_blocks: int, block_size: int
 ) -> InstanceState:
-    return min(candidates, key=lambda s: (prefill_cost_blocks(s, hits, num_prompt_blocks, block_size), s.last_placed))
+    return min(candidates, key=lambda s: (prefill_cost_blocks(s, hits, num_prompt_blocks, block_size), *tie_break(s)))
 
 
 def _live(registry: InstanceRegistry, service: str, avoid: frozenset[str]) -> list[InstanceState]:
@@ -206,7 +213,7 @@ def _with_room(instances: list[InstanceState]) -> list[InstanceState]:
 
 
 def _least_busy(relays: list[InstanceState]) -> InstanceState:
-    return min(relays, key=lambda s: (s.load_sequences, s.last_placed))
+    return min(relays, key=lambda s: (s.load_sequences, *tie_break(s)))
 
 
 def _relay_only(

@@ -39,6 +39,7 @@ class InstanceState:
         assigned_compute_blocks: Of those, the blocks it has still to compute (a prefill's
             work, counted until ``PrefillCompleted``).
         last_placed: Serial number of this router's latest placement there (0: never).
+        placed_blocks_since_report: Prompt blocks this router placed there since the heartbeat.
         released_since_report: A request of this router's finished there after the heartbeat.
         share_sequences: This router's share of its ``max_sequences`` among the live routers
             (set by ``InstanceRegistry.live``).
@@ -51,6 +52,7 @@ class InstanceState:
     assigned_blocks: int = 0
     assigned_compute_blocks: int = 0
     last_placed: int = 0
+    placed_blocks_since_report: int = 0
     released_since_report: bool = False
     share_sequences: int = 0
     others_sequences: int = 0
@@ -66,6 +68,11 @@ class InstanceState:
     def capacity_sequences(self) -> int:
         """Requests of this router it may run at once (its share, less what others overfill)."""
         return capacity_in_slots(self.share_sequences, self.report.max_sequences, self.others_sequences)
+
+    @property
+    def spare_blocks(self) -> int:
+        """Blocks free at its heartbeat less those this router has placed there since."""
+        return max(0, self.report.free_blocks - self.placed_blocks_since_report)
 
     @property
     def load_sequences(self) -> int:
@@ -109,6 +116,7 @@ class InstanceRegistry:
         else:
             state.report, state.seen_monotonic = report, time.monotonic()
             state.released_since_report = False
+            state.placed_blocks_since_report = 0
         others = report.sequences_by_router
         state.others_sequences = sum(n for router, n in others.items() if router != self._router_id)
 
@@ -175,6 +183,7 @@ class InstanceRegistry:
         for state in filter(None, map(self._instances.get, instance_ids)):
             state.assigned += 1
             state.assigned_blocks += num_blocks
+            state.placed_blocks_since_report += num_blocks
             state.assigned_compute_blocks += (compute_blocks or {}).get(state.report.instance.instance_id, 0)
             state.last_placed = serial
 
