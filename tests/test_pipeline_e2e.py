@@ -153,6 +153,37 @@ async def test_requests_spread_over_two_main_decoders(make_stack, tiny):
         assert body["choices"][0]["message"]["content"] == expected_text(tiny, prompt, 30)
 
 
+async def test_two_routers_send_cold_prompts_one_after_another_to_different_decoders(make_stack, tiny):
+    """Each router breaks placement ties by the spare KV blocks the decoders report, a fact both
+    routers read, not by a rotation of its own (with which both would start on main-decode-0)."""
+    import aiohttp
+
+    stack = await make_stack(num_main=2, num_routers=2, router_settings={"pipeline_policy": "P-MD"})
+
+    async def complete(router: int, first_token: int) -> str:
+        ids = list(range(first_token, first_token + 48))  # three blocks, none shared with the other prompt
+        body = {"model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(stack.router_url(router) + "/completions", json=body) as response:
+                assert response.status == 200
+                answer = await response.json()
+        assert answer["choices"][0]["text"] == expected_text(tiny, ids, 8)
+        return answer["pdd"]["instances"]["main_decode"]
+
+    first = await complete(0, 1000)
+
+    def both_routers_see_its_cache() -> bool:
+        spare = [
+            {s.report.instance.instance_id: s.report.free_blocks for s in r.registry.live("main_decode")}
+            for r in stack.routers
+        ]
+        return all(len(seen) == 2 and seen[first] < max(seen.values()) for seen in spare)
+
+    await until(both_routers_see_its_cache, 10, "heartbeats showing the first prompt's cached blocks")
+    second = await complete(1, 2000)
+    assert {first, second} == {"main-decode-0", "main-decode-1"}
+
+
 async def test_seeded_sampling_is_the_same_through_both_pipelines(make_stack, tiny):
     """A seeded request samples token i from (seed, i): which instance produced it is invisible."""
     from shared.engine.hf_engine import HfEngine
