@@ -84,7 +84,7 @@ def test_vllm_greedy_output_is_transformers_greedy_output(vllm, smollm2):
 
 
 def test_a_long_prompts_kv_exports_chunk_by_chunk_as_it_will_after_the_prompt(vllm, smollm2):
-    prompt = prompt_of_length(smollm2, 330, seed=7)
+    prompt = unshared_prompt(smollm2, "chunked", 330)
     vllm.add_request("chunked", prompt, FIRST_ONLY)
     reach, early = [], []  # num_kv_tokens after each step before the first token; frames read then
     while not vllm.request("chunked").output_token_ids:
@@ -113,6 +113,29 @@ def test_a_long_prompts_kv_exports_chunk_by_chunk_as_it_will_after_the_prompt(vl
     assert list(view.output_token_ids) == reference_greedy(smollm2, prompt, 1)
     vllm.free("chunked")
     run(vllm)
+
+
+def test_a_prompt_arriving_beside_a_long_one_computes_a_first_chunk_too(vllm, smollm2):
+    long, beside = unshared_prompt(smollm2, "long", 330), unshared_prompt(smollm2, "beside", 200)
+    vllm.add_request("long", long, FIRST_ONLY)
+    vllm.step()
+    vllm.add_request("beside", beside, FIRST_ONLY)
+    vllm.step()
+    first_chunk = vllm.request("beside").num_kv_tokens
+    outputs = run(vllm)
+    assert first_chunk == vllm.request("beside").num_cached_tokens + FIRST_CHUNK
+    assert {o.request_id: [o.token_id] for o in outputs} == {
+        "long": reference_greedy(smollm2, long, 1),
+        "beside": reference_greedy(smollm2, beside, 1),
+    }
+    vllm.free("long")
+    vllm.free("beside")
+    run(vllm)
+
+
+def unshared_prompt(smollm2, label: str, num_tokens: int) -> list[int]:
+    """A prompt whose first block no other test's prompt shares (no prefix cache hit either way)."""
+    return smollm2.tokenizer.encode(f"[{label}] ", add_special_tokens=False) + prompt_of_length(smollm2, num_tokens)
 
 
 def decoded(engine, frames: list) -> list:
