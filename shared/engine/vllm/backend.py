@@ -10,8 +10,9 @@ prefix cache:
   request whose prompt is the prompt plus every output token so far: the prefix cache covers
   what this instance holds, and only the rest is computed (a handoff's extend). An extend
   that does not sample (catch-up) runs that request for one step and drops its token.
-- A finished request keeps its blocks (the connector tells vLLM so) until ``free``, so
-  prefill can export them as frames.
+- A prompt computes in chunks of ``max_batch_tokens`` (its first one ``first_chunk_tokens``);
+  between steps the blocks computed so far can be exported while the rest computes, and a
+  finished request keeps its blocks (the connector tells vLLM so) until ``free`` (``chunks.py``).
 - vLLM's block events become PDD's stored/evicted hashes (``BlockMirror``).
 
 Greedy output matches the HF engine's and transformers' token for token. Seeded sampling is
