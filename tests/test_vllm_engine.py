@@ -1,11 +1,14 @@
 """vLLM behind ``EngineBackend`` (``--engine vllm``): exact against transformers and against our
-engine, KV crossing both ways as wire frames, a relay's tokens absorbed and extended, and
-vLLM's cached blocks named by PDD's hashes.
+engine, KV crossing both ways as wire frames, a relay's tokens absorbed and extended, a long
+prompt computed in chunks whose KV exports as they complete, and vLLM's cached blocks named by
+PDD's hashes. The engine computes prompts in chunks (``FIRST_CHUNK`` tokens first, then up to
+``CHUNK`` per step), so every exactness test here also runs chunked prefill.
 
 Runs in the vLLM venv (``make test-vllm``); ``make test`` deselects it.
 """
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -20,6 +23,7 @@ from tests.helpers import prompt_of_length, reference_greedy
 pytestmark = pytest.mark.vllm
 
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32; every instance of a deployment shares it
+CHUNK, FIRST_CHUNK = 96, 32
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 FIRST_ONLY = SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -37,6 +41,8 @@ def vllm(smollm2, events):
             model="smollm2",
             block_size=BLOCK_SIZE,
             kv_cache_bytes=256 << 20,
+            max_batch_tokens=CHUNK,
+            first_chunk_tokens=FIRST_CHUNK,
             kv_listener=lambda kind, hashes: events.append((kind, hashes)),
         ),
         smollm2,
@@ -75,6 +81,65 @@ def test_vllm_greedy_output_is_transformers_greedy_output(vllm, smollm2):
     prompt = prompt_of_length(smollm2, 150)
     assert generate(vllm, "alone", prompt, GREEDY) == reference_greedy(smollm2, prompt, GREEDY.max_tokens)
     assert vllm.request_ids() == []
+
+
+def test_a_long_prompts_kv_exports_chunk_by_chunk_as_it_will_after_the_prompt(vllm, smollm2):
+    prompt = unshared_prompt(smollm2, "chunked", 330)
+    vllm.add_request("chunked", prompt, FIRST_ONLY)
+    reach, early = [], []  # num_kv_tokens after each step before the first token; frames read then
+    while not vllm.request("chunked").output_token_ids:
+        vllm.step()
+        view = vllm.request("chunked")
+        if view.output_token_ids:
+            break
+        reach.append(view.num_kv_tokens)
+        start, end = early[-1][1] if early else 0, view.num_kv_tokens // BLOCK_SIZE * BLOCK_SIZE
+        if end > start:
+            early.append((start, end, vllm.export_frames("chunked", start, end, max_tokens_per_frame=64)))
+    view = vllm.request("chunked")
+    cached = view.num_cached_tokens
+    assert reach[0] == cached + FIRST_CHUNK
+    assert reach == list(range(cached + FIRST_CHUNK, len(prompt), CHUNK))
+    assert view.num_kv_tokens == len(prompt) and early[-1][1] == reach[-1] // BLOCK_SIZE * BLOCK_SIZE
+    for start, end, frames in early:  # the finished request's blocks hold the same KV, same hashes
+        late = vllm.export_frames("chunked", start, end, max_tokens_per_frame=64)
+        assert len(late) == len(frames)
+        for before, after in zip(decoded(vllm, frames), decoded(vllm, late)):
+            assert before.header.block_hashes == after.header.block_hashes
+            assert before.header.token_ids == after.header.token_ids
+            assert torch.equal(before.kv, after.kv)
+    tokens = [t for _, _, frames in early for frame in decoded(vllm, frames) for t in frame.header.token_ids]
+    assert tokens == prompt[: early[-1][1]]
+    assert list(view.output_token_ids) == reference_greedy(smollm2, prompt, 1)
+    vllm.free("chunked")
+    run(vllm)
+
+
+def test_a_prompt_arriving_beside_a_long_one_computes_a_first_chunk_too(vllm, smollm2):
+    long, beside = unshared_prompt(smollm2, "long", 330), unshared_prompt(smollm2, "beside", 200)
+    vllm.add_request("long", long, FIRST_ONLY)
+    vllm.step()
+    vllm.add_request("beside", beside, FIRST_ONLY)
+    vllm.step()
+    first_chunk = vllm.request("beside").num_kv_tokens
+    outputs = run(vllm)
+    assert first_chunk == vllm.request("beside").num_cached_tokens + FIRST_CHUNK
+    assert {o.request_id: [o.token_id] for o in outputs} == {
+        "long": reference_greedy(smollm2, long, 1),
+        "beside": reference_greedy(smollm2, beside, 1),
+    }
+    vllm.free("long")
+    vllm.free("beside")
+    run(vllm)
+
+
+def unshared_prompt(smollm2, label: str, num_tokens: int) -> list[int]:
+    """A prompt whose first block no other test's prompt shares (no prefix cache hit either way)."""
+    return smollm2.tokenizer.encode(f"[{label}] ", add_special_tokens=False) + prompt_of_length(smollm2, num_tokens)
+
+
+def decoded(engine, frames: list) -> list:
+    return [decode_frame(bytearray(frame_bytes(parts)), engine.frame_expectation) for parts in frames]
 
 
 def test_prefill_on_vllm_main_decode_on_our_engine_is_exact(vllm, hf, smollm2):

@@ -1,16 +1,19 @@
 """``pdd up --engine vllm`` as a user runs it: vLLM behind prefill, relay and main decode in
 separate processes, and the mixed deployments (prefill on vLLM with our decoders, and the
 reverse). The official openai client gets transformers' greedy answers on both pipelines, with
-eager tokens, a handoff and decode-side cache hits in the ``pdd`` fields; ``pdd down`` leaves
-no process behind.
+eager tokens, a handoff and decode-side cache hits in the ``pdd`` fields; a long prompt's KV
+leaves a vLLM prefill chunk by chunk while the prompt computes (the engines' call log shows
+it); ``pdd down`` leaves no process behind.
 
 Runs in the vLLM venv (``make test-vllm``); ``make test`` deselects it.
 """
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +54,7 @@ class Deployment:
 def deployment(request, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp(request.param)
     http_port = free_port()
-    env = {**os.environ}
+    env = {**os.environ, "PDD_ENGINE_CALL_LOG": str(run_dir / "engine-calls.jsonl")}
     if request.param in CATCH_UP:  # the services read their settings from PDD_* variables
         env["PDD_CATCH_UP_THRESHOLD_TOKENS"] = CATCH_UP[request.param]
     # A slow link: the cold turn's KV takes seconds (~5) to cross, so the relay has tokens to hand
@@ -170,3 +173,37 @@ def test_a_long_prompt_with_a_short_answer_finishes_on_the_relay_with_its_wan_tr
     pdd = reply.model_extra["pdd"]
     assert pdd["odd_traffic"] is True and pdd["pipeline"] == "P-RLD-MD" and pdd["finished_on"] == "RLD", pdd
     assert pdd["wan_kv_bytes"] < 0.5 * prompt_len * KvLayout.from_model(smollm2.model).kv_bytes_per_token, pdd
+
+
+def test_a_long_prompt_on_a_vllm_prefill_ships_kv_to_main_decode_while_it_computes(deployment, smollm2):
+    if deployment.name != "prefill-vllm":
+        pytest.skip("once, in the deployment with prefill on vLLM and our decoders")
+    client = deployment.client
+    messages = [  # shares no block with the other tests' prompts (no prefix cache hit)
+        {"role": "system", "content": "You review build logs line by line."},
+        {"role": "user", "content": "Build log:\n" + long_tool_output(40) + "\nWhich steps were checked last?"},
+    ]
+    since_s = time.time()
+    reply = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=messages,
+        max_tokens=48,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    expected, prompt_len = reference_chat_answer(smollm2, messages, 48, ignore_eos=True)
+    assert reply.choices[0].message.content == expected
+    assert prompt_len > 4 * 256  # prefill computes it in chunks of --max-batch-tokens (256)
+    calls = [c for c in engine_calls(deployment.run_dir) if c["queued_s"] >= since_s]
+    steps = [c for c in calls if c["instance"] == "prefill-0" and c["call"] == "step"]
+    exports = [c for c in calls if c["instance"] == "prefill-0" and c["call"] == "export_frames"]
+    imports = [c for c in calls if c["instance"] == "main-decode-0" and c["call"].startswith("import_frame")]
+    # The prompt's last chunk: the step after which the rest of the prompt was exported.
+    last_chunk = max((s for s in steps if s["end_s"] <= exports[-1]["queued_s"]), key=lambda s: s["start_s"])
+    assert len(exports) >= 3, exports
+    assert imports and imports[0]["start_s"] < last_chunk["start_s"], (imports[:1], last_chunk)
+
+
+def engine_calls(run_dir: Path) -> list[dict]:
+    """Every engine-thread call the deployment's services recorded (``PDD_ENGINE_CALL_LOG``)."""
+    return [json.loads(line) for line in (run_dir / "engine-calls.jsonl").read_text().splitlines()]

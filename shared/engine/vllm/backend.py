@@ -10,8 +10,9 @@ prefix cache:
   request whose prompt is the prompt plus every output token so far: the prefix cache covers
   what this instance holds, and only the rest is computed (a handoff's extend). An extend
   that does not sample (catch-up) runs that request for one step and drops its token.
-- A finished request keeps its blocks (the connector tells vLLM so) until ``free``, so
-  prefill can export them as frames.
+- A prompt computes in chunks of ``max_batch_tokens`` (its first one ``first_chunk_tokens``);
+  between steps the blocks computed so far can be exported while the rest computes, and a
+  finished request keeps its blocks (the connector tells vLLM so) until ``free`` (``chunks.py``).
 - vLLM's block events become PDD's stored/evicted hashes (``BlockMirror``).
 
 Greedy output matches the HF engine's and transformers' token for token. Seeded sampling is
@@ -43,6 +44,7 @@ from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling import SamplingParams
 from shared.engine.vllm import bridge as bridges
 from shared.engine.vllm.block_events import BlockMirror
+from shared.engine.vllm.chunks import FirstChunkBound, chunking_args, kv_so_far
 from shared.engine.vllm.kv_blocks import VllmKvBlocks, check_layout
 from shared.errors import (
     ConfigError,
@@ -78,6 +80,8 @@ class _Request:
     num_imported_tokens: int = 0
     engine_id: str | None = None
     """vLLM's current request for it (None: not in vLLM now)."""
+    vllm_id: str | None = None
+    """vLLM's own id of that request (its scheduler's key)."""
     emitted: int = 0
     """Output tokens that vLLM request has produced so far."""
     absorbing: bool = False
@@ -91,7 +95,7 @@ class _Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.outputs
 
-    def view(self) -> RequestView:
+    def view(self, num_kv_tokens: int = 0) -> RequestView:
         return RequestView(
             self.request_id,
             self.status,
@@ -102,6 +106,7 @@ class _Request:
             tuple(self.logprobs) if self.sampling.logprobs is not None else None,
             self.finish_reason,
             self.sampling.max_tokens,
+            num_kv_tokens,
         )
 
 
@@ -131,6 +136,8 @@ class VllmBackend(EngineBackend):
         kv_cache_bytes: int,
         enable_prefix_cache: bool = True,
         kv_listener=None,
+        max_batch_tokens: int = 2048,
+        first_chunk_tokens: int = 0,
     ):
         _claim_the_process()
         self.loaded = loaded
@@ -148,6 +155,7 @@ class VllmBackend(EngineBackend):
         isa = _get_attn_isa(loaded.dtype, block_size, self.layout.head_dim)
         self._bridge_key, self.bridge = bridges.new_bridge()
         self.mirror = BlockMirror(block_size, kv_listener)
+        self.first_chunk = FirstChunkBound(first_chunk_tokens, max_batch_tokens)
         self.engine = self._new_engine(folder, kv_cache_bytes, enable_prefix_cache, isa)
         # vLLM publishes block events to a ZMQ socket or nowhere; in-process, to the mirror.
         self._scheduler.kv_event_publisher = self.mirror
@@ -186,6 +194,7 @@ class VllmBackend(EngineBackend):
             kv_cache_memory_bytes=kv_cache_bytes,
             kv_transfer_config=transfer,
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+            **chunking_args(self.first_chunk.max_batch_tokens),
         )
         return LLMEngine.from_engine_args(args)
 
@@ -237,7 +246,10 @@ class VllmBackend(EngineBackend):
 
     def request(self, request_id: str) -> RequestView | None:
         record = self._requests.get(request_id)
-        return record.view() if record is not None else None
+        if record is None:
+            return None
+        num_kv_tokens, _ = kv_so_far(self._scheduler, self.bridge, record.engine_id, record.vllm_id, len(record.tokens))
+        return record.view(num_kv_tokens)
 
     def request_ids(self) -> list[str]:
         return list(self._requests)
@@ -250,6 +262,7 @@ class VllmBackend(EngineBackend):
 
     def step(self) -> list[StepOutput]:
         outputs = []
+        self.first_chunk.before_step(self._scheduler)
         for result in self.engine.step():
             record = self._by_engine_id.get(result.request_id)
             if record is None:
@@ -326,11 +339,9 @@ class VllmBackend(EngineBackend):
         traceparent: str | None = None,
     ) -> list[list]:
         record = self._get(request_id)
-        held = self.bridge.held_blocks.get(record.engine_id or "")
-        if held is None:
-            raise InvalidRequestState(f"request {request_id!r} holds no finished KV to export")
-        block_ids = held[1]
-        computed = len(record.tokens) - 1  # the last output token has no KV yet
+        computed, block_ids = kv_so_far(
+            self._scheduler, self.bridge, record.engine_id, record.vllm_id, len(record.tokens)
+        )
         stop = computed if end_token_index is None else end_token_index
         bs = self.block_size
         if first_token_index % bs or not 0 <= first_token_index < stop <= computed:
@@ -412,7 +423,7 @@ class VllmBackend(EngineBackend):
             self.bridge.staged[engine_id] = bridges.StagedKv(record.staged_first, kv)
             record.staged = []
         self.bridge.export.add(engine_id)
-        self.engine.add_request(
+        record.vllm_id = self.engine.add_request(
             engine_id, {"prompt_token_ids": record.tokens}, _vllm_sampling(record, 1 if absorb else None)
         )
         record.engine_id, record.emitted, record.absorbing = engine_id, 0, absorb
@@ -529,4 +540,6 @@ def create_vllm_backend(options: BackendOptions, loaded: LoadedModel | None = No
         kv_cache_bytes=options.kv_cache_bytes,
         enable_prefix_cache=options.enable_prefix_cache,
         kv_listener=options.kv_listener,
+        max_batch_tokens=options.max_batch_tokens,
+        first_chunk_tokens=options.first_chunk_tokens,
     )

@@ -113,7 +113,7 @@ class PddConnector(KVConnectorBase_V1):
         """Loads are written whole before the forward pass."""
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs):
-        """Exports read finished requests' held blocks after the step instead."""
+        """Exports read the blocks between steps instead (a running request's or a held one's)."""
 
     def wait_for_save(self):
         """Nothing is saved during the forward pass."""
