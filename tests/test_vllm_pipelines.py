@@ -23,6 +23,7 @@ pytest.importorskip("vllm")
 
 from openai import OpenAI
 
+from infra import wan_control
 from infra.launcher import load_state, process_alive
 from infra.nats_server import free_port
 from loadtest.demo_conversation import long_tool_output
@@ -144,17 +145,25 @@ def test_a_relay_on_vllm_killed_mid_stream_hands_the_stream_to_main_decode_on_vl
             "content": "Tool output:\n" + long_tool_output(32) + "\nWrite a long essay about what this project does.",
         }
     ]
-    stream = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True}
-    )
-    text, pdd, killed = [], None, False
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            text.append(chunk.choices[0].delta.content)
-        pdd = (chunk.model_extra or {}).get("pdd", pdd)
-        if len(text) == 12 and not killed:  # the relay is streaming eager tokens
-            os.kill(load_state(deployment.run_dir).processes["relay-decode-0"], signal.SIGKILL)
-            killed = True
+    # KV ships while the prompt computes, so at 100 Mbit/s it lands soon after the prefill and
+    # the relay hands over within a few tokens; at 30 Mbit/s it still crosses (~10 s) when the
+    # relay, streaming eager tokens, is killed.
+    state = load_state(deployment.run_dir)
+    wan_control.call(state.wan_control_url, {"bandwidth_bps": 30e6}, state.control_key())
+    try:
+        stream = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        text, pdd, killed = [], None, False
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                text.append(chunk.choices[0].delta.content)
+            pdd = (chunk.model_extra or {}).get("pdd", pdd)
+            if len(text) == 12 and not killed:  # the relay is streaming eager tokens
+                os.kill(state.processes["relay-decode-0"], signal.SIGKILL)
+                killed = True
+    finally:
+        wan_control.call(state.wan_control_url, {"bandwidth_bps": 100e6}, state.control_key())
     assert "".join(text) == reference_chat_answer(smollm2, messages, 200, ignore_eos=True)[0]
     assert killed and pdd["finished_on"] == "MD", pdd
     assert [(r["from"], r["to"]) for r in pdd["recoveries"]] == [("relay-decode-0", "main-decode-0")], pdd
