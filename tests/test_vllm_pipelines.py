@@ -30,7 +30,7 @@ from loadtest.demo_conversation import long_tool_output
 from shared.kv_layout import KvLayout
 from tests.helpers import reference_chat_answer
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]  # several vLLM engines and transformers references on 2 cores
 PDD = str(Path(sys.executable).parent / "pdd")
 BLOCK_SIZE = 32
 DEPLOYMENTS = {
