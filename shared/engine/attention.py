@@ -230,6 +230,14 @@ def _group_attention(pool: KvPool, layer: int, group: PagedGroup, query, scaling
     """The group's valid rows, ``[rows, heads, dim]``, in ``out_rows`` order."""
     keys, values = pool.gather_blocks(layer, group.block_tables)
     num_seqs, num_queries = group.block_tables.shape[0], group.num_queries
+    num_heads, num_kv_heads = query.shape[1], keys.shape[1]
+    if num_queries == 1 and num_heads > num_kv_heads:
+        # One query per sequence: the query heads sharing a K/V head are that head's query
+        # rows, so the kernel reads each K/V row once for all of them.
+        q = query[0].index_select(1, group.query_rows).transpose(0, 1)  # [sequences, heads, dim]
+        q = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, -1)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask, scale=scaling)
+        return attended.reshape(num_seqs, num_heads, -1)
     # [heads, rows, dim] -> [sequences, heads, queries, dim]
     q = query[0].index_select(1, group.query_rows).view(query.shape[1], num_seqs, num_queries, -1).transpose(0, 1)
     attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask, scale=scaling, enable_gqa=True)
