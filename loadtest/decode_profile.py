@@ -1,12 +1,14 @@
-"""Where a decode step's CPU goes: torch ops by category, one thread, per batch size.
+"""Where a decode step's CPU goes, per batch size: the thread's CPU time around each piece.
 
 ``python -m loadtest.decode_profile [--model smollm2] [--batches 1,4,16] [--context 1024]
-[--steps 8]`` runs an HF engine with ``batch`` sequences at ``context`` tokens and profiles
-``steps`` decode steps with ``torch.profiler``. It prints one JSON line per batch: the step's
-CPU ms (the thread's CPU time, unprofiled steps), and the profiled ops' self CPU ms per step
-by category (matrix products by weight shape, attention, the K/V gather, elementwise ops,
-sampling); ``other`` is the step's time outside any torch op (Python, the framework, the
-scheduler).
+[--steps 16] [--threads 1]`` runs an HF engine with ``batch`` sequences at ``context`` tokens,
+times ``steps`` decode steps by ``time.thread_time()`` and prints one JSON line per batch:
+the step's CPU ms and, per step, the CPU ms inside the matrix products (``F.linear`` and the
+lean forward's ``PackedLinear``), the K/V gather (``KvPool.gather_blocks``), SDPA, the K/V
+write, sampling (``HfEngine._sample`` and the batched row facts), the forward pass as a whole
+and the scheduler; ``rest_of_forward`` is the forward's time outside those (embedding,
+RMSNorm, rotary, residuals, Python). Pieces that do not exist in the engine being measured
+are skipped, so the same script times an older checkout (``PYTHONPATH`` to it).
 """
 
 import argparse
@@ -15,79 +17,70 @@ import time
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+import torch.nn.functional as F
 
 from loadtest.engine_bench import _drain, _until_output, open_engine, synthetic_prompt
+from shared.engine import hf_engine, kv_pool, model_runner, sampler
 from shared.engine.sampling import SamplingParams
 from shared.model_loader import load_model
 
-_CATEGORIES = {
-    "aten::mm": "matmul",
-    "aten::addmm": "matmul",
-    "aten::bmm": "matmul",
-    "aten::linear": "matmul",
-    "aten::_scaled_dot_product_flash_attention_for_cpu": "sdpa",
-    "aten::index_select": "gather/index",
-    "aten::index_copy_": "kv_write",
-    "aten::index": "gather/index",
-    "aten::argmax": "sampling",
-    "aten::isfinite": "sampling",
-    "aten::all": "sampling",
-    "aten::any": "sampling",
-    "aten::embedding": "embedding",
-}
+_SPENT_S: dict[str, float] = defaultdict(float)
 
 
-def _category(name: str) -> str:
-    if name in _CATEGORIES:
-        return _CATEGORIES[name]
-    if name in ("aten::mul", "aten::add", "aten::pow", "aten::mean", "aten::rsqrt", "aten::silu", "aten::neg"):
-        return "elementwise"
-    if name in ("aten::cat", "aten::copy_", "aten::contiguous", "aten::clone", "aten::to", "aten::_to_copy"):
-        return "copies"
-    return "other_ops"
+def _timed(owner, name: str, piece: str):
+    """Replace ``owner.name`` by a wrapper adding its thread CPU time to ``piece``."""
+    inner = getattr(owner, name, None)
+    if inner is None:
+        return
+
+    def wrapper(*args, **kwargs):
+        start = time.thread_time()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            _SPENT_S[piece] += time.thread_time() - start
+
+    setattr(owner, name, wrapper)
+
+
+def _instrument():
+    _timed(F, "linear", "matmul")
+    _timed(F, "scaled_dot_product_attention", "sdpa")
+    _timed(kv_pool.KvPool, "gather_blocks", "gather")
+    _timed(kv_pool.KvPool, "write", "kv_write")
+    _timed(hf_engine.HfEngine, "_sample", "sampling")
+    _timed(hf_engine, "row_facts", "sampling")
+    _timed(sampler, "row_facts", "sampling")
+    _timed(model_runner.ModelRunner, "run", "forward")
+    _timed(model_runner, "build_plan", "build_plan")
+    try:
+        from shared.engine import llama_forward
+    except ImportError:  # an engine without the lean forward
+        return
+    _timed(llama_forward.PackedLinear, "__call__", "matmul")
 
 
 def profile_batch(engine, loaded, batch: int, context: int, steps: int) -> dict:
-    """Step CPU ms (unprofiled) and per-category self CPU ms per step (profiled)."""
+    """CPU ms per decode step, whole and by piece, with ``batch`` sequences at ``context``."""
     ids = [f"p{batch}-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
         prompt = synthetic_prompt(loaded, context, 100 + i)
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=3 * steps + 8, ignore_eos=True))
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
     _until_output(engine, ids)
     engine.step()
+    _SPENT_S.clear()
     start = time.thread_time()
     for _ in range(steps):
         engine.step()
     step_ms = (time.thread_time() - start) / steps * 1000
-    with profile(activities=[ProfilerActivity.CPU]):
-        engine.step()  # the profiler's own first-use cost stays out of the figures
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        for _ in range(steps):
-            engine.step()
-    by_category: dict[str, float] = defaultdict(float)
-    by_op: dict[str, float] = defaultdict(float)
-    for event in prof.key_averages(group_by_input_shape=True):
-        ms = event.self_cpu_time_total / 1000 / steps
-        name = event.key
-        cat = _category(name)
-        if cat == "matmul":
-            shapes = event.input_shapes
-            cat = f"matmul {'x'.join(str(tuple(s)) for s in shapes if s)}"
-        by_category[cat] += ms
-        by_op[name] += ms
-    ops_ms = sum(by_category.values())
+    pieces = {name: s / steps * 1000 for name, s in _SPENT_S.items()}
+    inside = sum(pieces.get(name, 0.0) for name in ("matmul", "sdpa", "gather", "kv_write", "build_plan"))
+    pieces["rest_of_forward"] = pieces.get("forward", 0.0) - inside
+    pieces["outside_forward"] = step_ms - pieces.get("forward", 0.0)
     for rid in ids:
         engine.free(rid)
     _drain(engine)
-    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:15]
-    return {
-        "batch": batch,
-        "step_cpu_ms": round(step_ms, 2),
-        "profiled_ops_ms": round(ops_ms, 2),
-        "categories_ms": {k: round(v, 2) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
-        "top_ops_ms": {k: round(v, 2) for k, v in top},
-    }
+    return {"batch": batch, "step_cpu_ms": round(step_ms, 1), "ms": {k: round(v, 1) for k, v in pieces.items()}}
 
 
 def main():
@@ -95,12 +88,13 @@ def main():
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--batches", default="1,4,16")
     parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     engine = open_engine(loaded, "hf", kv_cache_bytes=1280 << 20)
+    _instrument()
     for batch in (int(b) for b in args.batches.split(",")):
         print(json.dumps(profile_batch(engine, loaded, batch, args.context, args.steps)), flush=True)
 

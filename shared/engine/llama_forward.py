@@ -13,7 +13,7 @@ the engine's paged attention (``attention.paged_attention``). Two things differ:
 Each output element is still one fp32 dot product over the same inputs, summed in the
 kernel's own order, so results differ from HF's at the last bits; the engine's exactness
 tests (greedy tokens identical to ``generate``) are the judge. Models outside what this
-covers (biases, other activations, other architectures) keep HF's forward
+covers (biases, other activations, other architectures, a GPU) keep HF's forward
 (``LeanLlama.supports``).
 """
 
@@ -90,10 +90,11 @@ class LeanLlama:
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
         """Whether ``model`` is a Llama this forward computes as HF does (no biases, SiLU, one
-        tensor-parallel slice)."""
+        tensor-parallel slice), on the CPU (the lean forward has not been run on a GPU)."""
         config = getattr(model, "config", None)
         return (
             type(model).__name__ == "LlamaForCausalLM"
+            and model.device.type == "cpu"
             and not getattr(config, "attention_bias", True)
             and not getattr(config, "mlp_bias", True)
             and getattr(config, "hidden_act", None) == "silu"
