@@ -2,16 +2,19 @@
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from shared.engine import attention
 from shared.engine.block_manager import BlockManager
+from shared.engine.hf_engine import HfEngine
 from shared.engine.kv_pool import KvPool
 from shared.engine.model_runner import ModelRunner, ScheduledSequence
 from shared.engine.prefix_cache import PrefixCache
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
 from shared.kv_layout import KvLayout
-from tests.helpers import prompt_of_length
+from shared.model_loader import LoadedModel, tiny_config
+from tests.helpers import prompt_of_length, reference_greedy
 
 
 def sequence_with_blocks(rid: str, prompt: list[int], blocks: BlockManager, block_size: int) -> Sequence:
@@ -51,20 +54,25 @@ def test_a_chunk_that_does_not_sample_still_writes_the_kv_the_next_chunk_reads(t
     torch.testing.assert_close(logits[0], reference, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("gather_budget_bytes", [attention.GATHER_BUDGET_BYTES, 1])
+@pytest.mark.parametrize(
+    ("gather_budget_bytes", "lean"),
+    [(attention.GATHER_BUDGET_BYTES, True), (1, True), (attention.GATHER_BUDGET_BYTES, False)],
+)
 def test_decodes_chunks_over_cached_context_and_a_fresh_prompt_in_one_pass_match_transformers(
-    smollm2, gather_budget_bytes, monkeypatch
+    smollm2, gather_budget_bytes, lean, monkeypatch
 ):
     """One forward holds every kind of work a step can mix: decodes at different context lengths
     (padded to the longest), two chunks of different sizes over cached prefixes (queries padded),
     and a prompt with nothing cached; each sampling row gives transformers' last-token logits.
     SmolLM2, since the tiny model's near one-hot attention would pass with a wrong mask. With a
-    1-byte gather budget every sequence gets its own attention call; the logits are the same."""
+    1-byte gather budget every sequence gets its own attention call; the logits are the same, and
+    the same through HF's forward (``lean=False``) as through the lean one."""
     monkeypatch.setattr(attention, "GATHER_BUDGET_BYTES", gather_budget_bytes)
     layout = KvLayout.from_model(smollm2.model, 16)
     pool = KvPool(layout, 64, smollm2.device)
     blocks = BlockManager(64, PrefixCache())
-    runner = ModelRunner(smollm2, layout, pool)
+    runner = ModelRunner(smollm2, layout, pool, lean=lean)
+    assert (runner.lean is not None) == lean
     # (prompt length, tokens already in the pool): decodes, chunks over cached context, a fresh prompt.
     shapes = [(37, 36), (70, 69), (50, 17), (61, 48), (29, 0)]
     prompts = [prompt_of_length(smollm2, length, seed=10 + i) for i, (length, _) in enumerate(shapes)]
@@ -83,3 +91,19 @@ def test_decodes_chunks_over_cached_context_and_a_fresh_prompt_in_one_pass_match
         with torch.inference_mode():
             reference = smollm2.model(input_ids=torch.tensor([prompt])).logits[0, -1]
         torch.testing.assert_close(logits[row], reference, rtol=1e-4, atol=1e-4)
+
+
+def test_a_llama_outside_the_lean_forward_runs_hf_forward_and_matches_generate(tiny):
+    """A Llama with q/k/v biases is not what the lean forward computes: the engine runs the
+    model's own HF forward with paged attention, and greedy output is still transformers'."""
+    config = tiny_config(tiny.tokenizer)
+    config.attention_bias = True
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.pad_token_id = tiny.tokenizer.pad_token_id
+    loaded = LoadedModel("tiny-bias", model, tiny.tokenizer, "bias", tiny.device, torch.float32)
+    engine = HfEngine(loaded, num_blocks=32)
+    prompt = prompt_of_length(loaded, 37, seed=4)
+    output = engine.generate("r", prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert engine.runner.lean is None
+    assert output == reference_greedy(loaded, prompt, 24)

@@ -1,10 +1,12 @@
 """The sampler: penalties shape the row, (seed, index) fixes the draw, logprobs are the raw row's."""
 
+import pytest
 import torch
 
-from shared.engine.sampler import Sampler
+from shared.engine.sampler import Sampler, row_facts
 from shared.engine.sampling import SamplingParams
 from shared.engine.sequence import Sequence
+from shared.errors import SamplingFailed
 
 
 def seq(params: SamplingParams, outputs: list[int] = (), seed: int = 5) -> Sequence:
@@ -35,3 +37,18 @@ def test_logprobs_are_the_raw_rows_even_when_min_tokens_masks_eos():
     assert token == 1  # EOS (0) is masked before min_tokens
     raw = torch.log_softmax(logits, dim=-1)
     assert logprobs.logprob == float(raw[1]) and logprobs.top_token_ids == (0,)
+
+
+def test_a_step_s_batched_row_facts_give_the_tokens_each_row_gives_alone():
+    """The engine samples with facts computed over the whole logits matrix at once; greedy,
+    penalised, seeded and non-finite rows give what sampling each row alone gives."""
+    logits = torch.randn(4, 32)
+    logits[3, 5] = float("nan")
+    facts = row_facts(logits)
+    sampler = Sampler(eos_token_ids={0})
+    cases = [SamplingParams(), SamplingParams(repetition_penalty=1.5), SamplingParams(temperature=0.7, seed=3)]
+    for row, params in enumerate(cases):
+        s = seq(params, [int(logits[row].argmax())])
+        assert sampler.sample(s, logits[row], facts[row]) == sampler.sample(s, logits[row])
+    with pytest.raises(SamplingFailed):
+        sampler.sample(seq(SamplingParams()), logits[3], facts[3])

@@ -27,13 +27,14 @@ class FailingFor(Sampler):
         self.__dict__.update(inner.__dict__)
         self.request_id, self.fault = request_id, fault
 
-    def sample(self, seq, logits):
+    def sample(self, seq, logits, facts=None):
         if seq.request_id == self.request_id:
             if self.fault == "raise":
                 raise RuntimeError("injected sampling fault")
             logits = logits.clone()
             logits[0] = float("nan")  # a non-finite row, as an overflowing model would give
-        return super().sample(seq, logits)
+            facts = None  # the step's facts describe the row before the fault
+        return super().sample(seq, logits, facts)
 
 
 def run_to_end(engine: HfEngine) -> dict[str, list]:

@@ -195,13 +195,21 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-    layer = module.layer_idx
+    return paged_attention(plan, module.layer_idx, query, key, value, scaling), None
+
+
+def paged_attention(plan: ForwardPlan, layer: int, query, key, value, scaling: float | None) -> torch.Tensor:
+    """Write the new tokens' K/V of ``layer`` into the pool, then attend every sequence of ``plan``.
+
+    ``query`` is ``[1, heads, tokens, dim]``, ``key``/``value`` ``[1, kv_heads, tokens, dim]``;
+    returns ``[1, tokens, heads, dim]``.
+    """
     plan.pool.write(layer, plan.slots, key[0], value[0])
     num_heads, head_dim = query.shape[1], query.shape[3]
     if len(plan.groups) == 1 and not plan.fresh and plan.groups[0].valid is None:
         group = plan.groups[0]  # the common step: one batch of decodes, or one chunk
         if group.query_rows.shape[0] == plan.num_tokens:
-            return _group_attention(plan.pool, layer, group, query, scaling).view(1, -1, num_heads, head_dim), None
+            return _group_attention(plan.pool, layer, group, query, scaling).view(1, -1, num_heads, head_dim)
     out = query.new_empty(plan.num_tokens, num_heads, head_dim)
     for group in plan.groups:
         out.index_copy_(0, group.out_rows, _group_attention(plan.pool, layer, group, query, scaling))
@@ -215,13 +223,21 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
             enable_gqa=True,
         )
         out[start:end] = attended[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 def _group_attention(pool: KvPool, layer: int, group: PagedGroup, query, scaling) -> torch.Tensor:
     """The group's valid rows, ``[rows, heads, dim]``, in ``out_rows`` order."""
     keys, values = pool.gather_blocks(layer, group.block_tables)
     num_seqs, num_queries = group.block_tables.shape[0], group.num_queries
+    num_heads, num_kv_heads = query.shape[1], keys.shape[1]
+    if num_queries == 1 and num_heads > num_kv_heads:
+        # One query per sequence: the query heads sharing a K/V head are that head's query
+        # rows, so the kernel reads each K/V row once for all of them.
+        q = query[0].index_select(1, group.query_rows).transpose(0, 1)  # [sequences, heads, dim]
+        q = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, -1)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask, scale=scaling)
+        return attended.reshape(num_seqs, num_heads, -1)
     # [heads, rows, dim] -> [sequences, heads, queries, dim]
     q = query[0].index_select(1, group.query_rows).view(query.shape[1], num_seqs, num_queries, -1).transpose(0, 1)
     attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask, scale=scaling, enable_gqa=True)

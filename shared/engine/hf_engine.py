@@ -27,7 +27,7 @@ from shared.engine.kv_transfer import KvTransfer
 from shared.engine.logprobs import TokenLogprobs
 from shared.engine.model_runner import ModelRunner
 from shared.engine.prefix_cache import PrefixCache
-from shared.engine.sampler import Sampler
+from shared.engine.sampler import RowFacts, Sampler, row_facts
 from shared.engine.sampling import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.sequence import Sequence
@@ -156,13 +156,14 @@ class HfEngine(EngineBackend):
             for seq in self.scheduler.computed(batch)
         ]
         samplers = [entry.seq for entry in batch if entry.samples]
-        outputs.extend(self._sample(seq, logits[row]) for row, seq in enumerate(samplers))
+        facts = row_facts(logits) if samplers else []
+        outputs.extend(self._sample(seq, logits[row], facts[row]) for row, seq in enumerate(samplers))
         return outputs
 
-    def _sample(self, seq: Sequence, logits) -> StepOutput:
+    def _sample(self, seq: Sequence, logits, facts: RowFacts) -> StepOutput:
         index = len(seq.output_token_ids)
         try:
-            token, logprobs = self.sampler.sample(seq, logits)
+            token, logprobs = self.sampler.sample(seq, logits, facts)
             seq.token_ids.append(token)
             seq.output_logprobs.append(logprobs)
             reason = self.stop_detector.finish_reason(seq)

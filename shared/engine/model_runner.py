@@ -2,7 +2,9 @@
 
 A batch is a list of ``(sequence, tokens to compute, samples)``. Their tokens are packed
 into one row; paged attention (``attention``) reads and writes the batch's KV through their
-block tables, one batched call per layer. Only the rows that sample keep logits.
+block tables, one batched call per layer. Only the rows that sample keep logits. Llama-family
+models run the lean forward (``llama_forward``) over the model's own weights; any other model
+runs its HF forward with the paged attention installed.
 """
 
 import math
@@ -13,6 +15,7 @@ import torch
 from shared.engine import attention
 from shared.engine.attention import SequencePlan, build_plan, forward_plan
 from shared.engine.kv_pool import KvPool
+from shared.engine.llama_forward import LeanLlama
 from shared.engine.sequence import Sequence
 from shared.kv_layout import KvLayout
 from shared.model_loader import LoadedModel
@@ -36,9 +39,11 @@ class ScheduledSequence:
 class ModelRunner:
     """Runs the model over scheduled sequences and returns the logits of the sampling rows."""
 
-    def __init__(self, loaded: LoadedModel, layout: KvLayout, pool: KvPool):
+    def __init__(self, loaded: LoadedModel, layout: KvLayout, pool: KvPool, *, lean: bool = True):
+        """``lean``: run the lean forward when the model supports it (``LeanLlama.supports``)."""
         self.model = loaded.model
         attention.install(self.model)
+        self.lean = LeanLlama(self.model) if lean and LeanLlama.supports(self.model) else None
         self._device = loaded.device
         self._layout = layout
         self._pool = pool
@@ -69,6 +74,10 @@ class ModelRunner:
         plan = build_plan(self._pool, torch.tensor(slots, dtype=torch.long, device=device), plans)
         # With nothing to sample (a prompt chunk), still keep one row: HF treats 0 as "all".
         keep = torch.tensor(sample_rows or [len(input_ids) - 1], dtype=torch.long, device=device)
+        if self.lean is not None:
+            ids = torch.tensor(input_ids, device=device)
+            with torch.inference_mode():
+                return self.lean.forward(plan, ids, torch.tensor(positions, device=device), keep)
         with torch.inference_mode(), forward_plan(plan):
             out = self.model(
                 input_ids=torch.tensor([input_ids], device=device),

@@ -5,6 +5,8 @@ drawn from ``(seed, index)`` (``sample_token``), so any instance that holds the 
 tokens draws the same next one. Log-probabilities come from the raw row, as in vLLM.
 """
 
+from dataclasses import dataclass
+
 import torch
 import xxhash
 
@@ -15,23 +17,51 @@ from shared.engine.sequence import Sequence
 from shared.errors import SamplingFailed
 
 
+@dataclass(frozen=True)
+class RowFacts:
+    """What one pass over a step's whole logits matrix says about one row.
+
+    Attributes:
+        finite: Every logit of the row is finite.
+        argmax: The row's greedy token (the first of equal maxima).
+    """
+
+    finite: bool
+    argmax: int
+
+
+def row_facts(logits: torch.Tensor) -> list[RowFacts]:
+    """``RowFacts`` of every row of ``[rows, vocab]`` logits, in two batched passes."""
+    finite = torch.isfinite(logits).all(dim=1).tolist()
+    argmax = logits.argmax(dim=1).tolist()
+    return [RowFacts(f, a) for f, a in zip(finite, argmax, strict=True)]
+
+
 class Sampler:
     """Draws each sequence's next token from its logits row."""
 
     def __init__(self, eos_token_ids: frozenset[int] | set[int]):
         self._eos_ids = eos_token_ids
 
-    def sample(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, TokenLogprobs | None]:
+    def sample(
+        self, seq: Sequence, logits: torch.Tensor, facts: RowFacts | None = None
+    ) -> tuple[int, TokenLogprobs | None]:
         """The next token of ``seq`` and, when the request asked for them, its log-probabilities.
+
+        ``facts``: the row's ``row_facts``, when the caller computed them for the whole step.
 
         Raises:
             SamplingFailed: The model's row is not finite, or no token can be drawn from it.
         """
-        if not bool(torch.isfinite(logits).all()):
+        finite = facts.finite if facts is not None else bool(torch.isfinite(logits).all())
+        if not finite:
             raise SamplingFailed("the model produced non-finite logits")
         params = seq.sampling
         processed = logits_processing.apply(logits, params, seq.token_ids, seq.num_prompt_tokens, self._eos_ids)
-        token = sample_token(processed, params, seq.seed, len(seq.output_token_ids))
+        if facts is not None and params.greedy and processed is logits:
+            token = facts.argmax  # an unchanged, finite row: its argmax is the greedy token
+        else:
+            token = sample_token(processed, params, seq.seed, len(seq.output_token_ids))
         logprobs = token_logprobs(logits, token, params.logprobs) if params.logprobs is not None else None
         return token, logprobs
 
