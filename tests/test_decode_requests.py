@@ -256,7 +256,7 @@ async def test_an_engine_error_for_one_sequence_fails_that_request_and_closes_it
     sampler = (stack.relays[0] if relayed else stack.mains[0]).engine.sampler
     sample = sampler.sample
 
-    def failing_once(seq, logits):
+    def failing_once(seq, logits, facts=None):
         sampler.sample = sample
         raise RuntimeError("injected: the sampler broke")
 
