@@ -298,8 +298,9 @@ class LocalStack:
         )
 
     def _main_service(self, i: int, receiver_key: dict, wan_port: int) -> MainDecodeService:
-        """Main decoder ``i``, at site B: its bulk channel on a port the kernel picks (its
-        heartbeat advertises it), reached through the link's ``wan_port``."""
+        """Main decoder ``i``, at site B: its bulk channel on a free port, reached through the
+        link's ``wan_port``."""
+        bulk_port = free_port()
         return MainDecodeService(
             build_config(
                 BulkReceiverConfig,
@@ -313,6 +314,8 @@ class LocalStack:
                     "site": SITE_B,
                     "nats_url": self.sites[SITE_B].url,
                     "instance_id": f"main-decode-{i}",
+                    "bulk_port": bulk_port,
+                    "bulk_advertise": f"127.0.0.1:{bulk_port}",
                     "bulk_link": f"127.0.0.1:{wan_port}",
                 },
                 {},
