@@ -69,7 +69,7 @@ async def test_completion_logprobs_have_offsets_into_the_text(stack, tiny):
     choice = answer["choices"][0]
     logprobs = choice["logprobs"]
     prompt = tiny.tokenizer.encode(prompt_text, add_special_tokens=False)
-    output = reference_greedy(tiny, prompt, 200)
+    output = reference_greedy(tiny, prompt, 12)
     reference = reference_logprobs(tiny, prompt, 12)
     assert logprobs["token_logprobs"] == pytest.approx(
         [float(reference[i, t]) for i, t in enumerate(output)], abs=TOLERANCE
