@@ -37,7 +37,8 @@ from tests.helpers import chat_prompt_ids, reference_greedy, until
 
 THIEF = "main-decode-1"
 SERVED_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the tiny model, under the default id
-MAX_TOKENS = 120
+MAX_TOKENS = 500
+"""Long enough that the victims still run when the router's heartbeat lists them."""
 PROMPTS = [
     "Tell the story of the lighthouse keeper. " * 10,
     "List the rivers of the north and their sources. " * 10,
