@@ -44,7 +44,7 @@ from shared.engine.logprobs import TokenLogprobs
 from shared.engine.sampling import SamplingParams
 from shared.engine.vllm import bridge as bridges
 from shared.engine.vllm.block_events import BlockMirror
-from shared.engine.vllm.chunks import FirstChunkBound, chunking_args, kv_so_far
+from shared.engine.vllm.chunks import FirstChunkBound, chunking_args, kv_so_far, kv_tokens
 from shared.engine.vllm.kv_blocks import VllmKvBlocks, check_layout
 from shared.errors import (
     ConfigError,
@@ -248,8 +248,9 @@ class VllmBackend(EngineBackend):
         record = self._requests.get(request_id)
         if record is None:
             return None
-        num_kv_tokens, _ = kv_so_far(self._scheduler, self.bridge, record.engine_id, record.vllm_id, len(record.tokens))
-        return record.view(num_kv_tokens)
+        return record.view(
+            kv_tokens(self._scheduler, self.bridge, record.engine_id, record.vllm_id, len(record.tokens))
+        )
 
     def request_ids(self) -> list[str]:
         return list(self._requests)

@@ -30,21 +30,35 @@ def chunking_args(max_batch_tokens: int) -> dict:
     }
 
 
+def kv_tokens(scheduler, bridge: Bridge, engine_id: str | None, vllm_id: str | None, num_tokens: int) -> int:
+    """How many leading tokens of a request have KV in vLLM's cache, between two steps: a
+    finished exported request (blocks held by the connector) all ``num_tokens`` but the last;
+    a running one what vLLM has computed; one vLLM does not run now (waiting, preempted,
+    left) none."""
+    if (engine_id or "") in bridge.held_blocks:
+        return num_tokens - 1
+    request = _running(scheduler, vllm_id)
+    return request.num_computed_tokens if request is not None else 0
+
+
 def kv_so_far(scheduler, bridge: Bridge, engine_id: str | None, vllm_id: str | None, num_tokens: int):
-    """``(tokens, block_ids)``: how many leading tokens of a request have KV in vLLM's cache,
-    and the request's blocks from its first, between two steps. A finished exported request
-    (blocks held by the connector) has all ``num_tokens`` but the last; a running one what vLLM
-    has computed; one vLLM does not run now (waiting, preempted, left) has none: ``(0, [])``.
-    """
+    """``(tokens, block_ids)``: ``kv_tokens`` and the request's blocks from its first
+    (``(0, [])`` for a request vLLM does not run now)."""
     held = bridge.held_blocks.get(engine_id or "")
     if held is not None:
         return num_tokens - 1, held[1]
+    request = _running(scheduler, vllm_id)
+    if request is None:
+        return 0, []
+    return request.num_computed_tokens, list(scheduler.kv_cache_manager.get_block_ids(vllm_id)[0])
+
+
+def _running(scheduler, vllm_id: str | None):
+    """vLLM's request ``vllm_id`` if it is running now, else None."""
     from vllm.v1.request import RequestStatus
 
     request = scheduler.requests.get(vllm_id or "")
-    if request is None or request.status != RequestStatus.RUNNING:
-        return 0, []
-    return request.num_computed_tokens, list(scheduler.kv_cache_manager.get_block_ids(vllm_id)[0])
+    return request if request is not None and request.status == RequestStatus.RUNNING else None
 
 
 @dataclass
