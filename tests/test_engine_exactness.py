@@ -8,6 +8,7 @@ are reused block by block, and continuous batching does not change anyone's toke
 import pytest
 import torch
 
+from shared.engine import paged_kernel
 from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.kv_wire import decode_frame, frame_bytes
@@ -15,6 +16,17 @@ from shared.model_loader import load_model
 from tests.helpers import prompt_of_length, reference_greedy, relay_with_main, run_to_end, ship
 
 GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, params=["in_place_kernel", "gather_sdpa"])
+def attention_path(request, monkeypatch):
+    """Every test runs on both attention paths: the in-place kernel, and gather + SDPA (what an
+    engine runs where the kernel cannot be built)."""
+    if request.param == "gather_sdpa":
+        monkeypatch.setattr(paged_kernel, "load", lambda: None)
+    elif paged_kernel.load() is None:
+        pytest.skip("the in-place kernel cannot be built here")
+    return request.param
 
 
 @pytest.mark.parametrize("prompt_len", [5, 16, 33, 200])

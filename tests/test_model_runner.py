@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from shared.engine import attention
+from shared.engine import attention, paged_kernel
 from shared.engine.block_manager import BlockManager
 from shared.engine.hf_engine import HfEngine
 from shared.engine.kv_pool import KvPool
@@ -55,24 +55,36 @@ def test_a_chunk_that_does_not_sample_still_writes_the_kv_the_next_chunk_reads(t
 
 
 @pytest.mark.parametrize(
-    ("gather_budget_bytes", "lean"),
-    [(attention.GATHER_BUDGET_BYTES, True), (1, True), (attention.GATHER_BUDGET_BYTES, False)],
+    ("in_place", "gather_budget_bytes", "lean"),
+    [
+        (True, attention.GATHER_BUDGET_BYTES, True),
+        (True, attention.GATHER_BUDGET_BYTES, False),
+        (False, attention.GATHER_BUDGET_BYTES, True),
+        (False, 1, True),
+        (False, attention.GATHER_BUDGET_BYTES, False),
+    ],
 )
 def test_decodes_chunks_over_cached_context_and_a_fresh_prompt_in_one_pass_match_transformers(
-    smollm2, gather_budget_bytes, lean, monkeypatch
+    smollm2, in_place, gather_budget_bytes, lean, monkeypatch
 ):
     """One forward holds every kind of work a step can mix: decodes at different context lengths
     (padded to the longest), two chunks of different sizes over cached prefixes (queries padded),
     and a prompt with nothing cached; each sampling row gives transformers' last-token logits.
-    SmolLM2, since the tiny model's near one-hot attention would pass with a wrong mask. With a
-    1-byte gather budget every sequence gets its own attention call; the logits are the same, and
-    the same through HF's forward (``lean=False``) as through the lean one."""
+    SmolLM2, since the tiny model's near one-hot attention would pass with a wrong mask. Through
+    the in-place kernel (one call for all) or gather + SDPA; with a 1-byte gather budget every
+    sequence gets its own SDPA call; the logits are the same, and the same through HF's forward
+    (``lean=False``) as through the lean one."""
     monkeypatch.setattr(attention, "GATHER_BUDGET_BYTES", gather_budget_bytes)
+    if not in_place:
+        monkeypatch.setattr(paged_kernel, "load", lambda: None)
+    elif paged_kernel.load() is None:
+        pytest.skip("the in-place kernel cannot be built here")
     layout = KvLayout.from_model(smollm2.model, 16)
     pool = KvPool(layout, 64, smollm2.device)
     blocks = BlockManager(64, PrefixCache())
     runner = ModelRunner(smollm2, layout, pool, lean=lean)
     assert (runner.lean is not None) == lean
+    assert (runner.kernel is not None) == in_place
     # (prompt length, tokens already in the pool): decodes, chunks over cached context, a fresh prompt.
     shapes = [(37, 36), (70, 69), (50, 17), (61, 48), (29, 0)]
     prompts = [prompt_of_length(smollm2, length, seed=10 + i) for i, (length, _) in enumerate(shapes)]

@@ -1,9 +1,18 @@
 """Batched paged attention plugged into HF models through ``AttentionInterface``.
 
-HF's decoder layers still compute q/k/v and rotary embeddings; this function replaces only
-the cache and the attention. Several sequences are packed into one forward pass (batch
-dimension 1, tokens concatenated). In every layer it writes each new token's K/V into its
-pool slot, then runs:
+HF's decoder layers (or the lean forward) still compute q/k/v and rotary embeddings; this
+function replaces only the cache and the attention. Several sequences are packed into one
+forward pass (batch dimension 1, tokens concatenated). In every layer it writes each new
+token's K/V into its pool slot, then attends, by one of two paths:
+
+**The in-place kernel** (``paged_kernel``, where it could be built: a C compiler, AVX2/FMA, a
+CPU fp32 pool): one call per layer for every sequence of the batch, reading K/V blocks where
+they lie in the pool through the block tables, GQA without repetition, causal within each
+sequence's new tokens. No K/V is copied. Its sums run in its own order, so results differ
+from SDPA's in the last bits; the exactness tests (greedy tokens identical to ``generate``,
+which runs SDPA) are the judge, as for the lean forward.
+
+**Gather + SDPA** otherwise:
 
 - one SDPA call for all sequences that have cached context (decodes, extends, prompt chunks
   over a cached prefix), or one per run of them whose gathered K/V fit
@@ -16,7 +25,7 @@ pool slot, then runs:
   the causal kernel skips the masked half, which a mask would not).
 
 Decodes and extends are separate groups, so a batch of decodes is never padded to an
-extend's length. The kernel is SDPA's CPU flash kernel in every case, as in
+extend's length. The kernel is SDPA's CPU flash kernel in every case of this path, as in
 ``model.generate``; padding only appends masked (zero-weight) keys, so each row's result is
 the one a single-sequence call gives (the exactness tests compare against ``generate``).
 
@@ -36,6 +45,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from shared.engine.kv_pool import KvPool
+from shared.engine.paged_kernel import PagedKernel, check_batch
 
 ATTENTION_NAME = "pdd_paged"
 # Most bytes of one layer's gathered K and V per SDPA call. Batch 16 at 1K context on the
@@ -91,6 +101,32 @@ class PagedGroup:
 
 
 @dataclass(frozen=True)
+class KernelBatch:
+    """A forward's sequences for the in-place kernel, all in one call per layer (``paged_kernel``).
+
+    Attributes:
+        kernel: The loaded kernel.
+        tables: ``[sequences, blocks]`` int64 block tables, short ones padded (never read).
+        meta: ``[sequences, 3]`` int64: first packed position, new tokens, context length.
+        num_tokens: Packed tokens of the forward.
+    """
+
+    kernel: PagedKernel
+    tables: torch.Tensor
+    meta: torch.Tensor
+    num_tokens: int
+
+    def attend(self, pool: KvPool, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """``[tokens, heads, dim]`` from HF's ``[1, heads, tokens, dim]`` query."""
+        head_dim = query.shape[3]
+        if query.shape[2] != self.num_tokens:
+            raise ValueError(f"{query.shape[2]} packed tokens, the plan has {self.num_tokens}")
+        q = query[0].transpose(0, 1).contiguous()
+        scale = head_dim**-0.5 if scaling is None else scaling
+        return self.kernel.attend(q, pool.kv[layer, 0], pool.kv[layer, 1], self.tables, self.meta, scale)
+
+
+@dataclass(frozen=True)
 class ForwardPlan:
     """Everything the attention function needs for one packed forward pass.
 
@@ -100,6 +136,8 @@ class ForwardPlan:
         groups: Batched calls over cached context (decodes, then multi-token sequences).
         fresh: ``(start, end)`` packed ranges of prompts with nothing cached.
         num_tokens: Packed tokens in the forward.
+        in_place: Every sequence, for the in-place kernel (then ``groups`` and ``fresh`` are
+            empty); None without the kernel.
     """
 
     pool: KvPool
@@ -107,20 +145,42 @@ class ForwardPlan:
     groups: list[PagedGroup]
     fresh: list[tuple[int, int]]
     num_tokens: int
+    in_place: KernelBatch | None = None
 
 
-def build_plan(pool: KvPool, slots: torch.Tensor, sequences: list[SequencePlan]) -> ForwardPlan:
-    """Group ``sequences`` into batched calls; the tables and masks serve every layer."""
+def build_plan(
+    pool: KvPool, slots: torch.Tensor, sequences: list[SequencePlan], kernel: PagedKernel | None = None
+) -> ForwardPlan:
+    """Group ``sequences`` into batched calls; the tables and masks serve every layer.
+
+    With ``kernel``, every sequence goes to it instead: one call per layer for the whole batch,
+    K/V read where they lie in the pool.
+    """
     device = pool.device
+    num_tokens = max((s.query_end for s in sequences), default=0)
+    if kernel is not None and sequences:
+        return ForwardPlan(pool, slots, [], [], num_tokens, _kernel_batch(pool, kernel, sequences))
     cached = [s for s in sequences if s.num_new_tokens < s.context_len]
+    fresh = [(s.query_start, s.query_end) for s in sequences if s.num_new_tokens == s.context_len]
     groups = [
         _paged_group(pool, members, device)
         for kind in ([s for s in cached if s.num_new_tokens == 1], [s for s in cached if s.num_new_tokens > 1])
         for members in _within_gather_budget(pool, kind)
     ]
-    fresh = [(s.query_start, s.query_end) for s in sequences if s.num_new_tokens == s.context_len]
-    num_tokens = max((s.query_end for s in sequences), default=0)
     return ForwardPlan(pool, slots, groups, fresh, num_tokens)
+
+
+def _kernel_batch(pool: KvPool, kernel: PagedKernel, members: list[SequencePlan]) -> KernelBatch:
+    block_size = pool.layout.block_size
+    width = max(-(-s.context_len // block_size) for s in members)
+    tables = torch.zeros(len(members), width, dtype=torch.long)
+    for i, s in enumerate(members):
+        used = -(-s.context_len // block_size)
+        tables[i, :used] = torch.tensor(list(s.block_ids[:used]), dtype=torch.long)
+    meta = torch.tensor([(s.query_start, s.num_new_tokens, s.context_len) for s in members], dtype=torch.long)
+    num_tokens = max(s.query_end for s in members)
+    check_batch(tables, meta, num_tokens, pool.num_blocks, block_size)
+    return KernelBatch(kernel, tables, meta, num_tokens)
 
 
 def _within_gather_budget(pool: KvPool, members: list[SequencePlan]) -> list[list[SequencePlan]]:
@@ -206,6 +266,8 @@ def paged_attention(plan: ForwardPlan, layer: int, query, key, value, scaling: f
     """
     plan.pool.write(layer, plan.slots, key[0], value[0])
     num_heads, head_dim = query.shape[1], query.shape[3]
+    if plan.in_place is not None:
+        return plan.in_place.attend(plan.pool, layer, query, scaling).unsqueeze(0)
     if len(plan.groups) == 1 and not plan.fresh and plan.groups[0].valid is None:
         group = plan.groups[0]  # the common step: one batch of decodes, or one chunk
         if group.query_rows.shape[0] == plan.num_tokens:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine import attention
+from shared.engine import attention, paged_kernel
 from shared.engine.attention import SequencePlan, build_plan, forward_plan
 from shared.engine.kv_pool import KvPool
 from shared.engine.llama_forward import LeanLlama
@@ -47,6 +47,8 @@ class ModelRunner:
         self._device = loaded.device
         self._layout = layout
         self._pool = pool
+        kernel = paged_kernel.load() if paged_kernel.PagedKernel.supports(pool.kv, layout.head_dim) else None
+        self.kernel = kernel
 
     def run(self, batch: list[ScheduledSequence]) -> torch.Tensor:
         """Logits of every sampling entry of ``batch``, in order (shape ``[samplers, vocab]``)."""
@@ -71,7 +73,7 @@ class ModelRunner:
 
     def _forward(self, input_ids, positions, slots, plans, sample_rows) -> torch.Tensor:
         device = self._device
-        plan = build_plan(self._pool, torch.tensor(slots, dtype=torch.long, device=device), plans)
+        plan = build_plan(self._pool, torch.tensor(slots, dtype=torch.long, device=device), plans, self.kernel)
         # With nothing to sample (a prompt chunk), still keep one row: HF treats 0 as "all".
         keep = torch.tensor(sample_rows or [len(input_ids) - 1], dtype=torch.long, device=device)
         if self.lean is not None:

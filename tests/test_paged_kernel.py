@@ -1,0 +1,112 @@
+"""The in-place paged attention kernel against SDPA over the same K/V, gathered."""
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared.engine import paged_kernel
+from shared.engine.paged_kernel import check_batch
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    loaded = paged_kernel.load()
+    if loaded is None and shutil.which("cc") and paged_kernel._cpu_has_avx2_fma():
+        pytest.fail("a C compiler and AVX2/FMA are here, yet the kernel did not build (see the log)")
+    if loaded is None:
+        pytest.skip("no C compiler or no AVX2/FMA: the engine runs gather + SDPA (tested with the engine)")
+    return loaded
+
+
+def sdpa_reference(query, pool, tables, meta, block_size, scale):
+    """Each sequence alone: its blocks gathered, SDPA with a bottom-right causal mask."""
+    kv_heads, head_dim = pool.shape[1], pool.shape[4]
+    out = torch.full_like(query, float("nan"))
+    for row, (start, new, context) in enumerate(meta.tolist()):
+        blocks = tables[row, : -(-context // block_size)]
+        keys = pool[0][:, blocks].reshape(kv_heads, -1, head_dim)[:, :context]
+        values = pool[1][:, blocks].reshape(kv_heads, -1, head_dim)[:, :context]
+        visible = torch.arange(context)[None, :] <= (context - new + torch.arange(new))[:, None]
+        attended = F.scaled_dot_product_attention(
+            query[start : start + new].transpose(0, 1)[None],
+            keys[None],
+            values[None],
+            attn_mask=visible,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start : start + new] = attended[0].transpose(0, 1)
+    return out
+
+
+def batch_of(shapes, num_blocks, block_size, generator):
+    """Shuffled block tables and (start, new, context) rows for ``shapes`` of (new, context)."""
+    width = max(-(-context // block_size) for _, context in shapes)
+    order = torch.randperm(num_blocks, generator=generator)[: len(shapes) * width]
+    meta, start = [], 0
+    for new, context in shapes:
+        meta.append((start, new, context))
+        start += new
+    return order.view(len(shapes), width).contiguous(), torch.tensor(meta, dtype=torch.long), start
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(9, 3, 64), (4, 2, 16), (8, 8, 32), (4, 1, 24)],
+)
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [(1, 1)],  # a first decode step over one token
+        [(1, 1000), (1, 17), (1, 33)],  # decodes of different lengths, partial last blocks
+        [(37, 37), (5, 5)],  # prompts with nothing cached (causal)
+        [(3, 40), (1, 5), (100, 1124), (16, 16), (1, 300)],  # every kind of work in one batch
+    ],
+)
+def test_kernel_matches_sdpa_over_the_gathered_blocks(kernel, heads, kv_heads, head_dim, shapes):
+    generator = torch.Generator().manual_seed(len(shapes) * head_dim + heads)
+    block_size, num_blocks = 16, 400
+    pool = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=generator)
+    tables, meta, num_tokens = batch_of(shapes, num_blocks, block_size, generator)
+    query = torch.randn(num_tokens, heads, head_dim, generator=generator)
+    scale = head_dim**-0.5
+    out = kernel.attend(query, pool[0], pool[1], tables, meta, scale)
+    torch.testing.assert_close(out, sdpa_reference(query, pool, tables, meta, block_size, scale), rtol=1e-5, atol=2e-6)
+
+
+def test_kernel_result_is_the_same_alone_and_in_a_batch(kernel):
+    """A sequence's rows do not depend on what else is in the step (bit for bit)."""
+    generator = torch.Generator().manual_seed(7)
+    pool = torch.randn(2, 3, 128, 16, 64, generator=generator)
+    tables, meta, num_tokens = batch_of([(1, 500), (7, 90), (1, 64)], 128, 16, generator)
+    query = torch.randn(num_tokens, 9, 64, generator=generator)
+    together = kernel.attend(query, pool[0], pool[1], tables, meta, 0.125)
+    alone = kernel.attend(query[1:8].contiguous(), pool[0], pool[1], tables[1:2], torch.tensor([[0, 7, 90]]), 0.125)
+    assert torch.equal(together[1:8], alone)
+
+
+@pytest.mark.parametrize(
+    ("table", "row", "reason"),
+    [
+        ([[0, 1, 999]], [0, 1, 40], "block id past the pool"),
+        ([[0, -1, 2]], [0, 1, 40], "negative block id"),
+        ([[0, 1, 2]], [0, 1, 49], "context longer than the table"),
+        ([[0, 1, 2]], [3, 2, 40], "queries past the packed tokens"),
+        ([[0, 1, 2]], [0, 0, 40], "no query"),
+        ([[0, 1, 2]], [0, 5, 4], "more new tokens than context"),
+    ],
+)
+def test_a_batch_reading_outside_the_pool_is_refused_before_the_kernel_runs(table, row, reason):
+    with pytest.raises(ValueError, match="outside"):
+        check_batch(torch.tensor(table), torch.tensor([row]), num_tokens=4, num_blocks=64, block_size=16)
+
+
+def test_a_query_that_does_not_fit_the_pool_is_refused(kernel):
+    pool = torch.zeros(2, 3, 8, 16, 64)
+    tables, meta = torch.tensor([[0]]), torch.tensor([[0, 1, 1]])
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel.attend(torch.zeros(1, 9, 32), pool[0], pool[1], tables, meta, 0.125)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel.attend(torch.zeros(1, 9, 64, dtype=torch.float64), pool[0], pool[1], tables, meta, 0.125)
