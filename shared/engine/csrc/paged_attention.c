@@ -168,9 +168,9 @@ static inline __attribute__((always_inline)) void tile(
         most = visible[r] > most ? visible[r] : most;
     }
     const float *kh = c->k + u->kv_head * c->head_stride, *vh = c->v + u->kv_head * c->head_stride;
-    for (int64_t j0 = 0; j0 < most; j0 += bs) {
+    for (int64_t b = 0, j0 = 0; j0 < most; b++, j0 += bs) {
         int64_t n = most - j0 < bs ? most - j0 : bs;
-        qk_block(R, qrows, kh + table[j0 / bs] * bs * d, n, nd, srow, j0, c->scale);
+        qk_block(R, qrows, kh + table[b] * bs * d, n, nd, srow, j0, c->scale);
     }
     float inv[TILE_ROWS];
     for (int r = 0; r < R; r++) inv[r] = softmax_row(srow[r], visible[r], most);
@@ -178,9 +178,9 @@ static inline __attribute__((always_inline)) void tile(
         int half = d - col < 16;
         __m256 acc0[TILE_ROWS], acc1[TILE_ROWS];
         for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
-        for (int64_t j0 = 0; j0 < most; j0 += bs) {
+        for (int64_t b = 0, j0 = 0; j0 < most; b++, j0 += bs) {
             int64_t n = most - j0 < bs ? most - j0 : bs;
-            pv_block(R, vh + table[j0 / bs] * bs * d, n, d, col, half, srow, j0, acc0, acc1);
+            pv_block(R, vh + table[b] * bs * d, n, d, col, half, srow, j0, acc0, acc1);
         }
         for (int r = 0; r < R; r++) {
             __m256 s = _mm256_set1_ps(inv[r]);
