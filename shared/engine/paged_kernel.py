@@ -26,7 +26,7 @@ log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c11")
-CHUNK_TOKENS = 8
+CHUNK_TOKENS = 32
 """New tokens per work unit (times the GQA group's query heads: the rows one unit computes)."""
 
 

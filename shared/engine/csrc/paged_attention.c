@@ -17,6 +17,9 @@
  * Work units are (sequence, kv head, chunk of chunk_tokens new tokens), spread over
  * num_threads OpenMP threads (the runtime torch itself uses). Within a unit, rows (token,
  * query head of that kv head) go four at a time, so each K and V row read serves four rows.
+ * A decode reads K rows in place (dot products summed across lanes); a sequence with several
+ * new tokens first copies its unit's keys transposed, eight keys by D, so each score is one
+ * FMA chain over the dimensions with no cross-lane sum.
  *
  * Returns 0, or -1 if D is not a multiple of 8 or above 256, -2 if memory ran out.
  */
@@ -151,8 +154,69 @@ static float softmax_row(float *s, int64_t visible, int64_t padded_end) {
     return 1.0f / sum;
 }
 
+/* dst[d][i] = src[i][d] for an 8 x 8 tile (rows src_stride floats apart, dst rows 8 apart). */
+static inline void transpose8(const float *src, int64_t src_stride, float *dst) {
+    __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + src_stride);
+    __m256 r2 = _mm256_loadu_ps(src + 2 * src_stride), r3 = _mm256_loadu_ps(src + 3 * src_stride);
+    __m256 r4 = _mm256_loadu_ps(src + 4 * src_stride), r5 = _mm256_loadu_ps(src + 5 * src_stride);
+    __m256 r6 = _mm256_loadu_ps(src + 6 * src_stride), r7 = _mm256_loadu_ps(src + 7 * src_stride);
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(dst + 0, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(dst + 16, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(dst + 24, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(dst + 32, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(dst + 40, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(dst + 48, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(dst + 56, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+/* The unit's keys 0 .. keys (rounded up to 8) as groups of eight, each [d][8]: kt[(g * d + i) * 8 + k]
+ * is dimension i of key 8g + k. Keys past the context in the last group come from the same
+ * block (allocated, finite) and are never used. */
+static void transpose_keys(const float *kh, const int64_t *table, int64_t bs, int64_t d, int64_t keys, float *kt) {
+    for (int64_t g = 0; 8 * g < keys; g++) {
+        const float *src = kh + (table[8 * g / bs] * bs + 8 * g % bs) * d;
+        for (int64_t c = 0; c < d; c += 8) transpose8(src + c, d, kt + (g * d + c) * 8);
+    }
+}
+
+/* srow[r][8g ..] = (q_r . k) * scale over the transposed keys, sixteen keys at a time:
+ * each score is one FMA chain over the dimensions in order. */
+static inline __attribute__((always_inline)) void qk_transposed(
+    const int R, const float *const *qrows, const float *kt, int64_t keys, int64_t d, float *const *srow,
+    float scale) {
+    const __m256 scale_v = _mm256_set1_ps(scale);
+    const int64_t groups = (keys + 7) / 8;
+    for (int64_t g = 0; g < groups; g += 2) {
+        const int two = g + 1 < groups;
+        const float *k0 = kt + g * d * 8, *k1 = k0 + d * 8;
+        __m256 a0[TILE_ROWS], a1[TILE_ROWS];
+        for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i++) {
+            __m256 x0 = _mm256_loadu_ps(k0 + 8 * i), x1 = two ? _mm256_loadu_ps(k1 + 8 * i) : _mm256_setzero_ps();
+            for (int r = 0; r < R; r++) {
+                __m256 qb = _mm256_broadcast_ss(qrows[r] + i);
+                a0[r] = _mm256_fmadd_ps(qb, x0, a0[r]);
+                a1[r] = _mm256_fmadd_ps(qb, x1, a1[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            _mm256_storeu_ps(srow[r] + 8 * g, _mm256_mul_ps(a0[r], scale_v));
+            if (two) _mm256_storeu_ps(srow[r] + 8 * g + 8, _mm256_mul_ps(a1[r], scale_v));
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void tile(
-    const int R, const call_t *c, const unit_t *u, int64_t first_row, float *scores, int64_t stride) {
+    const int R, const call_t *c, const unit_t *u, int64_t first_row, float *scores, int64_t stride, const float *kt) {
     const int64_t d = c->d, nd = d / 8, group = c->heads / c->kv_heads, bs = c->block_size;
     const int64_t *meta = c->meta + 3 * u->seq, *table = c->tables + c->table_width * u->seq;
     const int64_t query_start = meta[0], num_queries = meta[1], context_len = meta[2];
@@ -168,10 +232,13 @@ static inline __attribute__((always_inline)) void tile(
         most = visible[r] > most ? visible[r] : most;
     }
     const float *kh = c->k + u->kv_head * c->head_stride, *vh = c->v + u->kv_head * c->head_stride;
-    for (int64_t b = 0, j0 = 0; j0 < most; b++, j0 += bs) {
-        int64_t n = most - j0 < bs ? most - j0 : bs;
-        qk_block(R, qrows, kh + table[b] * bs * d, n, nd, srow, j0, c->scale);
-    }
+    if (kt)
+        qk_transposed(R, qrows, kt, most, d, srow, c->scale);
+    else
+        for (int64_t b = 0, j0 = 0; j0 < most; b++, j0 += bs) {
+            int64_t n = most - j0 < bs ? most - j0 : bs;
+            qk_block(R, qrows, kh + table[b] * bs * d, n, nd, srow, j0, c->scale);
+        }
     float inv[TILE_ROWS];
     for (int r = 0; r < R; r++) inv[r] = softmax_row(srow[r], visible[r], most);
     for (int64_t col = 0; col < d; col += 16) {
@@ -190,14 +257,24 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-static void run_unit(const call_t *c, const unit_t *u, float *scores, int64_t stride) {
+static void run_unit(const call_t *c, const unit_t *u, float *scores, int64_t stride, float *kt) {
+    const int64_t *meta = c->meta + 3 * u->seq;
     const int64_t rows = (u->end_token - u->first_token) * (c->heads / c->kv_heads);
+    /* A sequence with several new tokens: its keys transposed once per unit, then every tile
+     * reads them as [d][8]; a decode reads K rows in place. */
+    const float *keys_t = NULL;
+    if (meta[1] > 1 && c->block_size % 8 == 0) {
+        const int64_t keys = meta[2] - meta[1] + u->end_token;
+        transpose_keys(c->k + u->kv_head * c->head_stride, c->tables + c->table_width * u->seq, c->block_size, c->d,
+                       keys, kt);
+        keys_t = kt;
+    }
     int64_t r = 0;
-    for (; r + TILE_ROWS <= rows; r += TILE_ROWS) tile(TILE_ROWS, c, u, r, scores, stride);
+    for (; r + TILE_ROWS <= rows; r += TILE_ROWS) tile(TILE_ROWS, c, u, r, scores, stride, keys_t);
     switch (rows - r) {
-        case 3: tile(3, c, u, r, scores, stride); break;
-        case 2: tile(2, c, u, r, scores, stride); break;
-        case 1: tile(1, c, u, r, scores, stride); break;
+        case 3: tile(3, c, u, r, scores, stride, keys_t); break;
+        case 2: tile(2, c, u, r, scores, stride, keys_t); break;
+        case 1: tile(1, c, u, r, scores, stride, keys_t); break;
         default: break;
     }
 }
@@ -227,14 +304,16 @@ int pdd_paged_attention(const float *q, float *out, const float *k, const float 
 #pragma omp parallel num_threads((int)num_threads)
     {
         float *scores = aligned_alloc(64, (size_t)(TILE_ROWS * stride * sizeof(float) + 63) / 64 * 64);
-        if (!scores) {
+        float *kt = aligned_alloc(64, (size_t)(stride * d * sizeof(float) + 63) / 64 * 64);
+        if (!scores || !kt) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_units; i++)
-            if (scores) run_unit(&c, &units[i], scores, stride);
+            if (scores && kt) run_unit(&c, &units[i], scores, stride, kt);
         free(scores);
+        free(kt);
     }
     free(units);
     return failed ? -2 : 0;
