@@ -65,14 +65,17 @@ def batch_of(shapes, num_blocks, block_size, generator):
         [(3, 40), (1, 5), (100, 1124), (16, 16), (1, 300)],  # every kind of work in one batch
     ],
 )
-def test_kernel_matches_sdpa_over_the_gathered_blocks(kernel, heads, kv_heads, head_dim, shapes):
+@pytest.mark.parametrize("chunk", [1, 8, 32])
+def test_kernel_matches_sdpa_over_the_gathered_blocks(kernel, heads, kv_heads, head_dim, shapes, chunk):
+    """Decodes read K rows in place, multi-token sequences a transposed copy of their unit's
+    keys; either way, in units of any size, each row is SDPA's over the same keys."""
     generator = torch.Generator().manual_seed(len(shapes) * head_dim + heads)
     block_size, num_blocks = 16, 400
     pool = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=generator)
     tables, meta, num_tokens = batch_of(shapes, num_blocks, block_size, generator)
     query = torch.randn(num_tokens, heads, head_dim, generator=generator)
     scale = head_dim**-0.5
-    out = kernel.attend(query, pool[0], pool[1], tables, meta, scale)
+    out = kernel.attend(query, pool[0], pool[1], tables, meta, scale, chunk)
     torch.testing.assert_close(out, sdpa_reference(query, pool, tables, meta, block_size, scale), rtol=1e-5, atol=2e-6)
 
 

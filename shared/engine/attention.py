@@ -45,7 +45,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from shared.engine.kv_pool import KvPool
-from shared.engine.paged_kernel import PagedKernel, check_batch
+from shared.engine.paged_kernel import PagedKernel, check_batch, chunk_tokens
 
 ATTENTION_NAME = "pdd_paged"
 # Most bytes of one layer's gathered K and V per SDPA call. Batch 16 at 1K context on the
@@ -109,12 +109,14 @@ class KernelBatch:
         tables: ``[sequences, blocks]`` int64 block tables, short ones padded (never read).
         meta: ``[sequences, 3]`` int64: first packed position, new tokens, context length.
         num_tokens: Packed tokens of the forward.
+        chunk: New tokens per work unit of the kernel (``paged_kernel.chunk_tokens``).
     """
 
     kernel: PagedKernel
     tables: torch.Tensor
     meta: torch.Tensor
     num_tokens: int
+    chunk: int
 
     def attend(self, pool: KvPool, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """``[tokens, heads, dim]`` from HF's ``[1, heads, tokens, dim]`` query."""
@@ -123,7 +125,7 @@ class KernelBatch:
             raise ValueError(f"{query.shape[2]} packed tokens, the plan has {self.num_tokens}")
         q = query[0].transpose(0, 1).contiguous()
         scale = head_dim**-0.5 if scaling is None else scaling
-        return self.kernel.attend(q, pool.kv[layer, 0], pool.kv[layer, 1], self.tables, self.meta, scale)
+        return self.kernel.attend(q, pool.kv[layer, 0], pool.kv[layer, 1], self.tables, self.meta, scale, self.chunk)
 
 
 @dataclass(frozen=True)
@@ -180,7 +182,8 @@ def _kernel_batch(pool: KvPool, kernel: PagedKernel, members: list[SequencePlan]
     meta = torch.tensor([(s.query_start, s.num_new_tokens, s.context_len) for s in members], dtype=torch.long)
     num_tokens = max(s.query_end for s in members)
     check_batch(tables, meta, num_tokens, pool.num_blocks, block_size)
-    return KernelBatch(kernel, tables, meta, num_tokens)
+    chunk = chunk_tokens(max(s.num_new_tokens for s in members))
+    return KernelBatch(kernel, tables, meta, num_tokens, chunk)
 
 
 def _within_gather_budget(pool: KvPool, members: list[SequencePlan]) -> list[list[SequencePlan]]:
