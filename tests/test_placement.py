@@ -296,9 +296,10 @@ def test_a_conversation_stays_on_the_decoder_whose_cache_keeps_its_kv_off_the_wa
     assert far.main_decode.instance_id == "main-decode-1"
 
 
-def pipeline_for(prefill_report: dict, num_prompt_tokens: int) -> tuple[str, float]:
+def pipeline_for(prefill_report: dict, num_prompt_tokens: int, queue_s: float = 0.0) -> tuple[str, float]:
     """The pipeline and predicted arrival of a cold prompt on a 100 Mbit/s, 40 ms link (KV of
-    46 KB per token, SmolLM2's), the prefill reporting ``prefill_report``."""
+    46 KB per token, SmolLM2's) busy for ``queue_s`` with flows placed before, the prefill
+    reporting ``prefill_report``."""
     registry = InstanceRegistry(ttl_s=60)
     for instance_id, service, extra in (
         ("prefill-0", "prefill", prefill_report),
@@ -313,7 +314,7 @@ def pipeline_for(prefill_report: dict, num_prompt_tokens: int) -> tuple[str, flo
             **extra,
         )
         registry.observe(report)
-    wan = WanEstimate(bandwidth_bps=100e6, rtt_s=0.040)
+    wan = WanEstimate(bandwidth_bps=100e6, rtt_s=0.040, queue_s=queue_s)
     placement = place(
         registry,
         {},
@@ -340,3 +341,14 @@ def test_kv_shipped_while_the_prompt_computes_lands_soon_after_the_prefill():
     # a prefill that computes the prompt in one step ships it all after its compute
     pipeline, arrival_s = pipeline_for({"prefill_tokens_per_s": rate, "prefill_first_chunk_tokens": 2048}, tokens)
     assert arrival_s == pytest.approx(transfer_s + 0.020) and pipeline == "P-RLD-MD"
+
+
+def test_a_cold_prompt_that_fits_an_idle_link_is_relayed_when_earlier_flows_still_hold_it():
+    """Two cold prompts in a row: the first's KV overlaps its prefill; the second, placed while
+    the first's bytes still cross, must not be predicted as if it had the link alone."""
+    report = {"prefill_tokens_per_s": 250.0, "prefill_first_chunk_tokens": 64}
+    tokens = 704  # 2.8 s of compute, 32 MB: 2.6 s on the link, shipped as it computes
+    assert pipeline_for(report, tokens)[0] == "P-MD"
+    pipeline, arrival_s = pipeline_for(report, tokens, queue_s=3.0)
+    assert arrival_s == pytest.approx(3.0 + tokens * 46080 * 8 / 100e6 - tokens / 250.0 + 0.020)
+    assert pipeline == "P-RLD-MD"

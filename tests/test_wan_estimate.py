@@ -1,9 +1,10 @@
 """The router learns the WAN link from its own KV transfers and routes by what it learnt."""
 
 import aiohttp
+import pytest
 
 from infra.wan_link import LinkProfile
-from services.router.wan_estimate import MIN_SAMPLE_BYTES, WanEstimator
+from services.router.wan_estimate import MIN_SAMPLE_BYTES, WanEstimate, WanEstimator
 from tests.helpers import chat_body, post
 
 
@@ -85,3 +86,33 @@ async def test_after_the_link_drops_the_second_large_request_is_relayed(make_sta
     stack.link.set_profile(bandwidth_bps=2e6)
     assert await large_request() == "P-MD"  # still believed fast: this transfer teaches the drop
     assert await large_request() == "P-RLD-MD"
+
+
+def test_placed_flows_hold_the_link_until_their_predicted_last_byte():
+    now = [100.0]
+    wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
+    wan.flow_placed(0, prefill_s=2.0, predicted_wan_s=1.02)  # nothing crosses: no queue
+    assert wan.current().queue_s == 0.0
+    # a 2 s prefill whose last byte lands 1.02 s after it (one-way delay 0.02 s included)
+    wan.flow_placed(37_000_000, prefill_s=2.0, predicted_wan_s=1.02)
+    assert wan.current().queue_s == pytest.approx(3.0)
+    now[0] += 1.0
+    assert wan.current().queue_s == pytest.approx(2.0)
+    wan.flow_placed(1_000_000, prefill_s=0.1, predicted_wan_s=0.1)  # ends before: the later one holds
+    assert wan.current().queue_s == pytest.approx(2.0)
+    now[0] += 5.0
+    assert wan.current().queue_s == 0.0
+
+
+def test_a_queued_link_delays_a_new_flows_first_byte():
+    idle = WanEstimate(bandwidth_bps=100e6, rtt_s=0.04)
+    busy = WanEstimate(bandwidth_bps=100e6, rtt_s=0.04, queue_s=5.0)
+    transfer_s = 37_000_000 * 8 / 100e6
+    # shipping while a 3 s prefill computes: the idle link has it all there 0.02 s after the prefill
+    assert idle.arrival_after_prefill_s(37_000_000, prefill_s=3.0, first_chunk_s=0.2) == pytest.approx(
+        max(0.0, 0.2 + transfer_s - 3.0) + 0.02
+    )
+    # behind 5 s of other flows, the first byte leaves at 5 s
+    assert busy.arrival_after_prefill_s(37_000_000, prefill_s=3.0, first_chunk_s=0.2) == pytest.approx(
+        5.0 + transfer_s - 3.0 + 0.02
+    )

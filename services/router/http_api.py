@@ -129,6 +129,7 @@ class RouterApi:
             "wan_estimate": {
                 "bandwidth_mbit": round(wan.bandwidth_bps / 1e6, 2),
                 "rtt_ms": round(wan.rtt_s * 1000, 1),
+                "queue_ms": round(wan.queue_s * 1000, 1),
             },
         }
         return web.json_response(body, status=200 if serving else 503)

@@ -20,6 +20,7 @@ least recently. Relays, whose work is decode steps, go to the fewest sequences.
 (docs/planning.md records the simulated runs behind these rules.)
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ class Placement:
         prefill_compute_blocks: Prompt blocks the chosen prefill lacks (the work it adds there).
         missing_kv_bytes: KV bytes predicted to cross the WAN.
         predicted_wan_s: When they are predicted to land, counted from the prefill's end.
+        predicted_prefill_s: The prefill's predicted compute time (0: no rate reported yet).
         odd_traffic: Marked odd by the odd-traffic filter (relayed; WAN cancelled if the relay wins).
         degraded_reason: Why a ``P-RLD`` request is served at site A alone.
     """
@@ -66,6 +68,7 @@ class Placement:
     odd_traffic: bool = False
     degraded_reason: str = ""
     prefill_compute_blocks: int = 0
+    predicted_prefill_s: float = 0.0
 
     @property
     def instance_ids(self) -> list[str]:
@@ -149,7 +152,8 @@ def place(
     prefill_compute_blocks = max(0, num_prompt_blocks - hits.get(prefill.report.instance.instance_id, 0))
     if not mains:
         return _relay_only(prefill, relays, num_prompt_blocks, prefill_compute_blocks)
-    arrival_s = _overlapped_arrival(wan, prefill.report, prefill_compute_blocks * block_size)
+    prefill_s, first_chunk_s = _prefill_seconds(prefill.report, prefill_compute_blocks * block_size)
+    arrival_s = functools.partial(wan.arrival_after_prefill_s, prefill_s=prefill_s, first_chunk_s=first_chunk_s)
     main, missing_bytes, predicted_s = _pick_main(
         mains, hits, num_prompt_tokens, block_size, kv_bytes_per_token, arrival_s, ttft_target_s
     )
@@ -169,18 +173,19 @@ def place(
         predicted_wan_s=predicted_s,
         odd_traffic=odd and relay is not None,
         prefill_compute_blocks=prefill_compute_blocks,
+        predicted_prefill_s=prefill_s,
     )
 
 
-def _overlapped_arrival(wan: WanEstimate, prefill: LoadReported, compute_tokens: int) -> Callable[[int], float]:
-    """``bytes → seconds after the prefill ends`` for a prompt whose ``compute_tokens`` the
-    chosen prefill computes at its reported rate, shipping each chunk as it is done."""
+def _prefill_seconds(prefill: LoadReported, compute_tokens: int) -> tuple[float, float]:
+    """``(compute, first chunk)`` seconds of a prompt whose ``compute_tokens`` the chosen
+    prefill computes at its reported rate, shipping each chunk as it is done; (0, 0) without a
+    reported rate."""
     if prefill.prefill_tokens_per_s <= 0 or compute_tokens <= 0:
-        return wan.arrival_after_prefill_s
-    prefill_s = compute_tokens / prefill.prefill_tokens_per_s
+        return 0.0, 0.0
     chunk_tokens = prefill.prefill_first_chunk_tokens or compute_tokens
-    first_chunk_s = min(compute_tokens, chunk_tokens) / prefill.prefill_tokens_per_s
-    return lambda num_bytes: wan.arrival_after_prefill_s(num_bytes, prefill_s, first_chunk_s)
+    rate = prefill.prefill_tokens_per_s
+    return compute_tokens / rate, min(compute_tokens, chunk_tokens) / rate
 
 
 def _pick_main(

@@ -76,6 +76,8 @@ class Placer:
             max_tokens=req.sampling.max_tokens,
             avoid=avoid,
         )
+        # Its KV now shares the link with the next request's (relayed or not, it crosses).
+        self.wan.flow_placed(placement.missing_kv_bytes, placement.predicted_prefill_s, placement.predicted_wan_s)
         cut_off = self.site_health.unreachable()
         if placement.pipeline == "P-RLD" and cut_off:
             placement = dataclasses.replace(placement, degraded_reason=f"{', '.join(cut_off)} unreachable")
