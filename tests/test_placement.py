@@ -6,7 +6,7 @@ import pytest
 
 from services.router.placement import place
 from services.router.registry import InstanceRegistry
-from services.router.wan_estimate import WanEstimate
+from services.router.wan_estimate import Arriving, WanEstimate
 from shared.messages import InstanceRef, LoadReported
 
 BLOCK_SIZE = 16
@@ -352,3 +352,37 @@ def test_a_cold_prompt_that_fits_an_idle_link_is_relayed_when_earlier_flows_stil
     pipeline, arrival_s = pipeline_for(report, tokens, queue_s=3.0)
     assert arrival_s == pytest.approx(3.0 + tokens * 46080 * 8 / 100e6 - tokens / 250.0 + 0.020)
     assert pipeline == "P-RLD-MD"
+
+
+def test_a_follow_up_turn_counts_only_its_new_blocks_when_the_earlier_ones_are_on_their_way():
+    """The first turn's KV is still crossing to main-decode-1: the second turn goes there, its
+    missing bytes are its new blocks only, and it is ready no earlier than they land."""
+    registry = InstanceRegistry(ttl_s=60)
+    for instance_id, service in (
+        ("prefill-0", "prefill"),
+        ("main-decode-0", "main_decode"),
+        ("main-decode-1", "main_decode"),
+        ("relay-decode-0", "relay_decode"),
+    ):
+        registry.observe(
+            LoadReported(
+                instance=InstanceRef(instance_id=instance_id, site="site-b"),
+                service=service,
+                total_blocks=1000,
+                prefill_tokens_per_s=400.0 if service == "prefill" else 0.0,
+                unix_s=time.time(),
+            )
+        )
+    wan = WanEstimate(bandwidth_bps=100e6, rtt_s=0.040)
+    kwargs = {"num_prompt_tokens": 50 * BLOCK_SIZE, "block_size": BLOCK_SIZE, "kv_bytes_per_token": 46080, "wan": wan}
+    cold = place(registry, {}, ttft_target_s=0.5, **kwargs)
+    assert cold.missing_kv_bytes == 50 * BLOCK_SIZE * 46080
+    # the prefill computes all 50 blocks in 2.0 s; the 48 on their way land 2.2 s from now
+    soon = {"main-decode-1": Arriving(blocks=48, lands_in_s=2.2)}
+    warm = place(registry, {}, ttft_target_s=0.5, arriving=soon, **kwargs)
+    assert warm.main_decode.instance_id == "main-decode-1"
+    assert warm.missing_kv_bytes == 2 * BLOCK_SIZE * 46080
+    assert warm.predicted_wan_s == pytest.approx(2.2 - 2.0)  # the 2 new blocks alone would be sooner
+    assert warm.pipeline == "P-MD"
+    late = {"main-decode-1": Arriving(blocks=48, lands_in_s=60.0)}
+    assert place(registry, {}, ttft_target_s=0.5, arriving=late, **kwargs).pipeline == "P-RLD-MD"

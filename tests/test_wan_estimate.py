@@ -91,17 +91,38 @@ async def test_after_the_link_drops_the_second_large_request_is_relayed(make_sta
 def test_placed_flows_hold_the_link_until_their_predicted_last_byte():
     now = [100.0]
     wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
-    wan.flow_placed(0, prefill_s=2.0, predicted_wan_s=1.02)  # nothing crosses: no queue
+    wan.flow_placed("r0", "md-0", [1, 2], 0, prefill_s=2.0, predicted_wan_s=1.02)  # nothing crosses: no queue
     assert wan.current().queue_s == 0.0
     # a 2 s prefill whose last byte lands 1.02 s after it (one-way delay 0.02 s included)
-    wan.flow_placed(37_000_000, prefill_s=2.0, predicted_wan_s=1.02)
+    wan.flow_placed("r1", "md-0", [1, 2], 37_000_000, prefill_s=2.0, predicted_wan_s=1.02)
     assert wan.current().queue_s == pytest.approx(3.0)
     now[0] += 1.0
     assert wan.current().queue_s == pytest.approx(2.0)
-    wan.flow_placed(1_000_000, prefill_s=0.1, predicted_wan_s=0.1)  # ends before: the later one holds
+    wan.flow_placed(
+        "r2", "md-1", [7], 1_000_000, prefill_s=0.1, predicted_wan_s=0.1
+    )  # ends before: the later one holds
     assert wan.current().queue_s == pytest.approx(2.0)
-    now[0] += 5.0
+    wan.flow_landed("r1")  # its KvReady came early: only the small flow holds the link
+    assert wan.current().queue_s == pytest.approx(0.18)
+    wan.seen_cached([7, 8], {"md-1": 1})  # the index lists r2's only block at md-1: landed
     assert wan.current().queue_s == 0.0
+
+
+def test_blocks_on_their_way_count_for_a_follow_up_prompt_until_the_index_lists_them():
+    now = [0.0]
+    wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
+    wan.flow_placed("a", "md-0", [11, 12, 13], 30_000_000, prefill_s=2.0, predicted_wan_s=1.02)
+    wan.flow_placed("b", "md-1", [11, 99], 20_000_000, prefill_s=1.0, predicted_wan_s=0.52)
+    # a follow-up turn: the first turn's three blocks plus a new one
+    arriving = wan.arriving([11, 12, 13, 14])
+    assert arriving["md-0"].blocks == 3 and arriving["md-0"].lands_in_s == pytest.approx(3.02)
+    assert arriving["md-1"].blocks == 1
+    assert wan.arriving([50, 12, 13]) == {}  # another prompt: chained hashes differ from the first
+    now[0] += 3.5  # landed: still counted while the cache-index catches up
+    assert wan.arriving([11, 12, 13, 14])["md-0"].lands_in_s == 0.0
+    now[0] += 10.0
+    wan.flow_placed("c", "md-1", [1], 0, prefill_s=0.0, predicted_wan_s=0.0)  # any placement drops old flows
+    assert wan.arriving([11, 12, 13, 14]) == {}
 
 
 def test_a_queued_link_delays_a_new_flows_first_byte():

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.router.registry import InstanceRegistry, InstanceState
-from services.router.wan_estimate import WanEstimate
+from services.router.wan_estimate import Arriving, WanEstimate
 from shared.errors import PddError
 from shared.messages import InstanceRef, LoadReported, Pipeline
 
@@ -135,10 +135,13 @@ def place(
     odd_rule=None,
     max_tokens: int = 0,
     avoid: frozenset[str] = frozenset(),
+    arriving: dict[str, Arriving] | None = None,
 ) -> Placement:
     """Choose instances and pipeline for a prompt (``policy`` forces one for baselines).
     ``avoid`` names instances that already failed this request (a recovery): they are
-    chosen only when no other instance of their service is live.
+    chosen only when no other instance of their service is live. ``arriving``: per main
+    decoder, the prompt's leading blocks already on their way there (they do not cross again;
+    the request's KV is complete no earlier than they land).
 
     Raises:
         NoInstances: no live prefill instance, or neither a main decoder nor a relay.
@@ -155,7 +158,15 @@ def place(
     prefill_s, first_chunk_s = _prefill_seconds(prefill.report, prefill_compute_blocks * block_size)
     arrival_s = functools.partial(wan.arrival_after_prefill_s, prefill_s=prefill_s, first_chunk_s=first_chunk_s)
     main, missing_bytes, predicted_s = _pick_main(
-        mains, hits, num_prompt_tokens, block_size, kv_bytes_per_token, arrival_s, ttft_target_s
+        mains,
+        hits,
+        num_prompt_tokens,
+        block_size,
+        kv_bytes_per_token,
+        arrival_s,
+        ttft_target_s,
+        arriving or {},
+        prefill_s,
     )
     odd = policy == "auto" and odd_rule is not None and odd_rule.is_odd(max_tokens, predicted_s)
     wants_relay = predicted_s > ttft_target_s or odd if policy == "auto" else policy == "P-RLD-MD"
@@ -196,19 +207,31 @@ def _pick_main(
     kv_bytes_per_token: int,
     arrival_s: Callable[[int], float],
     ttft_target_s: float,
+    arriving: dict[str, Arriving],
+    prefill_s: float,
 ) -> tuple[InstanceState, int, float]:
     """The main decoder (those whose missing KV lands within the target first), the KV bytes
-    it lacks and when they are predicted to land after the prefill (``arrival_s``)."""
+    it lacks and when they are predicted to land after the prefill (``arrival_s``, and no
+    earlier than blocks already on their way to it)."""
+    held = dict(hits)
+    for instance_id, coming in arriving.items():
+        held[instance_id] = max(held.get(instance_id, 0), coming.blocks)
 
     def missing_bytes_at(state: InstanceState) -> int:
-        cached = hits.get(state.report.instance.instance_id, 0)
+        cached = held.get(state.report.instance.instance_id, 0)
         return max(0, num_prompt_tokens - cached * block_size) * kv_bytes_per_token
 
+    def lands_s(state: InstanceState) -> float:
+        landing = arrival_s(missing_bytes_at(state))
+        coming = arriving.get(state.report.instance.instance_id)
+        if coming is not None and coming.blocks > hits.get(state.report.instance.instance_id, 0):
+            landing = max(landing, coming.lands_in_s - prefill_s)
+        return landing
+
     candidates = _with_room(mains) or mains
-    quick = [s for s in candidates if arrival_s(missing_bytes_at(s)) <= ttft_target_s]
-    main = _pick(quick or candidates, hits, -(-num_prompt_tokens // block_size))
-    missing_bytes = missing_bytes_at(main)
-    return main, missing_bytes, arrival_s(missing_bytes)
+    quick = [s for s in candidates if lands_s(s) <= ttft_target_s]
+    main = _pick(quick or candidates, held, -(-num_prompt_tokens // block_size))
+    return main, missing_bytes_at(main), lands_s(main)
 
 
 def _with_room(instances: list[InstanceState]) -> list[InstanceState]:

@@ -63,6 +63,7 @@ class Placer:
             "router.cache_index.query", attributes={"request_id": request_id, "blocks": len(hashes)}
         ):
             hits = await self._overlap(hashes)
+        self.wan.seen_cached(hashes, hits)
         placement = place(
             self.registry,
             hits,
@@ -75,9 +76,17 @@ class Placer:
             odd_rule=self.odd_rule,
             max_tokens=req.sampling.max_tokens,
             avoid=avoid,
+            arriving=self.wan.arriving(hashes),
         )
-        # Its KV now shares the link with the next request's (relayed or not, it crosses).
-        self.wan.flow_placed(placement.missing_kv_bytes, placement.predicted_prefill_s, placement.predicted_wan_s)
+        if placement.main_decode is not None:  # its KV now shares the link (relayed or not, it crosses)
+            self.wan.flow_placed(
+                request_id,
+                placement.main_decode.instance_id,
+                hashes,
+                placement.missing_kv_bytes,
+                placement.predicted_prefill_s,
+                placement.predicted_wan_s,
+            )
         cut_off = self.site_health.unreachable()
         if placement.pipeline == "P-RLD" and cut_off:
             placement = dataclasses.replace(placement, degraded_reason=f"{', '.join(cut_off)} unreachable")

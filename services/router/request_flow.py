@@ -434,6 +434,7 @@ class RequestFlow:
             self.watch.on_kv_ready()
             self._record_odd(self.odd.kv_landed())
             self.ctx.wan.add_throughput(event.throughput_bps, event.wan_kv_bytes)
+            self.ctx.wan.flow_landed(self.request_id)
             self.outcome.kv_transfer_ms = round(event.transfer_s * 1000, 1)
             self.outcome.kv_landed_unix_s = event.landed_unix_s
             self.outcome.cached_blocks_md = event.cached_tokens // self.config.block_size

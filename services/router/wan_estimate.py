@@ -18,13 +18,21 @@ quickly.
 The link is shared: every flow this router placed is still crossing until its predicted last
 byte (``flow_placed``), relayed requests' included (their KV still goes to main decode after
 the relay answered). A new flow's first byte waits for those (``WanEstimate.queue_s``), so two
-cold prompts in a row are not both predicted as if each had the link alone. Other routers'
-flows are not counted.
+cold prompts in a row are not both predicted as if each had the link alone. Blocks a placed
+flow is still bringing to a main decoder do not cross again (a decoder's later flow waits for
+them, ``shared/decode_cache.py``): ``arriving`` says how many of a prompt's leading blocks
+each decoder has on the way and when they land, so a follow-up turn counts only its new
+blocks. Other routers' flows are not counted.
 """
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+ARRIVED_GRACE_S = 5.0
+"""How long a flow's blocks still count as arriving after their predicted landing (until the
+cache-index lists them)."""
 
 MIN_SAMPLE_BYTES = 256 << 10
 DROP_FACTOR = 0.5
@@ -57,8 +65,30 @@ class WanEstimate:
         return last_byte_s - prefill_s + self.rtt_s / 2
 
 
+@dataclass(frozen=True)
+class PlacedFlow:
+    """KV this router sent across the link: to whom, which blocks, when the last byte leaves."""
+
+    main_decode_id: str
+    block_hashes: tuple[int, ...]
+    leaves_at: float
+
+
+@dataclass(frozen=True)
+class Arriving:
+    """A prompt's leading blocks on their way to one main decoder.
+
+    Attributes:
+        blocks: How many.
+        lands_in_s: Seconds from now until the last of them lands (0: landed).
+    """
+
+    blocks: int
+    lands_in_s: float
+
+
 class WanEstimator:
-    """EWMA of bandwidth and RTT samples."""
+    """EWMA of bandwidth and RTT samples, and the flows placed on the link."""
 
     def __init__(
         self, bandwidth_bps: float, rtt_s: float, alpha: float = 0.3, clock: Callable[[], float] = time.monotonic
@@ -66,7 +96,7 @@ class WanEstimator:
         self.bandwidth_bps, self.rtt_s, self.alpha = bandwidth_bps, rtt_s, alpha
         self.bandwidth_samples = self.rtt_samples = 0
         self._clock = clock
-        self._link_free_at = 0.0  # clock time the placed flows' last bytes are predicted to leave
+        self._flows: dict[str, PlacedFlow] = {}  # by request id: a recovery's flow replaces its first
 
     def add_throughput(self, throughput_bps: float, num_bytes: int):
         """A WAN flow's measured throughput (ignored for transfers too small to tell)."""
@@ -86,14 +116,67 @@ class WanEstimator:
         self.rtt_s += weight * (rtt_s - self.rtt_s)
         self.rtt_samples += 1
 
-    def flow_placed(self, num_bytes: int, prefill_s: float, predicted_wan_s: float):
-        """A flow of ``num_bytes`` was placed now, its prefill predicted to take ``prefill_s``
-        and its last byte to land ``predicted_wan_s`` after (with the queue as it was)."""
+    def flow_placed(
+        self,
+        request_id: str,
+        main_decode_id: str,
+        block_hashes: list[int],
+        num_bytes: int,
+        prefill_s: float,
+        predicted_wan_s: float,
+    ):
+        """``request_id``'s flow of ``num_bytes`` to ``main_decode_id`` for a prompt of
+        ``block_hashes`` was placed now, its prefill predicted to take ``prefill_s`` and its last
+        byte to land ``predicted_wan_s`` after (with the queue as it was)."""
+        now = self._clock()
+        self._flows = {rid: f for rid, f in self._flows.items() if f.leaves_at + ARRIVED_GRACE_S > now}
+        self._flows.pop(request_id, None)
         if num_bytes <= 0:
             return
-        last_byte_leaves = self._clock() + prefill_s + max(0.0, predicted_wan_s - self.rtt_s / 2)
-        self._link_free_at = max(self._link_free_at, last_byte_leaves)
+        leaves_at = now + prefill_s + max(0.0, predicted_wan_s - self.rtt_s / 2)
+        self._flows[request_id] = PlacedFlow(main_decode_id, tuple(block_hashes), leaves_at)
+
+    def flow_landed(self, request_id: str):
+        """Main decode has all of ``request_id``'s KV: the flow holds the link no longer."""
+        flow = self._flows.get(request_id)
+        if flow is not None:
+            self._flows[request_id] = dataclasses.replace(flow, leaves_at=min(flow.leaves_at, self._clock()))
+
+    def seen_cached(self, block_hashes: list[int], hits: dict[str, int]):
+        """The cache-index lists ``hits`` leading blocks of ``block_hashes`` per instance: a
+        placed flow whose whole prompt they cover at its main decoder has landed (its
+        ``KvReady`` may have come after its request ended, when nobody listened)."""
+        for request_id, flow in list(self._flows.items()):
+            covered = _common_prefix(flow.block_hashes, block_hashes)
+            if covered == len(flow.block_hashes) and hits.get(flow.main_decode_id, 0) >= covered:
+                self.flow_landed(request_id)
+
+    def arriving(self, block_hashes: list[int]) -> dict[str, Arriving]:
+        """Per main decoder, the most leading blocks of ``block_hashes`` that placed flows are
+        bringing it, and when the flow bringing them lands."""
+        now, found = self._clock(), {}
+        for flow in self._flows.values():
+            if flow.leaves_at + ARRIVED_GRACE_S <= now:
+                continue
+            blocks = _common_prefix(flow.block_hashes, block_hashes)
+            best = found.get(flow.main_decode_id)
+            if blocks and (best is None or blocks > best.blocks):
+                lands_in_s = max(0.0, flow.leaves_at + self.rtt_s / 2 - now)
+                found[flow.main_decode_id] = Arriving(blocks, lands_in_s)
+        return found
 
     def current(self) -> WanEstimate:
         """The estimate placement uses now."""
-        return WanEstimate(self.bandwidth_bps, self.rtt_s, max(0.0, self._link_free_at - self._clock()))
+        now = self._clock()
+        link_free_at = max((f.leaves_at for f in self._flows.values()), default=now)
+        return WanEstimate(self.bandwidth_bps, self.rtt_s, max(0.0, link_free_at - now))
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    """Leading equal entries (chained block hashes: equal at i means equal up to i)."""
+    count = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        count += 1
+    return count
