@@ -157,5 +157,20 @@ def save_trace(trace: list[TraceTurn], path: Path):
 
 
 def load_trace(path: Path) -> list[TraceTurn]:
-    """Read a JSONL trace."""
-    return [TraceTurn(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    """Read a JSONL trace (``pdd bench trace --format jsonl``).
+
+    Raises:
+        ValueError: a line is not one of our trace's turns (an aiperf mooncake trace, say).
+    """
+    turns = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            turns.append(TraceTurn(**json.loads(line)))
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(
+                f"{path}:{number} is not a turn of a pdd trace ({exc}); write one with "
+                "`pdd bench trace --format jsonl` (the default format, mooncake, is aiperf's)"
+            ) from None
+    return turns

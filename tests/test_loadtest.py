@@ -1,5 +1,9 @@
 """The agentic trace generator and the load client (``pdd bench run`` itself: test_bench_run.py)."""
 
+import json
+
+import pytest
+
 from loadtest.client import RequestRecord, stream_chat
 from loadtest.runner import run_trace
 from loadtest.trace import estimated_hit_rates, generate_trace, load_trace, save_trace
@@ -58,3 +62,10 @@ async def test_client_records_errors_instead_of_raising(make_stack):
             http, stack.base_url, "no-such-model", [{"role": "user", "content": "hi"}], 4, RequestRecord(0, 0, "cold")
         )
     assert record.error.startswith("HTTP 404")
+
+
+def test_a_mooncake_trace_given_as_ours_is_refused_by_name(tmp_path):
+    path = tmp_path / "mooncake.jsonl"
+    path.write_text(json.dumps({"session_id": "0", "input_length": 10, "output_length": 4}) + "\n")
+    with pytest.raises(ValueError, match="--format jsonl"):
+        load_trace(path)
