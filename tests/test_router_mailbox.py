@@ -190,3 +190,39 @@ def test_request_ids_name_their_router():
     assert subjects.tokens(request_id, "main-decode-0") == f"pdd.tokens.router-1.{request_id}.main-decode-0"
     assert subjects.sender_of(subjects.tokens(request_id, "main-decode-0")) == "main-decode-0"
     assert subjects.request_of(subjects.tokens(request_id, "main-decode-0")) == request_id
+
+
+async def test_an_event_for_a_request_no_longer_collected_goes_to_the_late_handler_with_its_sender(two_sites):
+    """The relay answered the request; the main decoder's KvReady comes afterwards. The router
+    still hears it (its flow has left the link), naming the sender its subject proves."""
+    router_nc, main_nc = two_sites
+    late: list[tuple[object, str]] = []
+    heard = asyncio.Event()
+    request_id = subjects.new_request_id("router-0", "done1")
+
+    def on_late(event, sender):  # the probe's KvReadys come late here too
+        if event.request_id == request_id:
+            late.append((event, sender))
+            heard.set()
+
+    await started_mailbox(router_nc, main_nc)  # the interest has crossed to site B
+    mailbox = RequestMailbox(router_nc, "router-0", BadMessageSink(router_nc, SITE_A, "router", "router-0"), on_late)
+    await mailbox.start()
+    ready = KvReady(
+        request_id=request_id,
+        instance_id="main-decode-0",
+        site=SITE_B,
+        cached_tokens=0,
+        imported_tokens=0,
+        wan_kv_bytes=1,
+        transfer_s=0.1,
+        throughput_bps=1.0,
+    )
+    while not heard.is_set():  # until this mailbox's interest has crossed too
+        await main_nc.publish(subjects.request_events(request_id, "main-decode-0"), encode(ready))
+        try:
+            await asyncio.wait_for(heard.wait(), 0.2)
+        except TimeoutError:
+            pass
+    event, sender = late[0]
+    assert isinstance(event, KvReady) and event.request_id == request_id and sender == "main-decode-0"

@@ -102,7 +102,9 @@ def test_placed_flows_hold_the_link_until_their_predicted_last_byte():
         "r2", "md-1", [7], 1_000_000, prefill_s=0.1, predicted_wan_s=0.1
     )  # ends before: the later one holds
     assert wan.current().queue_s == pytest.approx(2.0)
-    wan.flow_landed("r1")  # its KvReady came early: only the small flow holds the link
+    wan.flow_landed("r1", "md-1")  # said by another decoder than the flow's: not believed
+    assert wan.current().queue_s == pytest.approx(2.0)
+    wan.flow_landed("r1", "md-0")  # its KvReady came early: only the small flow holds the link
     assert wan.current().queue_s == pytest.approx(0.18)
     wan.seen_cached([7, 8], {"md-1": 1})  # the index lists r2's only block at md-1: landed
     assert wan.current().queue_s == 0.0
@@ -118,10 +120,9 @@ def test_blocks_on_their_way_count_for_a_follow_up_prompt_until_the_index_lists_
     assert arriving["md-0"].blocks == 3 and arriving["md-0"].lands_in_s == pytest.approx(3.02)
     assert arriving["md-1"].blocks == 1
     assert wan.arriving([50, 12, 13]) == {}  # another prompt: chained hashes differ from the first
-    now[0] += 3.5  # landed: still counted while the cache-index catches up
-    assert wan.arriving([11, 12, 13, 14])["md-0"].lands_in_s == 0.0
-    now[0] += 10.0
-    wan.flow_placed("c", "md-1", [1], 0, prefill_s=0.0, predicted_wan_s=0.0)  # any placement drops old flows
+    wan.flow_landed("b", "md-1")  # landed: from now on only the cache-index credits its blocks
+    assert set(wan.arriving([11, 12, 13, 14])) == {"md-0"}
+    now[0] += 3.5  # md-0's flow should have landed by now
     assert wan.arriving([11, 12, 13, 14]) == {}
 
 

@@ -95,10 +95,20 @@ class Inbox:
 class RequestMailbox:
     """Per-request inboxes of everything the request's producers send its router."""
 
-    def __init__(self, nc: nats.NATS, origin: str, bad_messages: BadMessageSink):
+    def __init__(
+        self,
+        nc: nats.NATS,
+        origin: str,
+        bad_messages: BadMessageSink,
+        on_late_event: Callable[[RequestEvent, str], None] | None = None,
+    ):
+        """``on_late_event(event, sender)``: an event for a request no longer collected (a main
+        decoder's ``KvReady`` after the relay finished the request), ``sender`` being the
+        instance its subject proves."""
         self._nc = nc
         self.origin = origin
         self._bad_messages = bad_messages
+        self._on_late_event = on_late_event
         self._inboxes: dict[str, Inbox] = {}
 
     async def start(self):
@@ -138,11 +148,15 @@ class RequestMailbox:
     def _deliver(self, kind: str, subscribed: str, message_decoder):
         async def callback(msg):
             inbox = self._inboxes.get(subjects.request_of(msg.subject))
-            if inbox is None:
+            if inbox is None and (kind != "event" or self._on_late_event is None):
                 return
             message = self._bad_messages.decode(message_decoder, msg, subscribed)
-            if message is not None:
+            if message is None:
+                return
+            if inbox is not None:
                 inbox.put((kind, message))
+            else:
+                self._on_late_event(message, msg.subject[msg.subject.rindex(".") + 1 :])
 
         return callback
 

@@ -30,7 +30,7 @@ from services.router.site_health import SiteHealth, SiteState, SiteTransition
 from services.router.wan_estimate import WanEstimator
 from shared import subjects
 from shared.config import RouterConfig
-from shared.messages import LoadReported, decoder
+from shared.messages import KvReady, LoadReported, decoder
 from shared.metrics import (
     PIPELINE_CHOICES,
     REQUESTS_RUNNING,
@@ -94,7 +94,7 @@ class RouterService(Service):
         self._bind_gauges()
         await self.subscribe(subjects.LOAD_ALL, _load_decoder, self._on_heartbeat)
         listening_since = time.monotonic()
-        self.mailbox = RequestMailbox(self.nc, self.instance_id, self.bad_messages)
+        self.mailbox = RequestMailbox(self.nc, self.instance_id, self.bad_messages, self._on_late_event)
         await self.mailbox.start()
         self._tasks.append(asyncio.create_task(self.mailbox.tick_forever(LIVENESS_TICK_S), name="mailbox-tick"))
         self._flows = FlowContext(self.nc, self.mailbox, self.registry, self.wan, config)
@@ -106,6 +106,11 @@ class RouterService(Service):
             max(0.0, PEER_SETTLE_HEARTBEATS * config.heartbeat_s - (time.monotonic() - listening_since))
         )
         await self.api.start()
+
+    def _on_late_event(self, event, sender: str):
+        """A ``KvReady`` for a request already answered (by the relay): its flow has landed."""
+        if isinstance(event, KvReady):
+            self.wan.flow_landed(event.request_id, sender)
 
     def _bind_gauges(self):
         model_name = self.config.served_model_name

@@ -30,10 +30,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-ARRIVED_GRACE_S = 5.0
-"""How long a flow's blocks still count as arriving after their predicted landing (until the
-cache-index lists them)."""
-
 MIN_SAMPLE_BYTES = 256 << 10
 DROP_FACTOR = 0.5
 RTT_MAX_RISE = 4.0
@@ -80,7 +76,7 @@ class Arriving:
 
     Attributes:
         blocks: How many.
-        lands_in_s: Seconds from now until the last of them lands (0: landed).
+        lands_in_s: Seconds from now until the last of them lands.
     """
 
     blocks: int
@@ -129,17 +125,18 @@ class WanEstimator:
         ``block_hashes`` was placed now, its prefill predicted to take ``prefill_s`` and its last
         byte to land ``predicted_wan_s`` after (with the queue as it was)."""
         now = self._clock()
-        self._flows = {rid: f for rid, f in self._flows.items() if f.leaves_at + ARRIVED_GRACE_S > now}
+        self._flows = {rid: f for rid, f in self._flows.items() if f.leaves_at > now}
         self._flows.pop(request_id, None)
         if num_bytes <= 0:
             return
         leaves_at = now + prefill_s + max(0.0, predicted_wan_s - self.rtt_s / 2)
         self._flows[request_id] = PlacedFlow(main_decode_id, tuple(block_hashes), leaves_at)
 
-    def flow_landed(self, request_id: str):
-        """Main decode has all of ``request_id``'s KV: the flow holds the link no longer."""
+    def flow_landed(self, request_id: str, main_decode_id: str | None = None):
+        """Main decode has all of ``request_id``'s KV: the flow holds the link no longer.
+        With ``main_decode_id`` (who says so), only if the flow went to that decoder."""
         flow = self._flows.get(request_id)
-        if flow is not None:
+        if flow is not None and main_decode_id in (None, flow.main_decode_id):
             self._flows[request_id] = dataclasses.replace(flow, leaves_at=min(flow.leaves_at, self._clock()))
 
     def seen_cached(self, block_hashes: list[int], hits: dict[str, int]):
@@ -153,16 +150,17 @@ class WanEstimator:
 
     def arriving(self, block_hashes: list[int]) -> dict[str, Arriving]:
         """Per main decoder, the most leading blocks of ``block_hashes`` that placed flows are
-        bringing it, and when the flow bringing them lands."""
+        still bringing it, and when the flow bringing them lands. A flow that landed (or should
+        have) counts no more: only the cache-index credits blocks a decoder holds (a restarted
+        decoder holds none of them)."""
         now, found = self._clock(), {}
         for flow in self._flows.values():
-            if flow.leaves_at + ARRIVED_GRACE_S <= now:
+            if flow.leaves_at <= now:
                 continue
             blocks = _common_prefix(flow.block_hashes, block_hashes)
             best = found.get(flow.main_decode_id)
             if blocks and (best is None or blocks > best.blocks):
-                lands_in_s = max(0.0, flow.leaves_at + self.rtt_s / 2 - now)
-                found[flow.main_decode_id] = Arriving(blocks, lands_in_s)
+                found[flow.main_decode_id] = Arriving(blocks, flow.leaves_at + self.rtt_s / 2 - now)
         return found
 
     def current(self) -> WanEstimate:
