@@ -38,6 +38,20 @@ async def two_sites(tmp_path):
             process.wait(timeout=5)
 
 
+def kv_ready(request_id: str) -> KvReady:
+    """main-decode-0's ``KvReady`` for ``request_id``."""
+    return KvReady(
+        request_id=request_id,
+        instance_id="main-decode-0",
+        site=SITE_B,
+        cached_tokens=0,
+        imported_tokens=0,
+        wan_kv_bytes=0,
+        transfer_s=0.0,
+        throughput_bps=0.0,
+    )
+
+
 async def started_mailbox(router_nc, main_nc) -> RequestMailbox:
     """A router's mailbox whose standing interest has reached site B (as at router start-up)."""
     mailbox = RequestMailbox(router_nc, "router-0", BadMessageSink(router_nc, SITE_A, "router", "router-0"))
@@ -45,21 +59,7 @@ async def started_mailbox(router_nc, main_nc) -> RequestMailbox:
     probe_id = subjects.new_request_id("router-0", "probe")
     probe = mailbox.open(probe_id)
     while True:
-        await main_nc.publish(
-            subjects.request_events(probe_id, "main-decode-0"),
-            encode(
-                KvReady(
-                    request_id=probe_id,
-                    instance_id="main-decode-0",
-                    site=SITE_B,
-                    cached_tokens=0,
-                    imported_tokens=0,
-                    wan_kv_bytes=0,
-                    transfer_s=0.0,
-                    throughput_bps=0.0,
-                )
-            ),
-        )
+        await main_nc.publish(subjects.request_events(probe_id, "main-decode-0"), encode(kv_ready(probe_id)))
         try:
             await asyncio.wait_for(probe.take(), 0.2)
             break
@@ -208,16 +208,7 @@ async def test_an_event_for_a_request_no_longer_collected_goes_to_the_late_handl
     await started_mailbox(router_nc, main_nc)  # the interest has crossed to site B
     mailbox = RequestMailbox(router_nc, "router-0", BadMessageSink(router_nc, SITE_A, "router", "router-0"), on_late)
     await mailbox.start()
-    ready = KvReady(
-        request_id=request_id,
-        instance_id="main-decode-0",
-        site=SITE_B,
-        cached_tokens=0,
-        imported_tokens=0,
-        wan_kv_bytes=1,
-        transfer_s=0.1,
-        throughput_bps=1.0,
-    )
+    ready = kv_ready(request_id)
     while not heard.is_set():  # until this mailbox's interest has crossed too
         await main_nc.publish(subjects.request_events(request_id, "main-decode-0"), encode(ready))
         try:
