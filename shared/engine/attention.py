@@ -172,13 +172,20 @@ def build_plan(
     return ForwardPlan(pool, slots, groups, fresh, num_tokens)
 
 
-def _kernel_batch(pool: KvPool, kernel: PagedKernel, members: list[SequencePlan]) -> KernelBatch:
-    block_size = pool.layout.block_size
+def _block_tables(members: list[SequencePlan], block_size: int) -> torch.Tensor:
+    """``[sequences, blocks]`` block tables, each cut to its context, short ones padded with
+    block 0 (never read: masked, or past the context the kernel is given)."""
     width = max(-(-s.context_len // block_size) for s in members)
     tables = torch.zeros(len(members), width, dtype=torch.long)
     for i, s in enumerate(members):
         used = -(-s.context_len // block_size)
         tables[i, :used] = torch.tensor(list(s.block_ids[:used]), dtype=torch.long)
+    return tables
+
+
+def _kernel_batch(pool: KvPool, kernel: PagedKernel, members: list[SequencePlan]) -> KernelBatch:
+    block_size = pool.layout.block_size
+    tables = _block_tables(members, block_size)
     meta = torch.tensor([(s.query_start, s.num_new_tokens, s.context_len) for s in members], dtype=torch.long)
     num_tokens = max(s.query_end for s in members)
     check_batch(tables, meta, num_tokens, pool.num_blocks, block_size)
@@ -206,14 +213,12 @@ def _within_gather_budget(pool: KvPool, members: list[SequencePlan]) -> list[lis
 def _paged_group(pool: KvPool, members: list[SequencePlan], device) -> PagedGroup:
     block_size = pool.layout.block_size
     num_queries = max(s.num_new_tokens for s in members)
-    num_blocks = max(-(-s.context_len // block_size) for s in members)
-    tables = torch.zeros(len(members), num_blocks, dtype=torch.long)
+    tables = _block_tables(members, block_size)
+    num_blocks = tables.shape[1]
     rows = torch.empty(len(members), num_queries, dtype=torch.long)
     # Query i of a sequence sits at context position first + i; it sees keys up to there.
     last_key = torch.empty(len(members), num_queries, dtype=torch.long)
     for i, s in enumerate(members):
-        used = -(-s.context_len // block_size)
-        tables[i, :used] = torch.tensor(list(s.block_ids[:used]), dtype=torch.long)
         steps = torch.arange(num_queries).clamp(max=s.num_new_tokens - 1)  # padded rows repeat the last
         rows[i] = s.query_start + steps
         last_key[i] = s.context_len - s.num_new_tokens + steps

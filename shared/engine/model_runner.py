@@ -47,8 +47,7 @@ class ModelRunner:
         self._device = loaded.device
         self._layout = layout
         self._pool = pool
-        kernel = paged_kernel.load() if paged_kernel.PagedKernel.supports(pool.kv, layout.head_dim) else None
-        self.kernel = kernel
+        self.kernel = paged_kernel.load() if paged_kernel.PagedKernel.supports(pool.kv, layout.head_dim) else None
 
     def run(self, batch: list[ScheduledSequence]) -> torch.Tensor:
         """Logits of every sampling entry of ``batch``, in order (shape ``[samplers, vocab]``)."""
