@@ -155,8 +155,8 @@ class RequestMailbox:
                 return
             if inbox is not None:
                 inbox.put((kind, message))
-            else:
-                self._on_late_event(message, msg.subject[msg.subject.rindex(".") + 1 :])
+            elif (sender := subjects.sender_of(msg.subject)) is not None:
+                self._on_late_event(message, sender)
 
         return callback
 

@@ -25,7 +25,6 @@ each decoder has on the way and when they land, so a follow-up turn counts only 
 blocks. Other routers' flows are not counted.
 """
 
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,7 +136,7 @@ class WanEstimator:
         With ``main_decode_id`` (who says so), only if the flow went to that decoder."""
         flow = self._flows.get(request_id)
         if flow is not None and main_decode_id in (None, flow.main_decode_id):
-            self._flows[request_id] = dataclasses.replace(flow, leaves_at=min(flow.leaves_at, self._clock()))
+            del self._flows[request_id]
 
     def seen_cached(self, block_hashes: list[int], hits: dict[str, int]):
         """The cache-index lists ``hits`` leading blocks of ``block_hashes`` per instance: a
