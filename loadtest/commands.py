@@ -107,6 +107,11 @@ def _add_control_plane_parser(bench_kinds):
     plane.add_argument("--max-tokens", type=int, default=default.max_tokens, help="tokens per request")
     plane.add_argument("--rounds", type=int, default=default.rounds, help="requests per client, back to back")
     plane.add_argument(
+        "--jitter",
+        default=default.jitter,
+        help="the WAN link's jitter (default 0ms: the network's own, not the control plane's; pdd up's is 5ms)",
+    )
+    plane.add_argument(
         "--routers",
         default="1",
         help="router counts to measure, comma-separated, each on a fresh deployment (e.g. 1,2,4; default 1)",
@@ -123,7 +128,7 @@ def cmd_bench_control_plane(args) -> int:
         routers = [int(n) for n in args.routers.split(",")]
     except ValueError:
         raise PddError(f"--routers {args.routers!r}: expected router counts such as 1 or 1,2,4") from None
-    load = ControlPlaneLoad(args.streams, args.rate, args.md, args.max_tokens, args.rounds)
+    load = ControlPlaneLoad(args.streams, args.rate, args.md, args.max_tokens, args.rounds, jitter=args.jitter)
     report = run_control_plane_bench(load, routers)
     print(json.dumps(report) if args.json else format_report(report))
     return 0

@@ -74,13 +74,17 @@ class DecodeRequest:
         task.add_done_callback(self.tasks.discard)
         return task
 
-    async def close(self, reason: str, *, cancel_tasks: bool = True, **span_attributes) -> bool:
+    async def close(
+        self, reason: str, *, cancel_tasks: bool = True, sequence_freed: bool = False, **span_attributes
+    ) -> bool:
         """Free everything this request holds; False when it was closed already.
 
         It leaves the table at once, ends its spans (``span_attributes`` onto the long-lived
         one), cancels its tasks but the calling one (with ``cancel_tasks`` False they run to
         their end instead: a handoff awaiting main decode's answer, which then records it),
-        and frees its engine sequence or KV import if either is still held.
+        and frees its engine sequence or KV import if either is still held
+        (``sequence_freed``: the caller freed the engine's sequence already; nothing to ask
+        the engine thread).
         """
         if self.closed:
             return False
@@ -94,7 +98,8 @@ class DecodeRequest:
                 task.cancel()
             else:
                 self._table.linger(task)
-        await self._table.free_sequence(self.request_id)
+        if not sequence_freed:
+            await self._table.free_sequence(self.request_id)
         return True
 
     def _release(self, reason: str):

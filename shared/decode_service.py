@@ -249,6 +249,7 @@ class DecodeService(EngineService):
         """One step's outputs: its plain tokens as one ``StepTokens`` per router, everything
         else (a request's last token, tokens with log-probabilities, failures) per request."""
         await self._publish_step_tokens(outputs)
+        finished: list[StepOutput] = []
         for out in outputs:
             if _is_plain(out):
                 continue
@@ -271,7 +272,12 @@ class DecodeService(EngineService):
                     [out.logprobs] if out.logprobs is not None else None,
                 )
             if out.finished:
-                self.recent_outputs.remember(await self.worker.call(self.engine.free, out.request_id))
+                finished.append(out)
+        if finished:  # one engine-thread call for the step's ends, not one (and a loop turn) each
+            views = await self.worker.call(free_finished, self.engine, [out.request_id for out in finished])
+            for out, view in zip(finished, views, strict=True):
+                if view is not None:
+                    self.recent_outputs.remember(view)
                 await self.on_finished(out)
 
     async def _publish_step_tokens(self, outputs: list[StepOutput]):
@@ -294,8 +300,18 @@ class DecodeService(EngineService):
             )
 
     async def on_finished(self, out: StepOutput):
-        """A sequence ended here (its output, or an error for it alone): close its request."""
-        await self.requests.close(out.request_id, "failed" if out.error else "finished")
+        """A sequence ended here (its output, or an error for it alone) and the engine freed
+        it: close its request."""
+        await self.requests.close(out.request_id, "failed" if out.error else "finished", sequence_freed=True)
+
+
+def free_finished(engine: EngineBackend, request_ids: list[str]) -> list[RequestView | None]:
+    """On the engine thread: free each request, None for one no longer live (a cancel freed it
+    between the step and this call)."""
+    views: list[RequestView | None] = []
+    for request_id in request_ids:
+        views.append(engine.free(request_id) if engine.request(request_id) is not None else None)
+    return views
 
 
 def _is_plain(out: StepOutput) -> bool:

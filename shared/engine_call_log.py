@@ -17,6 +17,9 @@ from collections.abc import Callable
 
 SKIPPED_CALLS = frozenset({"has_work"})
 """Asked before every step: recording them would double the log and tell nothing."""
+STEP_IF_WORK = "step_if_work"
+"""The engine loop's step (``shared.engine_loop.step_if_work``): recorded as ``step`` when it
+stepped, not at all when the engine had no work."""
 
 
 class EngineCallLog:
@@ -32,26 +35,34 @@ class EngineCallLog:
         if name in SKIPPED_CALLS:
             return fn
         queued_s = time.time()
+        call = "step" if name == STEP_IF_WORK else name
 
         def timed():
             start_s = time.time()
+            idle = False
             try:
-                return fn()
+                result = fn()
+                idle = name == STEP_IF_WORK and result is None
+                return result
             finally:
-                record = {
-                    "instance": self.instance,
-                    "call": name,
-                    "queued_s": round(queued_s, 6),
-                    "start_s": round(start_s, 6),
-                    "end_s": round(time.time(), 6),
-                }
-                if request_id is not None:
-                    record["request"] = request_id
-                if name == "step" and getattr(engine, "last_batch", None) is not None:
-                    record["batch"] = engine.last_batch
-                os.write(self._fd, (json.dumps(record) + "\n").encode())
+                if not idle:
+                    self._write(call, queued_s, start_s, request_id, engine)
 
         return timed
+
+    def _write(self, call: str, queued_s: float, start_s: float, request_id: str | None, engine):
+        record = {
+            "instance": self.instance,
+            "call": call,
+            "queued_s": round(queued_s, 6),
+            "start_s": round(start_s, 6),
+            "end_s": round(time.time(), 6),
+        }
+        if request_id is not None:
+            record["request"] = request_id
+        if call == "step" and getattr(engine, "last_batch", None) is not None:
+            record["batch"] = engine.last_batch
+        os.write(self._fd, (json.dumps(record) + "\n").encode())
 
     def close(self):
         """Stop recording."""

@@ -59,15 +59,21 @@ class EngineLoop:
             while True:
                 if self._between_steps:
                     await self._between_steps()
-                if not await self._worker.call(engine.has_work):
-                    break
                 try:
                     started = time.perf_counter()
-                    outputs = await self._worker.call(engine.step)
-                    if self._step_seconds is not None:
-                        self._step_seconds.observe(time.perf_counter() - started)
+                    outputs = await self._worker.call(step_if_work, engine)
                 except Exception:
                     log.exception("engine_step_failed")
                     raise
+                if outputs is None:
+                    break
+                if self._step_seconds is not None:
+                    self._step_seconds.observe(time.perf_counter() - started)
                 if outputs:
                     await self._on_outputs(outputs)
+
+
+def step_if_work(engine) -> list[StepOutput] | None:
+    """On the engine thread: one step if the engine has work, else None (one call, one loop
+    turn per step instead of two)."""
+    return engine.step() if engine.has_work() else None

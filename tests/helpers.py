@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -367,3 +368,20 @@ def chat_body(content: str, max_tokens: int, **extra) -> dict:
 
 
 CATCH_UP_WAN = LinkProfile(bandwidth_bps=1e6, rtt_ms=4, jitter_ms=0, seed=2)
+
+
+def held_engine_step(fn, args, kwargs, hold):
+    """A call submitted to an engine worker, made to run ``hold()`` first on the engine thread
+    when it is the engine loop's step (``step_if_work``) and the engine has work; an idle step
+    returns None at once, other calls run as they are."""
+    if getattr(fn, "__name__", "") != "step_if_work":
+        return partial(fn, *args, **kwargs)
+    engine = args[0]
+
+    def held():
+        if not engine.has_work():
+            return None
+        hold()
+        return fn(*args, **kwargs)
+
+    return held

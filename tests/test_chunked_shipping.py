@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from tests.helpers import chat_body, chat_prompt, engines_idle, expected_text, post, until
+from tests.helpers import chat_body, chat_prompt, engines_idle, expected_text, held_engine_step, post, until
 
 CHUNK_TOKENS = 64
 
@@ -27,16 +27,12 @@ class HeldSteps:
         self.steps = 0
         submit = prefill.worker.submit
 
+        def hold():
+            self.steps += 1
+            (self.start if self.steps == 1 else self.release).wait(30)
+
         def held_submit(fn, *args, **kwargs):
-            if getattr(fn, "__name__", "") != "step":
-                return submit(fn, *args, **kwargs)
-
-            def held_step():
-                self.steps += 1
-                (self.start if self.steps == 1 else self.release).wait(30)
-                return fn(*args, **kwargs)
-
-            return submit(held_step)
+            return submit(held_engine_step(fn, args, kwargs, hold))
 
         prefill.worker.submit = held_submit
 

@@ -15,6 +15,7 @@ from tests.helpers import (
     chat_body,
     chat_prompt,
     expected_text,
+    held_engine_step,
     post,
     stream,
     until,
@@ -262,17 +263,12 @@ async def test_finished_prompt_ships_before_the_next_prompt_prefills(make_stack,
     def recording(fn, *args, **kwargs):
         call = [fn.__name__, args[0] if args else None]
         calls.append(call)
-        if fn.__name__ != "step":
-            return submit(fn, *args, **kwargs)
-
-        def step():  # a pair's first step waits for both flows, as a real model's long steps let them open
-            both_open.wait(timeout=30)
-            return fn(*args, **kwargs)
-
-        future = submit(step)
-        future.add_done_callback(
-            lambda done: call.__setitem__(1, {o.request_id for o in done.result() or [] if o.token_id is not None})
-        )
+        # a pair's first step waits for both flows, as a real model's long steps let them open
+        future = submit(held_engine_step(fn, args, kwargs, lambda: both_open.wait(timeout=30)))
+        if fn.__name__ == "step_if_work":
+            future.add_done_callback(
+                lambda done: call.__setitem__(1, {o.request_id for o in done.result() or [] if o.token_id is not None})
+            )
         return future
 
     stack.prefill.worker.submit = recording
@@ -300,7 +296,7 @@ async def test_finished_prompt_ships_before_the_next_prompt_prefills(make_stack,
         for ids, (status, body) in zip(prompts, answers):
             assert status == 200, body
             assert body["choices"][0]["text"] == expected_text(tiny, ids, 8)
-        steps = [(index, done) for index, (name, done) in enumerate(calls) if name == "step" and done]
+        steps = [(index, done) for index, (name, done) in enumerate(calls) if name == "step_if_work" and done]
         assert len(steps) == 2, calls  # one prompt per step
         (first_step, (first_id,)), (second_step, _) = steps
         export = next(i for i, (name, rid) in enumerate(calls) if name == "export_frames" and rid == first_id)

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from shared.errors import OutOfKvBlocks
-from tests.helpers import chat_body, chat_prompt, crash, engines_idle, expected_text, post, until
+from tests.helpers import chat_body, chat_prompt, crash, engines_idle, expected_text, held_engine_step, post, until
 
 
 async def all_freed(stack):
@@ -54,17 +54,9 @@ class HeldSteps:
         submit = prefill.worker.submit
 
         def held_submit(fn, *args, **kwargs):
-            name = getattr(fn, "__name__", "")
-            if name == "add_request":
+            if getattr(fn, "__name__", "") == "add_request":
                 self.added.append(args[0])
-            if name != "step":
-                return submit(fn, *args, **kwargs)
-
-            def held_step():
-                self.release.wait(30)
-                return fn(*args, **kwargs)
-
-            return submit(held_step)
+            return submit(held_engine_step(fn, args, kwargs, lambda: self.release.wait(30)))
 
         prefill.worker.submit = held_submit
 
