@@ -196,3 +196,46 @@ async def test_api_keys_are_required_when_set(make_stack):
     assert status == 200 and body["usage"]["completion_tokens"] == 2
     assert (await get(stack, "/health"))[0] == 200  # probes need no key
     assert (await get(stack, "/metrics"))[0] == 401
+
+
+def _dechunk(body: bytes) -> bytes:
+    """An HTTP/1.1 chunked body, checked chunk by chunk; it must end with the last chunk."""
+    data, rest = b"", body
+    while True:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            assert rest == b"\r\n", rest[:80]
+            return data
+        assert rest[size : size + 2] == b"\r\n", rest[: size + 2][-80:]
+        data, rest = data + rest[:size], rest[size + 2 :]
+
+
+@pytest.mark.parametrize("version", ["1.1", "1.0"])
+async def test_a_streamed_answer_is_well_framed_on_the_wire_for_http_1_1_and_1_0(stack, tiny, version):
+    from tests.helpers import expected_text, prompt_of_length
+
+    prompt = prompt_of_length(tiny, 12)
+    body = json.dumps(
+        {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
+    ).encode()
+    address = stack.base_url.removeprefix("http://").removesuffix("/v1")
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        f"POST /v1/completions HTTP/{version}\r\nHost: {address}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 60)  # the server closes: Connection: close
+    writer.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/{version} 200".encode()), head
+    chunked = b"transfer-encoding: chunked" in head.lower()
+    assert chunked == (version == "1.1")
+    events = (_dechunk(payload) if chunked else payload).decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected_text(tiny, prompt, 24)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -9,7 +9,7 @@ import contextlib
 import json
 
 import structlog
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from services.router import openai_api
 from services.router.api_error import ApiError
@@ -73,17 +73,19 @@ class ResponseWriter:
     ) -> web.StreamResponse:
         """The answer as server-sent events, ``[DONE]`` last; an upstream failure is an error event."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        if request.version == HttpVersion11:
+            response.enable_chunked_encoding()  # what aiohttp would pick; set here, it is known (write_framed)
         await response.prepare(request)
         try:
             try:
                 async with contextlib.aclosing(flow.tokens()) as batches:
-                    await self._stream_events(request, response, req, flow, metrics, batches)
+                    closing = await self._stream_events(request, response, req, flow, metrics, batches)
                 metrics.finish(flow.outcome, "ok")
             except (UpstreamFailed, UpstreamTimeout) as exc:
                 metrics.finish(flow.outcome, "error")
-                await self._sse(response, upstream_error(exc).body())
-            await self._write(response, b"data: [DONE]\n\n")
-            await asyncio.wait_for(response.write_eof(), self.sse_write_timeout_s)
+                closing = _event(upstream_error(exc).body())
+            # The closing events, [DONE] and the end of the body: one write.
+            await asyncio.wait_for(response.write_eof(closing + b"data: [DONE]\n\n"), self.sse_write_timeout_s)
         except (TimeoutError, SlowClient):
             # The flow is closed (its request cancelled, its KV freed); so is the connection.
             SLOW_CLIENTS.inc()
@@ -101,7 +103,9 @@ class ResponseWriter:
         flow: RequestFlow,
         metrics: RequestMetrics,
         batches,
-    ):
+    ) -> bytes:
+        """Write the content events as they come; return the closing ones (the text held back
+        to the end, the finish reason, the usage), for the caller to write with the body's end."""
         events = EventStream(self, request, response, req, flow, metrics)
         flow.sink = events
         try:
@@ -109,15 +113,17 @@ class ResponseWriter:
                 await events.send(batch)
         finally:
             flow.sink = None
+        closing = []
         rest = events.detok.flush()
         if rest:
-            await self._sse(response, openai_api.chunk_body(req, flow.request_id, rest))
+            closing.append(_event(openai_api.chunk_body(req, flow.request_id, rest)))
         outcome = flow.outcome
         last = openai_api.chunk_body(req, flow.request_id, None, outcome.finish_reason, pdd=outcome.as_pdd())
-        await self._sse(response, last)
+        closing.append(_event(last))
         if req.include_usage:
             usage = openai_api.usage_chunk(req, flow.request_id, outcome.output_tokens, outcome.prefill_cached_tokens)
-            await self._sse(response, usage)
+            closing.append(_event(usage))
+        return b"".join(closing)
 
     def _logprobs(
         self, req: ParsedRequest, flow: RequestFlow, start: int, end: int, text_offset: int = 0
@@ -132,7 +138,7 @@ class ResponseWriter:
 
     async def _sse(self, response: web.StreamResponse, body: dict):
         """Write one event; raise SlowClient when the client does not take it in time."""
-        await self._write(response, b"data: " + json.dumps(body).encode() + b"\n\n")
+        await self._write(response, _event(body))
 
     async def _write(self, response: web.StreamResponse, data: bytes):
         try:
@@ -140,6 +146,11 @@ class ResponseWriter:
                 await response.write(data)
         except TimeoutError:
             raise SlowClient() from None
+
+
+def _event(body: dict) -> bytes:
+    """One server-sent event carrying ``body``."""
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 MAX_WRITE_NOW_BYTES = 16 << 10
@@ -160,17 +171,13 @@ def writes_now(transport: asyncio.Transport | None, data: bytes) -> bool:
     )
 
 
-def write_now(response: web.StreamResponse, data: bytes):
-    """``response.write(data)`` run to completion here, synchronously (``writes_now`` holds).
-    The server's writer (no compression, no chunk signal: neither is set up here) hands the
-    bytes to the transport before the only wait it has, for the transport to drain; should it
-    still wait, that wait is dropped and the next write waits instead, with the timeout."""
-    write = response.write(data)
-    try:
-        write.send(None)
-    except StopIteration:
-        return
-    write.close()
+def write_framed(transport: asyncio.Transport, data: bytes, chunked: bool):
+    """A response body's ``data`` written straight to its transport (``writes_now`` holds), as
+    the response's own writer would put it on the wire: in one HTTP/1.1 chunk when the response
+    is chunked. One transport call, no coroutine; for plain content events, the bulk of a
+    stream. The writer's byte counts do not see it (they only pace its drains, which
+    ``writes_now`` replaces here)."""
+    transport.write(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
 
 
 class EventStream:
@@ -227,5 +234,5 @@ class EventStream:
         delta = self.detok.add(batch)
         self.num_sent += len(batch)
         if delta:
-            write_now(self.response, self.content.event(delta))
+            write_framed(self.transport, self.content.event(delta), self.response.chunked)
             self.metrics.delivered(self.flow.outcome.pipeline)
