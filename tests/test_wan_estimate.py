@@ -91,38 +91,50 @@ async def test_after_the_link_drops_the_second_large_request_is_relayed(make_sta
 def test_placed_flows_hold_the_link_until_their_predicted_last_byte():
     now = [100.0]
     wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
-    wan.flow_placed("r0", "md-0", [1, 2], 0, prefill_s=2.0, predicted_wan_s=1.02)  # nothing crosses: no queue
+    wan.flow_placed("r0", "md-0", [1, 2], 0, prefill_s=2.0, first_chunk_s=0.2)  # nothing crosses: no queue
     assert wan.current().queue_s == 0.0
-    # a 2 s prefill whose last byte lands 1.02 s after it (one-way delay 0.02 s included)
-    wan.flow_placed("r1", "md-0", [1, 2], 37_000_000, prefill_s=2.0, predicted_wan_s=1.02)
-    assert wan.current().queue_s == pytest.approx(3.0)
+    # 37 MB shipped from 0.2 s into a 2 s prefill: 2.96 s on the wire, the last byte leaves at 3.16 s
+    wan.flow_placed("r1", "md-0", [1, 2], 37_000_000, prefill_s=2.0, first_chunk_s=0.2)
+    assert wan.current().queue_s == pytest.approx(3.16)
     now[0] += 1.0
-    assert wan.current().queue_s == pytest.approx(2.0)
-    wan.flow_placed(
-        "r2", "md-1", [7], 1_000_000, prefill_s=0.1, predicted_wan_s=0.1
-    )  # ends before: the later one holds
-    assert wan.current().queue_s == pytest.approx(2.0)
+    assert wan.current().queue_s == pytest.approx(2.16)
+    wan.flow_placed("r2", "md-1", [7], 1_000_000, prefill_s=0.1, first_chunk_s=0.1)  # 0.08 s, behind r1
+    assert wan.current().queue_s == pytest.approx(2.24)
     wan.flow_landed("r1", "md-1")  # said by another decoder than the flow's: not believed
-    assert wan.current().queue_s == pytest.approx(2.0)
-    wan.flow_landed("r1", "md-0")  # its KvReady came early: only the small flow holds the link
+    assert wan.current().queue_s == pytest.approx(2.24)
+    wan.flow_landed("r1", "md-0")  # its KvReady came early: r2 goes as soon as it can
     assert wan.current().queue_s == pytest.approx(0.18)
     wan.seen_cached([7, 8], {"md-1": 1})  # the index lists r2's only block at md-1: landed
     assert wan.current().queue_s == 0.0
 
 
+def test_the_flows_behind_are_replanned_when_the_link_proves_faster_or_one_lands_early():
+    now = [0.0]
+    wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
+    for request_id in ("a", "b", "c"):  # three cold prompts' 25 MB each, placed together: 2 s each
+        wan.flow_placed(request_id, "md-0", [hash(request_id)], 25_000_000, prefill_s=0.5, first_chunk_s=0.1)
+    assert wan.current().queue_s == pytest.approx(6.1)
+    now[0] = 1.0
+    wan.add_throughput(200e6, 25_000_000)  # the first measurement: twice as fast as believed
+    assert wan.current().queue_s == pytest.approx(0.1 + 3 * 25_000_000 * 8 / wan.bandwidth_bps - 1.0)
+    wan.flow_landed("a", "md-0")  # its last byte left a round trip ago: b and c follow from then
+    assert wan.current().queue_s == pytest.approx(2 * 25_000_000 * 8 / wan.bandwidth_bps - 0.04)
+    assert wan.arriving([hash("c")])["md-0"].lands_in_s == pytest.approx(wan.current().queue_s + 0.02)
+
+
 def test_blocks_on_their_way_count_for_a_follow_up_prompt_until_the_index_lists_them():
     now = [0.0]
     wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
-    wan.flow_placed("a", "md-0", [11, 12, 13], 30_000_000, prefill_s=2.0, predicted_wan_s=1.02)
-    wan.flow_placed("b", "md-1", [11, 99], 20_000_000, prefill_s=1.0, predicted_wan_s=0.52)
+    wan.flow_placed("a", "md-0", [11, 12, 13], 30_000_000, prefill_s=2.0, first_chunk_s=0.1)  # 2.4 s on the wire
+    wan.flow_placed("b", "md-1", [11, 99], 20_000_000, prefill_s=1.0, first_chunk_s=0.1)
     # a follow-up turn: the first turn's three blocks plus a new one
     arriving = wan.arriving([11, 12, 13, 14])
-    assert arriving["md-0"].blocks == 3 and arriving["md-0"].lands_in_s == pytest.approx(3.02)
+    assert arriving["md-0"].blocks == 3 and arriving["md-0"].lands_in_s == pytest.approx(2.52)
     assert arriving["md-1"].blocks == 1
     assert wan.arriving([50, 12, 13]) == {}  # another prompt: chained hashes differ from the first
     wan.flow_landed("b", "md-1")  # landed: from now on only the cache-index credits its blocks
     assert set(wan.arriving([11, 12, 13, 14])) == {"md-0"}
-    now[0] += 3.5  # md-0's flow should have landed by now
+    now[0] += 2.6  # md-0's flow should have landed by now
     assert wan.arriving([11, 12, 13, 14]) == {}
 
 

@@ -52,6 +52,7 @@ class Placement:
         missing_kv_bytes: KV bytes predicted to cross the WAN.
         predicted_wan_s: When they are predicted to land, counted from the prefill's end.
         predicted_prefill_s: The prefill's predicted compute time (0: no rate reported yet).
+        predicted_first_chunk_s: When its first chunk (the first KV it ships) is predicted done.
         odd_traffic: Marked odd by the odd-traffic filter (relayed; WAN cancelled if the relay wins).
         degraded_reason: Why a ``P-RLD`` request is served at site A alone.
     """
@@ -69,6 +70,7 @@ class Placement:
     degraded_reason: str = ""
     prefill_compute_blocks: int = 0
     predicted_prefill_s: float = 0.0
+    predicted_first_chunk_s: float = 0.0
 
     @property
     def instance_ids(self) -> list[str]:
@@ -185,6 +187,7 @@ def place(
         odd_traffic=odd and relay is not None,
         prefill_compute_blocks=prefill_compute_blocks,
         predicted_prefill_s=prefill_s,
+        predicted_first_chunk_s=first_chunk_s,
     )
 
 

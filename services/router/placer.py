@@ -85,7 +85,7 @@ class Placer:
                 hashes,
                 placement.missing_kv_bytes,
                 placement.predicted_prefill_s,
-                placement.predicted_wan_s,
+                placement.predicted_first_chunk_s,
             )
         cut_off = self.site_health.unreachable()
         if placement.pipeline == "P-RLD" and cut_off:

@@ -18,7 +18,11 @@ quickly.
 The link is shared: every flow this router placed is still crossing until its predicted last
 byte (``flow_placed``), relayed requests' included (their KV still goes to main decode after
 the relay answered). A new flow's first byte waits for those (``WanEstimate.queue_s``), so two
-cold prompts in a row are not both predicted as if each had the link alone. Blocks a placed
+cold prompts in a row are not both predicted as if each had the link alone. The flows' last
+bytes are re-planned at every look, in placement order, from each flow's own bytes, prefill
+and first chunk at the bandwidth believed now: one that landed early (its ``KvReady``) or a
+faster link measured since moves the later ones up, instead of each keeping the queue it was
+placed behind. Blocks a placed
 flow is still bringing to a main decoder do not cross again (a decoder's later flow waits for
 them, ``shared/decode_cache.py``): ``arriving`` says how many of a prompt's leading blocks
 each decoder has on the way and when they land, so a follow-up turn counts only its new
@@ -62,11 +66,14 @@ class WanEstimate:
 
 @dataclass(frozen=True)
 class PlacedFlow:
-    """KV this router sent across the link: to whom, which blocks, when the last byte leaves."""
+    """KV this router sent across the link: to whom, which blocks, how many bytes, and when
+    (clock seconds) its prefill ends and its first byte may leave at the earliest."""
 
     main_decode_id: str
     block_hashes: tuple[int, ...]
-    leaves_at: float
+    num_bytes: int
+    prefill_ends_at: float
+    first_byte_at: float
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,8 @@ class WanEstimator:
         self.bandwidth_bps, self.rtt_s, self.alpha = bandwidth_bps, rtt_s, alpha
         self.bandwidth_samples = self.rtt_samples = 0
         self._clock = clock
-        self._flows: dict[str, PlacedFlow] = {}  # by request id: a recovery's flow replaces its first
+        self._flows: dict[str, PlacedFlow] = {}  # by request id, in placement order (a recovery's replaces its first)
+        self._busy_until = 0.0  # the last byte of flows forgotten because it should have left
 
     def add_throughput(self, throughput_bps: float, num_bytes: int):
         """A WAN flow's measured throughput (ignored for transfers too small to tell)."""
@@ -118,18 +126,34 @@ class WanEstimator:
         block_hashes: list[int],
         num_bytes: int,
         prefill_s: float,
-        predicted_wan_s: float,
+        first_chunk_s: float = 0.0,
     ):
         """``request_id``'s flow of ``num_bytes`` to ``main_decode_id`` for a prompt of
-        ``block_hashes`` was placed now, its prefill predicted to take ``prefill_s`` and its last
-        byte to land ``predicted_wan_s`` after (with the queue as it was)."""
+        ``block_hashes`` was placed now, its prefill predicted to take ``prefill_s`` and ship
+        its first chunk after ``first_chunk_s`` (0: all at the end)."""
         now = self._clock()
-        self._flows = {rid: f for rid, f in self._flows.items() if f.leaves_at > now}
+        leaving = self._leaving()
+        for rid in [rid for rid, at in leaving.items() if at <= now]:
+            self._busy_until = max(self._busy_until, leaving[rid])
+            del self._flows[rid]
         self._flows.pop(request_id, None)
         if num_bytes <= 0:
             return
-        leaves_at = now + prefill_s + max(0.0, predicted_wan_s - self.rtt_s / 2)
-        self._flows[request_id] = PlacedFlow(main_decode_id, tuple(block_hashes), leaves_at)
+        first_byte_at = now + max(first_chunk_s or prefill_s, self.rtt_s)
+        self._flows[request_id] = PlacedFlow(
+            main_decode_id, tuple(block_hashes), num_bytes, now + prefill_s, first_byte_at
+        )
+
+    def _leaving(self) -> dict[str, float]:
+        """When each placed flow's last byte leaves: the link sends them one after another in
+        placement order at the bandwidth believed now, each no earlier than its first byte
+        may leave and no earlier than its prefill ends."""
+        link_free_at, leaving = self._busy_until, {}
+        for request_id, flow in self._flows.items():
+            starts_at = max(link_free_at, flow.first_byte_at)
+            link_free_at = max(flow.prefill_ends_at, starts_at + flow.num_bytes * 8 / self.bandwidth_bps)
+            leaving[request_id] = link_free_at
+        return leaving
 
     def flow_landed(self, request_id: str, main_decode_id: str | None = None):
         """Main decode has all of ``request_id``'s KV: the flow holds the link no longer.
@@ -137,6 +161,8 @@ class WanEstimator:
         flow = self._flows.get(request_id)
         if flow is not None and main_decode_id in (None, flow.main_decode_id):
             del self._flows[request_id]
+            # It held the link until its last byte left, a round trip before its KvReady got here.
+            self._busy_until = max(self._busy_until, self._clock() - self.rtt_s)
 
     def seen_cached(self, block_hashes: list[int], hits: dict[str, int]):
         """The cache-index lists ``hits`` leading blocks of ``block_hashes`` per instance: a
@@ -153,19 +179,20 @@ class WanEstimator:
         have) counts no more: only the cache-index credits blocks a decoder holds (a restarted
         decoder holds none of them)."""
         now, found = self._clock(), {}
-        for flow in self._flows.values():
-            if flow.leaves_at <= now:
+        for request_id, leaves_at in self._leaving().items():
+            if leaves_at <= now:
                 continue
+            flow = self._flows[request_id]
             blocks = _common_prefix(flow.block_hashes, block_hashes)
             best = found.get(flow.main_decode_id)
             if blocks and (best is None or blocks > best.blocks):
-                found[flow.main_decode_id] = Arriving(blocks, flow.leaves_at + self.rtt_s / 2 - now)
+                found[flow.main_decode_id] = Arriving(blocks, leaves_at + self.rtt_s / 2 - now)
         return found
 
     def current(self) -> WanEstimate:
         """The estimate placement uses now."""
         now = self._clock()
-        link_free_at = max((f.leaves_at for f in self._flows.values()), default=now)
+        link_free_at = max(self._leaving().values(), default=now)
         return WanEstimate(self.bandwidth_bps, self.rtt_s, max(0.0, link_free_at - now))
 
 
