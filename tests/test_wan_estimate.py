@@ -150,3 +150,22 @@ def test_a_queued_link_delays_a_new_flows_first_byte():
     assert busy.arrival_after_prefill_s(37_000_000, prefill_s=3.0, first_chunk_s=0.2) == pytest.approx(
         5.0 + transfer_s - 3.0 + 0.02
     )
+
+
+def test_a_flow_that_shared_the_link_measured_its_share_not_a_slower_link():
+    now = [0.0]
+    wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
+    wan.flow_placed("a", "md-0", [1], 37_000_000, prefill_s=0.5, first_chunk_s=0.1)
+    wan.flow_placed("b", "md-1", [2], 37_000_000, prefill_s=0.5, first_chunk_s=0.1)
+    now[0] = 6.0  # both crossed together: each measured about half the link
+    wan.add_throughput(50e6, 37_000_000, "a")
+    assert wan.bandwidth_bps == 100e6
+    wan.flow_landed("a", "md-0")
+    wan.add_throughput(150e6, 37_000_000, "b")  # a share above the estimate: the link is at least that fast
+    assert wan.bandwidth_bps > 100e6
+    wan.flow_landed("b", "md-1")
+    now[0] = 20.0
+    wan.flow_placed("c", "md-0", [3], 37_000_000, prefill_s=0.5, first_chunk_s=0.1)
+    now[0] = 30.0  # alone on the link, and slow: the link dropped, believed at once
+    wan.add_throughput(20e6, 37_000_000, "c")
+    assert wan.bandwidth_bps == 20e6

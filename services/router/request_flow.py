@@ -433,7 +433,7 @@ class RequestFlow:
         elif isinstance(event, KvReady):
             self.watch.on_kv_ready()
             self._record_odd(self.odd.kv_landed())
-            self.ctx.wan.add_throughput(event.throughput_bps, event.wan_kv_bytes)
+            self.ctx.wan.add_throughput(event.throughput_bps, event.wan_kv_bytes, self.request_id)
             self.ctx.wan.flow_landed(self.request_id)
             self.outcome.kv_transfer_ms = round(event.transfer_s * 1000, 1)
             self.outcome.kv_landed_unix_s = event.landed_unix_s

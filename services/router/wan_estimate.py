@@ -8,7 +8,10 @@ average; the configured values stand until the first measurement replaces them.
 Smoothing applies to rises and noise only. A transfer much slower than believed (below
 ``DROP_FACTOR`` of the estimate) replaces the bandwidth estimate at once: a link that fell
 from 100 to 2 Mbit/s must not send several more requests P→MD while the average catches up,
-and over-predicting for one transfer after a brief dip only costs a relayed request.
+and over-predicting for one transfer after a brief dip only costs a relayed request. A flow
+that shared the link with other placed flows measured its share of it: that sample may raise
+the estimate, never lower it (with flows re-planned at the rate believed now, taking a share
+for the link's rate stretched every flow in the ledger).
 
 A handshake sample also waits behind other flows' KV in the link's queue; one sample may
 raise the RTT estimate at most ``RTT_MAX_RISE``-fold, so one handshake queued behind a burst
@@ -72,6 +75,7 @@ class PlacedFlow:
     main_decode_id: str
     block_hashes: tuple[int, ...]
     num_bytes: int
+    placed_at: float
     prefill_ends_at: float
     first_byte_at: float
 
@@ -100,15 +104,36 @@ class WanEstimator:
         self._clock = clock
         self._flows: dict[str, PlacedFlow] = {}  # by request id, in placement order (a recovery's replaces its first)
         self._busy_until = 0.0  # the last byte of flows forgotten because it should have left
+        self._last_landed_at = float("-inf")
 
-    def add_throughput(self, throughput_bps: float, num_bytes: int):
-        """A WAN flow's measured throughput (ignored for transfers too small to tell)."""
+    def add_throughput(self, throughput_bps: float, num_bytes: int, request_id: str | None = None):
+        """A WAN flow's measured throughput (ignored for transfers too small to tell). With
+        ``request_id`` (the placed flow it measured): a flow that shared the link with other
+        placed flows measured its share, a lower bound of the link's rate: it may raise the
+        estimate, never lower it."""
         if throughput_bps <= 0 or num_bytes < MIN_SAMPLE_BYTES:
+            return
+        shared = request_id is not None and self._shared(request_id, num_bytes * 8 / throughput_bps)
+        if shared and throughput_bps <= self.bandwidth_bps:
             return
         dropped = throughput_bps < DROP_FACTOR * self.bandwidth_bps
         weight = self.alpha if self.bandwidth_samples and not dropped else 1.0
         self.bandwidth_bps += weight * (throughput_bps - self.bandwidth_bps)
         self.bandwidth_samples += 1
+
+    def _shared(self, request_id: str, transfer_s: float) -> bool:
+        """Whether another placed flow was on the link while ``request_id``'s crossed (its last
+        byte left a round trip ago, ``transfer_s`` after its first)."""
+        now = self._clock()
+        sent_from, sent_until = now - self.rtt_s - transfer_s, now - self.rtt_s
+        if self._last_landed_at > sent_from:
+            return True
+        leaving = self._leaving()
+        return any(
+            leaves_at > sent_from and self._flows[rid].placed_at < sent_until
+            for rid, leaves_at in leaving.items()
+            if rid != request_id
+        )
 
     def add_rtt(self, rtt_s: float):
         """A WAN flow's handshake time."""
@@ -141,7 +166,7 @@ class WanEstimator:
             return
         first_byte_at = now + max(first_chunk_s or prefill_s, self.rtt_s)
         self._flows[request_id] = PlacedFlow(
-            main_decode_id, tuple(block_hashes), num_bytes, now + prefill_s, first_byte_at
+            main_decode_id, tuple(block_hashes), num_bytes, now, now + prefill_s, first_byte_at
         )
 
     def _leaving(self) -> dict[str, float]:
@@ -162,7 +187,9 @@ class WanEstimator:
         if flow is not None and main_decode_id in (None, flow.main_decode_id):
             del self._flows[request_id]
             # It held the link until its last byte left, a round trip before its KvReady got here.
-            self._busy_until = max(self._busy_until, self._clock() - self.rtt_s)
+            now = self._clock()
+            self._busy_until = max(self._busy_until, now - self.rtt_s)
+            self._last_landed_at = now - self.rtt_s
 
     def seen_cached(self, block_hashes: list[int], hits: dict[str, int]):
         """The cache-index lists ``hits`` leading blocks of ``block_hashes`` per instance: a
