@@ -50,7 +50,7 @@ class ControlPlaneLoad:
         max_tokens: Tokens per request.
         rounds: Requests each client sends, one after another.
         prompt_tokens: Prompt length (token ids, distinct per request).
-        jitter: The WAN link's jitter (``pdd up --jitter``). None by default: a delay drawn per
+        jitter: The WAN link's jitter (``pdd up --jitter``); ``0ms`` by default: a delay drawn per
             chunk is the network's, not the control plane's; with σ = 5 ms (``pdd up``'s
             default) it alone adds ~16 ms to the p99 gap (σ√2 × 2.33 between two tokens).
     """

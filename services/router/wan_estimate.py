@@ -70,7 +70,8 @@ class WanEstimate:
 @dataclass(frozen=True)
 class PlacedFlow:
     """KV this router sent across the link: to whom, which blocks, how many bytes, and when
-    (clock seconds) its prefill ends and its first byte may leave at the earliest."""
+    (clock seconds) it was placed, its prefill ends and its first byte may leave at the
+    earliest."""
 
     main_decode_id: str
     block_hashes: tuple[int, ...]
