@@ -187,10 +187,11 @@ class WanEstimator:
         flow = self._flows.get(request_id)
         if flow is not None and main_decode_id in (None, flow.main_decode_id):
             del self._flows[request_id]
-            # It held the link until its last byte left, a round trip before its KvReady got here.
-            now = self._clock()
-            self._busy_until = max(self._busy_until, now - self.rtt_s)
-            self._last_landed_at = now - self.rtt_s
+            # The flows behind it are re-planned without it. The link is not held until now: a
+            # KvReady heard after its request ended (a cache fill's) may come long after the
+            # bytes landed, and pushing every flow still listed behind it predicted seconds of
+            # queue on an idle link.
+            self._last_landed_at = self._clock() - self.rtt_s
 
     def seen_cached(self, block_hashes: list[int], hits: dict[str, int]):
         """The cache-index lists ``hits`` leading blocks of ``block_hashes`` per instance: a
