@@ -117,8 +117,8 @@ def test_the_flows_behind_are_replanned_when_the_link_proves_faster_or_one_lands
     now[0] = 1.0
     wan.add_throughput(200e6, 25_000_000)  # the first measurement: twice as fast as believed
     assert wan.current().queue_s == pytest.approx(0.1 + 3 * 25_000_000 * 8 / wan.bandwidth_bps - 1.0)
-    wan.flow_landed("a", "md-0")  # landed: b and c are re-planned as if the link had been theirs
-    assert wan.current().queue_s == pytest.approx(0.1 + 2 * 25_000_000 * 8 / wan.bandwidth_bps - 1.0)
+    wan.flow_landed("a", "md-0")  # its last byte left a round trip ago: b and c follow from then
+    assert wan.current().queue_s == pytest.approx(2 * 25_000_000 * 8 / wan.bandwidth_bps - 0.04)
     assert wan.arriving([hash("c")])["md-0"].lands_in_s == pytest.approx(wan.current().queue_s + 0.02)
 
 
@@ -171,11 +171,11 @@ def test_a_flow_that_shared_the_link_measured_its_share_not_a_slower_link():
     assert wan.bandwidth_bps == 20e6
 
 
-def test_a_late_kvready_does_not_push_the_flows_still_listed_behind_it():
+def test_a_flow_the_index_shows_landed_does_not_push_the_flows_still_listed_behind_it():
     now = [0.0]
     wan = WanEstimator(bandwidth_bps=10e6, rtt_s=0.04, clock=lambda: now[0])
-    for request_id, prompt in (("a", [1, 2]), ("b", [1, 2]), ("c", [1, 2])):  # 0.63 s each on the wire
+    for request_id, prompt in (("a", [1, 2]), ("b", [1, 3]), ("c", [1, 4])):  # 0.63 s each, a shared first block
         wan.flow_placed(request_id, "md-0", prompt, 784_000, prefill_s=0.05, first_chunk_s=0.05)
-    now[0] = 3.0  # all three landed long ago; a's KvReady (a cache fill's, its request ended) comes only now
-    wan.flow_landed("a", "md-0")
-    assert wan.current().queue_s == 0.0 and wan.arriving([1, 2, 3]) == {}
+    now[0] = 3.0  # all three landed long ago; the index lists a's prompt at md-0 only now
+    wan.seen_cached([1, 2, 5], {"md-0": 2})
+    assert wan.current().queue_s == 0.0 and wan.arriving([1, 2, 5]) == {}

@@ -181,17 +181,18 @@ class WanEstimator:
             leaving[request_id] = link_free_at
         return leaving
 
-    def flow_landed(self, request_id: str, main_decode_id: str | None = None):
+    def flow_landed(self, request_id: str, main_decode_id: str | None = None, *, just_now: bool = True):
         """Main decode has all of ``request_id``'s KV: the flow holds the link no longer.
-        With ``main_decode_id`` (who says so), only if the flow went to that decoder."""
+        With ``main_decode_id`` (who says so), only if the flow went to that decoder.
+        ``just_now``: told by its ``KvReady`` (its last byte left a round trip ago, so the
+        flows behind it could not start before then); False: found out later (the cache-index
+        lists its blocks), which says nothing about when the link was freed."""
         flow = self._flows.get(request_id)
         if flow is not None and main_decode_id in (None, flow.main_decode_id):
             del self._flows[request_id]
-            # The flows behind it are re-planned without it. The link is not held until now: a
-            # KvReady heard after its request ended (a cache fill's) may come long after the
-            # bytes landed, and pushing every flow still listed behind it predicted seconds of
-            # queue on an idle link.
-            self._last_landed_at = self._clock() - self.rtt_s
+            if just_now:
+                self._last_landed_at = self._clock() - self.rtt_s
+                self._busy_until = max(self._busy_until, self._last_landed_at)
 
     def seen_cached(self, block_hashes: list[int], hits: dict[str, int]):
         """The cache-index lists ``hits`` leading blocks of ``block_hashes`` per instance: a
@@ -200,7 +201,7 @@ class WanEstimator:
         for request_id, flow in list(self._flows.items()):
             covered = _common_prefix(flow.block_hashes, block_hashes)
             if covered == len(flow.block_hashes) and hits.get(flow.main_decode_id, 0) >= covered:
-                self.flow_landed(request_id)
+                self.flow_landed(request_id, just_now=False)
 
     def arriving(self, block_hashes: list[int]) -> dict[str, Arriving]:
         """Per main decoder, the most leading blocks of ``block_hashes`` that placed flows are
