@@ -14,6 +14,7 @@ from services.router import openai_api
 from services.router.api_error import ApiError
 from services.router.detokenizer import Detokenizer
 from services.router.openai_api import ParsedRequest
+from services.router.token_bytes import TokenBytes
 from shared.model_loader import ModelMetadata
 
 HEAVY_DETOKENIZE_TOKENS = 64
@@ -30,12 +31,19 @@ class PromptBuilder:
         self.system_fingerprint = ""
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._max_token_chars = 0
+        self._token_bytes: TokenBytes | None = None
 
     async def start(self, system_fingerprint: str):
-        """Learn the longest token's length (the bound ``check_length`` uses)."""
+        """Learn the longest token's length (the bound ``check_length`` uses) and each token's
+        bytes where the tokenizer allows (``TokenBytes``: detokenizing without tokenizer calls)."""
         self.system_fingerprint = system_fingerprint
         vocab = await self.run(self.metadata.tokenizer.get_vocab)
         self._max_token_chars = max(map(len, vocab))
+        self._token_bytes = await self.run(TokenBytes.of, self.metadata.tokenizer)
+
+    def detokenizer(self, stop: tuple[str, ...]) -> Detokenizer:
+        """A new stream's detokenizer, cut at ``stop``."""
+        return Detokenizer(self.metadata.tokenizer, stop, self._token_bytes)
 
     def stop(self):
         self._thread.shutdown(wait=False, cancel_futures=True)

@@ -6,14 +6,13 @@ dropped, and closing its flow cancels the request and frees its KV everywhere.
 
 import asyncio
 import contextlib
-import json
 
+import msgspec
 import structlog
 from aiohttp import HttpVersion11, web
 
 from services.router import openai_api
 from services.router.api_error import ApiError
-from services.router.detokenizer import Detokenizer
 from services.router.logprobs_format import LogprobsFormatter
 from services.router.openai_api import ParsedRequest
 from services.router.prompts import PromptBuilder
@@ -23,6 +22,7 @@ from services.router.sse_chunks import ContentEvents
 from shared.metrics import SLOW_CLIENTS
 
 log = structlog.get_logger(__name__)
+_encode_json = msgspec.json.Encoder().encode
 
 
 class SlowClient(Exception):
@@ -46,7 +46,7 @@ class ResponseWriter:
 
     async def collect(self, req: ParsedRequest, flow: RequestFlow, metrics: RequestMetrics) -> web.Response:
         """The whole answer as one JSON body."""
-        detok = Detokenizer(self.prompts.metadata.tokenizer, req.sampling.stop)
+        detok = self.prompts.detokenizer(req.sampling.stop)
         try:
             async with contextlib.aclosing(flow.tokens()) as batches:
                 async for batch in batches:
@@ -150,7 +150,7 @@ class ResponseWriter:
 
 def _event(body: dict) -> bytes:
     """One server-sent event carrying ``body``."""
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
+    return b"data: " + _encode_json(body) + b"\n\n"
 
 
 MAX_WRITE_NOW_BYTES = 16 << 10
@@ -196,7 +196,7 @@ class EventStream:
     ):
         self.writer, self.response, self.req, self.flow, self.metrics = writer, response, req, flow, metrics
         self.transport = request.transport
-        self.detok = Detokenizer(writer.prompts.metadata.tokenizer, req.sampling.stop)
+        self.detok = writer.prompts.detokenizer(req.sampling.stop)
         self.content = ContentEvents(req, flow.request_id)
         self.first = True
         self.num_sent = self.num_chars = 0
