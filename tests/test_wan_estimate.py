@@ -2,9 +2,12 @@
 
 import aiohttp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from infra.wan_link import LinkProfile
 from services.router.wan_estimate import MIN_SAMPLE_BYTES, WanEstimate, WanEstimator
+from shared.block_hash import hash_blocks
 from tests.helpers import chat_body, post
 
 
@@ -131,11 +134,26 @@ def test_blocks_on_their_way_count_for_a_follow_up_prompt_until_the_index_lists_
     arriving = wan.arriving([11, 12, 13, 14])
     assert arriving["md-0"].blocks == 3 and arriving["md-0"].lands_in_s == pytest.approx(2.52)
     assert arriving["md-1"].blocks == 1
-    assert wan.arriving([50, 12, 13]) == {}  # another prompt: chained hashes differ from the first
+    assert wan.arriving([50, 51, 52]) == {}  # another prompt: its chained hashes differ from the first on
     wan.flow_landed("b", "md-1")  # landed: from now on only the cache-index credits its blocks
     assert set(wan.arriving([11, 12, 13, 14])) == {"md-0"}
     now[0] += 2.6  # md-0's flow should have landed by now
     assert wan.arriving([11, 12, 13, 14]) == {}
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(
+    shared=st.lists(st.integers(0, 3), max_size=40),
+    first=st.lists(st.integers(0, 3), max_size=40),
+    second=st.lists(st.integers(0, 3), max_size=40),
+)
+def test_a_prompt_counts_the_leading_blocks_a_placed_flow_shares_with_it(shared, first, second):
+    wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: 0.0)
+    placed, asked = hash_blocks(shared + first, 4), hash_blocks(shared + second, 4)
+    wan.flow_placed("a", "md-0", placed, 30_000_000, prefill_s=2.0)
+    expected = next((i for i, (x, y) in enumerate(zip(placed, asked)) if x != y), min(len(placed), len(asked)))
+    arriving = wan.arriving(asked)
+    assert (arriving["md-0"].blocks if arriving else 0) == expected
 
 
 def test_a_queued_link_delays_a_new_flows_first_byte():

@@ -106,6 +106,8 @@ class WanEstimator:
         self._flows: dict[str, PlacedFlow] = {}  # by request id, in placement order (a recovery's replaces its first)
         self._busy_until = 0.0  # the last byte of flows forgotten because it should have left
         self._last_landed_at = float("-inf")
+        self._num_ledger_changes = 0  # bumped whenever _flows changes (keys the _leaving plan)
+        self._plan: tuple[tuple, dict[str, float]] = ((), {})
 
     def add_throughput(self, throughput_bps: float, num_bytes: int, request_id: str | None = None):
         """A WAN flow's measured throughput (ignored for transfers too small to tell). With
@@ -163,6 +165,7 @@ class WanEstimator:
             self._busy_until = max(self._busy_until, leaving[rid])
             del self._flows[rid]
         self._flows.pop(request_id, None)
+        self._num_ledger_changes += 1
         if num_bytes <= 0:
             return
         first_byte_at = now + max(first_chunk_s or prefill_s, self.rtt_s)
@@ -173,12 +176,17 @@ class WanEstimator:
     def _leaving(self) -> dict[str, float]:
         """When each placed flow's last byte leaves: the link sends them one after another in
         placement order at the bandwidth believed now, each no earlier than its first byte
-        may leave and no earlier than its prefill ends."""
+        may leave and no earlier than its prefill ends. Planned again only after the ledger,
+        the bandwidth or the link's busy time changed (not the clock: the plan does not use it)."""
+        key = (self._num_ledger_changes, self.bandwidth_bps, self._busy_until)
+        if self._plan[0] == key:
+            return self._plan[1]
         link_free_at, leaving = self._busy_until, {}
         for request_id, flow in self._flows.items():
             starts_at = max(link_free_at, flow.first_byte_at)
             link_free_at = max(flow.prefill_ends_at, starts_at + flow.num_bytes * 8 / self.bandwidth_bps)
             leaving[request_id] = link_free_at
+        self._plan = (key, leaving)
         return leaving
 
     def flow_landed(self, request_id: str, main_decode_id: str | None = None, *, just_now: bool = True):
@@ -190,6 +198,7 @@ class WanEstimator:
         flow = self._flows.get(request_id)
         if flow is not None and main_decode_id in (None, flow.main_decode_id):
             del self._flows[request_id]
+            self._num_ledger_changes += 1
             if just_now:
                 self._last_landed_at = self._clock() - self.rtt_s
                 self._busy_until = max(self._busy_until, self._last_landed_at)
@@ -199,8 +208,8 @@ class WanEstimator:
         placed flow whose whole prompt they cover at its main decoder has landed (its
         ``KvReady`` may have come after its request ended, when nobody listened)."""
         for request_id, flow in list(self._flows.items()):
-            covered = _common_prefix(flow.block_hashes, block_hashes)
-            if covered == len(flow.block_hashes) and hits.get(flow.main_decode_id, 0) >= covered:
+            covered = len(flow.block_hashes)
+            if _covers(block_hashes, flow.block_hashes) and hits.get(flow.main_decode_id, 0) >= covered:
                 self.flow_landed(request_id, just_now=False)
 
     def arriving(self, block_hashes: list[int]) -> dict[str, Arriving]:
@@ -226,11 +235,21 @@ class WanEstimator:
         return WanEstimate(self.bandwidth_bps, self.rtt_s, max(0.0, link_free_at - now))
 
 
+def _covers(a: list[int], b: tuple[int, ...]) -> bool:
+    """Whether chained block hashes ``a`` start with all of ``b`` (equal at i means equal up to i)."""
+    return len(b) <= len(a) and (not b or a[len(b) - 1] == b[-1])
+
+
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
-    """Leading equal entries (chained block hashes: equal at i means equal up to i)."""
-    count = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        count += 1
-    return count
+    """Leading equal entries of chained block hashes (equal at i means equal up to i, so the
+    equal entries are a prefix: a binary search finds its end)."""
+    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; a[high:] differs from b at high
+    if high and a[high - 1] == b[high - 1]:
+        return high
+    while low < high:
+        middle = (low + high) // 2
+        if a[middle] == b[middle]:
+            low = middle + 1
+        else:
+            high = middle
+    return low
