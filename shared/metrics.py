@@ -6,6 +6,8 @@ Request-level families carry ``model_name`` (the served model id), as vLLM's and
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
+from shared.loop_histogram import LoopHistogram
+
 KV_BYTES = Counter("pdd_kv_bytes_total", "KV bytes moved on the bulk channel", ["path", "direction"])
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 _STEP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
@@ -32,7 +34,7 @@ E2E_SECONDS = Histogram(
     ["model_name", "pipeline"],
     buckets=_LATENCY_BUCKETS,
 )
-ITL_SECONDS = Histogram(
+ITL_SECONDS = LoopHistogram(  # observed once per token delivered: no lock per observation
     "pdd_inter_token_latency_seconds",
     "Time between successive token deliveries to the client (one observation per delivery)",
     ["model_name", "pipeline"],
