@@ -15,6 +15,7 @@ from shared import kv_wire
 from shared.bulk import receiver as receiver_module
 from shared.bulk.auth import new_nonce, sign, verify_key
 from shared.bulk.framing import CONTROL_MAGIC, control_bytes
+from shared.bulk.pool import BulkPool
 from shared.bulk.receiver import BulkReceiver
 from shared.bulk.sender import FlowRefused, open_flow
 from shared.engine.hf_engine import HfEngine
@@ -28,8 +29,10 @@ def creds(tmp_path):
     return ensure_credentials(tmp_path / "secrets")
 
 
-async def start_receiver(tiny, creds, receiver_id="main-decode-0", incarnation="inc-1", tls=True, **limits):
-    engine = HfEngine(tiny, num_blocks=32)
+async def start_receiver(
+    tiny, creds, receiver_id="main-decode-0", incarnation="inc-1", tls=True, num_blocks=32, **limits
+):
+    engine = HfEngine(tiny, num_blocks=num_blocks)
     receiver = BulkReceiver(
         RecordingHandler(engine),
         engine.frame_expectation,
@@ -216,6 +219,35 @@ async def test_a_silent_peer_is_dropped_and_peers_beyond_the_cap_are_refused(tin
         )  # room again for an honest peer
         await flow.close()
     finally:
+        await receiver.stop()
+
+
+async def test_a_burst_of_flows_from_one_sender_waits_its_turn_to_dial_instead_of_being_refused(tiny, creds):
+    """Three times as many flows at once as the receiver lets peers authenticate at once (a round
+    of requests arriving together): every one is accepted, none dropped as over the cap."""
+    num_flows = 3 * receiver_module.MAX_UNAUTHENTICATED
+    receiver, endpoint = await start_receiver(tiny, creds, num_blocks=num_flows + 8)
+    pool, tls = BulkPool(), ours(creds)
+    try:
+        flows = await asyncio.gather(
+            *(
+                open_flow(
+                    endpoint,
+                    bound(f"r{i}", prompt_of_length(tiny, 8)),
+                    SECRET,
+                    path="wan",
+                    timeout_s=30,
+                    tls=tls,
+                    pool=pool,
+                )
+                for i in range(num_flows)
+            )
+        )
+        assert len(flows) == num_flows
+        for flow in flows:
+            await flow.close()
+    finally:
+        pool.close()
         await receiver.stop()
 
 

@@ -8,8 +8,13 @@ costs). It leaves when a flow takes it, when it has been idle for ``idle_s``
 or when something arrived on it (the receiver closed it: ``BulkConnection.looks_idle``). Each flow
 still authenticates on every connection it uses (a signed FlowOpen or FlowJoin), so a pooled
 connection carries no trust from one flow to the next.
+
+New connections to one peer are dialled at most ``MAX_DIALS_PER_PEER`` at a time (``dial_slot``):
+a receiver refuses connections beyond ``receiver.MAX_UNAUTHENTICATED`` still authenticating, and
+a burst of flows (a round of requests arriving together) must wait its turn, not be refused.
 """
 
+import asyncio
 import time
 from collections import deque
 from collections.abc import Hashable
@@ -24,6 +29,9 @@ POOL_IDLE_S = 30.0
 """Longest a connection waits in the pool (receivers drop idle ones later: ``receiver.IDLE_TIMEOUT_S``)."""
 MAX_IDLE_PER_PEER = 16
 """Idle connections kept per peer; more are closed as they come back."""
+MAX_DIALS_PER_PEER = 8
+"""New connections dialled to one peer at once (TCP, route and TLS handshakes). A quarter of a
+receiver's ``MAX_UNAUTHENTICATED`` (32): room for a few senders bursting at once."""
 
 
 @dataclass
@@ -38,6 +46,7 @@ class BulkPool:
     def __init__(self, idle_s: float = POOL_IDLE_S, max_idle_per_peer: int = MAX_IDLE_PER_PEER):
         self._idle: dict[Hashable, deque[_Idle]] = {}
         self._idle_s, self._max_idle = idle_s, max_idle_per_peer
+        self._dial_slots: dict[Hashable, asyncio.Semaphore] = {}
         self.reused = 0
         """Connections handed out again (a count for tests and logs)."""
 
@@ -64,6 +73,13 @@ class BulkPool:
             self.reused += 1
             taken.reused = True
         return taken
+
+    def dial_slot(self, peer: Hashable) -> asyncio.Semaphore:
+        """Held while dialling ``peer`` (``MAX_DIALS_PER_PEER`` holders at once)."""
+        slot = self._dial_slots.get(peer)
+        if slot is None:
+            slot = self._dial_slots[peer] = asyncio.Semaphore(MAX_DIALS_PER_PEER)
+        return slot
 
     def give(self, peer: Hashable, connection: BulkConnection):
         """Keep ``connection`` (every flow on it ended cleanly) for the next flow to ``peer``."""

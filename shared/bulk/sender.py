@@ -225,9 +225,16 @@ def _accepted_flow(
 
 
 async def _pooled_or_dialled(pool: BulkPool | None, peer: tuple, dial, timeout_s: float) -> BulkConnection:
-    """An idle pooled connection to ``peer``, else a new one dialled within ``timeout_s``."""
-    taken = pool.take(peer) if pool is not None else None
-    return taken if taken is not None else await asyncio.wait_for(dial(), timeout_s)
+    """An idle pooled connection to ``peer``, else a new one dialled within ``timeout_s`` (a
+    pool's turn to dial that peer included: ``BulkPool.dial_slot``)."""
+    if pool is None:
+        return await asyncio.wait_for(dial(), timeout_s)
+    taken = pool.take(peer)
+    if taken is not None:
+        return taken
+    async with asyncio.timeout(timeout_s), pool.dial_slot(peer):
+        taken = pool.take(peer)  # a flow that ended while this one waited may have left one
+        return taken if taken is not None else await dial()
 
 
 def _refused(endpoint: str, reply, connections: list[BulkConnection]) -> FlowRefused:
