@@ -5,6 +5,11 @@ The standard ``OTEL_*`` variables are honoured: ``OTEL_EXPORTER_OTLP_ENDPOINT`` 
 settings), ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_EXPORTER=none``
 and ``OTEL_SDK_DISABLED``. ``PDD_OTLP_ENDPOINT`` (``--otlp-endpoint``) is an alias of the
 endpoint and wins when both are set.
+
+A process that exports nowhere records no span of its own (``ParentBased(ALWAYS_OFF)``): what it
+recorded would go nowhere, and a recording span costs ~60 µs against ~6 µs. Its spans still carry
+trace context on (a valid traceparent in NATS headers and bulk frames), and a client's sampled
+trace context is still followed.
 """
 
 import os
@@ -15,6 +20,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _propagator = TraceContextTextMapPropagator()
@@ -48,15 +54,22 @@ def configure_tracing(
     attributes = {"service.instance.id": instance_id} if instance_id else {}
     if not environ.get("OTEL_SERVICE_NAME"):
         attributes["service.name"] = service_name
-    provider = TracerProvider(resource=Resource.create(attributes))
     if exporter is None:
         exporter = _otlp_exporter(otlp_endpoint, environ)
-    if exporter is not None:
-        provider.add_span_processor(
-            BatchSpanProcessor(exporter, schedule_delay_millis=200) if batch else SimpleSpanProcessor(exporter)
-        )
-    trace.set_tracer_provider(provider)
+    trace.set_tracer_provider(tracer_provider(Resource.create(attributes), exporter, batch))
     return True
+
+
+def tracer_provider(resource: Resource, exporter: SpanExporter | None, batch: bool = True) -> TracerProvider:
+    """A provider exporting to ``exporter``; without one, it records only spans whose parent
+    (a client's trace context) is sampled."""
+    if exporter is None:
+        return TracerProvider(resource=resource, sampler=ParentBased(ALWAYS_OFF))
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(
+        BatchSpanProcessor(exporter, schedule_delay_millis=200) if batch else SimpleSpanProcessor(exporter)
+    )
+    return provider
 
 
 def _otlp_exporter(otlp_endpoint: str, environ: Mapping[str, str]) -> SpanExporter | None:

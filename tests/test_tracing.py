@@ -75,3 +75,19 @@ def test_the_standard_otel_variables_choose_the_exporter():
     assert exporter is not None and exporter._endpoint == "http://collector:4318/v1/traces"
     assert _otlp_exporter("http://jaeger:4318", {})._endpoint == "http://jaeger:4318/v1/traces"
     assert _otlp_exporter("", {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_TRACES_EXPORTER": "none"}) is None
+
+
+def test_a_process_exporting_nowhere_records_only_sampled_client_traces_and_still_passes_context_on():
+    from opentelemetry.sdk.resources import Resource
+
+    from shared.tracing import context_from, current_traceparent, tracer_provider
+
+    tracer = tracer_provider(Resource.create({}), None).get_tracer("test")
+    with tracer.start_as_current_span("router.route") as span:
+        assert not span.is_recording()  # nothing would receive it
+        traceparent = current_traceparent()
+    assert traceparent is not None and int(traceparent.rsplit("-", 1)[1], 16) & 1 == 0  # goes on, unsampled
+    client = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    with tracer.start_as_current_span("router.route", context=context_from(client)) as span:
+        assert span.is_recording()  # the client asked for this trace
+        assert span.get_span_context().trace_id == 0x0AF7651916CD43DD8448EB211C80319C
