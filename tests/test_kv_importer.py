@@ -6,6 +6,7 @@ import json
 import threading
 
 import pytest
+import structlog
 
 from shared.block_hash import hash_blocks
 from shared.bulk.kv_importer import KvImporter
@@ -19,15 +20,15 @@ from shared.messages import FlowEnd, FlowOpen
 from tests.helpers import prompt_of_length, reference_greedy
 
 
-def exported_frames(tiny, prompt: list[int], frame_tokens: int) -> tuple[int, list]:
+def exported_frames(tiny, prompt: list[int], frame_tokens: int, request_id: str = "r") -> tuple[int, list]:
     """A prefill's first token and its prompt KV as wire frames, decoded as a receiver sees them."""
     prefill = HfEngine(tiny, num_blocks=64)
-    prefill.add_request("r", prompt, SamplingParams(max_tokens=1))
+    prefill.add_request(request_id, prompt, SamplingParams(max_tokens=1))
     first = prefill.step()[0].token_id
     receiver = HfEngine(tiny, num_blocks=4)
     frames = [
         decode_frame(b"".join(bytes(p) for p in parts), receiver.frame_expectation)
-        for parts in prefill.export_frames("r", 0, len(prompt), max_tokens_per_frame=frame_tokens)
+        for parts in prefill.export_frames(request_id, 0, len(prompt), max_tokens_per_frame=frame_tokens)
     ]
     return first, frames
 
@@ -162,3 +163,55 @@ async def test_a_flow_arriving_after_its_request_ended_fills_the_cache_or_is_ref
         await importer.open_flow(flow_open("stopped"), FlowStats())
     assert not importer.holds("stopped") and engine.request("stopped") is None
     worker.shutdown()
+
+
+async def test_a_follow_up_that_ended_elsewhere_keeps_its_place_behind_the_blocks_in_flight(tiny):
+    """A relayed follow-up turn waits at main decode for the previous turn's KV still crossing;
+    when the relay finishes it first (cancel ``finished``), it still waits, then asks only for
+    the blocks the cache lacks: the previous turn's blocks do not cross the link twice."""
+    first_turn = prompt_of_length(tiny, 96)
+    follow_up = first_turn + prompt_of_length(tiny, 40)[::-1]
+    first, frames = exported_frames(tiny, first_turn, frame_tokens=32, request_id="turn-1")
+    engine = HfEngine(tiny, num_blocks=64)
+    worker = EngineWorker(engine, "main-decode-0")
+
+    async def on_complete(state, seq, stats):
+        await worker.call(engine.free, seq.request_id)
+
+    importer = KvImporter(worker, on_complete)
+
+    def flow_open(request_id: str, prompt: list[int]) -> FlowOpen:
+        return FlowOpen(
+            request_id=request_id,
+            role="main_decode",
+            token_ids=prompt,
+            sampling=SamplingParams(max_tokens=8),
+            seed=0,
+            sender_id="prefill-0",
+            receiver_id="main-decode-0",
+            unix_s=0.0,
+            nonce="",
+        )
+
+    assert await importer.open_flow(flow_open("turn-1", first_turn), FlowStats()) == 0
+    with structlog.testing.capture_logs() as logs:
+        waiting = asyncio.create_task(importer.open_flow(flow_open("turn-2", follow_up), FlowStats()))
+        while not any(entry["event"] == "kv_import_waits_for_blocks_in_flight" for entry in logs):
+            await asyncio.sleep(0)  # until it waits in line (it logs, then waits at once)
+    await importer.cancel("turn-2", finished_elsewhere=True)  # the relay finished the follow-up
+    await run_as_far_as_it_can(worker)
+    assert "turn-2" not in importer.imports and not waiting.done()  # still in line
+    for frame in frames:
+        await importer.import_frame("turn-1", frame)
+    await importer.end_flow("turn-1", FlowEnd(request_id="turn-1", output_token_ids=[first]), FlowStats())
+    assert await asyncio.wait_for(waiting, 10) == len(first_turn) // engine.block_size * engine.block_size
+    worker.shutdown()
+
+
+async def run_as_far_as_it_can(worker: EngineWorker):
+    """Let every task run until it waits on something other than the event loop or the engine
+    thread (the engine thread runs its calls in order: one more call waits for those before it)."""
+    for _ in range(3):
+        for _ in range(20):
+            await asyncio.sleep(0)
+        await worker.call(int)

@@ -93,5 +93,8 @@ class ImportAdmission:
             finally:
                 for waiting in waits:
                     waiting.cancel()
-            if claim.dropped or not blocker.done.is_set():
+            if claim.dropped:
                 return
+            if not blocker.done.is_set() and not claim.cancelled.is_set():
+                return  # waited as long as allowed
+            # the blocker is done, or this request ended elsewhere (its place in line stays)
