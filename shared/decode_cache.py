@@ -10,9 +10,11 @@ main decode lacks. The rules that keep it so:
   is freed. Any other cancel drops the request's KV at once; complete blocks already cached
   stay valid.
 - **Blocks in flight.** A flow whose prompt shares leading blocks with an earlier flow that
-  is still importing (or still waiting itself) waits for that flow, then asks only for what
-  the cache lacks: the same blocks never cross the same link twice. Flows wait only on
-  earlier arrivals, so no two wait on each other; every wait is bounded by the caller.
+  is still importing (or still waiting itself) waits until the cache holds those shared
+  blocks (the earlier flow imports them frame by frame), then asks only for what the cache
+  lacks: the same blocks never cross the same link twice, and two prompts that share only a
+  system prompt do not queue whole behind each other. Flows wait only on earlier arrivals, so
+  no two wait on each other; every wait is bounded by the caller.
 """
 
 import asyncio
@@ -28,6 +30,7 @@ class Claim:
         ticket: Arrival order.
         block_hashes: The prompt's block hashes.
         done: Set when the flow's import ended (its blocks are cached or dropped).
+        progressed: Pulsed (set, then cleared) when one of its frames was imported.
         cancelled: Set when the request was cancelled while the flow still waited in line.
         finished_elsewhere: The cancel said the request ended elsewhere (import, then free).
     """
@@ -35,6 +38,7 @@ class Claim:
     ticket: int
     block_hashes: list[int]
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    progressed: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     finished_elsewhere: bool = False
 
@@ -61,6 +65,13 @@ class InFlightBlocks:
         claim = self.claims.pop(request_id, None)
         if claim is not None:
             claim.done.set()
+
+    def progressed(self, request_id: str):
+        """One of the flow's frames was imported: flows waiting on it look at the cache again."""
+        claim = self.claims.get(request_id)
+        if claim is not None:
+            claim.progressed.set()  # wakes every waiter now
+            claim.progressed.clear()
 
     def blocker(self, claim: Claim, cached_blocks: int) -> tuple[str, Claim] | None:
         """The earlier flow bringing more of this prompt's leading blocks than the cache

@@ -215,3 +215,36 @@ async def run_as_far_as_it_can(worker: EngineWorker):
         for _ in range(20):
             await asyncio.sleep(0)
         await worker.call(int)
+
+
+async def test_a_prompt_sharing_only_a_system_prompt_waits_for_those_blocks_not_the_whole_flow(tiny):
+    """Two cold prompts behind one system prompt: the second flow asks for the rest as soon as
+    the first flow's frame with the shared blocks is imported, not after its whole prompt."""
+    first_prompt = prompt_of_length(tiny, 96)
+    second_prompt = first_prompt[:32] + prompt_of_length(tiny, 64)[::-1]
+    _, frames = exported_frames(tiny, first_prompt, frame_tokens=32, request_id="first")
+    engine = HfEngine(tiny, num_blocks=64)
+    worker = EngineWorker(engine, "main-decode-0")
+    importer = KvImporter(worker, lambda *_: asyncio.sleep(0))
+
+    def flow_open(request_id: str, prompt: list[int]) -> FlowOpen:
+        return FlowOpen(
+            request_id=request_id,
+            role="main_decode",
+            token_ids=prompt,
+            sampling=SamplingParams(max_tokens=8),
+            seed=0,
+            sender_id="prefill-0",
+            receiver_id="main-decode-0",
+            unix_s=0.0,
+            nonce="",
+        )
+
+    assert await importer.open_flow(flow_open("first", first_prompt), FlowStats()) == 0
+    second = asyncio.create_task(importer.open_flow(flow_open("second", second_prompt), FlowStats()))
+    await run_as_far_as_it_can(worker)
+    assert not second.done()  # the shared blocks are not here yet
+    await importer.import_frame("first", frames[0])  # the system prompt's two blocks
+    assert await asyncio.wait_for(second, 10) == 32  # asks from the shared blocks on
+    assert importer.holds("first") and "first" in importer.imports  # still importing its own
+    worker.shutdown()

@@ -64,28 +64,33 @@ class ImportAdmission:
                 pass
 
     async def wait_for_blocks_in_flight(self, request_id: str, claim: Claim):
-        """Let earlier flows that bring this prompt's blocks finish first.
+        """Let earlier flows that bring this prompt's blocks bring them first.
 
         A follow-up turn often arrives while the previous turn's KV is still crossing the
-        WAN: asking for those blocks again would send them twice over the same link. Once
-        the earlier import is done they are in the prefix cache and only the rest is asked
-        for. Earlier flows still waiting themselves count too (by arrival order, so no two
-        flows wait on each other): otherwise two turns queued behind a shared system prompt
-        would both ask for the first turn's blocks.
+        WAN: asking for those blocks again would send them twice over the same link. The
+        flow waits until the cache holds the blocks it shares with earlier flows (they are
+        cached frame by frame as those flows import), then asks only for the rest. Earlier
+        flows still waiting themselves count too (by arrival order, so no two flows wait on
+        each other): otherwise two turns queued behind a shared system prompt would both ask
+        for the first turn's blocks. A request that ended elsewhere still imports (for the
+        cache), so it keeps its place; any other cancel ends the wait at once.
         """
         engine = self.worker.engine
         deadline = asyncio.get_running_loop().time() + self.wait_s
-        while True:
+        logged_behind = None
+        while not claim.dropped:
             cached = await self.worker.call(engine.cached_prefix_blocks, claim.block_hashes)
             found = self.in_flight.blocker(claim, cached)
             remaining = deadline - asyncio.get_running_loop().time()
             if found is None or remaining <= 0:
                 return
             behind, blocker = found
-            log.info("kv_import_waits_for_blocks_in_flight", request_id=request_id, behind=behind, cached_blocks=cached)
-            # A request that ended elsewhere still imports (for the cache), so it keeps its
-            # place; any other cancel ends the wait at once.
-            waits = [asyncio.ensure_future(blocker.done.wait())]
+            if behind != logged_behind:
+                logged_behind = behind
+                log.info(
+                    "kv_import_waits_for_blocks_in_flight", request_id=request_id, behind=behind, cached_blocks=cached
+                )
+            waits = [asyncio.ensure_future(blocker.done.wait()), asyncio.ensure_future(blocker.progressed.wait())]
             if not claim.cancelled.is_set():
                 waits.append(asyncio.ensure_future(claim.cancelled.wait()))
             try:
@@ -93,8 +98,3 @@ class ImportAdmission:
             finally:
                 for waiting in waits:
                     waiting.cancel()
-            if claim.dropped:
-                return
-            if not blocker.done.is_set() and not claim.cancelled.is_set():
-                return  # waited as long as allowed
-            # the blocker is done, or this request ended elsewhere (its place in line stays)

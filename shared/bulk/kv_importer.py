@@ -165,6 +165,7 @@ class KvImporter:
             await state.frames_queued.pop(0)
         queued = self._worker.submit(self.import_frame_intact, state, frame)
         queued.add_done_callback(_retrieve_exception)
+        queued.add_done_callback(lambda _, rid=request_id: self._in_flight.progressed(rid))
         state.frames_queued.append(queued)
 
     def import_frame_intact(self, state: ImportState, frame: KvFrame):
