@@ -20,6 +20,21 @@ from shared.messages import FlowEnd, FlowOpen
 from tests.helpers import prompt_of_length, reference_greedy
 
 
+def opening(request_id: str, prompt: list[int]) -> FlowOpen:
+    """A prefill's opening of a flow of ``prompt``'s KV to main-decode-0."""
+    return FlowOpen(
+        request_id=request_id,
+        role="main_decode",
+        token_ids=prompt,
+        sampling=SamplingParams(max_tokens=8),
+        seed=0,
+        sender_id="prefill-0",
+        receiver_id="main-decode-0",
+        unix_s=0.0,
+        nonce="",
+    )
+
+
 def exported_frames(tiny, prompt: list[int], frame_tokens: int, request_id: str = "r") -> tuple[int, list]:
     """A prefill's first token and its prompt KV as wire frames, decoded as a receiver sees them."""
     prefill = HfEngine(tiny, num_blocks=64)
@@ -132,23 +147,10 @@ async def test_a_flow_arriving_after_its_request_ended_fills_the_cache_or_is_ref
 
     importer = KvImporter(worker, on_complete)
 
-    def flow_open(request_id: str) -> FlowOpen:
-        return FlowOpen(
-            request_id=request_id,
-            role="main_decode",
-            token_ids=prompt,
-            sampling=SamplingParams(max_tokens=8),
-            seed=0,
-            sender_id="prefill-0",
-            receiver_id="main-decode-0",
-            unix_s=0.0,
-            nonce="",
-        )
-
     # Ended on the relay first: the KV still lands, for the cache, and nothing stays held.
     # (The frames carry their request's id, "r".)
     assert await importer.cancel("r", finished_elsewhere=True) is None
-    await importer.open_flow(flow_open("r"), FlowStats())
+    await importer.open_flow(opening("r", prompt), FlowStats())
     assert importer.kept_for_cache() == {"r"}
     for frame in frames:
         await importer.import_frame("r", frame)
@@ -160,7 +162,7 @@ async def test_a_flow_arriving_after_its_request_ended_fills_the_cache_or_is_ref
     # The client went away first: the flow is refused before it takes a block.
     await importer.cancel("stopped", finished_elsewhere=False)
     with pytest.raises(RequestCancelled):
-        await importer.open_flow(flow_open("stopped"), FlowStats())
+        await importer.open_flow(opening("stopped", prompt), FlowStats())
     assert not importer.holds("stopped") and engine.request("stopped") is None
     worker.shutdown()
 
@@ -180,22 +182,9 @@ async def test_a_follow_up_that_ended_elsewhere_keeps_its_place_behind_the_block
 
     importer = KvImporter(worker, on_complete)
 
-    def flow_open(request_id: str, prompt: list[int]) -> FlowOpen:
-        return FlowOpen(
-            request_id=request_id,
-            role="main_decode",
-            token_ids=prompt,
-            sampling=SamplingParams(max_tokens=8),
-            seed=0,
-            sender_id="prefill-0",
-            receiver_id="main-decode-0",
-            unix_s=0.0,
-            nonce="",
-        )
-
-    assert await importer.open_flow(flow_open("turn-1", first_turn), FlowStats()) == 0
+    assert await importer.open_flow(opening("turn-1", first_turn), FlowStats()) == 0
     with structlog.testing.capture_logs() as logs:
-        waiting = asyncio.create_task(importer.open_flow(flow_open("turn-2", follow_up), FlowStats()))
+        waiting = asyncio.create_task(importer.open_flow(opening("turn-2", follow_up), FlowStats()))
         while not any(entry["event"] == "kv_import_waits_for_blocks_in_flight" for entry in logs):
             await asyncio.sleep(0)  # until it waits in line (it logs, then waits at once)
     await importer.cancel("turn-2", finished_elsewhere=True)  # the relay finished the follow-up
@@ -227,21 +216,8 @@ async def test_a_prompt_sharing_only_a_system_prompt_waits_for_those_blocks_not_
     worker = EngineWorker(engine, "main-decode-0")
     importer = KvImporter(worker, lambda *_: asyncio.sleep(0))
 
-    def flow_open(request_id: str, prompt: list[int]) -> FlowOpen:
-        return FlowOpen(
-            request_id=request_id,
-            role="main_decode",
-            token_ids=prompt,
-            sampling=SamplingParams(max_tokens=8),
-            seed=0,
-            sender_id="prefill-0",
-            receiver_id="main-decode-0",
-            unix_s=0.0,
-            nonce="",
-        )
-
-    assert await importer.open_flow(flow_open("first", first_prompt), FlowStats()) == 0
-    second = asyncio.create_task(importer.open_flow(flow_open("second", second_prompt), FlowStats()))
+    assert await importer.open_flow(opening("first", first_prompt), FlowStats()) == 0
+    second = asyncio.create_task(importer.open_flow(opening("second", second_prompt), FlowStats()))
     await run_as_far_as_it_can(worker)
     assert not second.done()  # the shared blocks are not here yet
     await importer.import_frame("first", frames[0])  # the system prompt's two blocks
