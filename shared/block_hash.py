@@ -48,3 +48,18 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent_hash: int = RO
         parent_hash = hash_block(parent_hash, token_ids[start : start + block_size])
         hashes.append(parent_hash)
     return hashes
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading block hashes two chains share. Chained: equal at ``i`` means equal up
+    to ``i``, so the shared entries are a prefix and a binary search finds its end."""
+    low, high = 0, min(len(a), len(b))
+    if high and a[high - 1] == b[high - 1]:
+        return high
+    while low < high:  # a[:low] == b[:low]; a[high] != b[high]
+        middle = (low + high) // 2
+        if a[middle] == b[middle]:
+            low = middle + 1
+        else:
+            high = middle
+    return low

@@ -21,6 +21,8 @@ import asyncio
 import itertools
 from dataclasses import dataclass, field
 
+from shared.block_hash import common_prefix
+
 
 @dataclass
 class Claim:
@@ -100,13 +102,3 @@ class InFlightBlocks:
 def keeps_importing(finished_elsewhere: bool) -> bool:
     """Whether a cancelled request's import goes on (for the cache) or stops now."""
     return finished_elsewhere
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Leading elements two hash chains share."""
-    count = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        count += 1
-    return count

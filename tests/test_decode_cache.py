@@ -1,6 +1,7 @@
 """The decode-side cache's policy: which flows wait for blocks already in flight, and for whom."""
 
-from shared.decode_cache import InFlightBlocks, common_prefix, keeps_importing
+from shared.block_hash import common_prefix
+from shared.decode_cache import InFlightBlocks, keeps_importing
 
 
 def test_a_follow_up_waits_for_the_earlier_flow_that_brings_its_prefix():

@@ -14,7 +14,7 @@ are not counted against the pool.
 
 from collections import OrderedDict
 
-from shared.decode_cache import common_prefix
+from shared.block_hash import common_prefix
 
 
 class SimKvPool:

@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shared.block_hash import common_prefix
+
 MIN_SAMPLE_BYTES = 256 << 10
 DROP_FACTOR = 0.5
 RTT_MAX_RISE = 4.0
@@ -222,7 +224,7 @@ class WanEstimator:
             if leaves_at <= now:
                 continue
             flow = self._flows[request_id]
-            blocks = _common_prefix(flow.block_hashes, block_hashes)
+            blocks = common_prefix(flow.block_hashes, block_hashes)
             best = found.get(flow.main_decode_id)
             if blocks and (best is None or blocks > best.blocks):
                 found[flow.main_decode_id] = Arriving(blocks, leaves_at + self.rtt_s / 2 - now)
@@ -238,18 +240,3 @@ class WanEstimator:
 def _covers(a: list[int], b: tuple[int, ...]) -> bool:
     """Whether chained block hashes ``a`` start with all of ``b`` (equal at i means equal up to i)."""
     return len(b) <= len(a) and (not b or a[len(b) - 1] == b[-1])
-
-
-def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
-    """Leading equal entries of chained block hashes (equal at i means equal up to i, so the
-    equal entries are a prefix: a binary search finds its end)."""
-    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; a[high:] differs from b at high
-    if high and a[high - 1] == b[high - 1]:
-        return high
-    while low < high:
-        middle = (low + high) // 2
-        if a[middle] == b[middle]:
-            low = middle + 1
-        else:
-            high = middle
-    return low
