@@ -2,7 +2,7 @@
 
 import codecs
 
-from services.router.token_bytes import TokenBytes
+from services.router.token_bytes import TokenBytes, rust_tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -11,12 +11,8 @@ def fast_decode(tokenizer):
     """``decode(ids) -> str`` equal to ``tokenizer.decode(ids, skip_special_tokens=True)``: the
     Rust tokenizer's own decode when the HF wrapper would add nothing to it (a fast tokenizer
     that does not clean up spaces), which skips the wrapper's per-call overhead (~2 µs)."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if (
-        backend is not None
-        and hasattr(backend, "decode")
-        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
-    ):
+    backend = rust_tokenizer(tokenizer)
+    if backend is not None:
         return lambda ids: backend.decode(ids, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 

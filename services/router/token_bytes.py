@@ -26,6 +26,15 @@ def _byte_chars() -> dict[str, int]:
     return chars
 
 
+def rust_tokenizer(tokenizer):
+    """The Rust tokenizer under an HF fast tokenizer whose ``decode(ids, skip_special_tokens=True)``
+    is that tokenizer's own (the wrapper adds nothing: it does not clean up spaces), or None."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode") or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend
+
+
 class TokenBytes:
     """Token id → the bytes the tokenizer's decode gives it (``b""`` for a special token, which
     ``skip_special_tokens`` drops, and for an id past the vocabulary, which decode skips)."""
@@ -37,10 +46,8 @@ class TokenBytes:
     def of(cls, tokenizer) -> "TokenBytes | None":
         """The table of a fast byte-level tokenizer whose ``decode(ids, skip_special_tokens=True)``
         is the Rust decoder's and matches the table on every token id; else None."""
-        backend = getattr(tokenizer, "_tokenizer", None)
-        if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
-            return None
-        if type(backend.decoder).__name__ != "ByteLevel":
+        backend = rust_tokenizer(tokenizer)
+        if backend is None or type(backend.decoder).__name__ != "ByteLevel":
             return None
         special = {token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special}
         chars = _byte_chars()
