@@ -191,6 +191,36 @@ async def test_connections_are_reused_by_the_next_flow_and_each_flow_authenticat
         pool.close()
 
 
+async def test_a_burst_of_flows_finds_the_last_bursts_connections_open(channel, tiny):
+    """A round of requests arriving together opens many flows at once; the next such round
+    reuses every connection the last one left, instead of a TCP and TLS handshake per flow on
+    both ends in the middle of the burst."""
+    sender, handler, receiver, endpoint = channel
+    pool, burst = BulkPool(), 24  # more than a few: every flow of a burst needs its own connection
+
+    async def one_flow(request_id: str, prompt: list[int], first: int):
+        flow = await open_flow(endpoint, flow_open_for(request_id, prompt), SECRET, path="wan", timeout_s=5, pool=pool)
+        for parts in sender.export_frames(request_id, flow.first_token_index, len(prompt), max_tokens_per_frame=16):
+            await flow.send_frame(parts)
+        await flow.end([first])
+        sender.free(request_id)
+
+    try:
+        for round_index in range(2):
+            ids = [f"r{round_index}-{i}" for i in range(burst)]
+            prompts = [[100 + round_index, 200 + i, *range(300, 314)] for i in range(burst)]  # distinct blocks
+            for request_id, prompt in zip(ids, prompts):
+                sender.add_request(request_id, prompt, SAMPLING)
+            first_of = {output.request_id: output.token_id for output in sender.step()}
+            firsts = [first_of[request_id] for request_id in ids]
+            await asyncio.gather(*(one_flow(*args) for args in zip(ids, prompts, firsts)))
+            ends = burst * (round_index + 1)
+            await until(lambda ends=ends: sum(e[0] == "end" for e in handler.events) == ends, 5, "every flow's end")
+        assert pool.reused == burst and pool.num_idle == burst and receiver.num_connections == burst
+    finally:
+        pool.close()
+
+
 async def test_a_pooled_connection_still_sending_an_earlier_flow_is_not_handed_out():
     """A flow's end is written long before a slow path carries its last bytes: a flow opened on
     that connection would reach the receiver only after them. It dials anew meanwhile, and the

@@ -23,12 +23,16 @@ from dataclasses import dataclass, field
 import structlog
 
 from shared.bulk.connection import BulkConnection
+from shared.bulk.receiver import MAX_FLOWS_PER_SENDER
 
 log = structlog.get_logger(__name__)
 POOL_IDLE_S = 30.0
 """Longest a connection waits in the pool (receivers drop idle ones later: ``receiver.IDLE_TIMEOUT_S``)."""
-MAX_IDLE_PER_PEER = 16
-"""Idle connections kept per peer; more are closed as they come back."""
+MAX_IDLE_PER_PEER = MAX_FLOWS_PER_SENDER
+"""Idle connections kept per peer; more are closed as they come back. As many as a receiver lets
+one sender use at once: a burst of flows like the last one then finds its connections open
+instead of paying a TCP and TLS handshake per flow on both ends (receivers keep at most
+``receiver.MAX_IDLE_CONNECTIONS`` idle, all senders together, and close the rest)."""
 MAX_DIALS_PER_PEER = 8
 """New connections dialled to one peer at once (TCP, route and TLS handshakes). A quarter of a
 receiver's ``MAX_UNAUTHENTICATED`` (32): room for a few senders bursting at once."""
