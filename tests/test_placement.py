@@ -296,10 +296,10 @@ def test_a_conversation_stays_on_the_decoder_whose_cache_keeps_its_kv_off_the_wa
     assert far.main_decode.instance_id == "main-decode-1"
 
 
-def pipeline_for(prefill_report: dict, num_prompt_tokens: int, queue_s: float = 0.0) -> tuple[str, float]:
+def pipeline_for(prefill_report: dict, num_prompt_tokens: int, crossing_bytes: float = 0.0) -> tuple[str, float]:
     """The pipeline and predicted arrival of a cold prompt on a 100 Mbit/s, 40 ms link (KV of
-    46 KB per token, SmolLM2's) busy for ``queue_s`` with flows placed before, the prefill
-    reporting ``prefill_report``."""
+    46 KB per token, SmolLM2's) where a flow placed before still has ``crossing_bytes`` to send,
+    the prefill reporting ``prefill_report``."""
     registry = InstanceRegistry(ttl_s=60)
     for instance_id, service, extra in (
         ("prefill-0", "prefill", prefill_report),
@@ -314,7 +314,8 @@ def pipeline_for(prefill_report: dict, num_prompt_tokens: int, queue_s: float = 
             **extra,
         )
         registry.observe(report)
-    wan = WanEstimate(bandwidth_bps=100e6, rtt_s=0.040, queue_s=queue_s)
+    crossing = (crossing_bytes,) if crossing_bytes else ()
+    wan = WanEstimate(bandwidth_bps=100e6, rtt_s=0.040, queue_s=crossing_bytes * 8 / 100e6, crossing_bytes=crossing)
     placement = place(
         registry,
         {},
@@ -349,8 +350,14 @@ def test_a_cold_prompt_that_fits_an_idle_link_is_relayed_when_earlier_flows_stil
     report = {"prefill_tokens_per_s": 250.0, "prefill_first_chunk_tokens": 64}
     tokens = 704  # 2.8 s of compute, 32 MB: 2.6 s on the link, shipped as it computes
     assert pipeline_for(report, tokens)[0] == "P-MD"
-    pipeline, arrival_s = pipeline_for(report, tokens, queue_s=3.0)
-    assert arrival_s == pytest.approx(3.0 + tokens * 46080 * 8 / 100e6 - tokens / 250.0 + 0.020)
+    earlier_bytes = 3.0 * 100e6 / 8  # the flow before still has 3 s of KV to send
+    pipeline, arrival_s = pipeline_for(report, tokens, crossing_bytes=earlier_bytes)
+    # both share the link from the first chunk on; the earlier one has more left, so the new
+    # one's last byte leaves once the link carried its bytes twice
+    first_byte_s, own_bytes = 64 / 250.0, tokens * 46080
+    last_byte_s = first_byte_s + 2 * own_bytes * 8 / 100e6
+    assert own_bytes < earlier_bytes - first_byte_s * 100e6 / 8
+    assert arrival_s == pytest.approx(last_byte_s - tokens / 250.0 + 0.020)
     assert pipeline == "P-RLD-MD"
 
 

@@ -156,18 +156,68 @@ def test_a_prompt_counts_the_leading_blocks_a_placed_flow_shares_with_it(shared,
     assert (arriving["md-0"].blocks if arriving else 0) == expected
 
 
-def test_a_queued_link_delays_a_new_flows_first_byte():
+def test_a_new_flow_shares_the_link_with_the_flows_still_crossing():
     idle = WanEstimate(bandwidth_bps=100e6, rtt_s=0.04)
-    busy = WanEstimate(bandwidth_bps=100e6, rtt_s=0.04, queue_s=5.0)
+    busy = WanEstimate(bandwidth_bps=100e6, rtt_s=0.04, queue_s=5.0, crossing_bytes=(62_500_000.0,))  # 5 s of KV
     transfer_s = 37_000_000 * 8 / 100e6
     # shipping while a 3 s prefill computes: the idle link has it all there 0.02 s after the prefill
     assert idle.arrival_after_prefill_s(37_000_000, prefill_s=3.0, first_chunk_s=0.2) == pytest.approx(
         max(0.0, 0.2 + transfer_s - 3.0) + 0.02
     )
-    # behind 5 s of other flows, the first byte leaves at 5 s
-    assert busy.arrival_after_prefill_s(37_000_000, prefill_s=3.0, first_chunk_s=0.2) == pytest.approx(
-        5.0 + transfer_s - 3.0 + 0.02
+    # beside a flow with 5 s of KV still to send, a cold prompt gets half the link: later than alone
+    beside = busy.arrival_after_prefill_s(37_000_000, prefill_s=3.0, first_chunk_s=0.2)
+    assert beside > idle.arrival_after_prefill_s(37_000_000, prefill_s=3.0, first_chunk_s=0.2) + 2.5
+    # a follow-up turn's megabyte does not wait for the other flow's 5 s: two megabytes' time
+    follow_up = busy.arrival_after_prefill_s(1_000_000, prefill_s=0.1, first_chunk_s=0.1)
+    assert follow_up == pytest.approx(0.1 + 2 * 1_000_000 * 8 / 100e6 - 0.1 + 0.02)
+
+
+def processor_sharing_finish_s(crossing: list[float], new_bytes: float, joins_s: float, bytes_per_s: float) -> float:
+    """When a flow of ``new_bytes`` joining at ``joins_s`` sends its last byte, on a link shared
+    equally by every flow with bytes left: event by event, each flow served at rate / flows."""
+    now, left, new_left = 0.0, [b for b in crossing if b > 0], new_bytes
+    while True:
+        joined = now >= joins_s
+        flows = len(left) + (1 if joined else 0)
+        rate = bytes_per_s / flows if flows else 0.0
+        smallest = min(left + ([new_left] if joined else []), default=float("inf"))
+        step_s = smallest / rate if rate else float("inf")
+        if not joined:
+            step_s = min(step_s, joins_s - now)
+        if joined and new_left <= smallest and step_s == new_left / rate:
+            return now + step_s
+        left = [b - rate * step_s for b in left if b - rate * step_s > 1e-6 * new_bytes]
+        if joined:
+            new_left -= rate * step_s
+        now += step_s
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    crossing=st.lists(st.floats(1e5, 1e8), max_size=6),
+    new_bytes=st.floats(1e5, 1e8),
+    first_chunk_s=st.floats(0.0, 5.0),
+)
+def test_a_new_flows_last_byte_is_what_an_equally_shared_link_gives(crossing, new_bytes, first_chunk_s):
+    wan = WanEstimate(bandwidth_bps=100e6, rtt_s=0.04, crossing_bytes=tuple(crossing))
+    first_byte_s = max(first_chunk_s, wan.rtt_s)
+    expected = processor_sharing_finish_s(crossing, new_bytes, first_byte_s, 100e6 / 8)
+    # no prefill bound (prefill_s = 0): the arrival is the last byte plus a one-way delay
+    assert wan.arrival_after_prefill_s(int(new_bytes), 0.0, first_chunk_s) == pytest.approx(
+        expected + 0.02, rel=1e-6, abs=1e-6
     )
+
+
+def test_the_ledger_tells_what_each_placed_flow_still_has_to_send():
+    now = [0.0]
+    wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
+    wan.flow_placed("a", "md-0", [1], 25_000_000, prefill_s=0.5, first_chunk_s=0.1)  # 2 s from 0.1 s
+    wan.flow_placed("b", "md-1", [2], 12_500_000, prefill_s=0.5, first_chunk_s=0.1)  # 1 s behind a
+    now[0] = 1.1  # half of a has left, none of b
+    assert wan.current().crossing_bytes == pytest.approx((12_500_000, 12_500_000))
+    wan.flow_stopped("a")  # odd traffic the relay finished: its bytes stop crossing
+    assert wan.current().crossing_bytes == pytest.approx((12_500_000,))
+    assert wan.arriving([1]) == {}
 
 
 def test_a_flow_that_shared_the_link_measured_its_share_not_a_slower_link():

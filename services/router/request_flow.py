@@ -313,6 +313,7 @@ class RequestFlow:
 
     async def _cancel_wan_transfer(self):
         """Odd traffic the relay finished: stop the WAN flow, learn how much had crossed."""
+        self.ctx.wan.flow_stopped(self.request_id)
         await self._cancel(
             self.attempt_id, "stop", "odd traffic: the relay finished before main decode's KV was complete"
         )

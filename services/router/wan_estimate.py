@@ -20,12 +20,17 @@ quickly.
 
 The link is shared: every flow this router placed is still crossing until its predicted last
 byte (``flow_placed``), relayed requests' included (their KV still goes to main decode after
-the relay answered). A new flow's first byte waits for those (``WanEstimate.queue_s``), so two
-cold prompts in a row are not both predicted as if each had the link alone. The flows' last
-bytes are re-planned at every look, in placement order, from each flow's own bytes, prefill
-and first chunk at the bandwidth believed now: one that landed early (its ``KvReady``) or a
-faster link measured since moves the later ones up, instead of each keeping the queue it was
-placed behind. Blocks a placed
+the relay answered), unless the router stopped it (``flow_stopped``: odd traffic the relay
+finished). The ledger plans the placed flows' last bytes in placement order, from each flow's
+own bytes, prefill and first chunk at the bandwidth believed now: one that landed early (its
+``KvReady``) or a faster link measured since moves the later ones up. What each still has to
+send (``WanEstimate.crossing_bytes``) follows from that plan. A new flow shares the link with
+them: connections crossing one bottleneck at once each get a share of it (TCP's fair share;
+the WAN link emulator takes turns a chunk per connection), so a new flow of ``B`` bytes is done
+once the link has carried ``B`` plus, of each flow still crossing, at most ``B`` more
+(processor sharing). A follow-up turn's megabyte behind a cold prompt's 30 MB then takes about
+two megabytes' time, not thirty-one; two cold prompts in a row are still not predicted as if
+each had the link alone. Blocks a placed
 flow is still bringing to a main decoder do not cross again (a decoder's later flow waits for
 them, ``shared/decode_cache.py``): ``arriving`` says how many of a prompt's leading blocks
 each decoder has on the way and when they land, so a follow-up turn counts only its new
@@ -51,22 +56,51 @@ class WanEstimate:
         bandwidth_bps: Bits per second.
         rtt_s: Round trip in seconds.
         queue_s: Seconds from now until the flows this router already placed have left.
+        crossing_bytes: What each of those flows still has to send, as of now.
     """
 
     bandwidth_bps: float
     rtt_s: float
     queue_s: float = 0.0
+    crossing_bytes: tuple[float, ...] = ()
 
     def arrival_after_prefill_s(self, num_bytes: int, prefill_s: float = 0.0, first_chunk_s: float = 0.0) -> float:
         """When the last of ``num_bytes`` of KV lands at main decode, counted from the end of
         a prefill that computes for ``prefill_s`` and ships chunk by chunk from ``first_chunk_s``
         on. The flow opens as the compute starts (one round trip), so its first byte leaves at
-        ``max(first_chunk_s, rtt, queue)``, its last at ``max(prefill end, first byte + bytes /
-        rate)``, and lands one one-way delay later. Without a prefill estimate (0, 0): a round
-        trip (or the queue), the whole transfer and a one-way delay."""
-        first_byte_s = max(first_chunk_s, self.rtt_s, self.queue_s)
-        last_byte_s = max(prefill_s, first_byte_s + num_bytes * 8 / self.bandwidth_bps)
+        ``max(first_chunk_s, rtt)``; until then the flows crossing drain. From there it shares
+        the link: its last byte leaves once the link has carried its bytes and, of each flow
+        still crossing, up to as many (``shared_transfer_bytes``), and no earlier than the
+        prefill ends; it lands one one-way delay later. Without a prefill estimate (0, 0): a
+        round trip, the shared transfer and a one-way delay."""
+        first_byte_s = max(first_chunk_s, self.rtt_s)
+        crossing = drained(self.crossing_bytes, first_byte_s * self.bandwidth_bps / 8)
+        link_bytes = shared_transfer_bytes(num_bytes, crossing)
+        last_byte_s = max(prefill_s, first_byte_s + link_bytes * 8 / self.bandwidth_bps)
         return last_byte_s - prefill_s + self.rtt_s / 2
+
+
+def drained(crossing_bytes: tuple[float, ...], sent_bytes: float) -> list[float]:
+    """What flows with ``crossing_bytes`` still to send have left once a link shared equally
+    among them has carried ``sent_bytes`` (each gives up to the same amount; the finished drop
+    out)."""
+    level, left, remaining = 0.0, sent_bytes, len(crossing_bytes)
+    for size in sorted(crossing_bytes):
+        if left <= (size - level) * remaining:
+            level += left / remaining
+            break
+        left -= (size - level) * remaining
+        level, remaining = size, remaining - 1
+    else:
+        return []
+    return [size - level for size in crossing_bytes if size > level]
+
+
+def shared_transfer_bytes(num_bytes: float, crossing_bytes: list[float]) -> float:
+    """Bytes the link carries until a flow of ``num_bytes``, sharing it equally with flows that
+    have ``crossing_bytes`` to send, sends its last: its own, and of each other flow as much,
+    or all it has if less."""
+    return num_bytes + sum(min(size, num_bytes) for size in crossing_bytes)
 
 
 @dataclass(frozen=True)
@@ -108,8 +142,8 @@ class WanEstimator:
         self._flows: dict[str, PlacedFlow] = {}  # by request id, in placement order (a recovery's replaces its first)
         self._busy_until = 0.0  # the last byte of flows forgotten because it should have left
         self._last_landed_at = float("-inf")
-        self._num_ledger_changes = 0  # bumped whenever _flows changes (keys the _leaving plan)
-        self._plan: tuple[tuple, dict[str, float]] = ((), {})
+        self._num_ledger_changes = 0  # bumped whenever _flows changes (keys the _spans plan)
+        self._plan: tuple[tuple, dict[str, _Span]] = ((), {})
 
     def add_throughput(self, throughput_bps: float, num_bytes: int, request_id: str | None = None):
         """A WAN flow's measured throughput (ignored for transfers too small to tell). With
@@ -133,10 +167,9 @@ class WanEstimator:
         sent_from, sent_until = now - self.rtt_s - transfer_s, now - self.rtt_s
         if self._last_landed_at > sent_from:
             return True
-        leaving = self._leaving()
         return any(
-            leaves_at > sent_from and self._flows[rid].placed_at < sent_until
-            for rid, leaves_at in leaving.items()
+            span.leaves_at > sent_from and self._flows[rid].placed_at < sent_until
+            for rid, span in self._spans().items()
             if rid != request_id
         )
 
@@ -162,9 +195,9 @@ class WanEstimator:
         ``block_hashes`` was placed now, its prefill predicted to take ``prefill_s`` and ship
         its first chunk after ``first_chunk_s`` (0: all at the end)."""
         now = self._clock()
-        leaving = self._leaving()
-        for rid in [rid for rid, at in leaving.items() if at <= now]:
-            self._busy_until = max(self._busy_until, leaving[rid])
+        spans = self._spans()
+        for rid in [rid for rid, span in spans.items() if span.leaves_at <= now]:
+            self._busy_until = max(self._busy_until, spans[rid].leaves_at)
             del self._flows[rid]
         self._flows.pop(request_id, None)
         self._num_ledger_changes += 1
@@ -175,21 +208,22 @@ class WanEstimator:
             main_decode_id, tuple(block_hashes), num_bytes, now, now + prefill_s, first_byte_at
         )
 
-    def _leaving(self) -> dict[str, float]:
-        """When each placed flow's last byte leaves: the link sends them one after another in
-        placement order at the bandwidth believed now, each no earlier than its first byte
-        may leave and no earlier than its prefill ends. Planned again only after the ledger,
-        the bandwidth or the link's busy time changed (not the clock: the plan does not use it)."""
+    def _spans(self) -> dict[str, "_Span"]:
+        """When each placed flow's bytes start and finish leaving: the link sends them one
+        after another in placement order at the bandwidth believed now, each no earlier than
+        its first byte may leave, its last no earlier than its prefill ends. Planned again only
+        after the ledger, the bandwidth or the link's busy time changed (not the clock: the
+        plan does not use it)."""
         key = (self._num_ledger_changes, self.bandwidth_bps, self._busy_until)
         if self._plan[0] == key:
             return self._plan[1]
-        link_free_at, leaving = self._busy_until, {}
+        link_free_at, spans = self._busy_until, {}
         for request_id, flow in self._flows.items():
             starts_at = max(link_free_at, flow.first_byte_at)
             link_free_at = max(flow.prefill_ends_at, starts_at + flow.num_bytes * 8 / self.bandwidth_bps)
-            leaving[request_id] = link_free_at
-        self._plan = (key, leaving)
-        return leaving
+            spans[request_id] = _Span(flow.num_bytes, starts_at, link_free_at)
+        self._plan = (key, spans)
+        return spans
 
     def flow_landed(self, request_id: str, main_decode_id: str | None = None, *, just_now: bool = True):
         """Main decode has all of ``request_id``'s KV: the flow holds the link no longer.
@@ -204,6 +238,13 @@ class WanEstimator:
             if just_now:
                 self._last_landed_at = self._clock() - self.rtt_s
                 self._busy_until = max(self._busy_until, self._last_landed_at)
+
+    def flow_stopped(self, request_id: str):
+        """The router stopped ``request_id``'s flow (odd traffic the relay finished): its bytes
+        cross no more; it held the link until now, so the flows behind it start no earlier."""
+        if self._flows.pop(request_id, None) is not None:
+            self._num_ledger_changes += 1
+            self._busy_until = max(self._busy_until, self._clock())
 
     def seen_cached(self, block_hashes: list[int], hits: dict[str, int]):
         """The cache-index lists ``hits`` leading blocks of ``block_hashes`` per instance: a
@@ -220,21 +261,38 @@ class WanEstimator:
         have) counts no more: only the cache-index credits blocks a decoder holds (a restarted
         decoder holds none of them)."""
         now, found = self._clock(), {}
-        for request_id, leaves_at in self._leaving().items():
-            if leaves_at <= now:
+        for request_id, span in self._spans().items():
+            if span.leaves_at <= now:
                 continue
             flow = self._flows[request_id]
             blocks = common_prefix(flow.block_hashes, block_hashes)
             best = found.get(flow.main_decode_id)
             if blocks and (best is None or blocks > best.blocks):
-                found[flow.main_decode_id] = Arriving(blocks, leaves_at + self.rtt_s / 2 - now)
+                found[flow.main_decode_id] = Arriving(blocks, span.leaves_at + self.rtt_s / 2 - now)
         return found
 
     def current(self) -> WanEstimate:
         """The estimate placement uses now."""
         now = self._clock()
-        link_free_at = max(self._leaving().values(), default=now)
-        return WanEstimate(self.bandwidth_bps, self.rtt_s, max(0.0, link_free_at - now))
+        spans = self._spans().values()
+        link_free_at = max((span.leaves_at for span in spans), default=now)
+        crossing = tuple(span.unsent_bytes(now) for span in spans if span.leaves_at > now)
+        return WanEstimate(self.bandwidth_bps, self.rtt_s, max(0.0, link_free_at - now), crossing)
+
+
+@dataclass(frozen=True)
+class _Span:
+    """A placed flow in the ledger's plan: its bytes, and when they start and finish leaving."""
+
+    num_bytes: int
+    starts_at: float
+    leaves_at: float
+
+    def unsent_bytes(self, now: float) -> float:
+        """What is still to leave at ``now``, sent evenly over the span."""
+        if now <= self.starts_at:
+            return float(self.num_bytes)
+        return self.num_bytes * max(0.0, self.leaves_at - now) / (self.leaves_at - self.starts_at)
 
 
 def _covers(a: list[int], b: tuple[int, ...]) -> bool:
