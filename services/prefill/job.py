@@ -255,10 +255,15 @@ class PrefillJob:
             "prefill.compute", context=parent, attributes={"request_id": self.request_id}
         ) as span:
             started = time.perf_counter()
-            first, cached_tokens = await self._sample_first_token()
+            self._host.speed.started(self.request_id)
+            try:
+                first, cached_tokens = await self._sample_first_token()
+            except BaseException:
+                self._host.speed.abandoned(self.request_id)
+                raise
             compute_s = time.perf_counter() - started
             PREFILL_SECONDS.labels(self._host.config.served_model_name).observe(compute_s)
-            self._host.speed.add(len(self.cmd.token_ids) - cached_tokens, compute_s)
+            self._host.speed.finished(self.request_id, len(self.cmd.token_ids) - cached_tokens)
             span.set_attribute("cached_tokens", cached_tokens)
         return first, cached_tokens, compute_s
 

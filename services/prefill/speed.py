@@ -1,22 +1,58 @@
 """How fast this prefill computes prompt tokens, as its heartbeat reports it to the routers
-(which predict when a prompt's KV lands at main decode from it)."""
+(which predict when a prompt's KV lands at main decode from it).
+
+Prompts computing at once share the engine (its steps pack chunks of each), so a prompt's own
+wall time says how busy the engine was, not how fast it computes. Each prompt is charged its
+share of the time it was computing: with ``n`` prompts computing, each of them is charged
+``1 / n`` of every second. The shares add up to the time the engine had work, so the rate is
+the engine's: two cold prompts computed together each sample it, not half of it.
+"""
+
+import time
+from collections.abc import Callable, Hashable
 
 MIN_SAMPLE_TOKENS = 32
 """Prompts computing fewer tokens say more about a step's fixed cost than about the rate."""
 
 
 class PrefillSpeed:
-    """An exponentially weighted moving average of prompt tokens per second of compute."""
+    """An exponentially weighted moving average of prompt tokens per second of the engine's
+    compute, each prompt charged its share of the seconds it was computing."""
 
-    def __init__(self, alpha: float = 0.3):
+    def __init__(self, alpha: float = 0.3, clock: Callable[[], float] = time.monotonic):
         self.alpha = alpha
         self.tokens_per_s = 0.0
         """0 until the first sample."""
+        self._clock = clock
+        self._charged_s: dict[Hashable, float] = {}
+        """Per prompt computing now: the seconds charged to it so far."""
+        self._charged_until = clock()
 
-    def add(self, num_computed_tokens: int, compute_s: float):
-        """One prompt: ``num_computed_tokens`` (not found in the prefix cache) in ``compute_s``."""
+    def started(self, key: Hashable):
+        """A prompt (``key``) begins computing."""
+        self._charge()
+        self._charged_s[key] = 0.0
+
+    def finished(self, key: Hashable, num_computed_tokens: int):
+        """The prompt ``key`` computed ``num_computed_tokens`` (not found in the prefix cache)."""
+        self._charge()
+        compute_s = self._charged_s.pop(key, 0.0)
         if num_computed_tokens < MIN_SAMPLE_TOKENS or compute_s <= 0:
             return
         rate = num_computed_tokens / compute_s
         weight = self.alpha if self.tokens_per_s else 1.0
         self.tokens_per_s += weight * (rate - self.tokens_per_s)
+
+    def abandoned(self, key: Hashable):
+        """The prompt ``key`` stopped computing without a result (failed, cancelled): no sample."""
+        self._charge()
+        self._charged_s.pop(key, None)
+
+    def _charge(self):
+        """Split the seconds since the last change among the prompts computing meanwhile."""
+        now = self._clock()
+        if self._charged_s:
+            share_s = (now - self._charged_until) / len(self._charged_s)
+            for key in self._charged_s:
+                self._charged_s[key] += share_s
+        self._charged_until = now
