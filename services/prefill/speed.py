@@ -11,8 +11,11 @@ the engine's: two cold prompts computed together each sample it, not half of it.
 import time
 from collections.abc import Callable, Hashable
 
-MIN_SAMPLE_TOKENS = 32
-"""Prompts computing fewer tokens say more about a step's fixed cost than about the rate."""
+MIN_SAMPLE_TOKENS = 256
+"""Prompts computing fewer tokens say more about a prompt's fixed cost (joining a step, the first
+token; 0.15-0.2 s for SmolLM2 on the 2-core bench machine, where 30-50 new tokens of a warm turn
+took 145-225 ms) than about the rate of a long prompt, the one whose KV the routers must know
+to overlap with its compute."""
 
 
 class PrefillSpeed:
