@@ -239,6 +239,23 @@ def test_a_flow_that_shared_the_link_measured_its_share_not_a_slower_link():
     assert wan.bandwidth_bps == 20e6
 
 
+def test_a_later_flow_that_lands_first_does_not_push_back_the_flows_placed_before_it():
+    """The link is shared: a follow-up turn's megabyte lands while a cold prompt's 30 MB placed
+    before it still crosses. That says nothing about when the cold prompt's bytes started."""
+    now = [0.0]
+    wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
+    wan.flow_placed("cold", "md-0", [1, 2, 3], 30_000_000, prefill_s=2.0, first_chunk_s=0.1)  # 2.4 s from 0.1 s
+    landing = wan.arriving([1, 2, 3, 4])["md-0"].lands_in_s
+    now[0] = 1.0
+    wan.flow_placed("warm", "md-1", [7, 8], 1_000_000, prefill_s=0.1, first_chunk_s=0.1)
+    now[0] = 1.3
+    wan.flow_landed("warm", "md-1")
+    assert wan.arriving([1, 2, 3, 4])["md-0"].lands_in_s == pytest.approx(landing - 1.3)
+    now[0] = 1.5
+    wan.flow_stopped("warm-odd")  # never placed: nothing changes
+    assert wan.arriving([1, 2, 3, 4])["md-0"].lands_in_s == pytest.approx(landing - 1.5)
+
+
 def test_a_flow_the_index_shows_landed_does_not_push_the_flows_still_listed_behind_it():
     now = [0.0]
     wan = WanEstimator(bandwidth_bps=10e6, rtt_s=0.04, clock=lambda: now[0])

@@ -233,17 +233,25 @@ class WanEstimator:
         lists its blocks), which says nothing about when the link was freed."""
         flow = self._flows.get(request_id)
         if flow is not None and main_decode_id in (None, flow.main_decode_id):
-            del self._flows[request_id]
-            self._num_ledger_changes += 1
+            first = self._forget(request_id)
             if just_now:
                 self._last_landed_at = self._clock() - self.rtt_s
-                self._busy_until = max(self._busy_until, self._last_landed_at)
+                if first:
+                    self._busy_until = max(self._busy_until, self._last_landed_at)
+
+    def _forget(self, request_id: str) -> bool:
+        """Drop ``request_id``'s flow from the ledger; whether it was the first placed of those
+        listed. Only the first one's end tells when the flows placed after it could start: a
+        later, smaller flow sharing the link ends first without the earlier ones having left."""
+        first = next(iter(self._flows)) == request_id
+        del self._flows[request_id]
+        self._num_ledger_changes += 1
+        return first
 
     def flow_stopped(self, request_id: str):
         """The router stopped ``request_id``'s flow (odd traffic the relay finished): its bytes
-        cross no more; it held the link until now, so the flows behind it start no earlier."""
-        if self._flows.pop(request_id, None) is not None:
-            self._num_ledger_changes += 1
+        cross no more; if it was the first placed of those listed, it held the link until now."""
+        if request_id in self._flows and self._forget(request_id):
             self._busy_until = max(self._busy_until, self._clock())
 
     def seen_cached(self, block_hashes: list[int], hits: dict[str, int]):
