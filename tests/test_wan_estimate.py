@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from infra.wan_link import LinkProfile
+from services.router.link_share import Sending, finish_times
 from services.router.wan_estimate import MIN_SAMPLE_BYTES, WanEstimate, WanEstimator
 from shared.block_hash import hash_blocks
 from tests.helpers import chat_body, post
@@ -111,17 +112,19 @@ def test_placed_flows_hold_the_link_until_their_predicted_last_byte():
     assert wan.current().queue_s == 0.0
 
 
-def test_the_flows_behind_are_replanned_when_the_link_proves_faster_or_one_lands_early():
+def test_the_flows_are_replanned_when_the_link_proves_faster_or_one_lands_early():
     now = [0.0]
     wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
     for request_id in ("a", "b", "c"):  # three cold prompts' 25 MB each, placed together: 2 s each
         wan.flow_placed(request_id, "md-0", [hash(request_id)], 25_000_000, prefill_s=0.5, first_chunk_s=0.1)
-    assert wan.current().queue_s == pytest.approx(6.1)
-    now[0] = 1.0
+    assert wan.current().queue_s == pytest.approx(0.1 + 3 * 25_000_000 * 8 / 100e6)
+    now[0] = 1.0  # the link shared by all three since 0.1 s: each sent a third of 0.9 s
+    left = 25_000_000 - 0.9 * 100e6 / 8 / 3
+    assert wan.current().crossing_bytes == pytest.approx((left, left, left))
     wan.add_throughput(200e6, 25_000_000)  # the first measurement: twice as fast as believed
-    assert wan.current().queue_s == pytest.approx(0.1 + 3 * 25_000_000 * 8 / wan.bandwidth_bps - 1.0)
-    wan.flow_landed("a", "md-0")  # its last byte left a round trip ago: b and c follow from then
-    assert wan.current().queue_s == pytest.approx(2 * 25_000_000 * 8 / wan.bandwidth_bps - 0.04)
+    assert wan.current().queue_s == pytest.approx(3 * left * 8 / wan.bandwidth_bps)
+    wan.flow_landed("a", "md-0")  # landed early: b and c have the link
+    assert wan.current().queue_s == pytest.approx(2 * left * 8 / wan.bandwidth_bps)
     assert wan.arriving([hash("c")])["md-0"].lands_in_s == pytest.approx(wan.current().queue_s + 0.02)
 
 
@@ -132,7 +135,9 @@ def test_blocks_on_their_way_count_for_a_follow_up_prompt_until_the_index_lists_
     wan.flow_placed("b", "md-1", [11, 99], 20_000_000, prefill_s=1.0, first_chunk_s=0.1)
     # a follow-up turn: the first turn's three blocks plus a new one
     arriving = wan.arriving([11, 12, 13, 14])
-    assert arriving["md-0"].blocks == 3 and arriving["md-0"].lands_in_s == pytest.approx(2.52)
+    # both share the link from 0.1 s; b's 20 MB are out once it carried 40 MB, then a goes alone
+    a_leaves_s = 0.1 + (2 * 20_000_000 + 10_000_000) * 8 / 100e6
+    assert arriving["md-0"].blocks == 3 and arriving["md-0"].lands_in_s == pytest.approx(a_leaves_s + 0.02)
     assert arriving["md-1"].blocks == 1
     assert wan.arriving([50, 51, 52]) == {}  # another prompt: its chained hashes differ from the first on
     wan.flow_landed("b", "md-1")  # landed: from now on only the cache-index credits its blocks
@@ -208,15 +213,28 @@ def test_a_new_flows_last_byte_is_what_an_equally_shared_link_gives(crossing, ne
     )
 
 
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    crossing=st.lists(st.floats(1e5, 1e8), max_size=6),
+    new_bytes=st.floats(1e5, 1e8),
+    joins_s=st.floats(0.0, 5.0),
+)
+def test_the_ledgers_plan_is_what_an_equally_shared_link_gives(crossing, new_bytes, joins_s):
+    flows = [Sending(0.0, size) for size in crossing] + [Sending(joins_s, new_bytes)]
+    expected = processor_sharing_finish_s(crossing, new_bytes, joins_s, 100e6 / 8)
+    assert finish_times(flows, 0.0, 100e6 / 8)[-1] == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    assert [flow.unsent_bytes for flow in flows] == [*crossing, new_bytes]  # a projection: nothing sent
+
+
 def test_the_ledger_tells_what_each_placed_flow_still_has_to_send():
     now = [0.0]
     wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
     wan.flow_placed("a", "md-0", [1], 25_000_000, prefill_s=0.5, first_chunk_s=0.1)  # 2 s from 0.1 s
-    wan.flow_placed("b", "md-1", [2], 12_500_000, prefill_s=0.5, first_chunk_s=0.1)  # 1 s behind a
-    now[0] = 1.1  # half of a has left, none of b
-    assert wan.current().crossing_bytes == pytest.approx((12_500_000, 12_500_000))
+    wan.flow_placed("b", "md-1", [2], 12_500_000, prefill_s=0.5, first_chunk_s=0.1)
+    now[0] = 1.1  # both shared the link for 1 s: 6.25 MB left each
+    assert wan.current().crossing_bytes == pytest.approx((18_750_000, 6_250_000))
     wan.flow_stopped("a")  # odd traffic the relay finished: its bytes stop crossing
-    assert wan.current().crossing_bytes == pytest.approx((12_500_000,))
+    assert wan.current().crossing_bytes == pytest.approx((6_250_000,))
     assert wan.arriving([1]) == {}
 
 
@@ -239,9 +257,9 @@ def test_a_flow_that_shared_the_link_measured_its_share_not_a_slower_link():
     assert wan.bandwidth_bps == 20e6
 
 
-def test_a_later_flow_that_lands_first_does_not_push_back_the_flows_placed_before_it():
+def test_a_later_flow_that_lands_first_delays_the_flows_placed_before_it_by_its_share_only():
     """The link is shared: a follow-up turn's megabyte lands while a cold prompt's 30 MB placed
-    before it still crosses. That says nothing about when the cold prompt's bytes started."""
+    before it still crosses. The cold prompt lost what the megabyte took of the link, no more."""
     now = [0.0]
     wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
     wan.flow_placed("cold", "md-0", [1, 2, 3], 30_000_000, prefill_s=2.0, first_chunk_s=0.1)  # 2.4 s from 0.1 s
@@ -250,10 +268,11 @@ def test_a_later_flow_that_lands_first_does_not_push_back_the_flows_placed_befor
     wan.flow_placed("warm", "md-1", [7, 8], 1_000_000, prefill_s=0.1, first_chunk_s=0.1)
     now[0] = 1.3
     wan.flow_landed("warm", "md-1")
-    assert wan.arriving([1, 2, 3, 4])["md-0"].lands_in_s == pytest.approx(landing - 1.3)
+    delay_s = 1_000_000 * 8 / 100e6
+    assert wan.arriving([1, 2, 3, 4])["md-0"].lands_in_s == pytest.approx(landing + delay_s - 1.3)
     now[0] = 1.5
     wan.flow_stopped("warm-odd")  # never placed: nothing changes
-    assert wan.arriving([1, 2, 3, 4])["md-0"].lands_in_s == pytest.approx(landing - 1.5)
+    assert wan.arriving([1, 2, 3, 4])["md-0"].lands_in_s == pytest.approx(landing + delay_s - 1.5)
 
 
 def test_a_flow_the_index_shows_landed_does_not_push_the_flows_still_listed_behind_it():

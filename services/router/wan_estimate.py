@@ -21,16 +21,16 @@ quickly.
 The link is shared: every flow this router placed is still crossing until its predicted last
 byte (``flow_placed``), relayed requests' included (their KV still goes to main decode after
 the relay answered), unless the router stopped it (``flow_stopped``: odd traffic the relay
-finished). The ledger plans the placed flows' last bytes in placement order, from each flow's
-own bytes, prefill and first chunk at the bandwidth believed now: one that landed early (its
-``KvReady``) or a faster link measured since moves the later ones up. What each still has to
-send (``WanEstimate.crossing_bytes``) follows from that plan. A new flow shares the link with
-them: connections crossing one bottleneck at once each get a share of it (TCP's fair share;
-the WAN link emulator takes turns a chunk per connection), so a new flow of ``B`` bytes is done
-once the link has carried ``B`` plus, of each flow still crossing, at most ``B`` more
-(processor sharing). A follow-up turn's megabyte behind a cold prompt's 30 MB then takes about
-two megabytes' time, not thirty-one; two cold prompts in a row are still not predicted as if
-each had the link alone. Blocks a placed
+finished). Flows crossing one bottleneck at once each get a share of it (TCP's fair share; the
+WAN link emulator takes turns a chunk per connection), so the ledger tracks what each placed
+flow has still to send with the link shared equally among those whose first byte may leave
+(``services/router/link_share.py``), and plans their last bytes the same way, each no earlier
+than its prefill ends. A flow that lands (its ``KvReady``) or is stopped leaves the others what
+the link carried of them so far; a faster link measured since moves them all up. A new flow of
+``B`` bytes is done once the link has carried ``B`` plus, of each flow still crossing
+(``WanEstimate.crossing_bytes``), at most ``B`` more: a follow-up turn's megabyte behind a
+cold prompt's 30 MB takes about two megabytes' time, not thirty-one, and two cold prompts in a
+row are still not predicted as if each had the link alone. Blocks a placed
 flow is still bringing to a main decoder do not cross again (a decoder's later flow waits for
 them, ``shared/decode_cache.py``): ``arriving`` says how many of a prompt's leading blocks
 each decoder has on the way and when they land, so a follow-up turn counts only its new
@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.router.link_share import Sending, advance, drained, finish_times, shared_transfer_bytes
 from shared.block_hash import common_prefix
 
 MIN_SAMPLE_BYTES = 256 << 10
@@ -80,41 +81,18 @@ class WanEstimate:
         return last_byte_s - prefill_s + self.rtt_s / 2
 
 
-def drained(crossing_bytes: tuple[float, ...], sent_bytes: float) -> list[float]:
-    """What flows with ``crossing_bytes`` still to send have left once a link shared equally
-    among them has carried ``sent_bytes`` (each gives up to the same amount; the finished drop
-    out)."""
-    level, left, remaining = 0.0, sent_bytes, len(crossing_bytes)
-    for size in sorted(crossing_bytes):
-        if left <= (size - level) * remaining:
-            level += left / remaining
-            break
-        left -= (size - level) * remaining
-        level, remaining = size, remaining - 1
-    else:
-        return []
-    return [size - level for size in crossing_bytes if size > level]
-
-
-def shared_transfer_bytes(num_bytes: float, crossing_bytes: list[float]) -> float:
-    """Bytes the link carries until a flow of ``num_bytes``, sharing it equally with flows that
-    have ``crossing_bytes`` to send, sends its last: its own, and of each other flow as much,
-    or all it has if less."""
-    return num_bytes + sum(min(size, num_bytes) for size in crossing_bytes)
-
-
-@dataclass(frozen=True)
+@dataclass
 class PlacedFlow:
-    """KV this router sent across the link: to whom, which blocks, how many bytes, and when
-    (clock seconds) it was placed, its prefill ends and its first byte may leave at the
-    earliest."""
+    """KV this router sent across the link: to whom, which blocks, how many bytes, when (clock
+    seconds) it was placed and its prefill ends, and how it fares on the link (``sending``:
+    when its first byte may leave, what it has still to send as of the ledger's last look)."""
 
     main_decode_id: str
     block_hashes: tuple[int, ...]
     num_bytes: int
     placed_at: float
     prefill_ends_at: float
-    first_byte_at: float
+    sending: Sending
 
 
 @dataclass(frozen=True)
@@ -140,10 +118,10 @@ class WanEstimator:
         self.bandwidth_samples = self.rtt_samples = 0
         self._clock = clock
         self._flows: dict[str, PlacedFlow] = {}  # by request id, in placement order (a recovery's replaces its first)
-        self._busy_until = 0.0  # the last byte of flows forgotten because it should have left
+        self._as_of = clock()  # the flows' unsent bytes are as of this clock time
         self._last_landed_at = float("-inf")
-        self._num_ledger_changes = 0  # bumped whenever _flows changes (keys the _spans plan)
-        self._plan: tuple[tuple, dict[str, _Span]] = ((), {})
+        self._num_ledger_changes = 0  # bumped whenever _flows changes (keys the _leaving plan)
+        self._plan: tuple[tuple, dict[str, float]] = ((), {})
 
     def add_throughput(self, throughput_bps: float, num_bytes: int, request_id: str | None = None):
         """A WAN flow's measured throughput (ignored for transfers too small to tell). With
@@ -152,6 +130,7 @@ class WanEstimator:
         estimate, never lower it."""
         if throughput_bps <= 0 or num_bytes < MIN_SAMPLE_BYTES:
             return
+        self._advance()  # what crossed so far crossed at the rate believed so far
         shared = request_id is not None and self._shared(request_id, num_bytes * 8 / throughput_bps)
         if shared and throughput_bps <= self.bandwidth_bps:
             return
@@ -168,8 +147,8 @@ class WanEstimator:
         if self._last_landed_at > sent_from:
             return True
         return any(
-            span.leaves_at > sent_from and self._flows[rid].placed_at < sent_until
-            for rid, span in self._spans().items()
+            leaves_at > sent_from and self._flows[rid].placed_at < sent_until
+            for rid, leaves_at in self._leaving().items()
             if rid != request_id
         )
 
@@ -195,9 +174,8 @@ class WanEstimator:
         ``block_hashes`` was placed now, its prefill predicted to take ``prefill_s`` and ship
         its first chunk after ``first_chunk_s`` (0: all at the end)."""
         now = self._clock()
-        spans = self._spans()
-        for rid in [rid for rid, span in spans.items() if span.leaves_at <= now]:
-            self._busy_until = max(self._busy_until, spans[rid].leaves_at)
+        leaving = self._leaving()
+        for rid in [rid for rid, leaves_at in leaving.items() if leaves_at <= now]:
             del self._flows[rid]
         self._flows.pop(request_id, None)
         self._num_ledger_changes += 1
@@ -205,54 +183,53 @@ class WanEstimator:
             return
         first_byte_at = now + max(first_chunk_s or prefill_s, self.rtt_s)
         self._flows[request_id] = PlacedFlow(
-            main_decode_id, tuple(block_hashes), num_bytes, now, now + prefill_s, first_byte_at
+            main_decode_id, tuple(block_hashes), num_bytes, now, now + prefill_s, Sending(first_byte_at, num_bytes)
         )
 
-    def _spans(self) -> dict[str, "_Span"]:
-        """When each placed flow's bytes start and finish leaving: the link sends them one
-        after another in placement order at the bandwidth believed now, each no earlier than
-        its first byte may leave, its last no earlier than its prefill ends. Planned again only
-        after the ledger, the bandwidth or the link's busy time changed (not the clock: the
-        plan does not use it)."""
-        key = (self._num_ledger_changes, self.bandwidth_bps, self._busy_until)
+    def _advance(self):
+        """Bring the flows' unsent bytes up to now: the link carried them, sharing its rate."""
+        now = self._clock()
+        if now > self._as_of:
+            advance([flow.sending for flow in self._flows.values()], self._as_of, now, self.bandwidth_bps / 8)
+            self._as_of = now
+
+    def _leaving(self) -> dict[str, float]:
+        """When each placed flow's last byte leaves: from what each has still to send, the
+        link shared equally among those whose first byte may leave, at the bandwidth believed
+        now; no earlier than the flow's prefill ends. Planned again only after the ledger, the
+        bandwidth or the clock moved."""
+        self._advance()
+        key = (self._num_ledger_changes, self.bandwidth_bps, self._as_of)
         if self._plan[0] == key:
             return self._plan[1]
-        link_free_at, spans = self._busy_until, {}
-        for request_id, flow in self._flows.items():
-            starts_at = max(link_free_at, flow.first_byte_at)
-            link_free_at = max(flow.prefill_ends_at, starts_at + flow.num_bytes * 8 / self.bandwidth_bps)
-            spans[request_id] = _Span(flow.num_bytes, starts_at, link_free_at)
-        self._plan = (key, spans)
-        return spans
+        flows = list(self._flows.items())
+        done_at = finish_times([flow.sending for _, flow in flows], self._as_of, self.bandwidth_bps / 8)
+        leaving = {rid: max(flow.prefill_ends_at, at) for (rid, flow), at in zip(flows, done_at, strict=True)}
+        self._plan = (key, leaving)
+        return leaving
 
     def flow_landed(self, request_id: str, main_decode_id: str | None = None, *, just_now: bool = True):
         """Main decode has all of ``request_id``'s KV: the flow holds the link no longer.
         With ``main_decode_id`` (who says so), only if the flow went to that decoder.
-        ``just_now``: told by its ``KvReady`` (its last byte left a round trip ago, so the
-        flows behind it could not start before then); False: found out later (the cache-index
-        lists its blocks), which says nothing about when the link was freed."""
+        ``just_now``: told by its ``KvReady`` (its last byte left a round trip ago); False:
+        found out later (the cache-index lists its blocks)."""
         flow = self._flows.get(request_id)
         if flow is not None and main_decode_id in (None, flow.main_decode_id):
-            first = self._forget(request_id)
+            self._forget(request_id)
             if just_now:
                 self._last_landed_at = self._clock() - self.rtt_s
-                if first:
-                    self._busy_until = max(self._busy_until, self._last_landed_at)
-
-    def _forget(self, request_id: str) -> bool:
-        """Drop ``request_id``'s flow from the ledger; whether it was the first placed of those
-        listed. Only the first one's end tells when the flows placed after it could start: a
-        later, smaller flow sharing the link ends first without the earlier ones having left."""
-        first = next(iter(self._flows)) == request_id
-        del self._flows[request_id]
-        self._num_ledger_changes += 1
-        return first
 
     def flow_stopped(self, request_id: str):
         """The router stopped ``request_id``'s flow (odd traffic the relay finished): its bytes
-        cross no more; if it was the first placed of those listed, it held the link until now."""
-        if request_id in self._flows and self._forget(request_id):
-            self._busy_until = max(self._busy_until, self._clock())
+        cross no more."""
+        if request_id in self._flows:
+            self._forget(request_id)
+
+    def _forget(self, request_id: str):
+        """Drop ``request_id``'s flow; the others keep what the link carried of them so far."""
+        self._advance()
+        del self._flows[request_id]
+        self._num_ledger_changes += 1
 
     def seen_cached(self, block_hashes: list[int], hits: dict[str, int]):
         """The cache-index lists ``hits`` leading blocks of ``block_hashes`` per instance: a
@@ -269,38 +246,26 @@ class WanEstimator:
         have) counts no more: only the cache-index credits blocks a decoder holds (a restarted
         decoder holds none of them)."""
         now, found = self._clock(), {}
-        for request_id, span in self._spans().items():
-            if span.leaves_at <= now:
+        for request_id, leaves_at in self._leaving().items():
+            if leaves_at <= now:
                 continue
             flow = self._flows[request_id]
             blocks = common_prefix(flow.block_hashes, block_hashes)
             best = found.get(flow.main_decode_id)
             if blocks and (best is None or blocks > best.blocks):
-                found[flow.main_decode_id] = Arriving(blocks, span.leaves_at + self.rtt_s / 2 - now)
+                found[flow.main_decode_id] = Arriving(blocks, leaves_at + self.rtt_s / 2 - now)
         return found
 
     def current(self) -> WanEstimate:
         """The estimate placement uses now."""
-        now = self._clock()
-        spans = self._spans().values()
-        link_free_at = max((span.leaves_at for span in spans), default=now)
-        crossing = tuple(span.unsent_bytes(now) for span in spans if span.leaves_at > now)
+        now, leaving = self._clock(), self._leaving()
+        link_free_at = max(leaving.values(), default=now)
+        crossing = tuple(
+            self._flows[rid].sending.unsent_bytes
+            for rid, leaves_at in leaving.items()
+            if leaves_at > now and self._flows[rid].sending.unsent_bytes > 0
+        )
         return WanEstimate(self.bandwidth_bps, self.rtt_s, max(0.0, link_free_at - now), crossing)
-
-
-@dataclass(frozen=True)
-class _Span:
-    """A placed flow in the ledger's plan: its bytes, and when they start and finish leaving."""
-
-    num_bytes: int
-    starts_at: float
-    leaves_at: float
-
-    def unsent_bytes(self, now: float) -> float:
-        """What is still to leave at ``now``, sent evenly over the span."""
-        if now <= self.starts_at:
-            return float(self.num_bytes)
-        return self.num_bytes * max(0.0, self.leaves_at - now) / (self.leaves_at - self.starts_at)
 
 
 def _covers(a: list[int], b: tuple[int, ...]) -> bool:
