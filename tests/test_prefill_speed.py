@@ -40,7 +40,7 @@ def test_a_warm_turn_beside_a_cold_prompt_is_charged_only_its_share():
     """A cold prompt of 1,200 tokens computes alone for 1 s, then beside a 400-token warm turn
     for 2 s (the engine still computes 400 tokens/s: 200 each), then alone for 1 s more."""
     clock = Clock()
-    speed = PrefillSpeed(alpha=1.0, clock=clock)
+    speed = PrefillSpeed(clock=clock)
     speed.started("cold")
     clock.now_s += 1.0
     speed.started("warm")
@@ -52,9 +52,23 @@ def test_a_warm_turn_beside_a_cold_prompt_is_charged_only_its_share():
     assert speed.tokens_per_s == pytest.approx(400.0)  # 1 + 1 + 1 s charged: 3 s for 1,200
 
 
+def test_prompts_the_engine_computes_one_after_the_other_still_sample_its_rate():
+    """The scheduler may finish one prompt first: 800 tokens each at 400 tokens/s, the first
+    done after 2 s (charged 1 s of them), the second alone for 2 s more (charged 3 s)."""
+    clock = Clock()
+    speed = PrefillSpeed(clock=clock)
+    speed.started("first")
+    speed.started("second")
+    clock.now_s += 2.0
+    speed.finished("first", 800)
+    clock.now_s += 2.0
+    speed.finished("second", 800)
+    assert speed.tokens_per_s == pytest.approx(400.0)
+
+
 def test_abandoned_and_tiny_prompts_leave_the_rate_alone_and_free_their_share():
     clock = Clock()
-    speed = PrefillSpeed(alpha=1.0, clock=clock)
+    speed = PrefillSpeed(clock=clock)
     speed.started("gone")
     speed.started("tiny")
     speed.started("real")

@@ -261,9 +261,9 @@ class PrefillJob:
             except BaseException:
                 self._host.speed.abandoned(self.request_id)
                 raise
+            self._host.speed.finished(self.request_id, len(self.cmd.token_ids) - cached_tokens)
             compute_s = time.perf_counter() - started
             PREFILL_SECONDS.labels(self._host.config.served_model_name).observe(compute_s)
-            self._host.speed.finished(self.request_id, len(self.cmd.token_ids) - cached_tokens)
             span.set_attribute("cached_tokens", cached_tokens)
         return first, cached_tokens, compute_s
 

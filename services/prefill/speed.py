@@ -9,6 +9,7 @@ the engine's: two cold prompts computed together each sample it, not half of it.
 """
 
 import time
+from collections import deque
 from collections.abc import Callable, Hashable
 
 MIN_SAMPLE_TOKENS = 256
@@ -18,18 +19,25 @@ took 145-225 ms) than about the rate of a long prompt, the one whose KV the rout
 to overlap with its compute."""
 
 
-class PrefillSpeed:
-    """An exponentially weighted moving average of prompt tokens per second of the engine's
-    compute, each prompt charged its share of the seconds it was computing."""
+SAMPLE_WINDOW = 8
+"""The rate is over this many latest prompts: their tokens over their charged seconds."""
 
-    def __init__(self, alpha: float = 0.3, clock: Callable[[], float] = time.monotonic):
-        self.alpha = alpha
+
+class PrefillSpeed:
+    """Prompt tokens per second of the engine's compute over the latest ``SAMPLE_WINDOW``
+    prompts (their tokens over the seconds charged to them), each prompt charged its share of
+    the seconds it was computing. A ratio of sums, not a mean of per-prompt rates: whether the
+    engine computes prompts side by side or one after another (its scheduler picks), the
+    charged seconds add up to its busy time."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.tokens_per_s = 0.0
         """0 until the first sample."""
         self._clock = clock
         self._charged_s: dict[Hashable, float] = {}
         """Per prompt computing now: the seconds charged to it so far."""
         self._charged_until = clock()
+        self._samples: deque[tuple[int, float]] = deque(maxlen=SAMPLE_WINDOW)
 
     def started(self, key: Hashable):
         """A prompt (``key``) begins computing."""
@@ -42,9 +50,8 @@ class PrefillSpeed:
         compute_s = self._charged_s.pop(key, 0.0)
         if num_computed_tokens < MIN_SAMPLE_TOKENS or compute_s <= 0:
             return
-        rate = num_computed_tokens / compute_s
-        weight = self.alpha if self.tokens_per_s else 1.0
-        self.tokens_per_s += weight * (rate - self.tokens_per_s)
+        self._samples.append((num_computed_tokens, compute_s))
+        self.tokens_per_s = sum(tokens for tokens, _ in self._samples) / sum(s for _, s in self._samples)
 
     def abandoned(self, key: Hashable):
         """The prompt ``key`` stopped computing without a result (failed, cancelled): no sample."""

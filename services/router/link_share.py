@@ -4,13 +4,13 @@ WAN link emulator does (it takes turns a chunk per connection). A flow that has 
 drops out and the others' shares grow.
 """
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 DONE_BYTES = 1e-6
-"""Less than this left counts as sent (floating-point dust; a billionth of the smallest flow
-sending counts too)."""
+"""Less than this left counts as sent (floating-point dust)."""
 
 
 @dataclass
@@ -59,24 +59,30 @@ def shared_transfer_bytes(num_bytes: float, crossing_bytes: Sequence[float]) -> 
 
 
 def _share(flows: Sequence[Sending], now_s: float, until_s: float, bytes_per_s: float, finished: list | None):
-    """Event by event (a flow's first byte, a flow done): equal shares in between."""
-    pending = [i for i, flow in enumerate(flows) if flow.unsent_bytes > DONE_BYTES]
-    while pending and now_s < until_s:
-        active = [i for i in pending if flows[i].first_byte_at <= now_s]
-        upcoming_s = min((flows[i].first_byte_at for i in pending if flows[i].first_byte_at > now_s), default=math.inf)
-        if not active:
+    """Processor sharing by virtual time: ``served`` is what each flow sending has been given
+    so far, growing at ``bytes_per_s / flows sending``; a flow that starts with ``unsent`` left
+    is done when ``served`` reaches its start's ``served + unsent``. O(n log n) in the flows."""
+    waiting = sorted((flow.first_byte_at, i) for i, flow in enumerate(flows) if flow.unsent_bytes > DONE_BYTES)
+    waiting.reverse()  # the next to start at the end
+    sending: list[tuple[float, int]] = []  # (served when done, index), a heap
+    served = 0.0
+    while (sending or waiting) and now_s < until_s:
+        while waiting and waiting[-1][0] <= now_s:
+            i = waiting.pop()[1]
+            heapq.heappush(sending, (served + flows[i].unsent_bytes, i))
+        upcoming_s = waiting[-1][0] if waiting else math.inf
+        if not sending:
             now_s = min(upcoming_s, until_s)
             continue
-        share = bytes_per_s / len(active)
-        smallest = min(flows[i].unsent_bytes for i in active)
-        step_s = min(until_s - now_s, upcoming_s - now_s, smallest / share)
+        share = bytes_per_s / len(sending)
+        step_s = min(until_s - now_s, upcoming_s - now_s, (sending[0][0] - served) / share)
         now_s += step_s
-        done_below = max(DONE_BYTES, 1e-9 * smallest)  # the smallest one's rounding dust
-        for i in active:
-            flow = flows[i]
-            flow.unsent_bytes -= share * step_s
-            if flow.unsent_bytes <= done_below:
-                flow.unsent_bytes = 0.0
-                if finished is not None:
-                    finished[i] = now_s
-        pending = [i for i in pending if flows[i].unsent_bytes > 0]
+        served += share * step_s
+        done_below = served + max(DONE_BYTES, 1e-12 * served)  # rounding dust
+        while sending and sending[0][0] <= done_below:
+            i = heapq.heappop(sending)[1]
+            flows[i].unsent_bytes = 0.0
+            if finished is not None:
+                finished[i] = now_s
+    for done_at_served, i in sending:
+        flows[i].unsent_bytes = done_at_served - served

@@ -196,12 +196,12 @@ class WanEstimator:
     def _leaving(self) -> dict[str, float]:
         """When each placed flow's last byte leaves: from what each has still to send, the
         link shared equally among those whose first byte may leave, at the bandwidth believed
-        now; no earlier than the flow's prefill ends. Planned again only after the ledger, the
-        bandwidth or the clock moved."""
-        self._advance()
-        key = (self._num_ledger_changes, self.bandwidth_bps, self._as_of)
+        now; no earlier than the flow's prefill ends. Planned again only after the ledger or
+        the bandwidth changed: advancing the flows along the plan does not move it."""
+        key = (self._num_ledger_changes, self.bandwidth_bps)
         if self._plan[0] == key:
             return self._plan[1]
+        self._advance()
         flows = list(self._flows.items())
         done_at = finish_times([flow.sending for _, flow in flows], self._as_of, self.bandwidth_bps / 8)
         leaving = {rid: max(flow.prefill_ends_at, at) for (rid, flow), at in zip(flows, done_at, strict=True)}
@@ -259,6 +259,7 @@ class WanEstimator:
     def current(self) -> WanEstimate:
         """The estimate placement uses now."""
         now, leaving = self._clock(), self._leaving()
+        self._advance()
         link_free_at = max(leaving.values(), default=now)
         crossing = tuple(
             self._flows[rid].sending.unsent_bytes

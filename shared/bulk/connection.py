@@ -213,8 +213,10 @@ class BulkConnection:
         while no call runs on the connection."""
         if self._closed:
             return False
-        try:
-            readable, _, _ = select.select([self._sock], [], [], 0)
+        try:  # poll, not select: a process with many connections has descriptors past 1024
+            poller = select.poll()
+            poller.register(self._sock, select.POLLIN)
+            readable = poller.poll(0)
         except (OSError, ValueError):
             return False
         pending = self._sock.pending() if isinstance(self._sock, ssl.SSLSocket) else 0
