@@ -56,7 +56,8 @@ class WanEstimate:
     Attributes:
         bandwidth_bps: Bits per second.
         rtt_s: Round trip in seconds.
-        queue_s: Seconds from now until the flows this router already placed have left.
+        queue_s: Seconds from now until the flows this router already placed have left (shown
+            by the router's status; predictions use ``crossing_bytes``).
         crossing_bytes: What each of those flows still has to send, as of now.
     """
 
@@ -69,7 +70,8 @@ class WanEstimate:
         """When the last of ``num_bytes`` of KV lands at main decode, counted from the end of
         a prefill that computes for ``prefill_s`` and ships chunk by chunk from ``first_chunk_s``
         on. The flow opens as the compute starts (one round trip), so its first byte leaves at
-        ``max(first_chunk_s, rtt)``; until then the flows crossing drain. From there it shares
+        ``max(first_chunk_s, rtt)``; until then the flows crossing drain (each counted as
+        sending from now, even one whose own first byte is still ahead). From there it shares
         the link: its last byte leaves once the link has carried its bytes and, of each flow
         still crossing, up to as many (``shared_transfer_bytes``), and no earlier than the
         prefill ends; it lands one one-way delay later. Without a prefill estimate (0, 0): a
