@@ -176,10 +176,8 @@ class WanEstimator:
         ``block_hashes`` was placed now, its prefill predicted to take ``prefill_s`` and ship
         its first chunk after ``first_chunk_s`` (0: all at the end)."""
         now = self._clock()
-        leaving = self._leaving()
-        for rid in [rid for rid, leaves_at in leaving.items() if leaves_at <= now]:
-            del self._flows[rid]
-        self._flows.pop(request_id, None)
+        for rid in [rid for rid, leaves_at in self._leaving().items() if leaves_at <= now or rid == request_id]:
+            self._forget(rid)
         self._num_ledger_changes += 1
         if num_bytes <= 0:
             return
