@@ -283,3 +283,19 @@ def test_a_flow_the_index_shows_landed_does_not_push_the_flows_still_listed_behi
     now[0] = 3.0  # all three landed long ago; the index lists a's prompt at md-0 only now
     wan.seen_cached([1, 2, 5], {"md-0": 2})
     assert wan.current().queue_s == 0.0 and wan.arriving([1, 2, 5]) == {}
+
+
+def test_a_flow_waits_for_its_prefill_only_until_the_prefill_says_it_is_done():
+    """A follow-up turn waits in the plan for blocks on their way; a prefill predicted slower
+    than it ran must not hold them back there."""
+    now = [0.0]
+    wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
+    # 30 MB shipped from 0.2 s of a prompt predicted to compute for 3 s: 2.4 s on the wire
+    wan.flow_placed("turn-1", "md-0", [1, 2], 30_000_000, prefill_s=3.0, first_chunk_s=0.2)
+    assert wan.arriving([1, 2, 3])["md-0"].lands_in_s == pytest.approx(3.0 + 0.02)
+    now[0] = 1.0
+    wan.prefill_done("never-placed")  # nothing changes
+    assert wan.arriving([1, 2, 3])["md-0"].lands_in_s == pytest.approx(2.0 + 0.02)
+    wan.prefill_done("turn-1")  # computed in 1 s: the link alone decides when the rest lands
+    left_bytes = 30_000_000 - (1.0 - 0.2) * 100e6 / 8
+    assert wan.arriving([1, 2, 3])["md-0"].lands_in_s == pytest.approx(left_bytes * 8 / 100e6 + 0.02)

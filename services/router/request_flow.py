@@ -425,6 +425,7 @@ class RequestFlow:
         elif isinstance(event, PrefillCompleted):
             self.load.release([prefill])  # its work for the request is done: it is free for the next
             self.ctx.wan.add_rtt(event.wan_rtt_s)
+            self.ctx.wan.prefill_done(self.request_id)
             self.outcome.prefill_compute_ms = round(event.compute_s * 1000, 1)
             self.outcome.prefill_computed_unix_s = event.computed_unix_s
             if self.attempt == 0:  # what the client's prompt reused (a recovery's prefill is ours)

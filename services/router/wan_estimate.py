@@ -21,9 +21,11 @@ quickly.
 The link is shared: every flow this router placed is still crossing until its predicted last
 byte (``flow_placed``), relayed requests' included (their KV still goes to main decode after
 the relay answered), unless the router stopped it (``flow_stopped``: odd traffic the relay
-finished). Flows crossing one bottleneck at once each get a share of it (TCP's fair share; the
-WAN link emulator takes turns a chunk per connection), so the ledger tracks what each placed
-flow has still to send with the link shared equally among those whose first byte may leave
+finished). A flow's last byte leaves no earlier than its prefill ends: predicted from the
+prefill's reported rate until the prefill says it is done (``prefill_done``). Flows crossing
+one bottleneck at once each get a share of it (TCP's fair share; the WAN link emulator takes
+turns a chunk per connection), so the ledger tracks what each placed flow has still to send
+with the link shared equally among those whose first byte may leave
 (``services/router/link_share.py``), and plans their last bytes the same way, each no earlier
 than its prefill ends. A flow that lands (its ``KvReady``) or is stopped leaves the others what
 the link carried of them so far; a faster link measured since moves them all up. A new flow of
@@ -185,6 +187,18 @@ class WanEstimator:
         self._flows[request_id] = PlacedFlow(
             main_decode_id, tuple(block_hashes), num_bytes, now, now + prefill_s, Sending(first_byte_at, num_bytes)
         )
+
+    def prefill_done(self, request_id: str):
+        """``request_id``'s prefill has computed and exported its whole prompt: its flow's last
+        byte now waits for the link alone, not for the predicted end of the compute."""
+        flow = self._flows.get(request_id)
+        if flow is None:
+            return
+        self._advance()
+        now = self._clock()
+        flow.prefill_ends_at = now
+        flow.sending.first_byte_at = min(flow.sending.first_byte_at, now)
+        self._num_ledger_changes += 1
 
     def _advance(self):
         """Bring the flows' unsent bytes up to now: the link carried them, sharing its rate."""
