@@ -155,8 +155,18 @@ def pooled_summary(mode: str, repetitions: list[dict], runs: list[ModeRun], args
     summary["wan_kv_bytes"] = round(summary["wan_kv_bytes"] / len(runs))
     link = [run.link_kv_bytes for run in runs]
     summary["wan_link_kv_bytes"] = None if None in link else round(sum(link) / len(link))
+    summary["wan_link_load"] = link_load(None if None in link else sum(link), wall_s, bench_link(args)[0])
     summary["repetitions"] = len(runs)
     return summary
+
+
+def link_load(link_kv_bytes: int | None, wall_s: float, link_bps: float) -> float | None:
+    """The KV bytes the link carried over a replay as a fraction of what it could carry in the
+    replay's wall time (None: not counted, or no rate limit). Near or above 1 the link was busy
+    throughout: KV landed ever later behind the flows before it, whatever the placement."""
+    if link_kv_bytes is None or link_bps <= 0 or wall_s <= 0:
+        return None
+    return round(link_kv_bytes * 8 / link_bps / wall_s, 3)
 
 
 def bench_link(args) -> tuple[float, float]:
@@ -202,6 +212,7 @@ def run_bench(args) -> dict:
             runs[mode].append(ModeRun(mode_records, link_bytes))
             summary = summarise(mode_records, wall_s, args.ttft_slo_ms, args.itl_slo_ms, bench_link(args))
             summary["wan_link_kv_bytes"] = link_bytes
+            summary["wan_link_load"] = link_load(link_bytes, wall_s, bench_link(args)[0])
             results.setdefault("repetitions", [{} for _ in range(args.repeat)])[repetition][mode] = summary
             print(f"  {json.dumps(summary['ttft_ms'])} errors={summary['errors']}", flush=True)
         if getattr(args, "calibrate", False):

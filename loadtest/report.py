@@ -109,15 +109,16 @@ def render(results: dict) -> str:
         "",
         (
             "| mode | requests | errors | TTFT p50 | p90 | p99 | ITL p99 | goodput rps | KV MB to MD "
-            "(responses) | KV MB on the WAN link | RLD share | pipelines |"
+            "(responses) | KV MB on the WAN link | link load | RLD share | pipelines |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, m in modes.items():
         lines.append(
             f"| {mode} | {m['requests']} | {m['errors']} | {m['ttft_ms']['p50']} | {m['ttft_ms']['p90']} | "
             f"{m['ttft_ms']['p99']} | {m['itl_ms']['p99']} | {m['goodput_rps']} | "
             f"{m['wan_kv_bytes'] / 1e6:.1f} | {_megabytes(m.get('wan_link_kv_bytes'))} | "
+            f"{'–' if m.get('wan_link_load') is None else m['wan_link_load']} | "
             f"{m['rld_token_share']:.3f} | {m['pipelines']} |"
         )
     lines += _kv_timing_lines(modes)
@@ -159,11 +160,18 @@ def _rld_share_why(pdd: dict) -> str:
     """Why the relay's share of output tokens is high, from the mode's own counts."""
     relayed = pdd["pipelines"].get("P-RLD-MD", 0)
     on_rld = pdd.get("finished_on", {}).get("RLD", 0)
+    load = pdd.get("wan_link_load")
+    busy = (
+        f"; the link carried {load}× what it could move in the replay's time, so KV landed ever "
+        "later behind the flows before it"
+        if load is not None and load >= 0.9
+        else ""
+    )
     return (
         f"; why: {relayed} of {pdd['requests']} requests were relayed and {on_rld} of them "
         f"ended on the relay — with ~{pdd.get('mean_output_tokens')} output tokens a relayed "
         "answer is done before its KV lands, and a follow-up sent right after finds main "
-        "decode's cache still behind the in-flight transfer, so it is relayed again"
+        f"decode's cache still behind the in-flight transfer, so it is relayed again{busy}"
     )
 
 

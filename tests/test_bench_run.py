@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from infra.wan_link import parse_rate
 from loadtest.trace import load_trace
 
 
@@ -64,6 +65,14 @@ def test_bench_run_writes_results_report_and_plots_and_the_simulator_replays_it(
     assert "## KV landed at main decode" in (tmp_path / "report.md").read_text()
     # What the responses report is what the WAN link carried, plus flow control messages.
     assert cross["wan_kv_bytes"] <= cross["wan_link_kv_bytes"] <= 1.05 * cross["wan_kv_bytes"]
+    # The link's load: what it carried over what it could carry in the replays' wall time.
+    link_bps = parse_rate(results["config"]["bandwidth"])
+    for mode in ("cross-site-pd", "pdd"):
+        reps = [rep[mode] for rep in results["repetitions"]]
+        carried_s = sum(rep["wan_link_kv_bytes"] for rep in reps) * 8 / link_bps
+        assert results["modes"][mode]["wan_link_load"] == pytest.approx(
+            carried_s / sum(rep["wall_s"] for rep in reps), abs=1e-3
+        )
     micro = results["handoff_microbench"]
     assert micro["token_ids"]["payload_bytes"] < micro["incremental_kv"]["payload_bytes"]
     report = (tmp_path / "report.md").read_text()
