@@ -299,3 +299,22 @@ def test_a_flow_waits_for_its_prefill_only_until_the_prefill_says_it_is_done():
     wan.prefill_done("turn-1")  # computed in 1 s: the link alone decides when the rest lands
     left_bytes = 30_000_000 - (1.0 - 0.2) * 100e6 / 8
     assert wan.arriving([1, 2, 3])["md-0"].lands_in_s == pytest.approx(left_bytes * 8 / 100e6 + 0.02)
+
+
+async def test_the_router_predicts_a_prompts_compute_from_the_rate_the_prefill_reports(make_stack):
+    """A prompt's KV leaves as it is computed, so placement needs the prompt's compute time: the
+    prefill reports its rate in its heartbeat (0 until it has computed a long prompt), and the
+    router's prediction for a like prompt is of the order the prefill then measures."""
+    stack = await make_stack(
+        profile=LinkProfile(bandwidth_bps=1e9, rtt_ms=10, jitter_ms=0, seed=4),
+        router_settings={"odd_traffic_filter": False},
+    )
+    predicted_ms = computed_ms = 0.0
+    for attempt in range(40):  # until a heartbeat after the first long prompt has carried the rate
+        status, body = await post(stack, "/chat/completions", chat_body(f"Describe harbour {attempt}. " * 100, 2))
+        assert status == 200, body
+        predicted_ms, computed_ms = body["pdd"]["predicted_prefill_ms"], body["pdd"]["prefill_compute_ms"]
+        if predicted_ms > 0:
+            break
+    assert predicted_ms > 0, "the prefill never reported a rate"
+    assert 0.2 <= predicted_ms / computed_ms <= 5, (predicted_ms, computed_ms)

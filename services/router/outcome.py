@@ -48,6 +48,7 @@ class RequestOutcome:
     output_tokens: int = 0
     instances: dict[str, str] = field(default_factory=dict)
     predicted_wan_ms: float = 0.0
+    predicted_prefill_ms: float = 0.0
     kv_transfer_ms: float | None = None
     recoveries: list[Recovery] = field(default_factory=list)
     degraded_reason: str = ""
@@ -70,6 +71,7 @@ class RequestOutcome:
         self.pipeline = placement.pipeline
         self.cached_blocks_md = placement.md_cached_blocks
         self.predicted_wan_ms = placement.predicted_wan_s * 1000
+        self.predicted_prefill_ms = placement.predicted_prefill_s * 1000
         self.odd_traffic = placement.odd_traffic
         self.degraded_reason = placement.degraded_reason
         self.instances = {
@@ -96,6 +98,7 @@ class RequestOutcome:
             "odd_traffic": self.odd_traffic,
             "ttft_ms": self.ttft_ms,
             "predicted_wan_ms": round(self.predicted_wan_ms, 1),
+            "predicted_prefill_ms": round(self.predicted_prefill_ms, 1),
             "kv_transfer_ms": self.kv_transfer_ms,
             "instances": self.instances,
             "recoveries": [r.as_pdd() for r in self.recoveries],

@@ -227,6 +227,7 @@ class RouterService(Service):
             md_cached_blocks=placement.md_cached_blocks,
             md_load_blocks=placement.md_load_blocks,
             predicted_wan_ms=round(placement.predicted_wan_s * 1000, 1),
+            predicted_prefill_ms=round(placement.predicted_prefill_s * 1000, 1),
             main_decode=placement.main_decode.instance_id if placement.main_decode else None,
         )
 
