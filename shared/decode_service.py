@@ -75,6 +75,7 @@ class DecodeService(EngineService):
             on_abort=self._on_import_aborted,
             max_sequences=self.config.max_sequences,
             on_refused=self._on_import_refused,
+            on_kept=self._on_import_kept,
         )
         self.requests.attach(self.worker, self.importer)
         config = self.config
@@ -187,6 +188,9 @@ class DecodeService(EngineService):
         can arrive, even when its own import queues behind another.
         """
         self.requests.add(DecodeRequest(flow_open, self.requests))
+
+    async def _on_import_kept(self, state: ImportState, stats: FlowStats):
+        """Called when the KV of a request that ended elsewhere is all in the cache."""
 
     async def _on_import_complete(self, state: ImportState, seq: RequestView, stats: FlowStats):
         """Called when a flow's KV is all in; the base emits already-known output tokens."""

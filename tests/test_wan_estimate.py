@@ -1,7 +1,5 @@
 """The router learns the WAN link from its own KV transfers and routes by what it learnt."""
 
-import asyncio
-
 import aiohttp
 import pytest
 from hypothesis import given, settings
@@ -11,7 +9,7 @@ from infra.wan_link import LinkProfile
 from services.router.link_share import Sending, finish_times
 from services.router.wan_estimate import MIN_SAMPLE_BYTES, WanEstimate, WanEstimator
 from shared.block_hash import hash_blocks
-from tests.helpers import chat_body, post
+from tests.helpers import chat_body, post, until
 
 
 def test_first_measurement_replaces_the_prior_then_smooths():
@@ -92,32 +90,6 @@ async def test_after_the_link_drops_the_second_large_request_is_relayed(make_sta
     stack.link.set_profile(bandwidth_bps=2e6)
     assert await large_request() == "P-MD"  # still believed fast: this transfer teaches the drop
     assert await large_request() == "P-RLD-MD"
-
-
-async def test_a_link_that_drops_under_concurrent_flows_is_learnt(make_stack):
-    """Two large prompts at once: each flow crosses beside the other, so neither measured the
-    link alone. Their bytes together over one's transfer time still bound the link's rate, and
-    the next large request is relayed."""
-    stack = await make_stack(
-        profile=LinkProfile(bandwidth_bps=100e6, rtt_ms=20, jitter_ms=0, seed=4),
-        engine_settings={"frame_tokens": 16},
-        router_settings={
-            "ttft_target_ms": 500,
-            "wan_bandwidth_mbit": 100,
-            "wan_rtt_ms": 20,
-            "odd_traffic_filter": False,
-        },
-    )
-    stack.link.set_profile(bandwidth_bps=2e6)
-
-    async def large_request(topic: str) -> dict:
-        status, body = await post(stack, "/chat/completions", chat_body(f"Describe {topic}. " * 140, 4))
-        assert status == 200, body
-        return body["pdd"]
-
-    together = await asyncio.gather(large_request("a harbour"), large_request("a lighthouse"))
-    assert [pdd["pipeline"] for pdd in together] == ["P-MD", "P-MD"]  # still believed fast
-    assert (await large_request("a canal"))["pipeline"] == "P-RLD-MD"
 
 
 def test_placed_flows_hold_the_link_until_their_predicted_last_byte():
@@ -348,42 +320,17 @@ async def test_the_router_predicts_a_prompts_compute_from_the_rate_the_prefill_r
     assert 0.2 <= predicted_ms / computed_ms <= 5, (predicted_ms, computed_ms)
 
 
-def test_a_busy_router_learns_a_slower_link_from_what_crossed_beside_a_flow():
-    """Every flow overlaps another in a busy deployment. A flow's share is no measure of the
-    link, but the link carried at most its bytes and all of the others' in its time: when that
-    is below the estimate, the link is slower than believed."""
-    now = [0.0]
-    wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
-    wan.flow_placed("small", "md-1", [2], 1_000_000, prefill_s=0.1, first_chunk_s=0.1)
-    wan.flow_placed("cold", "md-0", [1], 37_000_000, prefill_s=1.0, first_chunk_s=0.1)
-    now[0] = 0.5
-    wan.add_throughput(40e6, 1_000_000, "small")  # a share below the estimate, beside 37 MB: no word
-    assert wan.bandwidth_bps == 100e6
-    wan.flow_landed("small", "md-1")
-    now[0] = 7.0  # the link gives 45 Mbit/s, not 100: the cold flow's 37 MB took 6.6 s
-    wan.add_throughput(45e6, 37_000_000, "cold")
-    transfer_s = 37_000_000 * 8 / 45e6
-    assert wan.bandwidth_bps == pytest.approx((37_000_000 + 1_000_000) * 8 / transfer_s)  # a drop: at once
-
-
-def test_flows_beside_that_could_have_filled_the_link_say_nothing():
-    now = [0.0]
-    wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
-    wan.flow_placed("a", "md-0", [1], 20_000_000, prefill_s=0.5, first_chunk_s=0.1)
-    wan.flow_placed("b", "md-1", [2], 30_000_000, prefill_s=0.5, first_chunk_s=0.1)
-    now[0] = 4.0
-    wan.add_throughput(60e6, 30_000_000, "b")  # 50 MB in 4 s is the link's 100 Mbit/s: no word
-    assert wan.bandwidth_bps == 100e6
-
-
-def test_a_sample_reaching_back_past_the_flows_remembered_says_nothing():
-    now = [0.0]
-    wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
-    wan.flow_placed("slow", "md-0", [1], 2_000_000, prefill_s=0.1, first_chunk_s=0.1)
-    now[0] = 40.0
-    wan.flow_placed("beside", "md-1", [2], 30_000_000, prefill_s=0.1, first_chunk_s=0.1)
-    now[0] = 50.0
-    wan.flow_landed("beside", "md-1")
-    now[0] = 250.0  # "beside" left the memory (GONE_KEPT_S) before "slow" said how slow it was
-    wan.add_throughput(2_000_000 * 8 / 249.0, 2_000_000, "slow")
-    assert wan.bandwidth_bps == 100e6
+async def test_kv_that_lands_after_the_relay_answered_still_teaches_the_link(make_stack):
+    """Every request relayed (its answer done before its KV lands): the flows' late
+    ``KvReady`` are the router's only samples of the link, and it learns from them."""
+    stack = await make_stack(
+        profile=LinkProfile(bandwidth_bps=5e6, rtt_ms=20, jitter_ms=0, seed=4),
+        engine_settings={"frame_tokens": 16},
+        router_settings={"pipeline_policy": "P-RLD-MD", "wan_bandwidth_mbit": 100, "wan_rtt_ms": 20},
+    )
+    status, body = await post(stack, "/chat/completions", chat_body("Describe a harbour. " * 140, 1))
+    assert status == 200 and body["pdd"]["finished_on"] == "RLD", body["pdd"]
+    wan = stack.router.wan
+    await until(lambda: wan.bandwidth_samples > 0, timeout_s=30, what="a sample from the late KvReady")
+    assert 3.5e6 <= wan.bandwidth_bps <= 6.5e6, wan.bandwidth_bps
+    assert wan.main_decode_of(body["id"]) is None  # off the ledger as it landed, not when planned

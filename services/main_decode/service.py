@@ -51,6 +51,18 @@ class MainDecodeService(DecodeService):
         request = self.requests.get(rid)
         if request is not None:  # before KvReady: the relay hands over once it hears it
             request.relay_id = state.flow_open.relay_instance_id or None
+        await self._publish_kv_ready(state, stats, seq.num_imported_tokens)
+        if seq.output_token_ids and request is not None:
+            request.start_span("main.decode", pipeline="P-MD")
+        await super()._on_import_complete(state, seq, stats)
+
+    async def _on_import_kept(self, state: ImportState, stats: FlowStats):
+        """The KV of a request the relay finished landed all the same: the router learns the
+        link from its transfer and takes the flow off its ledger."""
+        await self._publish_kv_ready(state, stats, len(state.flow_open.token_ids) - state.cached_tokens)
+
+    async def _publish_kv_ready(self, state: ImportState, stats: FlowStats, imported_tokens: int):
+        rid = state.flow_open.request_id
         await self.publish(
             subjects.request_events(rid, self.instance_id),
             KvReady(
@@ -58,16 +70,13 @@ class MainDecodeService(DecodeService):
                 instance_id=self.instance_id,
                 site=self.config.site,
                 cached_tokens=state.cached_tokens,
-                imported_tokens=seq.num_imported_tokens,
+                imported_tokens=imported_tokens,
                 wan_kv_bytes=stats.bytes_received,
                 transfer_s=stats.transfer_s,
                 throughput_bps=(stats.streaming_bytes_per_s or 0.0) * 8,
                 landed_unix_s=time.time() - (time.monotonic() - stats.finished_monotonic),
             ),
         )
-        if seq.output_token_ids and request is not None:
-            request.start_span("main.decode", pipeline="P-MD")
-        await super()._on_import_complete(state, seq, stats)
 
     async def _on_handoff_msg(self, handoff: HandoffTokens, msg):
         asyncio.create_task(self.handoffs.accept(handoff, msg))

@@ -108,8 +108,12 @@ class RouterService(Service):
         await self.api.start()
 
     def _on_late_event(self, event, sender: str):
-        """A ``KvReady`` for a request already answered (by the relay): its flow has landed."""
+        """A ``KvReady`` for a request already answered (by the relay): its flow has landed, and
+        its throughput is a sample of the link as any flow's is (a deployment that relays most
+        requests learns the link from those)."""
         if isinstance(event, KvReady):
+            if self.wan.main_decode_of(event.request_id) == sender:
+                self.wan.add_throughput(event.throughput_bps, event.wan_kv_bytes, event.request_id)
             self.wan.flow_landed(event.request_id, sender)
 
     def _bind_gauges(self):

@@ -9,13 +9,9 @@ Smoothing applies to rises and noise only. A transfer much slower than believed 
 ``DROP_FACTOR`` of the estimate) replaces the bandwidth estimate at once: a link that fell
 from 100 to 2 Mbit/s must not send several more requests P→MD while the average catches up,
 and over-predicting for one transfer after a brief dip only costs a relayed request. A flow
-that shared the link with other placed flows measured its share of it, a lower bound of the
-link's rate: that share may raise the estimate. In its time the link carried at most its bytes
-and all of the bytes of every flow beside it, an upper bound of the link's rate: that bound
-may lower the estimate (with flows re-planned at the rate believed now, taking a share for the
-link's rate stretched every flow in the ledger). So a busy router, whose every flow overlaps
-another, still learns that the link is slower than believed when a large flow crossed beside
-small ones or the link fell well below the estimate.
+that shared the link with other placed flows measured its share of it: that sample may raise
+the estimate, never lower it (with flows re-planned at the rate believed now, taking a share
+for the link's rate stretched every flow in the ledger).
 
 A handshake sample also waits behind other flows' KV in the link's queue; one sample may
 raise the RTT estimate at most ``RTT_MAX_RISE``-fold, so one handshake queued behind a burst
@@ -43,8 +39,6 @@ each decoder has on the way and when they land, so a follow-up turn counts only 
 blocks. Other routers' flows are not counted.
 """
 
-import collections
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,11 +47,6 @@ from services.router.link_share import Sending, advance, drained, finish_times, 
 from shared.block_hash import common_prefix
 
 MIN_SAMPLE_BYTES = 256 << 10
-GONE_KEPT_S = 120.0
-GONE_KEPT_FLOWS = 8192
-"""Flows that left the ledger are remembered this long, and at most this many (a later
-sample's transfer may have overlapped them); a sample reaching further back cannot bound the
-link's rate."""
 DROP_FACTOR = 0.5
 RTT_MAX_RISE = 4.0
 
@@ -111,17 +100,6 @@ class PlacedFlow:
 
 
 @dataclass(frozen=True)
-class GoneFlow:
-    """A flow that left the ledger: whose, when it was placed, when its last byte left (or,
-    where nobody said, the latest it may have), and its bytes."""
-
-    request_id: str
-    placed_at: float
-    gone_at: float
-    num_bytes: int
-
-
-@dataclass(frozen=True)
 class Arriving:
     """A prompt's leading blocks on their way to one main decoder.
 
@@ -145,51 +123,38 @@ class WanEstimator:
         self._clock = clock
         self._flows: dict[str, PlacedFlow] = {}  # by request id, in placement order (a recovery's replaces its first)
         self._as_of = clock()  # the flows' unsent bytes are as of this clock time
-        self._gone: collections.deque[GoneFlow] = collections.deque()
-        self._forgot_gone_at = float("-inf")  # the latest gone_at of a flow no longer remembered
+        self._last_landed_at = float("-inf")
         self._num_ledger_changes = 0  # bumped whenever _flows changes (keys the _leaving plan)
         self._plan: tuple[tuple, dict[str, float]] = ((), {})
 
     def add_throughput(self, throughput_bps: float, num_bytes: int, request_id: str | None = None):
         """A WAN flow's measured throughput (ignored for transfers too small to tell). With
-        ``request_id`` (the placed flow it measured): if other flows crossed beside it, its
-        share may raise the estimate, and its bytes with all of theirs over its transfer time
-        may lower it."""
+        ``request_id`` (the placed flow it measured): a flow that shared the link with other
+        placed flows measured its share, a lower bound of the link's rate: it may raise the
+        estimate, never lower it."""
         if throughput_bps <= 0 or num_bytes < MIN_SAMPLE_BYTES:
             return
         self._advance()  # what crossed so far crossed at the rate believed so far
-        transfer_s = num_bytes * 8 / throughput_bps
-        beside_bytes = self._bytes_beside(request_id, transfer_s) if request_id is not None else None
-        if beside_bytes is not None and throughput_bps <= self.bandwidth_bps:
-            at_most_bps = (num_bytes + beside_bytes) * 8 / transfer_s
-            if at_most_bps >= self.bandwidth_bps:
-                return  # its share says nothing about the link's rate
-            throughput_bps = at_most_bps
+        shared = request_id is not None and self._shared(request_id, num_bytes * 8 / throughput_bps)
+        if shared and throughput_bps <= self.bandwidth_bps:
+            return
         dropped = throughput_bps < DROP_FACTOR * self.bandwidth_bps
         weight = self.alpha if self.bandwidth_samples and not dropped else 1.0
         self.bandwidth_bps += weight * (throughput_bps - self.bandwidth_bps)
         self.bandwidth_samples += 1
 
-    def _bytes_beside(self, request_id: str, transfer_s: float) -> float | None:
-        """All the bytes of the other flows that may have been on the link while
-        ``request_id``'s crossed (its last byte left a round trip ago, ``transfer_s`` after its
-        first); None when none was, infinite when flows it may have overlapped are forgotten."""
+    def _shared(self, request_id: str, transfer_s: float) -> bool:
+        """Whether another placed flow was on the link while ``request_id``'s crossed (its last
+        byte left a round trip ago, ``transfer_s`` after its first)."""
         now = self._clock()
         sent_from, sent_until = now - self.rtt_s - transfer_s, now - self.rtt_s
-        self._prune_gone()
-        if self._forgot_gone_at > sent_from:
-            return math.inf
-        beside = [
-            gone.num_bytes
-            for gone in self._gone
-            if gone.request_id != request_id and gone.gone_at > sent_from and gone.placed_at < sent_until
-        ]
-        beside += [
-            self._flows[rid].num_bytes
+        if self._last_landed_at > sent_from:
+            return True
+        return any(
+            leaves_at > sent_from and self._flows[rid].placed_at < sent_until
             for rid, leaves_at in self._leaving().items()
-            if rid != request_id and leaves_at > sent_from and self._flows[rid].placed_at < sent_until
-        ]
-        return sum(beside) if beside else None
+            if rid != request_id
+        )
 
     def add_rtt(self, rtt_s: float):
         """A WAN flow's handshake time."""
@@ -213,9 +178,8 @@ class WanEstimator:
         ``block_hashes`` was placed now, its prefill predicted to take ``prefill_s`` and ship
         its first chunk after ``first_chunk_s`` (0: all at the end)."""
         now = self._clock()
-        for rid, leaves_at in list(self._leaving().items()):
-            if leaves_at <= now or rid == request_id:
-                self._forget(rid, gone_at=min(leaves_at, now))
+        for rid in [rid for rid, leaves_at in self._leaving().items() if leaves_at <= now or rid == request_id]:
+            self._forget(rid)
         self._num_ledger_changes += 1
         if num_bytes <= 0:
             return
@@ -265,29 +229,26 @@ class WanEstimator:
         found out later (the cache-index lists its blocks)."""
         flow = self._flows.get(request_id)
         if flow is not None and main_decode_id in (None, flow.main_decode_id):
-            self._forget(request_id, gone_at=self._clock() - (self.rtt_s if just_now else 0.0))
+            self._forget(request_id)
+            if just_now:
+                self._last_landed_at = self._clock() - self.rtt_s
+
+    def main_decode_of(self, request_id: str) -> str | None:
+        """The main decoder ``request_id``'s flow goes to, while it is on the ledger."""
+        flow = self._flows.get(request_id)
+        return flow.main_decode_id if flow is not None else None
 
     def flow_stopped(self, request_id: str):
         """The router stopped ``request_id``'s flow (odd traffic the relay finished): its bytes
         cross no more."""
         if request_id in self._flows:
-            self._forget(request_id, gone_at=self._clock())
+            self._forget(request_id)
 
-    def _forget(self, request_id: str, gone_at: float):
-        """Drop ``request_id``'s flow, its last byte gone at ``gone_at``; the others keep what
-        the link carried of them so far."""
+    def _forget(self, request_id: str):
+        """Drop ``request_id``'s flow; the others keep what the link carried of them so far."""
         self._advance()
-        flow = self._flows.pop(request_id)
-        self._gone.append(GoneFlow(request_id, flow.placed_at, gone_at, flow.num_bytes))
-        self._prune_gone()
+        del self._flows[request_id]
         self._num_ledger_changes += 1
-
-    def _prune_gone(self):
-        """Forget the flows that left the ledger longest ago, past ``GONE_KEPT_S`` or
-        ``GONE_KEPT_FLOWS``."""
-        oldest_kept_at = self._clock() - GONE_KEPT_S
-        while self._gone and (self._gone[0].gone_at < oldest_kept_at or len(self._gone) > GONE_KEPT_FLOWS):
-            self._forgot_gone_at = max(self._forgot_gone_at, self._gone.popleft().gone_at)
 
     def seen_cached(self, block_hashes: list[int], hits: dict[str, int]):
         """The cache-index lists ``hits`` leading blocks of ``block_hashes`` per instance: a

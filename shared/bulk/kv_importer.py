@@ -57,6 +57,7 @@ ImportCompleted = Callable[[ImportState, RequestView, FlowStats], Awaitable[None
 ImportOpened = Callable[[FlowOpen], Awaitable[None]]
 ImportAborted = Callable[[str, str], Awaitable[None]]
 ImportRefused = Callable[[str, str], Awaitable[None]]
+ImportKept = Callable[[ImportState, FlowStats], Awaitable[None]]
 
 
 class KvImporter:
@@ -71,15 +72,18 @@ class KvImporter:
         on_abort: ImportAborted | None = None,
         max_sequences: int = 0,
         on_refused: ImportRefused | None = None,
+        on_kept: ImportKept | None = None,
     ):
         """``on_open`` hears of each flow as it arrives; when one it heard of is then refused
         (no room, a bad prompt, cancelled meanwhile) ``on_refused(request_id, reason)`` follows;
-        when one breaks after its import began, ``on_abort(request_id, reason)``."""
+        when one breaks after its import began, ``on_abort(request_id, reason)``; when one whose
+        request ended elsewhere has all its KV in the cache, ``on_kept(state, stats)``."""
         self._worker = worker
         self._on_complete = on_complete
         self._on_open = on_open
         self._on_abort = on_abort
         self._on_refused = on_refused
+        self._on_kept = on_kept
         self.imports: dict[str, ImportState] = {}
         self._in_flight = InFlightBlocks()
         self.admission = ImportAdmission(worker, self._in_flight, max_sequences, in_flight_wait_s)
@@ -194,6 +198,8 @@ class KvImporter:
                 await asyncio.gather(*state.frames_queued)
                 await self._worker.call(engine.free, request_id)
                 log.info("kv_import_kept_for_cache", request_id=request_id)
+                if self._on_kept is not None:
+                    await self._on_kept(state, stats)
                 return
             # Queued right behind the flow's frames, before any step the engine loop asks for later.
             finishing = self._worker.submit(self.finish_import_intact, state, request_id, end)
