@@ -209,11 +209,13 @@ async def test_seeded_sampling_is_the_same_through_both_pipelines(make_stack, ti
 
 async def test_big_backlog_hands_over_in_catch_up_chunks(make_stack, tiny):
     # At 1 Mbit/s the prompt's KV (~85 KB) takes ~0.7 s to cross: the relay emits hundreds of
-    # tokens meanwhile, far above the 32-token threshold even on a busy machine.
+    # tokens meanwhile, far above the 32-token threshold even on a busy machine. The tiny model
+    # may decode more tokens per step than a chunk's round trip takes to absorb (a fast host),
+    # so catch-up hands over for good after 4 chunks, well before the 600th token.
     stack = await make_stack(
         profile=CATCH_UP_WAN,
         router_settings={"pipeline_policy": "P-RLD-MD"},
-        relay_settings={"catch_up_threshold_tokens": 32, "final_gap_tokens": 8},
+        relay_settings={"catch_up_threshold_tokens": 32, "final_gap_tokens": 8, "max_catch_up_chunks": 4},
     )
     content = "Write a long essay about lighthouses. " * 15
     status, body = await post(stack, "/chat/completions", chat_body(content, 600))
