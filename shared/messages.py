@@ -245,7 +245,9 @@ class PrefillCompleted(_Message, kw_only=True):
 
 
 class KvReady(_Message, kw_only=True):
-    """Main decode → request events: it holds the request's whole prompt KV.
+    """Main decode → request events: it holds the request's whole prompt KV. Sent too when the
+    relay already finished the request and the KV only filled main decode's cache (the router
+    then takes the flow off its ledger of the link).
 
     Attributes:
         request_id: The request.
