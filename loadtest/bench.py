@@ -151,11 +151,12 @@ def pooled_summary(mode: str, repetitions: list[dict], runs: list[ModeRun], args
     over the summed wall time, byte counts as the mean per repetition (one trace's worth)."""
     records = [r for run in runs for r in run.records]
     wall_s = sum(rep[mode]["wall_s"] for rep in repetitions)
-    summary = summarise(records, wall_s, args.ttft_slo_ms, args.itl_slo_ms, bench_link(args))
+    link_bps, rtt_s = bench_link(args)
+    summary = summarise(records, wall_s, args.ttft_slo_ms, args.itl_slo_ms, (link_bps, rtt_s))
     summary["wan_kv_bytes"] = round(summary["wan_kv_bytes"] / len(runs))
     link = [run.link_kv_bytes for run in runs]
     summary["wan_link_kv_bytes"] = None if None in link else round(sum(link) / len(link))
-    summary["wan_link_load"] = link_load(None if None in link else sum(link), wall_s, bench_link(args)[0])
+    summary["wan_link_load"] = link_load(None if None in link else sum(link), wall_s, link_bps)
     summary["repetitions"] = len(runs)
     return summary
 
@@ -203,6 +204,7 @@ def run_bench(args) -> dict:
         return _run_endpoint(args, trace, out, results, started)
     args.model = args.model or "smollm2"
     runs: Runs = {mode: [] for mode in args.modes}
+    link_bps, rtt_s = bench_link(args)
     for repetition in range(args.repeat):
         for mode in interleaved(args.modes, repetition):
             print(f"mode {mode} (repetition {repetition + 1}/{args.repeat}): {len(trace)} requests", flush=True)
@@ -210,9 +212,9 @@ def run_bench(args) -> dict:
             for record in mode_records:
                 record.repetition = repetition
             runs[mode].append(ModeRun(mode_records, link_bytes))
-            summary = summarise(mode_records, wall_s, args.ttft_slo_ms, args.itl_slo_ms, bench_link(args))
+            summary = summarise(mode_records, wall_s, args.ttft_slo_ms, args.itl_slo_ms, (link_bps, rtt_s))
             summary["wan_link_kv_bytes"] = link_bytes
-            summary["wan_link_load"] = link_load(link_bytes, wall_s, bench_link(args)[0])
+            summary["wan_link_load"] = link_load(link_bytes, wall_s, link_bps)
             results.setdefault("repetitions", [{} for _ in range(args.repeat)])[repetition][mode] = summary
             print(f"  {json.dumps(summary['ttft_ms'])} errors={summary['errors']}", flush=True)
         if getattr(args, "calibrate", False):
