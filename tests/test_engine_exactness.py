@@ -18,14 +18,20 @@ from tests.helpers import prompt_of_length, reference_greedy, relay_with_main, r
 GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True, params=["in_place_kernel", "gather_sdpa"])
+# The in-place kernel as the engine picks it (the widest build), every narrower build this CPU
+# also runs (AVX2 on an AVX-512 machine), and gather + SDPA (where no build can be had).
+KERNEL_PATHS = ["in_place_kernel", *(f"in_place_{isa.name}" for isa in paged_kernel.cpu_isas()[1:]), "gather_sdpa"]
+
+
+@pytest.fixture(autouse=True, params=KERNEL_PATHS)
 def attention_path(request, monkeypatch):
-    """Every test runs on both attention paths: the in-place kernel, and gather + SDPA (what an
-    engine runs where the kernel cannot be built)."""
+    """Every test runs on every attention path this machine has."""
     if request.param == "gather_sdpa":
-        monkeypatch.setattr(paged_kernel, "load", lambda: None)
-    elif paged_kernel.load() is None:
+        monkeypatch.setenv("PDD_PAGED_KERNEL", "0")
+    elif not any(paged_kernel.load(isa.name) for isa in paged_kernel.cpu_isas()):
         pytest.skip("the in-place kernel cannot be built here")
+    elif request.param != "in_place_kernel":
+        monkeypatch.setenv("PDD_PAGED_KERNEL", request.param.removeprefix("in_place_"))
     return request.param
 
 

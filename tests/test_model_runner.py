@@ -76,8 +76,8 @@ def test_decodes_chunks_over_cached_context_and_a_fresh_prompt_in_one_pass_match
     (``lean=False``) as through the lean one."""
     monkeypatch.setattr(attention, "GATHER_BUDGET_BYTES", gather_budget_bytes)
     if not in_place:
-        monkeypatch.setattr(paged_kernel, "load", lambda: None)
-    elif paged_kernel.load() is None:
+        monkeypatch.setenv("PDD_PAGED_KERNEL", "0")
+    elif not any(paged_kernel.load(isa.name) for isa in paged_kernel.cpu_isas()):
         pytest.skip("the in-place kernel cannot be built here")
     layout = KvLayout.from_model(smollm2.model, 16)
     pool = KvPool(layout, 64, smollm2.device)

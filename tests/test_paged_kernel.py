@@ -10,13 +10,16 @@ from shared.engine import paged_kernel
 from shared.engine.paged_kernel import check_batch
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    loaded = paged_kernel.load()
-    if loaded is None and shutil.which("cc") and paged_kernel._cpu_has_avx2_fma():
-        pytest.fail("a C compiler and AVX2/FMA are here, yet the kernel did not build (see the log)")
+@pytest.fixture(scope="module", params=[isa.name for isa in paged_kernel.ISAS])
+def kernel(request):
+    """Each build of the kernel this CPU can run (AVX-512 and AVX2 on an AVX-512 machine)."""
+    if request.param not in [isa.name for isa in paged_kernel.cpu_isas()]:
+        pytest.skip(f"this CPU cannot run the {request.param} build")
+    loaded = paged_kernel.load(request.param)
+    if loaded is None and shutil.which("cc"):
+        pytest.fail(f"a C compiler and {request.param} are here, yet the kernel did not build (see the log)")
     if loaded is None:
-        pytest.skip("no C compiler or no AVX2/FMA: the engine runs gather + SDPA (tested with the engine)")
+        pytest.skip("no C compiler: the engine runs gather + SDPA (tested with the engine)")
     return loaded
 
 
@@ -54,7 +57,7 @@ def batch_of(shapes, num_blocks, block_size, generator):
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"),
-    [(9, 3, 64), (4, 2, 16), (8, 8, 32), (4, 1, 24)],
+    [(9, 3, 64), (4, 2, 16), (8, 8, 32), (6, 2, 48), (4, 1, 24)],
 )
 @pytest.mark.parametrize(
     "shapes",
@@ -68,13 +71,31 @@ def batch_of(shapes, num_blocks, block_size, generator):
 @pytest.mark.parametrize("chunk", [1, 8, 32])
 def test_kernel_matches_sdpa_over_the_gathered_blocks(kernel, heads, kv_heads, head_dim, shapes, chunk):
     """Decodes read K rows in place, multi-token sequences a transposed copy of their unit's
-    keys; either way, in units of any size, each row is SDPA's over the same keys."""
-    generator = torch.Generator().manual_seed(len(shapes) * head_dim + heads)
-    block_size, num_blocks = 16, 400
+    keys; either way, in units of any size, each row is SDPA's over the same keys. A head size
+    that is not a whole number of the build's vectors is refused, never computed."""
+    assert_matches_sdpa(kernel, heads, kv_heads, head_dim, shapes, chunk, block_size=16)
+
+
+@pytest.mark.parametrize("block_size", [8, 24, 32])
+def test_kernel_matches_sdpa_whatever_the_block_size(kernel, block_size):
+    """Keys are transposed eight at a time, each eight found through the block table, so blocks
+    smaller or not a multiple of the vector width give the same rows."""
+    shapes = [(3, 40), (1, 5), (100, 1124), (16, 16), (1, 300), (9, 9)]
+    assert_matches_sdpa(kernel, 9, 3, 64, shapes, chunk=8, block_size=block_size)
+
+
+def assert_matches_sdpa(kernel, heads, kv_heads, head_dim, shapes, chunk, block_size):
+    generator = torch.Generator().manual_seed(len(shapes) * head_dim + heads + block_size)
+    num_blocks = 12800 // block_size
     pool = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=generator)
     tables, meta, num_tokens = batch_of(shapes, num_blocks, block_size, generator)
     query = torch.randn(num_tokens, heads, head_dim, generator=generator)
     scale = head_dim**-0.5
+    if not kernel.supports(pool[0], head_dim):
+        assert head_dim % kernel.isa.lanes != 0
+        with pytest.raises(ValueError, match="does not fit"):
+            kernel.attend(query, pool[0], pool[1], tables, meta, scale, chunk)
+        return
     out = kernel.attend(query, pool[0], pool[1], tables, meta, scale, chunk)
     torch.testing.assert_close(out, sdpa_reference(query, pool, tables, meta, block_size, scale), rtol=1e-5, atol=2e-6)
 

@@ -189,7 +189,8 @@ def _kernel_batch(pool: KvPool, kernel: PagedKernel, members: list[SequencePlan]
     meta = torch.tensor([(s.query_start, s.num_new_tokens, s.context_len) for s in members], dtype=torch.long)
     num_tokens = max(s.query_end for s in members)
     check_batch(tables, meta, num_tokens, pool.num_blocks, block_size)
-    chunk = chunk_tokens(max(s.num_new_tokens for s in members))
+    kv_heads = pool.layout.num_kv_heads
+    chunk = chunk_tokens([s.num_new_tokens for s in members], kv_heads, torch.get_num_threads())
     return KernelBatch(kernel, tables, meta, num_tokens, chunk)
 
 

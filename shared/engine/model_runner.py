@@ -47,7 +47,7 @@ class ModelRunner:
         self._device = loaded.device
         self._layout = layout
         self._pool = pool
-        self.kernel = paged_kernel.load() if paged_kernel.PagedKernel.supports(pool.kv, layout.head_dim) else None
+        self.kernel = paged_kernel.kernel_for(pool.kv, layout.head_dim)
 
     def run(self, batch: list[ScheduledSequence]) -> torch.Tensor:
         """Logits of every sampling entry of ``batch``, in order (shape ``[samplers, vocab]``)."""
