@@ -5,8 +5,8 @@ function replaces only the cache and the attention. Several sequences are packed
 forward pass (batch dimension 1, tokens concatenated). In every layer it writes each new
 token's K/V into its pool slot, then attends, by one of two paths:
 
-**The in-place kernel** (``paged_kernel``, where it could be built: a C compiler, AVX2/FMA, a
-CPU fp32 pool): one call per layer for every sequence of the batch, reading K/V blocks where
+**The in-place kernel** (``paged_kernel``, where it could be built: a C compiler, AVX2/FMA or
+AVX-512, a CPU fp32 pool): one call per layer for every sequence of the batch, reading K/V blocks where
 they lie in the pool through the block tables, GQA without repetition, causal within each
 sequence's new tokens. No K/V is copied. Its sums run in its own order, so results differ
 from SDPA's in the last bits; the exactness tests (greedy tokens identical to ``generate``,
