@@ -32,10 +32,16 @@ def add_bench_parser(commands):
         help="time by the process's CPU time, not the wall clock (with --threads 1: robust to a shared machine)",
     )
     engine.add_argument(
-        "--peak-gflop-s", type=float, default=157.0, help="this machine's peak fp32 GFLOP/s (the prefill floor)"
+        "--peak-gflop-s",
+        type=float,
+        default=0.0,
+        help="this machine's peak fp32 GFLOP/s (the prefill floor; default: measured at the start)",
     )
     engine.add_argument(
-        "--read-gb-s", type=float, default=12.0, help="this machine's read bandwidth, GB/s (the decode floor)"
+        "--read-gb-s",
+        type=float,
+        default=0.0,
+        help="this machine's read bandwidth, GB/s (the decode floor; default: measured at the start)",
     )
     engine.add_argument(
         "--engine",
@@ -253,7 +259,10 @@ def cmd_bench_engine(args) -> int:
     model = "tiny" if args.quick and args.model == "smollm2" else args.model
     loaded = load_model(model, device=args.device, dtype=args.dtype)
     names = [n.strip() for n in args.engine_name.split(",") if n.strip()]
-    limits = MachineLimits(peak_gflop_s=args.peak_gflop_s, read_gb_s=args.read_gb_s)
+    measured = MachineLimits.measure() if not (args.peak_gflop_s and args.read_gb_s) else None
+    limits = MachineLimits(
+        peak_gflop_s=args.peak_gflop_s or measured.peak_gflop_s, read_gb_s=args.read_gb_s or measured.read_gb_s
+    )
     figures = compare_engines(loaded, names, quick=args.quick, limits=limits, cpu_time=args.cpu_time)["engines"]
     print(json.dumps(figures, indent=2) if args.json else format_side_by_side(figures))
     return 0

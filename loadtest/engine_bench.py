@@ -257,6 +257,7 @@ def run_engine_bench(
         "torch_threads": torch.get_num_threads(),
         **figures,
         "limit_fraction": _limit_fractions(loaded, limits, context, decode_ms, extend_ms, prefill),
+        "machine_limits": {"peak_gflop_s": limits.peak_gflop_s, "read_gb_s": limits.read_gb_s},
         "prefill_tok_s": {str(PREFILL_TOKENS[name]): tok_s for name, tok_s in prefill.items()},
         "decode_context_tokens": context,
         "decode_ms_per_step": {f"batch_{b}": ms for b, ms in decode_ms.items()},
@@ -328,7 +329,9 @@ def format_side_by_side(figures: dict[str, dict]) -> str:
         for name in names[1:]:
             row += f"{figures[name][key] / base[key]:>14.2f}" if key in figures[name] else f"{'-':>14}"
         lines.append(row)
+    machine = base["machine_limits"]
     lines.append(
-        "(lim: fraction of this machine's floor, loadtest/engine_limits.py; decode/extend in ms, prefill in tok/s)"
+        f"(lim: fraction of this machine's floor at {machine['peak_gflop_s']:.0f} GFLOP/s fp32 and "
+        f"{machine['read_gb_s']:.1f} GB/s read, loadtest/engine_limits.py; decode/extend in ms, prefill in tok/s)"
     )
     return "\n".join(lines)

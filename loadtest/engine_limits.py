@@ -7,10 +7,14 @@ prints each figure's fraction of.
   token, plus causal attention: their floor is those FLOPs at the machine's peak fp32 rate.
   Logits are computed for one row per sequence only, so the LM head is left out.
 
-The defaults are the development machine's (2 Zen 3 cores, AVX2/FMA: ~157 GFLOP/s fp32,
-~12 GB/s read by one core); pass another machine's with ``--peak-gflop-s``/``--read-gb-s``.
+``MachineLimits.measure`` takes both on the machine at hand, with torch's threads: the best of a
+few large fp32 matrix products (through oneDNN where torch has it, as the engine's own) and of a
+few sums over 512 MiB. ``pdd bench engine`` measures them unless ``--peak-gflop-s`` and
+``--read-gb-s`` are given. The constants below are the Zen 3 development machine's (2 cores,
+AVX2/FMA: ~157 GFLOP/s fp32, ~12 GB/s read by one core).
 """
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +63,11 @@ class MachineLimits:
     peak_gflop_s: float = PEAK_GFLOP_S
     read_gb_s: float = READ_GB_S
 
+    @classmethod
+    def measure(cls, repeats: int = 5) -> "MachineLimits":
+        """This machine's limits, measured now with ``torch.get_num_threads()`` threads."""
+        return cls(peak_gflop_s=_matmul_gflop_s(repeats), read_gb_s=_read_gb_s(repeats))
+
     def decode_floor_ms(self, costs: ModelCosts, batch: int, context: int) -> float:
         """Least time for one decode step of ``batch`` sequences at ``context`` tokens."""
         return (costs.weight_bytes + batch * context * costs.kv_bytes_per_token) / self.read_gb_s / 1e6
@@ -74,3 +83,31 @@ class MachineLimits:
     def prefill_ceiling_tok_s(self, costs: ModelCosts, prompt_tokens: int) -> float:
         """Most prompt tokens per second a cold prefill of ``prompt_tokens`` could reach."""
         return prompt_tokens / self.chunk_floor_ms(costs, prompt_tokens, 0) * 1000
+
+
+def _best_s(run, repeats: int) -> float:
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _matmul_gflop_s(repeats: int, rows: int = 1024, size: int = 2048) -> float:
+    """fp32 ``[rows, size] @ [size, size]``: through a oneDNN-packed weight where torch has one
+    (the engine's own path), else ``torch.mm``."""
+    x, weight = torch.randn(rows, size), torch.randn(size, size)
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        seconds = _best_s(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), repeats)
+    else:
+        seconds = _best_s(lambda: torch.mm(x, weight.T), repeats)
+    return 2 * rows * size * size / seconds / 1e9
+
+
+def _read_gb_s(repeats: int, num_bytes: int = 512 << 20) -> float:
+    """A sum over ``num_bytes`` of fp32, far larger than any cache."""
+    data = torch.ones(num_bytes // 4)
+    return num_bytes / _best_s(data.sum, repeats) / 1e9

@@ -54,6 +54,9 @@ def test_bench_engine_quick_prints_every_figure():
     assert all(report[name] > 0 for name in (*figures, "extend_100_ms", "prefill_256_tok_s", "prefill_1k_tok_s"))
     assert report["kv_transfer"]["export_gb_s"] > 0 and report["kv_transfer"]["import_gb_s"] > 0
     assert report["decode_throughput_ratio_batch4_vs_batch1"] > 0
+    # The floors are this machine's, measured in the run, and every figure has its fraction.
+    assert report["machine_limits"]["peak_gflop_s"] > 0 and report["machine_limits"]["read_gb_s"] > 0
+    assert all(report["limit_fraction"][name] > 0 for name in figures)
 
 
 def test_bench_handoff_reports_both_modes():
