@@ -11,6 +11,7 @@ import torch
 from shared.engine import paged_kernel
 from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
+from shared.kv_layout import KvLayout
 from shared.kv_wire import decode_frame, frame_bytes
 from shared.model_loader import load_model
 from tests.helpers import prompt_of_length, reference_greedy, relay_with_main, run_to_end, ship
@@ -26,12 +27,19 @@ KERNEL_PATHS = ["in_place_kernel", *(f"in_place_{isa.name}" for isa in paged_ker
 @pytest.fixture(autouse=True, params=KERNEL_PATHS)
 def attention_path(request, monkeypatch):
     """Every test runs on every attention path this machine has."""
+    monkeypatch.delenv("PDD_PAGED_KERNEL", raising=False)
     if request.param == "gather_sdpa":
         monkeypatch.setenv("PDD_PAGED_KERNEL", "0")
     elif not any(paged_kernel.load(isa.name) for isa in paged_kernel.cpu_isas()):
         pytest.skip("the in-place kernel cannot be built here")
-    elif request.param != "in_place_kernel":
-        monkeypatch.setenv("PDD_PAGED_KERNEL", request.param.removeprefix("in_place_"))
+    else:
+        if request.param != "in_place_kernel":
+            monkeypatch.setenv("PDD_PAGED_KERNEL", request.param.removeprefix("in_place_"))
+        # The build the engines of this test will run, for the tiny model's head size.
+        expected = request.param.removeprefix("in_place_") if request.param != "in_place_kernel" else None
+        head_dim = KvLayout.from_model(request.getfixturevalue("tiny").model, 16).head_dim
+        chosen = paged_kernel.kernel_for(torch.zeros(1, 1, 16, head_dim), head_dim)
+        assert chosen is not None and chosen.isa.name == (expected or paged_kernel.cpu_isas()[0].name)
     return request.param
 
 

@@ -76,10 +76,11 @@ def test_kernel_matches_sdpa_over_the_gathered_blocks(kernel, heads, kv_heads, h
     assert_matches_sdpa(kernel, heads, kv_heads, head_dim, shapes, chunk, block_size=16)
 
 
-@pytest.mark.parametrize("block_size", [8, 24, 32])
+@pytest.mark.parametrize("block_size", [8, 12, 24, 32])
 def test_kernel_matches_sdpa_whatever_the_block_size(kernel, block_size):
     """Keys are transposed eight at a time, each eight found through the block table, so blocks
-    smaller or not a multiple of the vector width give the same rows."""
+    smaller or not a multiple of the vector width give the same rows; blocks that are not a
+    multiple of eight (12) are read in place instead, and give them too."""
     shapes = [(3, 40), (1, 5), (100, 1124), (16, 16), (1, 300), (9, 9)]
     assert_matches_sdpa(kernel, 9, 3, 64, shapes, chunk=8, block_size=block_size)
 
@@ -111,6 +112,23 @@ def test_kernel_result_is_the_same_alone_and_in_a_batch(kernel):
     assert torch.equal(together[1:8], alone)
 
 
+def test_a_nan_in_the_context_comes_out_as_nan_as_sdpa_gives_it(kernel):
+    """Corrupt K inside a sequence's context shows in its output, as through SDPA; the same
+    value past the context (the rest of its last block) changes nothing."""
+    generator = torch.Generator().manual_seed(3)
+    pool = torch.randn(2, 3, 8, 16, 64, generator=generator)
+    tables, meta = torch.tensor([[2, 5]]), torch.tensor([[0, 1, 20]])
+    query = torch.randn(1, 9, 64, generator=generator)
+    clean = kernel.attend(query, pool[0], pool[1], tables, meta, 0.125)
+    pool[0, 1, 5, 10, 7] = float("nan")  # key 26 of kv head 1: past the context of 20
+    assert torch.equal(kernel.attend(query, pool[0], pool[1], tables, meta, 0.125), clean)
+    pool[0, 1, 5, 3, 7] = float("nan")  # key 19 of kv head 1: inside it
+    out = kernel.attend(query, pool[0], pool[1], tables, meta, 0.125)
+    reference = sdpa_reference(query, pool, tables, meta, 16, 0.125)
+    assert torch.equal(out.isnan(), reference.isnan()) and out[0, 3:6].isnan().all()
+    assert torch.equal(out[0, :3], clean[0, :3]) and torch.equal(out[0, 6:], clean[0, 6:])
+
+
 @pytest.mark.parametrize(
     ("table", "row", "reason"),
     [
@@ -125,6 +143,70 @@ def test_kernel_result_is_the_same_alone_and_in_a_batch(kernel):
 def test_a_batch_reading_outside_the_pool_is_refused_before_the_kernel_runs(table, row, reason):
     with pytest.raises(ValueError, match="outside"):
         check_batch(torch.tensor(table), torch.tensor([row]), num_tokens=4, num_blocks=64, block_size=16)
+
+
+@pytest.mark.parametrize(
+    ("tables", "meta"),
+    [
+        ([[0, 1]], [[0, 1, 20], [1, 1, 20]]),  # a sequence without a block table
+        ([[0, 1], [2, 3]], [[0, 1, 20]]),  # a table without a sequence
+        ([[0, 1]], [[0, 1]]),  # rows without a context length
+    ],
+)
+def test_tables_and_rows_that_disagree_are_refused(tables, meta):
+    with pytest.raises(ValueError, match="outside"):
+        check_batch(torch.tensor(tables), torch.tensor(meta), num_tokens=2, num_blocks=4, block_size=16)
+
+
+def test_keys_and_values_of_another_shape_or_type_are_refused(kernel):
+    pool = torch.zeros(2, 3, 8, 16, 64)
+    tables, meta, query = torch.tensor([[0]]), torch.tensor([[0, 1, 1]]), torch.zeros(1, 9, 64)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel.attend(query, pool[0], pool[1, :, :4].contiguous(), tables, meta, 0.125)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel.attend(query, pool[0], pool[1].double(), tables, meta, 0.125)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel.attend(query, pool[0].transpose(1, 2), pool[1], tables, meta, 0.125)
+
+
+@pytest.mark.parametrize(
+    ("new_tokens", "threads", "chunk"),
+    [
+        ([1, 1, 1, 1], 2, 32),  # decodes: one unit each whatever the size
+        ([16], 2, 8),  # 3 kv heads x 2 units of 8 keep two threads busy, units of 16 would not
+        ([32], 2, 16),
+        ([64], 2, 32),
+        ([16], 1, 32),  # one thread needs two units only: one per kv head is enough
+        ([1], 2, 8),  # nothing fills two threads: the smallest units
+    ],
+)
+def test_work_units_are_the_largest_that_keep_every_thread_busy(new_tokens, threads, chunk):
+    assert paged_kernel.chunk_tokens(new_tokens, kv_heads=3, threads=threads) == chunk
+
+
+@pytest.mark.parametrize("setting", ["", "1", "0", "avx2", "avx512", "AVX2", "2", "true"])
+def test_the_setting_picks_a_build_or_names_itself_when_wrong(monkeypatch, setting):
+    monkeypatch.setenv("PDD_PAGED_KERNEL", setting)
+    pool, isas = torch.zeros(2, 1, 2, 16, 64), [isa.name for isa in paged_kernel.cpu_isas()]
+    if setting.lower() not in ("", "1", "0", "avx2", "avx512"):
+        with pytest.raises(ValueError, match="PDD_PAGED_KERNEL"):
+            paged_kernel.kernel_for(pool[0], 64)
+        return
+    kernel = paged_kernel.kernel_for(pool[0], 64)
+    if setting == "0" or not isas or (setting.lower() not in ("", "1") and setting.lower() not in isas):
+        assert kernel is None
+    elif setting in ("", "1"):
+        assert kernel is not None and kernel.isa.name == isas[0]  # the widest this CPU has
+    else:
+        assert kernel is not None and kernel.isa.name == setting.lower()
+
+
+def test_a_head_size_the_wide_build_cannot_take_falls_back_to_the_narrow_one(monkeypatch):
+    monkeypatch.delenv("PDD_PAGED_KERNEL", raising=False)
+    if [isa.name for isa in paged_kernel.cpu_isas()] != ["avx512", "avx2"]:
+        pytest.skip("needs a CPU with both builds")
+    pool = torch.zeros(2, 1, 2, 16, 24)
+    assert paged_kernel.kernel_for(pool[0], 24).isa.name == "avx2"
 
 
 def test_a_query_that_does_not_fit_the_pool_is_refused(kernel):

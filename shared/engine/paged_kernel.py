@@ -8,10 +8,11 @@ temporary name and is renamed into place, so concurrent processes never load a p
 
 One source, two builds (``ISAS``): AVX-512 (16-float vectors) where the CPU has ``avx512f``
 and ``avx512vl`` and the head size is a multiple of 16, else AVX2 + FMA (8 floats).
-``PDD_PAGED_KERNEL`` chooses: unset or ``1`` the widest that fits, ``avx2`` or ``avx512`` that
-build only, ``0`` none. Where no build can be had (no compiler, no AVX2/FMA, a head size
-neither handles, a pool not on the CPU or not fp32, ``0``), ``kernel_for`` returns None and
-the engine keeps its gather + SDPA path.
+``PDD_PAGED_KERNEL`` chooses: unset, empty or ``1`` the widest that fits, ``avx2`` or
+``avx512`` that build only, ``0`` none; any other value is an error that names the setting.
+Where no build can be had (no compiler, no AVX2/FMA, a head size neither handles, a pool not
+on the CPU or not fp32, ``0``), ``kernel_for`` returns None and the engine keeps its gather +
+SDPA path.
 """
 
 import ctypes
@@ -159,6 +160,8 @@ class PagedKernel:
         if not (
             query.is_contiguous()
             and query.dtype == torch.float32
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (keys, values))
+            and keys.shape == values.shape
             and keys.shape[3] == head_dim
             and head_dim % self.isa.lanes == 0
         ):
@@ -191,6 +194,8 @@ def check_batch(tables: torch.Tensor, meta: torch.Tensor, num_tokens: int, num_b
     """Raise ValueError unless every read the kernel would make from ``tables``/``meta`` stays
     inside a pool of ``num_blocks`` blocks and a batch of ``num_tokens`` packed tokens (the C
     code trusts them: an out-of-range block id would read outside the pool)."""
+    if tables.dim() != 2 or meta.dim() != 2 or meta.shape[1] != 3 or tables.shape[0] != meta.shape[0]:
+        raise ValueError("paged kernel batch reads outside the pool or the packed tokens: tables and meta disagree")
     starts, new, context = meta[:, 0], meta[:, 1], meta[:, 2]
     bad = (
         tables.dtype != torch.long
@@ -204,10 +209,23 @@ def check_batch(tables: torch.Tensor, meta: torch.Tensor, num_tokens: int, num_b
         raise ValueError("paged kernel batch reads outside the pool or the packed tokens")
 
 
+SETTING = "PDD_PAGED_KERNEL"
+CHOICES = ("1", "0", *(isa.name for isa in ISAS))
+
+
+def kernel_setting() -> str:
+    """``PDD_PAGED_KERNEL``, checked: ``1`` (also when unset or empty), ``0``, or a build's name."""
+    choice = os.environ.get(SETTING, "").strip().lower() or "1"
+    if choice not in CHOICES:
+        raise ValueError(f"{SETTING}={os.environ[SETTING]!r}: expected one of {', '.join(CHOICES)}")
+    return choice
+
+
 def kernel_for(kv_pool_tensor: torch.Tensor, head_dim: int) -> PagedKernel | None:
     """The widest build ``PDD_PAGED_KERNEL`` allows that this CPU runs and that reads this pool
-    at this head size; None if there is none (see the module docstring)."""
-    choice = os.environ.get("PDD_PAGED_KERNEL", "1")
+    at this head size; None if there is none (see the module docstring). Raises ValueError
+    for a setting it does not know."""
+    choice = kernel_setting()
     if choice == "0":
         return None
     for isa in cpu_isas():
@@ -216,7 +234,9 @@ def kernel_for(kv_pool_tensor: torch.Tensor, head_dim: int) -> PagedKernel | Non
         kernel = load(isa.name)
         if kernel is not None and kernel.supports(kv_pool_tensor, head_dim):
             return kernel
-    log.info("paged_kernel_unavailable", reason="no build fits", setting=choice, head_dim=head_dim)
+    # A pinned build that cannot run here is worth a warning; a CPU without AVX2 is not.
+    report = log.info if choice == "1" else log.warning
+    report("paged_kernel_unavailable", reason="no build fits", setting=choice, head_dim=head_dim)
     return None
 
 

@@ -126,7 +126,7 @@ typedef struct {
 
 /* exp for x <= 0 (Cephes' polynomial, as in avx_mathfun): relative error ~1e-7. */
 static inline vec exp_nonpositive(vec x) {
-    x = v_max(x, v_set1(-87.0f));
+    x = v_max(v_set1(-87.0f), x); /* a NaN x stays NaN (max returns its second operand on NaN) */
     vec fx = v_floor(v_fmadd(x, v_set1(1.44269504088896341f), v_set1(0.5f)));
     x = v_fnmadd(fx, v_set1(0.693359375f), x);
     x = v_fnmadd(fx, v_set1(-2.12194440e-4f), x);
