@@ -81,11 +81,16 @@ def kv_timing(records: list[RequestRecord], link_bps: float, rtt_s: float) -> di
     """Over the requests whose KV crossed the WAN: ``kv_after_prefill_ms``, from the end of the
     prefill to the last KV byte at main decode, and ``kv_excess_ms``, the same minus what a
     perfect overlap on the link would give, ``max(0, bytes / rate − prefill) + RTT / 2``
-    (p50/p90 and the count)."""
+    (p50/p90 and the count). A request answered before its KV landed (the relay finished it)
+    counts with what the router heard afterwards (``fill_late_landings``)."""
     after, excess = [], []
     for r in records:
-        landed_ms, compute_ms = r.pdd.get("kv_after_prefill_ms"), r.pdd.get("prefill_compute_ms")
-        wan_bytes = r.pdd.get("wan_kv_bytes", 0)
+        late = r.pdd.get("kv_landed_after_answer") or {}
+        landed_ms = r.pdd.get("kv_after_prefill_ms")
+        landed_ms = late.get("after_prefill_ms") if landed_ms is None else landed_ms
+        compute_ms = r.pdd.get("prefill_compute_ms")
+        compute_ms = late.get("prefill_compute_ms") if compute_ms is None else compute_ms
+        wan_bytes = r.pdd.get("wan_kv_bytes", 0) or late.get("wan_kv_bytes", 0)
         if landed_ms is None or compute_ms is None or not wan_bytes:
             continue
         floor_ms = max(0.0, wan_bytes * 8 / link_bps * 1000 - compute_ms) + rtt_s * 500 if link_bps else rtt_s * 500
@@ -97,6 +102,35 @@ def kv_timing(records: list[RequestRecord], link_bps: float, rtt_s: float) -> di
         return {"p50": figures["p50"], "p90": figures["p90"], "requests": len(values)}
 
     return {"kv_after_prefill_ms": p50_p90(after), "kv_excess_ms": p50_p90(excess)}
+
+
+def fill_late_landings(router_url: str, records: list[RequestRecord]) -> int:
+    """Give each record answered before its KV landed (the relay finished it) what the router
+    heard afterwards (``POST /v1/pdd/kv-landings``), as ``pdd["kv_landed_after_answer"]`` =
+    {after_prefill_ms, prefill_compute_ms, wan_kv_bytes}. Returns how many it found."""
+    from urllib.request import Request, urlopen
+
+    from loadtest.client import auth_headers
+
+    waiting = {r.request_id: r for r in records if r.request_id and r.pdd and r.pdd.get("kv_after_prefill_ms") is None}
+    ids, found = list(waiting), 0
+    for start in range(0, len(ids), 1024):
+        body = json.dumps({"ids": ids[start : start + 1024]}).encode()
+        headers = {"Content-Type": "application/json", **auth_headers()}
+        with urlopen(Request(f"{router_url}/pdd/kv-landings", body, headers, method="POST"), timeout=10) as reply:
+            landings = json.load(reply)["landings"]
+        for request_id, landing in landings.items():
+            pdd = waiting[request_id].pdd
+            computed_unix_s = pdd.get("prefill_computed_unix_s") or landing["prefill_computed_unix_s"]
+            if not computed_unix_s:
+                continue
+            pdd["kv_landed_after_answer"] = {
+                "after_prefill_ms": round((landing["landed_unix_s"] - computed_unix_s) * 1000, 1),
+                "prefill_compute_ms": pdd.get("prefill_compute_ms") or landing["prefill_compute_ms"],
+                "wan_kv_bytes": landing["wan_kv_bytes"],
+            }
+            found += 1
+    return found
 
 
 def link_kv_bytes(wan_control_url: str, control_key: str) -> int:
@@ -136,7 +170,9 @@ def run_mode(mode: str, trace, args) -> tuple[list[RequestRecord], float, int]:
         records, wall_s = asyncio.run(
             run_trace(deployment.router_url, trace, concurrency=args.concurrency, open_loop=args.rate > 0)
         )
-        return records, wall_s, settled_link_kv_bytes(deployment.wan_control_url, deployment.control_key())
+        link_bytes = settled_link_kv_bytes(deployment.wan_control_url, deployment.control_key())
+        fill_late_landings(deployment.router_url, records)
+        return records, wall_s, link_bytes
 
 
 def interleaved(modes: list[str], repetition: int) -> list[str]:

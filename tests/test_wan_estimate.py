@@ -1,5 +1,7 @@
 """The router learns the WAN link from its own KV transfers and routes by what it learnt."""
 
+import asyncio
+
 import aiohttp
 import pytest
 from hypothesis import given, settings
@@ -318,6 +320,37 @@ async def test_the_router_predicts_a_prompts_compute_from_the_rate_the_prefill_r
             break
     assert predicted_ms > 0, "the prefill never reported a rate"
     assert 0.2 <= predicted_ms / computed_ms <= 5, (predicted_ms, computed_ms)
+
+
+async def test_the_holder_of_a_relayed_request_learns_when_its_kv_landed(make_stack):
+    """The relay's one-token answer is sent before the prefill's reply and before the KV lands
+    at main decode; the router keeps both for whoever holds the request id, and the benchmark
+    turns them into the request's time from the end of the prefill to the last KV byte."""
+    from loadtest.bench import fill_late_landings, kv_timing
+    from loadtest.client import RequestRecord
+
+    stack = await make_stack(
+        profile=LinkProfile(bandwidth_bps=5e6, rtt_ms=20, jitter_ms=0, seed=4),
+        engine_settings={"frame_tokens": 16},
+        router_settings={"pipeline_policy": "P-RLD-MD"},
+    )
+    status, body = await post(stack, "/chat/completions", chat_body("Describe a harbour. " * 140, 1))
+    assert status == 200 and body["pdd"]["finished_on"] == "RLD", body["pdd"]
+    assert body["pdd"]["kv_after_prefill_ms"] is None
+    await until(lambda: stack.router.kv_landings.of([body["id"]]), timeout_s=30, what="the late KvReady")
+    status, reply = await post(stack, "/pdd/kv-landings", {"ids": [body["id"], "not-a-request"]})
+    assert status == 200 and set(reply["landings"]) == {body["id"]}, reply
+    landing = reply["landings"][body["id"]]
+    computed_unix_s = body["pdd"]["prefill_computed_unix_s"] or landing["prefill_computed_unix_s"]
+    assert landing["landed_unix_s"] > computed_unix_s > 0 and landing["wan_kv_bytes"] > 0, landing
+    record = RequestRecord(session=0, turn=0, kind="cold", request_id=body["id"], pdd=body["pdd"])
+    assert await asyncio.to_thread(fill_late_landings, stack.base_url, [record]) == 1
+    late = record.pdd["kv_landed_after_answer"]
+    assert late["after_prefill_ms"] == round((landing["landed_unix_s"] - computed_unix_s) * 1000, 1)
+    timing = kv_timing([record], link_bps=5e6, rtt_s=0.02)
+    assert timing["kv_after_prefill_ms"]["requests"] == 1 and timing["kv_after_prefill_ms"]["p50"] > 0
+    status, reply = await post(stack, "/pdd/kv-landings", {"ids": "not a list"})
+    assert status == 400 and reply["error"]["param"] == "ids", reply
 
 
 async def test_kv_that_lands_after_the_relay_answered_still_teaches_the_link(make_stack):

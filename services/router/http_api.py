@@ -14,6 +14,7 @@ from aiohttp import web
 from services.router import http_guard
 from services.router.admission import Admission, Overloaded
 from services.router.api_error import ApiError
+from services.router.kv_landings import MAX_IDS_PER_QUERY, KvLandings
 from services.router.openai_api import ParsedRequest, parse_json_body
 from services.router.placer import Placer
 from services.router.prompts import PromptBuilder
@@ -39,9 +40,10 @@ class RouterApi:
         admission: Admission,
         site_health: SiteHealth,
         run: Runner,
+        kv_landings: KvLandings,
     ):
         self.config, self.prompts, self.placer, self.admission = config, prompts, placer, admission
-        self.site_health, self._run = site_health, run
+        self.site_health, self._run, self.kv_landings = site_health, run, kv_landings
         self.in_flight: set[asyncio.Task] = set()
         self.draining = False
         self.port = config.http_port
@@ -67,6 +69,7 @@ class RouterApi:
                 web.post("/detokenize", self._detokenize),
                 web.post("/v1/completions", self._completions),
                 web.post("/v1/chat/completions", self._chat_completions),
+                web.post("/v1/pdd/kv-landings", self._kv_landings),
             ]
         )
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -115,6 +118,18 @@ class RouterApi:
         self.prompts.check_token_ids(tokens)
         text = await self.prompts.run(self.prompts.metadata.tokenizer.decode, tokens)
         return web.json_response({"prompt": text})
+
+    async def _kv_landings(self, request):
+        """``{"ids": [request ids]}`` → ``{"landings": {id: {landed_unix_s, wan_kv_bytes,
+        prefill_computed_unix_s, prefill_compute_ms}}}`` for those whose KV landed at main decode
+        after their answer (ids not known here are left out; a request id carries 96 random bits,
+        known to the client it was returned to)."""
+        body = await self._json_body(request)
+        ids = body.get("ids")
+        if not (isinstance(ids, list) and len(ids) <= MAX_IDS_PER_QUERY and all(isinstance(i, str) for i in ids)):
+            raise ApiError(400, f"'ids' must be a list of at most {MAX_IDS_PER_QUERY} request ids", param="ids")
+        landings = self.kv_landings.of(ids)
+        return web.json_response({"landings": {rid: landing.as_json() for rid, landing in landings.items()}})
 
     async def _health(self, request):
         live = self.placer.registry.summary()

@@ -106,4 +106,5 @@ class RequestOutcome:
             "queue_ms": round(self.queue_ms, 1),
             "prefill_compute_ms": self.prefill_compute_ms,
             "kv_after_prefill_ms": self.kv_after_prefill_ms,
+            "prefill_computed_unix_s": self.prefill_computed_unix_s or None,
         }

@@ -25,6 +25,7 @@ import nats
 import structlog
 from opentelemetry import trace
 
+from services.router.kv_landings import KvLandings
 from services.router.mailbox import Inbox, RequestMailbox
 from services.router.odd_traffic import OddTrafficTracker, OddTransition
 from services.router.outcome import Recovery, RequestOutcome
@@ -112,6 +113,7 @@ class FlowContext:
     registry: InstanceRegistry
     wan: WanEstimator
     config: RouterConfig
+    kv_landings: KvLandings
 
 
 @dataclass
@@ -256,8 +258,11 @@ class RequestFlow:
         try:
             async for batch in self._ordered_tokens():
                 yield batch
-        finally:
+        except BaseException:
             dispatch.cancel()
+            raise
+        # Answered (the relay may finish before the prefill replies): the reply, when it comes,
+        # still records the prompt's end beside the KV's late landing (``_dispatch``).
 
     async def _cancel(self, attempt_id: str, kind: str, reason: str):
         try:
@@ -348,7 +353,11 @@ class RequestFlow:
             reply = await self.ctx.nc.request(
                 subject, encode(command), headers=trace_headers(), timeout=self.config.first_token_timeout_s
             )
-            inbox.put(("prefill", _prefill_reply_decoder.decode(reply.data)))
+            answer = _prefill_reply_decoder.decode(reply.data)
+            if isinstance(answer, PrefillCompleted):
+                compute_ms = round(answer.compute_s * 1000, 1)
+                self.ctx.kv_landings.prefill_done(self.attempt_id, answer.computed_unix_s, compute_ms)
+            inbox.put(("prefill", answer))
         except (TimeoutError, nats.errors.Error, msgspec.DecodeError) as exc:
             inbox.put(("prefill", exc))
 

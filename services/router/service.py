@@ -17,6 +17,7 @@ from services.router import openai_api
 from services.router.admission import Admission
 from services.router.api_error import ApiError
 from services.router.http_api import RouterApi
+from services.router.kv_landings import KvLandings
 from services.router.mailbox import RequestMailbox
 from services.router.openai_api import ParsedRequest
 from services.router.placement import NoInstances, Placement
@@ -67,6 +68,7 @@ class RouterService(Service):
         self.registry = InstanceRegistry(config.instance_ttl_s, config.partition_tolerance_s, self.instance_id)
         self.site_health = SiteHealth(self.registry, config.site, config.instance_ttl_s)
         self.wan = WanEstimator(config.wan_bandwidth_mbit * 1e6, config.wan_rtt_ms / 1000)
+        self.kv_landings = KvLandings()
         self.admission = Admission(
             self.registry,
             max_in_flight=config.max_in_flight,
@@ -97,9 +99,11 @@ class RouterService(Service):
         self.mailbox = RequestMailbox(self.nc, self.instance_id, self.bad_messages, self._on_late_event)
         await self.mailbox.start()
         self._tasks.append(asyncio.create_task(self.mailbox.tick_forever(LIVENESS_TICK_S), name="mailbox-tick"))
-        self._flows = FlowContext(self.nc, self.mailbox, self.registry, self.wan, config)
+        self._flows = FlowContext(self.nc, self.mailbox, self.registry, self.wan, config, self.kv_landings)
         self._tasks.append(asyncio.create_task(self._watch_sites(), name="site-health"))
-        self.api = RouterApi(config, self.prompts, self.placer, self.admission, self.site_health, self.run)
+        self.api = RouterApi(
+            config, self.prompts, self.placer, self.admission, self.site_health, self.run, self.kv_landings
+        )
         # Serve only once every live peer router has been heard: each heartbeats every
         # heartbeat_s, and admission counts them (their shares of the decoders) from the first request.
         await asyncio.sleep(
@@ -110,10 +114,12 @@ class RouterService(Service):
     def _on_late_event(self, event, sender: str):
         """A ``KvReady`` for a request already answered (by the relay): its flow has landed, and
         its throughput is a sample of the link as any flow's is (a deployment that relays most
-        requests learns the link from those)."""
+        requests learns the link from those), and its landing is kept for the request's holder
+        (``kv_landings``); only from the main decoder the flow went to."""
         if isinstance(event, KvReady):
             if self.wan.main_decode_of(event.request_id) == sender:
                 self.wan.add_throughput(event.throughput_bps, event.wan_kv_bytes, event.request_id)
+                self.kv_landings.landed(event.request_id, event.landed_unix_s, event.wan_kv_bytes)
             self.wan.flow_landed(event.request_id, sender)
 
     def _bind_gauges(self):
