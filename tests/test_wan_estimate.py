@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from infra.wan_link import LinkProfile
+from services.router.kv_landings import KvLandings
 from services.router.link_share import Sending, finish_times
 from services.router.wan_estimate import MIN_SAMPLE_BYTES, WanEstimate, WanEstimator
 from shared.block_hash import hash_blocks
@@ -320,6 +321,20 @@ async def test_the_router_predicts_a_prompts_compute_from_the_rate_the_prefill_r
             break
     assert predicted_ms > 0, "the prefill never reported a rate"
     assert 0.2 <= predicted_ms / computed_ms <= 5, (predicted_ms, computed_ms)
+
+
+def test_a_landing_is_believed_only_from_the_main_decoder_the_kv_went_to():
+    landings = KvLandings(max_entries=2)
+    landings.expect("a", "main-decode-0")
+    landings.landed("a", "main-decode-1", landed_unix_s=10.0, wan_kv_bytes=5)  # another decoder's word
+    assert landings.of(["a"]) == {}
+    landings.landed("a", "main-decode-0", landed_unix_s=11.0, wan_kv_bytes=7)
+    assert landings.of(["a", "b"])["a"].as_json()["landed_unix_s"] == 11.0
+    landings.landed("never-sent", "main-decode-0", landed_unix_s=12.0, wan_kv_bytes=1)
+    assert landings.of(["never-sent"]) == {}
+    landings.expect("b", "main-decode-0")
+    landings.expect("c", "main-decode-0")
+    assert landings.of(["a"]) == {} and len(landings) == 2  # the oldest left
 
 
 async def test_the_holder_of_a_relayed_request_learns_when_its_kv_landed(make_stack):

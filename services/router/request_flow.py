@@ -349,6 +349,8 @@ class RequestFlow:
             wan_after_prompt=p.odd_traffic,
         )
         subject = subjects.instance_work(p.prefill.site, "prefill", p.prefill.instance_id, subjects.START_PREFILL)
+        if p.main_decode is not None:
+            self.ctx.kv_landings.expect(self.attempt_id, p.main_decode.instance_id)
         try:
             reply = await self.ctx.nc.request(
                 subject, encode(command), headers=trace_headers(), timeout=self.config.first_token_timeout_s

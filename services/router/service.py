@@ -115,11 +115,11 @@ class RouterService(Service):
         """A ``KvReady`` for a request already answered (by the relay): its flow has landed, and
         its throughput is a sample of the link as any flow's is (a deployment that relays most
         requests learns the link from those), and its landing is kept for the request's holder
-        (``kv_landings``); only from the main decoder the flow went to."""
+        (``kv_landings``); each only from the main decoder the KV went to."""
         if isinstance(event, KvReady):
             if self.wan.main_decode_of(event.request_id) == sender:
                 self.wan.add_throughput(event.throughput_bps, event.wan_kv_bytes, event.request_id)
-                self.kv_landings.landed(event.request_id, event.landed_unix_s, event.wan_kv_bytes)
+            self.kv_landings.landed(event.request_id, sender, event.landed_unix_s, event.wan_kv_bytes)
             self.wan.flow_landed(event.request_id, sender)
 
     def _bind_gauges(self):
