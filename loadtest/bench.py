@@ -15,6 +15,7 @@ mode named by ``--label``, so runs against other systems compare side by side.
 
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -117,16 +118,21 @@ def fill_late_landings(router_url: str, records: list[RequestRecord]) -> int:
     for start in range(0, len(ids), 1024):
         body = json.dumps({"ids": ids[start : start + 1024]}).encode()
         headers = {"Content-Type": "application/json", **auth_headers()}
-        with urlopen(Request(f"{router_url}/pdd/kv-landings", body, headers, method="POST"), timeout=10) as reply:
-            landings = json.load(reply)["landings"]
+        try:
+            with urlopen(Request(f"{router_url}/pdd/kv-landings", body, headers, method="POST"), timeout=10) as reply:
+                landings = json.load(reply)["landings"]
+        except (OSError, ValueError, KeyError) as exc:  # the run's records stand without them
+            print(f"late KV landings not read from {router_url}: {exc}", file=sys.stderr)
+            return found
         for request_id, landing in landings.items():
             pdd = waiting[request_id].pdd
-            computed_unix_s = pdd.get("prefill_computed_unix_s") or landing["prefill_computed_unix_s"]
+            # The landing's own prompt end (the same attempt's), else the response's.
+            computed_unix_s = landing["prefill_computed_unix_s"] or pdd.get("prefill_computed_unix_s")
             if not computed_unix_s:
                 continue
             pdd["kv_landed_after_answer"] = {
                 "after_prefill_ms": round((landing["landed_unix_s"] - computed_unix_s) * 1000, 1),
-                "prefill_compute_ms": pdd.get("prefill_compute_ms") or landing["prefill_compute_ms"],
+                "prefill_compute_ms": landing["prefill_compute_ms"] or pdd.get("prefill_compute_ms"),
                 "wan_kv_bytes": landing["wan_kv_bytes"],
             }
             found += 1

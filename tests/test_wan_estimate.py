@@ -323,18 +323,32 @@ async def test_the_router_predicts_a_prompts_compute_from_the_rate_the_prefill_r
     assert 0.2 <= predicted_ms / computed_ms <= 5, (predicted_ms, computed_ms)
 
 
-def test_a_landing_is_believed_only_from_the_main_decoder_the_kv_went_to():
+def test_a_landing_is_believed_only_from_the_main_decoder_of_the_latest_attempt():
     landings = KvLandings(max_entries=2)
-    landings.expect("a", "main-decode-0")
+    landings.expect("a", "a", "main-decode-0")
     landings.landed("a", "main-decode-1", landed_unix_s=10.0, wan_kv_bytes=5)  # another decoder's word
     assert landings.of(["a"]) == {}
     landings.landed("a", "main-decode-0", landed_unix_s=11.0, wan_kv_bytes=7)
     assert landings.of(["a", "b"])["a"].as_json()["landed_unix_s"] == 11.0
     landings.landed("never-sent", "main-decode-0", landed_unix_s=12.0, wan_kv_bytes=1)
     assert landings.of(["never-sent"]) == {}
-    landings.expect("b", "main-decode-0")
-    landings.expect("c", "main-decode-0")
+    # A recovery: the new attempt's KV goes elsewhere, and only its landing counts.
+    landings.expect("a", "ar1", "main-decode-1")
+    assert landings.of(["a"]) == {}
+    landings.landed("a", "main-decode-0", landed_unix_s=13.0, wan_kv_bytes=9)  # the failed attempt's
+    landings.prefill_done("ar1", computed_unix_s=12.5, compute_ms=100.0)
+    landings.landed("ar1", "main-decode-1", landed_unix_s=14.0, wan_kv_bytes=3)
+    assert landings.of(["a"])["a"].as_json() == {
+        "landed_unix_s": 14.0,
+        "wan_kv_bytes": 3,
+        "prefill_computed_unix_s": 12.5,
+        "prefill_compute_ms": 100.0,
+    }
+    landings.expect("b", "b", "main-decode-0")
+    landings.expect("c", "c", "main-decode-0")
     assert landings.of(["a"]) == {} and len(landings) == 2  # the oldest left
+    landings.landed("ar1", "main-decode-1", landed_unix_s=15.0, wan_kv_bytes=3)  # gone: nothing to file under
+    assert landings.of(["a"]) == {}
 
 
 async def test_the_holder_of_a_relayed_request_learns_when_its_kv_landed(make_stack):

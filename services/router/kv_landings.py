@@ -10,18 +10,21 @@ MAX_IDS_PER_QUERY = 1024
 
 @dataclass
 class LateKv:
-    """What the router heard about one request's prompt and KV, kept past its answer.
+    """What the router heard about one request's prompt and KV (its latest attempt's), kept
+    past its answer.
 
     Attributes:
         main_decode_id: The main decoder its KV was sent to (the only one believed about it).
+        attempt_id: The attempt that sent it (a recovered request runs under a new id).
         prefill_computed_unix_s: The prefill's clock when the prompt was computed (its
             ``PrefillCompleted``, which may itself come after the answer).
         prefill_compute_ms: The prompt's compute time, likewise.
         landed_unix_s: Main decode's clock when the last KV byte arrived (0: not heard).
-        wan_kv_bytes: Bytes that came over the WAN for the request.
+        wan_kv_bytes: Bytes that came over the WAN for the attempt.
     """
 
     main_decode_id: str
+    attempt_id: str
     prefill_computed_unix_s: float | None = None
     prefill_compute_ms: float | None = None
     landed_unix_s: float = 0.0
@@ -37,29 +40,35 @@ class LateKv:
 
 
 class KvLandings:
-    """The latest ``max_entries`` requests' prompt ends and late landings, by request id (the
-    oldest leave first)."""
+    """The latest ``max_entries`` requests' prompt ends and landings, by the request id the
+    client holds (the oldest leave first); what arrives is filed by attempt id."""
 
     def __init__(self, max_entries: int = 4096):
         self._max_entries = max_entries
         self._entries: OrderedDict[str, LateKv] = OrderedDict()
+        self._request_of_attempt: dict[str, str] = {}
 
-    def expect(self, request_id: str, main_decode_id: str):
-        """``request_id``'s KV is on its way to ``main_decode_id``."""
-        self._entries[request_id] = LateKv(main_decode_id)
-        self._entries.move_to_end(request_id)
+    def expect(self, request_id: str, attempt_id: str, main_decode_id: str):
+        """Attempt ``attempt_id`` of ``request_id`` sends its KV to ``main_decode_id`` (what an
+        earlier attempt heard is dropped)."""
+        earlier = self._entries.pop(request_id, None)
+        if earlier is not None:
+            self._request_of_attempt.pop(earlier.attempt_id, None)
+        self._entries[request_id] = LateKv(main_decode_id, attempt_id)
+        self._request_of_attempt[attempt_id] = request_id
         while len(self._entries) > self._max_entries:
-            self._entries.popitem(last=False)
+            _, oldest = self._entries.popitem(last=False)
+            self._request_of_attempt.pop(oldest.attempt_id, None)
 
-    def prefill_done(self, request_id: str, computed_unix_s: float, compute_ms: float):
-        entry = self._entries.get(request_id)
+    def prefill_done(self, attempt_id: str, computed_unix_s: float, compute_ms: float):
+        entry = self._of_attempt(attempt_id)
         if entry is not None:
             entry.prefill_computed_unix_s, entry.prefill_compute_ms = computed_unix_s, compute_ms
 
-    def landed(self, request_id: str, sender: str, landed_unix_s: float, wan_kv_bytes: int):
-        """Main decoder ``sender`` (proven by the subject it published on) says the KV landed;
-        believed only from the decoder the KV was sent to."""
-        entry = self._entries.get(request_id)
+    def landed(self, attempt_id: str, sender: str, landed_unix_s: float, wan_kv_bytes: int):
+        """Main decoder ``sender`` says the attempt's KV landed; believed only from the decoder
+        the KV was sent to (the caller proves ``sender``: the subject it published on)."""
+        entry = self._of_attempt(attempt_id)
         if entry is not None and entry.main_decode_id == sender:
             entry.landed_unix_s, entry.wan_kv_bytes = landed_unix_s, wan_kv_bytes
 
@@ -67,6 +76,10 @@ class KvLandings:
         """The landed ones among ``request_ids``."""
         entries = (self._entries.get(rid) for rid in request_ids)
         return {rid: e for rid, e in zip(request_ids, entries, strict=True) if e is not None and e.landed_unix_s}
+
+    def _of_attempt(self, attempt_id: str) -> LateKv | None:
+        entry = self._entries.get(self._request_of_attempt.get(attempt_id, ""))
+        return entry if entry is not None and entry.attempt_id == attempt_id else None
 
     def __len__(self) -> int:
         return len(self._entries)

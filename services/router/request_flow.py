@@ -245,6 +245,9 @@ class RequestFlow:
             completed = True
         finally:
             self.load.release(self.load.instance_ids)
+            for item in self._inbox.items if self._inbox is not None else ():
+                if isinstance(item[1], KvReady):  # arrived while the last tokens went out
+                    self._keep_landing(item[1])
             self.ctx.mailbox.close(self.attempt_id)
             await self._cancel(
                 self.attempt_id,
@@ -332,6 +335,8 @@ class RequestFlow:
                     return
                 if isinstance(event, PrefillCompleted):
                     self._on_event(event)
+                elif isinstance(event, KvReady):  # it landed before the stop reached main decode
+                    self._keep_landing(event)
 
     async def _dispatch(self, inbox: Inbox):
         p = self.placement
@@ -349,8 +354,9 @@ class RequestFlow:
             wan_after_prompt=p.odd_traffic,
         )
         subject = subjects.instance_work(p.prefill.site, "prefill", p.prefill.instance_id, subjects.START_PREFILL)
+        attempt_id = self.attempt_id  # the reply is this attempt's, whatever the flow does meanwhile
         if p.main_decode is not None:
-            self.ctx.kv_landings.expect(self.attempt_id, p.main_decode.instance_id)
+            self.ctx.kv_landings.expect(self.request_id, attempt_id, p.main_decode.instance_id)
         try:
             reply = await self.ctx.nc.request(
                 subject, encode(command), headers=trace_headers(), timeout=self.config.first_token_timeout_s
@@ -358,7 +364,7 @@ class RequestFlow:
             answer = _prefill_reply_decoder.decode(reply.data)
             if isinstance(answer, PrefillCompleted):
                 compute_ms = round(answer.compute_s * 1000, 1)
-                self.ctx.kv_landings.prefill_done(self.attempt_id, answer.computed_unix_s, compute_ms)
+                self.ctx.kv_landings.prefill_done(attempt_id, answer.computed_unix_s, compute_ms)
             inbox.put(("prefill", answer))
         except (TimeoutError, nats.errors.Error, msgspec.DecodeError) as exc:
             inbox.put(("prefill", exc))
@@ -450,11 +456,21 @@ class RequestFlow:
             self.ctx.wan.flow_landed(self.request_id)
             self.outcome.kv_transfer_ms = round(event.transfer_s * 1000, 1)
             self.outcome.kv_landed_unix_s = event.landed_unix_s
+            self._keep_landing(event)
             self.outcome.cached_blocks_md = event.cached_tokens // self.config.block_size
         elif isinstance(event, HandoffAccepted):
             self.watch.on_handoff_accepted(event.final)
             self.outcome.handoff_chunks = max(self.outcome.handoff_chunks, event.chunk)
             self.outcome.handoff_mode = event.mode
+
+    def _keep_landing(self, event: KvReady):
+        """File a landing this flow received (through its inbox: the attempt's own events) for
+        the request's holder, as late ones are (``kv_landings``)."""
+        main_decode = self.placement.main_decode
+        if main_decode is not None:
+            self.ctx.kv_landings.landed(
+                self.attempt_id, main_decode.instance_id, event.landed_unix_s, event.wan_kv_bytes
+            )
 
     def _on_failure(self, event: RequestFailed):
         message = f"{event.instance_id}: {event.code}: {event.message}"
