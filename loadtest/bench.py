@@ -125,14 +125,11 @@ def fill_late_landings(router_url: str, records: list[RequestRecord]) -> int:
             print(f"late KV landings not read from {router_url}: {exc}", file=sys.stderr)
             return found
         for request_id, landing in landings.items():
-            pdd = waiting[request_id].pdd
-            # The landing's own prompt end (the same attempt's), else the response's.
-            computed_unix_s = landing["prefill_computed_unix_s"] or pdd.get("prefill_computed_unix_s")
-            if not computed_unix_s:
+            if landing["kv_after_prefill_ms"] is None:  # the prefill never replied
                 continue
-            pdd["kv_landed_after_answer"] = {
-                "after_prefill_ms": round((landing["landed_unix_s"] - computed_unix_s) * 1000, 1),
-                "prefill_compute_ms": landing["prefill_compute_ms"] or pdd.get("prefill_compute_ms"),
+            waiting[request_id].pdd["kv_landed_after_answer"] = {
+                "after_prefill_ms": landing["kv_after_prefill_ms"],
+                "prefill_compute_ms": landing["prefill_compute_ms"],
                 "wan_kv_bytes": landing["wan_kv_bytes"],
             }
             found += 1

@@ -343,6 +343,7 @@ def test_a_landing_is_believed_only_from_the_main_decoder_of_the_latest_attempt(
         "wan_kv_bytes": 3,
         "prefill_computed_unix_s": 12.5,
         "prefill_compute_ms": 100.0,
+        "kv_after_prefill_ms": 1500.0,
     }
     landings.expect("b", "b", "main-decode-0")
     landings.expect("c", "c", "main-decode-0")
@@ -370,12 +371,13 @@ async def test_the_holder_of_a_relayed_request_learns_when_its_kv_landed(make_st
     status, reply = await post(stack, "/pdd/kv-landings", {"ids": [body["id"], "not-a-request"]})
     assert status == 200 and set(reply["landings"]) == {body["id"]}, reply
     landing = reply["landings"][body["id"]]
-    computed_unix_s = body["pdd"]["prefill_computed_unix_s"] or landing["prefill_computed_unix_s"]
+    computed_unix_s = landing["prefill_computed_unix_s"]  # kept even when the reply came after the answer
     assert landing["landed_unix_s"] > computed_unix_s > 0 and landing["wan_kv_bytes"] > 0, landing
+    assert landing["kv_after_prefill_ms"] == round((landing["landed_unix_s"] - computed_unix_s) * 1000, 1)
     record = RequestRecord(session=0, turn=0, kind="cold", request_id=body["id"], pdd=body["pdd"])
     assert await asyncio.to_thread(fill_late_landings, stack.base_url, [record]) == 1
     late = record.pdd["kv_landed_after_answer"]
-    assert late["after_prefill_ms"] == round((landing["landed_unix_s"] - computed_unix_s) * 1000, 1)
+    assert late["after_prefill_ms"] == landing["kv_after_prefill_ms"]
     timing = kv_timing([record], link_bps=5e6, rtt_s=0.02)
     assert timing["kv_after_prefill_ms"]["requests"] == 1 and timing["kv_after_prefill_ms"]["p50"] > 0
     status, reply = await post(stack, "/pdd/kv-landings", {"ids": "not a list"})

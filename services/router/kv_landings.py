@@ -8,6 +8,14 @@ from dataclasses import dataclass
 MAX_IDS_PER_QUERY = 1024
 
 
+def kv_after_prefill_ms(prefill_computed_unix_s: float | None, kv_landed_unix_s: float | None) -> float | None:
+    """From the prompt computed at the prefill to its last KV byte at main decode, on the two
+    instances' clocks (one machine's in a benchmark); None without both."""
+    if not (prefill_computed_unix_s and kv_landed_unix_s):
+        return None
+    return round((kv_landed_unix_s - prefill_computed_unix_s) * 1000, 1)
+
+
 @dataclass
 class LateKv:
     """What the router heard about one request's prompt and KV (its latest attempt's), kept
@@ -36,6 +44,7 @@ class LateKv:
             "wan_kv_bytes": self.wan_kv_bytes,
             "prefill_computed_unix_s": self.prefill_computed_unix_s,
             "prefill_compute_ms": self.prefill_compute_ms,
+            "kv_after_prefill_ms": kv_after_prefill_ms(self.prefill_computed_unix_s, self.landed_unix_s),
         }
 
 

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+from services.router.kv_landings import kv_after_prefill_ms
 from services.router.placement import Placement
 
 
@@ -60,11 +61,8 @@ class RequestOutcome:
 
     @property
     def kv_after_prefill_ms(self) -> float | None:
-        """From the prompt computed at the prefill to its last KV byte at main decode, on the
-        two instances' clocks (one machine's in a benchmark); None without both."""
-        if not (self.prefill_computed_unix_s and self.kv_landed_unix_s):
-            return None
-        return round((self.kv_landed_unix_s - self.prefill_computed_unix_s) * 1000, 1)
+        """See ``kv_landings.kv_after_prefill_ms``: the same figure a late landing reports."""
+        return kv_after_prefill_ms(self.prefill_computed_unix_s, self.kv_landed_unix_s)
 
     def place(self, placement: Placement):
         """Describe the attempt running on ``placement``."""
