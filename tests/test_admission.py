@@ -91,7 +91,8 @@ async def test_a_wait_longer_than_the_queue_timeout_gets_429(make_stack, queue_t
         router_settings={"pipeline_policy": "P-MD", "max_in_flight": 1, "queue_timeout_s": queue_timeout_s}
     )
     async with aiohttp.ClientSession() as session:
-        long = asyncio.create_task(post_status(session, stack, chat_body("Long one. " * 5, 300)))
+        # Long enough to outlast the queue timeout on a fast host (300 tiny tokens may not).
+        long = asyncio.create_task(post_status(session, stack, chat_body("Long one. " * 5, 1500)))
         await until(lambda: stack.router.admission.in_flight == 1, 10, "the first request to run")
         status, headers, body = await post_status(session, stack, chat_body("Short one.", 2))
         assert status == 429 and "Retry-After" in headers, body
