@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 from infra.wan_link import LinkProfile
 from services.router.kv_landings import KvLandings
 from services.router.link_share import Sending, finish_times
+from services.router.placement import Placement
 from services.router.wan_estimate import MIN_SAMPLE_BYTES, WanEstimate, WanEstimator
 from shared.block_hash import hash_blocks
+from shared.messages import InstanceRef
 from tests.helpers import chat_body, post, until
 
 
@@ -350,6 +352,24 @@ def test_a_landing_is_believed_only_from_the_main_decoder_of_the_latest_attempt(
     assert landings.of(["a"]) == {} and len(landings) == 2  # the oldest left
     landings.landed("ar1", "main-decode-1", landed_unix_s=15.0, wan_kv_bytes=3)  # gone: nothing to file under
     assert landings.of(["a"]) == {}
+
+
+def test_kv_sent_to_a_main_decoder_at_the_prefills_own_site_is_not_counted_as_the_wans():
+    prefill = InstanceRef(instance_id="prefill-0", site="site-a")
+    here, there = (InstanceRef(instance_id=f"main-decode-{i}", site=s) for i, s in enumerate(("site-a", "site-b")))
+    common = {"pipeline": "P-MD", "prefill": prefill, "relay_decode": None, "md_cached_blocks": 0}
+    common |= {"md_load_blocks": 0, "num_prompt_blocks": 4, "missing_kv_bytes": 4096, "predicted_wan_s": 0.0}
+    assert not Placement(main_decode=here, **common).kv_crosses_sites
+    assert Placement(main_decode=there, **common).kv_crosses_sites
+    assert not Placement(**{**common, "pipeline": "P-RLD"}, main_decode=None).kv_crosses_sites
+    landings = KvLandings()
+    landings.expect("local", "local", "main-decode-0", crosses_sites=False)
+    landings.expect("remote", "remote", "main-decode-1", crosses_sites=True)
+    landings.landed("local", "main-decode-0", landed_unix_s=10.0, wan_kv_bytes=4096)
+    landings.landed("remote", "main-decode-1", landed_unix_s=10.0, wan_kv_bytes=4096)
+    found = landings.of(["local", "remote"])
+    assert found["local"].as_json()["wan_kv_bytes"] == 0  # landed, but over no WAN
+    assert found["remote"].as_json()["wan_kv_bytes"] == 4096
 
 
 async def test_the_holder_of_a_relayed_request_learns_when_its_kv_landed(make_stack):

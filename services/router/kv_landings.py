@@ -24,6 +24,7 @@ class LateKv:
     Attributes:
         main_decode_id: The main decoder its KV was sent to (the only one believed about it).
         attempt_id: The attempt that sent it (a recovered request runs under a new id).
+        crosses_sites: Whether that decoder is at the other site (else no byte is the WAN's).
         prefill_computed_unix_s: The prefill's clock when the prompt was computed (its
             ``PrefillCompleted``, which may itself come after the answer).
         prefill_compute_ms: The prompt's compute time, likewise.
@@ -33,6 +34,7 @@ class LateKv:
 
     main_decode_id: str
     attempt_id: str
+    crosses_sites: bool = True
     prefill_computed_unix_s: float | None = None
     prefill_compute_ms: float | None = None
     landed_unix_s: float = 0.0
@@ -57,13 +59,13 @@ class KvLandings:
         self._entries: OrderedDict[str, LateKv] = OrderedDict()
         self._request_of_attempt: dict[str, str] = {}
 
-    def expect(self, request_id: str, attempt_id: str, main_decode_id: str):
-        """Attempt ``attempt_id`` of ``request_id`` sends its KV to ``main_decode_id`` (what an
-        earlier attempt heard is dropped)."""
+    def expect(self, request_id: str, attempt_id: str, main_decode_id: str, crosses_sites: bool = True):
+        """Attempt ``attempt_id`` of ``request_id`` sends its KV to ``main_decode_id``, at the
+        other site or not (what an earlier attempt heard is dropped)."""
         earlier = self._entries.pop(request_id, None)
         if earlier is not None:
             self._request_of_attempt.pop(earlier.attempt_id, None)
-        self._entries[request_id] = LateKv(main_decode_id, attempt_id)
+        self._entries[request_id] = LateKv(main_decode_id, attempt_id, crosses_sites)
         self._request_of_attempt[attempt_id] = request_id
         while len(self._entries) > self._max_entries:
             _, oldest = self._entries.popitem(last=False)
@@ -79,7 +81,8 @@ class KvLandings:
         the KV was sent to (the caller proves ``sender``: the subject it published on)."""
         entry = self._of_attempt(attempt_id)
         if entry is not None and entry.main_decode_id == sender:
-            entry.landed_unix_s, entry.wan_kv_bytes = landed_unix_s, wan_kv_bytes
+            entry.landed_unix_s = landed_unix_s
+            entry.wan_kv_bytes = wan_kv_bytes if entry.crosses_sites else 0
 
     def of(self, request_ids: list[str]) -> dict[str, LateKv]:
         """The landed ones among ``request_ids``."""

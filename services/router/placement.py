@@ -79,6 +79,12 @@ class Placement:
         return [ref.instance_id for ref in refs if ref is not None]
 
     @property
+    def kv_crosses_sites(self) -> bool:
+        """Whether the prompt's KV travels to a main decoder at another site than the prefill's
+        (only such a flow's bytes and timing are the WAN's)."""
+        return self.main_decode is not None and self.main_decode.site != self.prefill.site
+
+    @property
     def decoder_ids(self) -> frozenset[str]:
         """The instances that may write the request's token stream."""
         return frozenset(ref.instance_id for ref in (self.main_decode, self.relay_decode) if ref is not None)

@@ -78,7 +78,7 @@ class Placer:
             avoid=avoid,
             arriving=self.wan.arriving(hashes),
         )
-        if placement.main_decode is not None:  # its KV now shares the link (relayed or not, it crosses)
+        if placement.kv_crosses_sites:  # its KV now shares the link (relayed or not, it crosses)
             self.wan.flow_placed(
                 request_id,
                 placement.main_decode.instance_id,

@@ -330,7 +330,7 @@ class RequestFlow:
             for item in await self._inbox.take():  # [] on the mailbox's tick: the deadline is checked
                 event = item[1]
                 if isinstance(event, KvImportAborted):
-                    self.outcome.wan_kv_bytes = self._wan_bytes_before + event.wan_kv_bytes
+                    self.outcome.wan_kv_bytes = self._wan_bytes_before + self._over_wan(event.wan_kv_bytes)
                     self._wan_bytes_final = True
                     return
                 if isinstance(event, PrefillCompleted):
@@ -356,7 +356,7 @@ class RequestFlow:
         subject = subjects.instance_work(p.prefill.site, "prefill", p.prefill.instance_id, subjects.START_PREFILL)
         attempt_id = self.attempt_id  # the reply is this attempt's, whatever the flow does meanwhile
         if p.main_decode is not None:
-            self.ctx.kv_landings.expect(self.request_id, attempt_id, p.main_decode.instance_id)
+            self.ctx.kv_landings.expect(self.request_id, attempt_id, p.main_decode.instance_id, p.kv_crosses_sites)
         try:
             reply = await self.ctx.nc.request(
                 subject, encode(command), headers=trace_headers(), timeout=self.config.first_token_timeout_s
@@ -441,18 +441,20 @@ class RequestFlow:
             self._on_failure(event)
         elif isinstance(event, PrefillCompleted):
             self.load.release([prefill])  # its work for the request is done: it is free for the next
-            self.ctx.wan.add_rtt(event.wan_rtt_s)
+            if self.placement.kv_crosses_sites:
+                self.ctx.wan.add_rtt(event.wan_rtt_s)
             self.ctx.wan.prefill_done(self.request_id)
             self.outcome.prefill_compute_ms = round(event.compute_s * 1000, 1)
             self.outcome.prefill_computed_unix_s = event.computed_unix_s
             if self.attempt == 0:  # what the client's prompt reused (a recovery's prefill is ours)
                 self.outcome.prefill_cached_tokens = event.cached_tokens
             if not self._wan_bytes_final:
-                self.outcome.wan_kv_bytes = self._wan_bytes_before + event.bytes_per_path.get("wan", 0)
+                self.outcome.wan_kv_bytes = self._wan_bytes_before + self._over_wan(event.bytes_per_path.get("wan", 0))
         elif isinstance(event, KvReady):
             self.watch.on_kv_ready()
             self._record_odd(self.odd.kv_landed())
-            self.ctx.wan.add_throughput(event.throughput_bps, event.wan_kv_bytes, self.request_id)
+            if self.placement.kv_crosses_sites:
+                self.ctx.wan.add_throughput(event.throughput_bps, event.wan_kv_bytes, self.request_id)
             self.ctx.wan.flow_landed(self.request_id)
             self.outcome.kv_transfer_ms = round(event.transfer_s * 1000, 1)
             self.outcome.kv_landed_unix_s = event.landed_unix_s
@@ -471,6 +473,11 @@ class RequestFlow:
             self.ctx.kv_landings.landed(
                 self.attempt_id, main_decode.instance_id, event.landed_unix_s, event.wan_kv_bytes
             )
+
+    def _over_wan(self, kv_bytes: int) -> int:
+        """``kv_bytes`` if this attempt's KV went to a main decoder at the other site, else 0
+        (a same-site deployment's flows never touch the WAN)."""
+        return kv_bytes if self.placement.kv_crosses_sites else 0
 
     def _on_failure(self, event: RequestFailed):
         message = f"{event.instance_id}: {event.code}: {event.message}"
