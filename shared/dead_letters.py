@@ -46,7 +46,8 @@ def sender_problem(message: msgspec.Struct, subject: str) -> str | None:
 
     The servers let an instance publish only on subjects that end in its own id; a body that
     names another sender (a forged ``instance_id``, ``publisher_id``, relay, router or
-    service) is therefore a lie.
+    service) is therefore a lie, as is a request event or token message whose body names
+    another request than its subject.
     """
     sender = subjects.sender_of(subject)
     if sender is None:
@@ -56,6 +57,9 @@ def sender_problem(message: msgspec.Struct, subject: str) -> str | None:
         return f"names {claimed!r} as its sender on {sender!r}'s subject"
     if isinstance(message, LoadReported) and message.service != subjects.service_of_load(subject):
         return f"claims service {message.service!r} on a {subjects.service_of_load(subject)!r} subject"
+    named = getattr(message, "request_id", None)
+    if named is not None and subject.split(".")[1] in ("req", "tokens") and named != subjects.request_of(subject):
+        return f"names request {named!r} on request {subjects.request_of(subject)!r}'s subject"
     return None
 
 

@@ -297,6 +297,10 @@ async def test_lies_on_a_credential_own_subjects_are_dropped_and_counted(stack, 
             subjects.request_events(rid, thief),
             RequestFailed(request_id=rid, instance_id=victim, code="forged", message="forged", retryable=True),
         ),
+        (  # an event for a request of the thief's own naming, whose body names the victim's
+            subjects.request_events(f"{subjects.origin_of(rid)}-forged", thief),
+            RequestFailed(request_id=rid, instance_id=thief, code="forged", message="forged", retryable=True),
+        ),
         (
             subjects.load("site-b", "main_decode", thief),
             LoadReported(  # claims to be the victim
@@ -345,7 +349,7 @@ async def test_lies_on_a_credential_own_subjects_are_dropped_and_counted(stack, 
         await nc.flush()
         await until(
             lambda: (
-                mismatch._value.get() >= before[0] + 4
+                mismatch._value.get() >= before[0] + 5
                 and unplaced._value.get() >= before[1] + 4  # the TokensEmitted, and 3 step entries
                 and other_ready._value.get() > before[2]
             ),
