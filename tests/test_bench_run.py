@@ -141,3 +141,22 @@ def _check_the_simulator_replays(pdd: str, run: Path, results: dict):
     )
     first_turns = {r.session: r.prompt_tokens for r in workload.requests if r.turn == 0}
     assert first_turns == {r["session"]: r["prompt_tokens"] for r in records if r["turn"] == 0}
+
+
+@pytest.mark.timeout(300)
+def test_the_same_site_baseline_reports_no_kv_over_the_wan(tmp_path):
+    """Main decode beside the prefill: its KV crosses no WAN, and the responses, the link's
+    counters and the KV timing all say so."""
+    pdd = str(Path(sys.executable).parent / "pdd")
+    args = ["--model", "tiny", "--sessions", "1", "--turns", "2", "--cold-lines", "12", "--handoff-trials", "1"]
+    result = subprocess.run(
+        [pdd, "bench", "run", "--out", str(tmp_path), *args, "--modes", "same-site"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads((tmp_path / "results.json").read_text())["modes"]["same-site"]
+    assert figures["requests"] == 2 and figures["errors"] == 0
+    assert figures["wan_kv_bytes"] == 0 and figures["wan_link_kv_bytes"] == 0
+    assert figures["kv_after_prefill_ms"]["requests"] == 0
