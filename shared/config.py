@@ -18,7 +18,7 @@ from typing import Any
 
 from shared.errors import ConfigError
 from shared.hf_cache import SMOLLM2_HF_ID
-from shared.subjects import check_token
+from shared.subjects import FIXED_WORDS, check_token
 
 ENV_PREFIX = "PDD_"
 
@@ -56,6 +56,13 @@ def subject_token(value: str) -> str | None:
     return None
 
 
+def site_name(value: str) -> str | None:
+    """Check: a NATS subject token that is not one of the subjects' fixed words."""
+    if value in FIXED_WORDS:
+        return f"{value!r} is a word of the subjects themselves ({', '.join(sorted(FIXED_WORDS))}); name the site otherwise"
+    return subject_token(value)
+
+
 def host_port(value: str) -> str | None:
     """Check: empty or ``host:port``."""
     if not value:
@@ -83,7 +90,7 @@ def known_backend(value: str) -> str | None:
 class CommonConfig:
     """Settings every service reads."""
 
-    site: str = setting("site-a", "site (datacenter) this instance runs at", subject_token)
+    site: str = setting("site-a", "site (datacenter) this instance runs at", site_name)
     instance_id: str = setting("", "unique instance name; default <service>-<host>-<pid>", subject_token)
     nats_url: str = setting("nats://127.0.0.1:4222", "NATS server of this instance's own site")
     nats_seed_file: str = setting(

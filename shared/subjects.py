@@ -33,6 +33,11 @@ def check_token(value: str, what: str) -> str:
     return value
 
 
+FIXED_WORDS = frozenset({"cancel", "dlq", "evt", "req", "steps", "tokens"})
+"""The words after the prefix that are not a site: a site so named would make its work subjects
+look like request, token or event subjects (``sender_of``)."""
+
+
 def shared_work(site: str, service: str, verb: str) -> str:
     """Work any instance of ``service`` at ``site`` may take (queue group)."""
     return f"{PREFIX}.{site}.{service}.{verb}"

@@ -619,3 +619,18 @@ async def test_a_main_decoders_heartbeats_tokens_and_events_cross_the_leafnode(t
         for process in processes:
             process.terminate()
             process.wait(timeout=5)
+
+
+def test_a_request_id_is_checked_against_request_subjects_only_and_no_site_takes_a_subject_word():
+    from shared.config import CommonConfig, build_config
+    from shared.dead_letters import sender_problem
+    from shared.errors import ConfigError
+
+    failed = RequestFailed(request_id="router-0-a", instance_id="main-decode-0", code="x", message="x")
+    assert sender_problem(failed, subjects.request_events("router-0-a", "main-decode-0")) is None
+    assert "names request" in sender_problem(failed, subjects.request_events("router-0-b", "main-decode-0"))
+    # A work subject is not a request subject, whatever its site is called.
+    assert sender_problem(failed, "pdd.req.main_decode.main-decode-0.handoff.main-decode-0") is None
+    with pytest.raises(ConfigError, match="site.*a word of the subjects"):
+        build_config(CommonConfig, {"site": "req"}, {})
+    assert build_config(CommonConfig, {"site": "site-b"}, {}).site == "site-b"

@@ -7,6 +7,7 @@ import pytest
 from services.router.placement import place
 from services.router.registry import InstanceRegistry
 from services.router.wan_estimate import Arriving, WanEstimate
+from shared.block_hash import hash_blocks
 from shared.messages import InstanceRef, LoadReported
 
 BLOCK_SIZE = 16
@@ -393,3 +394,35 @@ def test_a_follow_up_turn_counts_only_its_new_blocks_when_the_earlier_ones_are_o
     assert warm.pipeline == "P-MD"
     late = {"main-decode-1": Arriving(blocks=48, lands_in_s=60.0)}
     assert place(registry, {}, ttft_target_s=0.5, arriving=late, **kwargs).pipeline == "P-RLD-MD"
+
+
+async def test_a_recovery_onto_a_decoder_beside_the_prefill_takes_the_first_attempts_flow_off_the_link():
+    from services.router.openai_api import ParsedRequest
+    from services.router.placer import Placer
+    from services.router.site_health import SiteHealth
+    from services.router.wan_estimate import WanEstimator
+    from shared.config import RouterConfig, build_config
+    from shared.engine.sampling import SamplingParams
+
+    registry = InstanceRegistry(ttl_s=60)
+    for instance_id, service, site in [
+        ("prefill-0", "prefill", "site-a"),
+        ("main-decode-0", "main_decode", "site-b"),
+        ("main-decode-1", "main_decode", "site-a"),
+    ]:
+        instance = InstanceRef(instance_id=instance_id, site=site)
+        registry.observe(LoadReported(instance=instance, service=service, total_blocks=1000, unix_s=time.time()))
+    config = build_config(RouterConfig, {"pipeline_policy": "P-MD"}, {})
+    wan = WanEstimator(bandwidth_bps=1e6, rtt_s=0.04)
+    placer = Placer(config, registry, SiteHealth(registry, "site-a", 60), wan, kv_bytes_per_token=1000)
+
+    async def no_index(hashes):
+        return {}
+
+    placer._overlap = no_index  # no cache index in this test: placement on load alone
+    req = ParsedRequest(True, "tiny", list(range(64)), SamplingParams(max_tokens=4))
+    first = await placer.place(req, "router-0-r", avoid=frozenset({"main-decode-1"}))
+    assert first.kv_crosses_sites and wan.current().queue_s > 0  # 64 KB at 1 Mbit/s on the ledger
+    again = await placer.place(req, "router-0-r", avoid=frozenset({"main-decode-0"}))
+    assert not again.kv_crosses_sites
+    assert wan.current().queue_s == 0 and wan.arriving(hash_blocks(list(range(64)), 16)) == {}

@@ -87,6 +87,8 @@ class Placer:
                 placement.predicted_prefill_s,
                 placement.predicted_first_chunk_s,
             )
+        else:  # a recovery's earlier attempt may have left its flow on the link's ledger
+            self.wan.flow_stopped(request_id)
         cut_off = self.site_health.unreachable()
         if placement.pipeline == "P-RLD" and cut_off:
             placement = dataclasses.replace(placement, degraded_reason=f"{', '.join(cut_off)} unreachable")
