@@ -631,6 +631,12 @@ def test_a_request_id_is_checked_against_request_subjects_only_and_no_site_takes
     assert "names request" in sender_problem(failed, subjects.request_events("router-0-b", "main-decode-0"))
     # A work subject is not a request subject, whatever its site is called.
     assert sender_problem(failed, "pdd.req.main_decode.main-decode-0.handoff.main-decode-0") is None
+    # A heartbeat cannot move its instance to another site than its subject's (a main decoder
+    # claiming site A would have its KV counted as never crossing the WAN).
+    site_a = InstanceRef(instance_id="main-decode-0", site="site-a")
+    beat = LoadReported(instance=site_a, service="main_decode", unix_s=time.time())
+    assert "claims site" in sender_problem(beat, subjects.load("site-b", "main_decode", "main-decode-0"))
+    assert sender_problem(beat, subjects.load("site-a", "main_decode", "main-decode-0")) is None
     with pytest.raises(ConfigError, match="site.*a word of the subjects"):
         build_config(CommonConfig, {"site": "req"}, {})
     assert build_config(CommonConfig, {"site": "site-b"}, {}).site == "site-b"
