@@ -55,12 +55,13 @@ def sender_problem(message: msgspec.Struct, subject: str) -> str | None:
     claimed = claimed_sender(message)
     if claimed is not None and claimed != sender:
         return f"names {claimed!r} as its sender on {sender!r}'s subject"
-    if isinstance(message, LoadReported) and message.service != subjects.service_of_load(subject):
-        return f"claims service {message.service!r} on a {subjects.service_of_load(subject)!r} subject"
-    if isinstance(message, LoadReported) and message.instance.site != subject.split(".")[2]:
-        # Only site B's own heartbeats cross the leafnode, so the subject pins a remote site.
-        return f"claims site {message.instance.site!r} on a {subject.split('.')[2]!r} subject"
-    parts, named = subject.split("."), getattr(message, "request_id", None)
+    parts = subject.split(".")
+    if isinstance(message, LoadReported):
+        if message.service != subjects.service_of_load(subject):
+            return f"claims service {message.service!r} on a {subjects.service_of_load(subject)!r} subject"
+        if message.instance.site != parts[2]:  # only site B's own heartbeats cross the leafnode
+            return f"claims site {message.instance.site!r} on a {parts[2]!r} subject"
+    named = getattr(message, "request_id", None)
     if named is not None and len(parts) == 5 and parts[1] in ("req", "tokens") and named != parts[3]:
         return f"names request {named!r} on request {parts[3]!r}'s subject"
     return None
