@@ -230,6 +230,16 @@ def bench_trace(args):
     )
 
 
+def trace_shape(trace) -> dict:
+    """What the replayed trace holds: with ``--trace`` its own turns, whatever the generator's
+    flags (``--max-tokens``, ``--sessions``) say."""
+    return {
+        "requests": len(trace),
+        "sessions": len({turn.session for turn in trace}),
+        "max_tokens": sorted({turn.max_tokens for turn in trace}),
+    }
+
+
 def run_bench(args) -> dict:
     """All modes (or one ``--url`` endpoint), the handoff microbenchmark, and the output files."""
     out = Path(args.out)
@@ -238,6 +248,7 @@ def run_bench(args) -> dict:
     save_trace(trace, out / "trace.jsonl")
     started = time.perf_counter()
     results = {"modes": {}, "config": {k: v for k, v in vars(args).items() if not callable(v)}}
+    results["config"]["trace_shape"] = trace_shape(trace)
     records = {}
     if args.url:
         return _run_endpoint(args, trace, out, results, started)

@@ -156,7 +156,10 @@ def test_the_same_site_baseline_reports_no_kv_over_the_wan(tmp_path):
         timeout=240,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    figures = json.loads((tmp_path / "results.json").read_text())["modes"]["same-site"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    # what was replayed, as the report's config line shows it
+    assert results["config"]["trace_shape"] == {"requests": 2, "sessions": 1, "max_tokens": [24]}
+    figures = results["modes"]["same-site"]
     assert figures["requests"] == 2 and figures["errors"] == 0
     assert figures["wan_kv_bytes"] == 0 and figures["wan_link_kv_bytes"] == 0
     assert figures["kv_after_prefill_ms"]["requests"] == 0
