@@ -20,7 +20,7 @@ def registry_with(*, main_decodes: int, used_blocks: dict[str, int] | None = Non
     for instance_id, service in instances:
         registry.observe(
             LoadReported(
-                instance=InstanceRef(instance_id=instance_id, site="site-b"),
+                instance=InstanceRef(instance_id=instance_id, site="site-b" if service == "main_decode" else "site-a"),
                 service=service,
                 used_blocks=(used_blocks or {}).get(instance_id, 0),
                 total_blocks=1000,
@@ -308,7 +308,7 @@ def pipeline_for(prefill_report: dict, num_prompt_tokens: int, crossing_bytes: f
         ("relay-decode-0", "relay_decode", {}),
     ):
         report = LoadReported(
-            instance=InstanceRef(instance_id=instance_id, site="site-b"),
+            instance=InstanceRef(instance_id=instance_id, site="site-b" if service == "main_decode" else "site-a"),
             service=service,
             total_blocks=1000,
             unix_s=time.time(),
@@ -374,7 +374,7 @@ def test_a_follow_up_turn_counts_only_its_new_blocks_when_the_earlier_ones_are_o
     ):
         registry.observe(
             LoadReported(
-                instance=InstanceRef(instance_id=instance_id, site="site-b"),
+                instance=InstanceRef(instance_id=instance_id, site="site-b" if service == "main_decode" else "site-a"),
                 service=service,
                 total_blocks=1000,
                 prefill_tokens_per_s=400.0 if service == "prefill" else 0.0,
@@ -426,3 +426,30 @@ async def test_a_recovery_onto_a_decoder_beside_the_prefill_takes_the_first_atte
     again = await placer.place(req, "router-0-r", avoid=frozenset({"main-decode-0"}))
     assert not again.kv_crosses_sites
     assert wan.current().queue_s == 0 and wan.arriving(hash_blocks(list(range(64)), 16)) == {}
+
+
+def test_kv_for_a_decoder_beside_the_prefill_is_not_predicted_to_cross_the_link():
+    """A cold 64-block prompt on a 10 Mbit/s link: the far decoder's KV lands seconds after the
+    prefill, so it would need a relay; a decoder at the prefill's site gets it on the local path."""
+    registry = InstanceRegistry(ttl_s=60)
+    for instance_id, service, site in (
+        ("prefill-0", "prefill", "site-a"),
+        ("main-decode-0", "main_decode", "site-b"),
+        ("relay-decode-0", "relay_decode", "site-a"),
+    ):
+        instance = InstanceRef(instance_id=instance_id, site=site)
+        registry.observe(LoadReported(instance=instance, service=service, total_blocks=1000, unix_s=time.time()))
+    kwargs = {
+        "num_prompt_tokens": 64 * BLOCK_SIZE,
+        "block_size": BLOCK_SIZE,
+        "kv_bytes_per_token": 46080,
+        "wan": WanEstimate(bandwidth_bps=10e6, rtt_s=0.040),
+        "ttft_target_s": 0.5,
+    }
+    far = place(registry, {}, **kwargs)
+    assert far.kv_crosses_sites and far.pipeline == "P-RLD-MD" and far.predicted_wan_s > 30
+    beside = InstanceRef(instance_id="main-decode-1", site="site-a")
+    registry.observe(LoadReported(instance=beside, service="main_decode", total_blocks=1000, unix_s=time.time()))
+    near = place(registry, {}, **kwargs)
+    assert near.main_decode.instance_id == "main-decode-1" and not near.kv_crosses_sites
+    assert near.predicted_wan_s == 0 and near.pipeline == "P-MD"

@@ -49,8 +49,10 @@ class Placement:
         md_load_blocks: KV blocks the main decoder's running requests held when chosen.
         num_prompt_blocks: KV blocks the prompt fills (the load it adds where it runs).
         prefill_compute_blocks: Prompt blocks the chosen prefill lacks (the work it adds there).
-        missing_kv_bytes: KV bytes predicted to cross the WAN.
-        predicted_wan_s: When they are predicted to land, counted from the prefill's end.
+        missing_kv_bytes: KV bytes the main decoder lacks (the WAN's when it is at another
+            site than the prefill).
+        predicted_wan_s: When they are predicted to land, counted from the prefill's end (0
+            for a main decoder beside the prefill: the local path is not modelled).
         predicted_prefill_s: The prefill's predicted compute time (0: no rate reported yet).
         predicted_first_chunk_s: When its first chunk (the first KV it ships) is predicted done.
         odd_traffic: Marked odd by the odd-traffic filter (relayed; WAN cancelled if the relay wins).
@@ -175,6 +177,7 @@ def place(
         ttft_target_s,
         arriving or {},
         prefill_s,
+        prefill.report.instance.site,
     )
     odd = policy == "auto" and odd_rule is not None and odd_rule.is_odd(max_tokens, predicted_s)
     wants_relay = predicted_s > ttft_target_s or odd if policy == "auto" else policy == "P-RLD-MD"
@@ -218,10 +221,11 @@ def _pick_main(
     ttft_target_s: float,
     arriving: dict[str, Arriving],
     prefill_s: float,
+    prefill_site: str,
 ) -> tuple[InstanceState, int, float]:
     """The main decoder (those whose missing KV lands within the target first), the KV bytes
-    it lacks and when they are predicted to land after the prefill (``arrival_s``, and no
-    earlier than blocks already on their way to it)."""
+    it lacks and when they are predicted to land after the prefill (``arrival_s`` across the
+    WAN, at once beside the prefill, and no earlier than blocks already on their way to it)."""
     held = dict(hits)
     for instance_id, coming in arriving.items():
         held[instance_id] = max(held.get(instance_id, 0), coming.blocks)
@@ -231,7 +235,8 @@ def _pick_main(
         return max(0, num_prompt_tokens - cached * block_size) * kv_bytes_per_token
 
     def lands_s(state: InstanceState) -> float:
-        landing = arrival_s(missing_bytes_at(state))
+        crosses = state.report.instance.site != prefill_site
+        landing = arrival_s(missing_bytes_at(state)) if crosses else 0.0
         coming = arriving.get(state.report.instance.instance_id)
         if coming is not None and coming.blocks > hits.get(state.report.instance.instance_id, 0):
             landing = max(landing, coming.lands_in_s - prefill_s)
