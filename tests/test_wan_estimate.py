@@ -8,12 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from infra.wan_link import LinkProfile
-from services.router.kv_landings import KvLandings
+from services.router.kv_landings import KvLandings, file_late_kv_ready
 from services.router.link_share import Sending, finish_times
 from services.router.placement import Placement
 from services.router.wan_estimate import MIN_SAMPLE_BYTES, WanEstimate, WanEstimator
 from shared.block_hash import hash_blocks
-from shared.messages import InstanceRef
+from shared.messages import InstanceRef, KvReady
 from tests.helpers import chat_body, post, until
 
 
@@ -352,6 +352,41 @@ def test_a_landing_is_believed_only_from_the_main_decoder_of_the_latest_attempt(
     assert landings.of(["a"]) == {} and len(landings) == 2  # the oldest left
     landings.landed("ar1", "main-decode-1", landed_unix_s=15.0, wan_kv_bytes=3)  # gone: nothing to file under
     assert landings.of(["a"]) == {}
+
+
+def test_a_recovered_attempts_late_landing_frees_the_link_and_teaches_its_rate():
+    """A relayed request whose first attempt failed: its recovery's flow is on the link's ledger
+    under the request's id, and its KvReady (after the relay answered) names the attempt's."""
+    now = [0.0]
+    wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
+    landings = KvLandings()
+    num_bytes = 20_000_000  # 1.6 s at the believed 100 Mbit/s
+    landings.expect("a", "ar1", "main-decode-1")
+    wan.flow_placed("a", "main-decode-1", hash_blocks(list(range(64)), 16), num_bytes, prefill_s=0.1)
+    now[0] = 1.0
+
+    def kv_ready(attempt_id: str, sender: str) -> KvReady:
+        return KvReady(
+            request_id=attempt_id,
+            instance_id=sender,
+            site="site-b",
+            cached_tokens=0,
+            imported_tokens=64,
+            wan_kv_bytes=num_bytes,
+            transfer_s=0.8,
+            throughput_bps=200e6,
+            landed_unix_s=1000.0,
+        )
+
+    file_late_kv_ready(kv_ready("a", "main-decode-1"), "main-decode-1", landings, wan)  # the failed attempt's
+    file_late_kv_ready(kv_ready("ar1", "main-decode-0"), "main-decode-0", landings, wan)  # not its decoder
+    assert wan.main_decode_of("a") == "main-decode-1" and wan.bandwidth_bps == 100e6
+    assert landings.of(["a"]) == {}
+    file_late_kv_ready(kv_ready("ar1", "main-decode-1"), "main-decode-1", landings, wan)
+    assert wan.main_decode_of("a") is None  # the link is free for the next placement
+    assert wan.current().queue_s == 0
+    assert wan.bandwidth_bps == 200e6  # the first sample of a flow that had the link alone
+    assert landings.of(["a"])["a"].landed_unix_s == 1000.0
 
 
 def test_kv_sent_to_a_main_decoder_at_the_prefills_own_site_is_not_counted_as_the_wans():

@@ -5,6 +5,9 @@ for a while so that whoever holds the request's id can learn when it landed
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from services.router.wan_estimate import WanEstimator
+from shared.messages import KvReady
+
 MAX_IDS_PER_QUERY = 1024
 
 
@@ -89,9 +92,29 @@ class KvLandings:
         entries = (self._entries.get(rid) for rid in request_ids)
         return {rid: e for rid, e in zip(request_ids, entries, strict=True) if e is not None and e.landed_unix_s}
 
+    def request_of(self, attempt_id: str) -> str | None:
+        """The request whose latest attempt is ``attempt_id``; None for an earlier attempt, or
+        one no longer kept."""
+        return self._request_of_attempt.get(attempt_id)
+
     def _of_attempt(self, attempt_id: str) -> LateKv | None:
         entry = self._entries.get(self._request_of_attempt.get(attempt_id, ""))
         return entry if entry is not None and entry.attempt_id == attempt_id else None
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def file_late_kv_ready(event: KvReady, sender: str, landings: KvLandings, wan: WanEstimator):
+    """A ``KvReady`` for an attempt already answered (by the relay), from main decoder
+    ``sender`` (its subject proves it): the attempt's flow has landed, and its throughput is a
+    sample of the link as any flow's is (a deployment that relays most requests learns the
+    link from those); its landing is kept for the request's holder. The link's ledger knows
+    the flow by its request's id, the landings by the attempt's; each believes only the main
+    decoder the KV went to."""
+    landings.landed(event.request_id, sender, event.landed_unix_s, event.wan_kv_bytes)
+    request_id = landings.request_of(event.request_id)
+    if request_id is None or wan.main_decode_of(request_id) != sender:
+        return
+    wan.add_throughput(event.throughput_bps, event.wan_kv_bytes, request_id)
+    wan.flow_landed(request_id, sender)

@@ -17,7 +17,7 @@ from services.router import openai_api
 from services.router.admission import Admission
 from services.router.api_error import ApiError
 from services.router.http_api import RouterApi
-from services.router.kv_landings import KvLandings
+from services.router.kv_landings import KvLandings, file_late_kv_ready
 from services.router.mailbox import RequestMailbox
 from services.router.openai_api import ParsedRequest
 from services.router.placement import NoInstances, Placement
@@ -112,15 +112,10 @@ class RouterService(Service):
         await self.api.start()
 
     def _on_late_event(self, event, sender: str):
-        """A ``KvReady`` for a request already answered (by the relay): its flow has landed, and
-        its throughput is a sample of the link as any flow's is (a deployment that relays most
-        requests learns the link from those), and its landing is kept for the request's holder
-        (``kv_landings``); each only from the main decoder the KV went to."""
+        """An event for a request already answered: a ``KvReady`` still says when and how fast
+        its KV landed (``file_late_kv_ready``)."""
         if isinstance(event, KvReady):
-            if self.wan.main_decode_of(event.request_id) == sender:
-                self.wan.add_throughput(event.throughput_bps, event.wan_kv_bytes, event.request_id)
-            self.kv_landings.landed(event.request_id, sender, event.landed_unix_s, event.wan_kv_bytes)
-            self.wan.flow_landed(event.request_id, sender)
+            file_late_kv_ready(event, sender, self.kv_landings, self.wan)
 
     def _bind_gauges(self):
         model_name = self.config.served_model_name
