@@ -206,7 +206,7 @@ async def test_killing_the_busiest_main_decoder_loses_no_request(deployment, tin
     run_dir, ports = deployment
     api = client(ports)
     state = load_state(run_dir)
-    streams, max_tokens = 6, 400
+    streams, max_tokens = 6, 1600  # each stream outlasts a few heartbeats (the gauges follow them)
     conversations = [
         [{"role": "system", "content": f"Teller {i}."}, {"role": "user", "content": "A story"}] for i in range(streams)
     ]
