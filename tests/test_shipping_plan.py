@@ -34,6 +34,13 @@ def routes(plan: ShippingPlan) -> list[tuple[str, str, str]]:
     return [(p.path, p.receiver.instance_id, p.role) for p in plan.paths]
 
 
+def test_only_a_flow_to_another_site_takes_the_wan():
+    """What the prefill's flows are sized for and counted as (``pdd_kv_bytes_total{path}``)."""
+    main_at_a = InstanceRef(instance_id="main-decode-1", site="site-a", bulk_endpoint="127.0.0.1:3")
+    assert [p.network("site-a") for p in ShippingPlan(command("P-RLD-MD")).paths] == ["wan", "local"]
+    assert [p.network("site-a") for p in ShippingPlan(command("P-MD", main=main_at_a)).paths] == ["local"]
+
+
 def test_each_pipeline_ships_to_its_receivers():
     assert routes(ShippingPlan(command("P-MD", relay=None))) == [("wan", "main-decode-0", "main_decode")]
     assert routes(ShippingPlan(command("P-RLD-MD"))) == [

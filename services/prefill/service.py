@@ -136,21 +136,23 @@ class PrefillService(EngineService):
             job.stop(cancel.reason)
 
     async def dial(self, flow_open: FlowOpen, route: ShippingPath) -> BulkFlow:
-        """Open one KV flow to ``route``'s receiver: TLS on the WAN (and locally if configured),
-        through the WAN link when the receiver is at another site, striped over the path's
-        streams on connections the pool keeps per receiver."""
+        """Open one KV flow to ``route``'s receiver: TLS to a main decoder (which listens with
+        TLS wherever it runs) and locally if configured; through the WAN link, sized to the WAN
+        path and counted as its bytes when the receiver is at another site, else on the local
+        path; striped over the path's streams on connections the pool keeps per receiver."""
         config, receiver = self.config, route.receiver
-        plan = self.path_streams.get(route.path, self.path_streams["local"])
+        network = route.network(config.site)
+        plan = self.path_streams[network]
         return await open_flow(
             receiver.bulk_endpoint,
             flow_open,
             config.bulk_secret,
-            path=route.path,
+            path=network,
             timeout_s=config.connect_timeout_s,
             accept_timeout_s=config.accept_timeout_s,
             tls=self._bulk_tls if route.path == "wan" or config.bulk_tls_local else None,
             tls_name=RECEIVER_TLS_NAME[route.role],
-            link=receiver.bulk_link if receiver.site != config.site else "",
+            link=receiver.bulk_link if network == "wan" else "",
             streams=plan.streams,
             pool=self.bulk_pool,
             buffer_bytes=plan.buffer_bytes,

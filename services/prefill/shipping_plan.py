@@ -29,7 +29,8 @@ class ShippingPath:
     """One flow of the plan.
 
     Attributes:
-        path: ``wan`` or ``local``.
+        path: ``wan`` (the flow to main decode) or ``local`` (to the relay); the network it
+            takes is ``network``'s.
         receiver: The decoder that receives the KV.
         role: What the receiver acts as (``main_decode`` or ``relay_decode``).
     """
@@ -37,6 +38,11 @@ class ShippingPath:
     path: str
     receiver: InstanceRef
     role: str
+
+    def network(self, site: str) -> str:
+        """The network a flow from ``site`` takes: ``wan`` to a receiver at another site, else
+        ``local`` (a main decoder beside the prefill, as in the same-site baseline)."""
+        return "wan" if self.receiver.site != site else "local"
 
 
 @dataclass(frozen=True)
