@@ -18,7 +18,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import nats
@@ -30,6 +30,7 @@ from services.router.mailbox import Inbox, RequestMailbox
 from services.router.odd_traffic import OddTrafficTracker, OddTransition
 from services.router.outcome import Recovery, RequestOutcome
 from services.router.placement import NoInstances, Placement
+from services.router.recovery_plan import InstanceFailed, RecoveryPlan, UpstreamFailed
 from services.router.registry import InstanceRegistry
 from services.router.stream_watch import StreamWatch
 from services.router.token_intake import DirectSink, TokenIntake
@@ -38,7 +39,6 @@ from services.router.wan_estimate import WanEstimator
 from shared import subjects
 from shared.config import RouterConfig
 from shared.engine.sampling import SamplingParams
-from shared.errors import PddError
 from shared.messages import (
     CancelRequest,
     HandoffAccepted,
@@ -60,42 +60,9 @@ _prefill_reply_decoder = decoder(PrefillReply)
 _tracer = tracer("pdd.router")
 LIVENESS_TICK_S = 0.5
 RESEND_AFTER_S = 1.0
-GONE_REASONS = {"instance_unresponsive", "prefill_unreachable"}
-"""Failures that mean the instance is gone: placement skips it until it heartbeats again."""
 ODD_CANCEL_REPORT_S = 2.0
 
 Replacer = Callable[[frozenset[str]], Awaitable[Placement]]
-
-
-class UpstreamFailed(PddError):
-    """A service reported the request failed, or its instance vanished."""
-
-    code = "upstream_failed"
-
-
-class UpstreamTimeout(PddError):
-    """No token arrived within the configured wait."""
-
-    code = "timeout"
-
-
-class InstanceFailed(PddError):
-    """An instance the stream needs failed the request; it may be resumed elsewhere.
-
-    Attributes:
-        instance_id: The failed instance.
-        reason: Stable cause (``instance_unresponsive``, ``timeout``, a service error code).
-    """
-
-    code = "upstream_failed"
-
-    def __init__(self, message: str, instance_id: str, reason: str):
-        super().__init__(message)
-        self.instance_id, self.reason = instance_id, reason
-
-    def final(self) -> PddError:
-        """The error the client gets when the request cannot be resumed."""
-        return (UpstreamTimeout if self.reason == "timeout" else UpstreamFailed)(str(self))
 
 
 def new_request_id(origin: str) -> str:
@@ -114,31 +81,6 @@ class FlowContext:
     wan: WanEstimator
     config: RouterConfig
     kv_landings: KvLandings
-
-
-@dataclass
-class RecoveryPlan:
-    """Whether a failed request resumes elsewhere: a decision from counts and causes, no I/O.
-
-    Attributes:
-        max_recoveries: Resumptions allowed per request.
-        avoid: Instances that failed this request (never placed on again for it).
-    """
-
-    max_recoveries: int
-    avoid: set[str] = field(default_factory=set)
-
-    def decide(self, failure: InstanceFailed, recoveries_so_far: int) -> frozenset[str]:
-        """The instances a new attempt must avoid; raises the client's error when it may not resume."""
-        if recoveries_so_far >= self.max_recoveries:
-            raise failure.final() from None
-        self.avoid.add(failure.instance_id)
-        return frozenset(self.avoid)
-
-    @staticmethod
-    def instance_gone(failure: InstanceFailed) -> bool:
-        """Whether placement should skip the failed instance until it heartbeats again."""
-        return failure.reason in GONE_REASONS
 
 
 class PlacedLoad:

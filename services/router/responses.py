@@ -16,7 +16,8 @@ from services.router.api_error import ApiError
 from services.router.logprobs_format import LogprobsFormatter
 from services.router.openai_api import ParsedRequest
 from services.router.prompts import PromptBuilder
-from services.router.request_flow import RequestFlow, UpstreamFailed, UpstreamTimeout
+from services.router.recovery_plan import UpstreamFailed, UpstreamTimeout
+from services.router.request_flow import RequestFlow
 from services.router.request_metrics import RequestMetrics
 from services.router.sse_chunks import ContentEvents
 from shared.metrics import SLOW_CLIENTS
