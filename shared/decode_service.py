@@ -90,6 +90,7 @@ class DecodeService(EngineService):
             port=config.bulk_port,
             receiver_id=self.instance_id,
             incarnation=self.incarnation,
+            site=config.site,
             tls=server_context(config.tls_ca_file, config.tls_cert_file, config.tls_key_file) if encrypted else None,
         )
         host, port = await self.receiver.start()

@@ -419,6 +419,8 @@ class FlowOpen(_Message, kw_only=True):
             (only that instance's ``KvReady`` starts the handoff).
         traceparent: W3C trace context of the sender's transfer span.
         sender_id: Sending instance.
+        sender_site: Its site: the receiver counts the flow's bytes as the WAN's when it is
+            another site than its own (empty: as its listener's path).
         receiver_id: The instance this flow is for; another one refuses it.
         receiver_incarnation: That instance's incarnation (as in its heartbeats): a FlowOpen
             recorded before a restart is refused by the restarted process, whose replay
@@ -439,6 +441,7 @@ class FlowOpen(_Message, kw_only=True):
     main_decode_instance_id: str | None = None
     traceparent: str | None = None
     sender_id: str
+    sender_site: str = ""
     receiver_id: str = ""
     receiver_incarnation: str = ""
     unix_s: float

@@ -97,3 +97,41 @@ async def test_garbage_bytes_drop_the_connection(channel, tiny):
         "the receiver to drop the flow",
     )
     assert not handler.engine.holds("g")
+
+
+@pytest.mark.parametrize(("sender_site", "counted_as"), [("site-a", "local"), ("site-b", "wan")])
+async def test_a_main_decoder_counts_bytes_by_the_network_they_came_over(tiny, sender_site, counted_as):
+    """``pdd_kv_bytes_total{direction="received"}`` at a main decoder at site A (its listener is
+    the WAN path's): a prefill beside it sends over the local network, one at site B over the WAN."""
+    from prometheus_client import REGISTRY
+
+    sender, receiver_engine = HfEngine(tiny, num_blocks=32), HfEngine(tiny, num_blocks=32)
+    handler = RecordingHandler(receiver_engine)
+    receiver = BulkReceiver(
+        handler, receiver_engine.frame_expectation, verify_key(SECRET), path="wan", frame_timeout_s=5, site="site-a"
+    )
+    host, port = await receiver.start()
+
+    def counted() -> dict[str, float]:
+        return {
+            p: REGISTRY.get_sample_value("pdd_kv_bytes_total", {"path": p, "direction": "received"}) or 0.0
+            for p in ("wan", "local")
+        }
+
+    try:
+        prompt = prompt_of_length(tiny, 40)
+        sender.add_request("r", prompt, SAMPLING)
+        first = sender.step()[0].token_id
+        before = counted()
+        flow_open = msgspec.structs.replace(flow_open_for("r", prompt), sender_site=sender_site)
+        flow = await open_flow(f"{host}:{port}", flow_open, SECRET, path=counted_as, timeout_s=5)
+        for parts in sender.export_frames("r", flow.first_token_index, len(prompt), max_tokens_per_frame=32):
+            await flow.send_frame(parts)
+        await flow.end([first])
+        await asyncio.wait_for(handler.ended.wait(), 5)
+        after = counted()
+    finally:
+        await receiver.stop()
+    other = "wan" if counted_as == "local" else "local"
+    assert after[counted_as] - before[counted_as] >= 40 * sender.layout.kv_bytes_per_token
+    assert after[other] == before[other]

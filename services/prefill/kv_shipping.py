@@ -176,6 +176,7 @@ class KvShipping:
                 relay_instance_id=cmd.relay_decode.instance_id if cmd.relay_decode else None,
                 main_decode_instance_id=cmd.main_decode.instance_id if cmd.main_decode else None,
                 sender_id=self._host.instance_id,
+                sender_site=self._host.config.site,
                 receiver_id=route.receiver.instance_id,
                 receiver_incarnation=route.receiver.incarnation,
                 unix_s=0.0,

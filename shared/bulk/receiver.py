@@ -94,6 +94,7 @@ class BulkReceiver:
         port: int = 0,
         receiver_id: str = "",
         incarnation: str = "",
+        site: str = "",
         tls: ssl.SSLContext | None = None,
         max_flows_per_sender: int = MAX_FLOWS_PER_SENDER,
     ):
@@ -107,7 +108,7 @@ class BulkReceiver:
         self._flows_by_sender: collections.Counter[str] = collections.Counter()
         self._flows: dict[str, StripedFlow] = {}
         """Accepted flows by their FlowOpen's nonce (what a FlowJoin names)."""
-        self._path = path
+        self._path, self._site = path, site
         self._frame_timeout_s = frame_timeout_s
         self._host, self._port = host, port
         self._listener: socket.socket | None = None
@@ -365,6 +366,7 @@ class BulkReceiver:
         Raises:
             StreamBroken, TimeoutError, KvFrameError, PddError, OSError: the stream broke.
         """
+        received = KV_BYTES.labels(_network(self._path, self._site, flow.flow_open), "received")
         pending: asyncio.Future | None = connection.start_read(self._expect)
         try:
             while True:
@@ -375,7 +377,7 @@ class BulkReceiver:
                     pending = connection.start_read(self._expect)
                     message = await connection.check_frame(message, self._expect, self._frame_timeout_s)
                 flow.stats.bytes_received += size
-                KV_BYTES.labels(self._path, "received").inc(size)
+                received.inc(size)
                 if not isinstance(message, KvFrame):
                     return message
                 if message.header.request_id != flow.request_id:
@@ -397,3 +399,12 @@ def _stream_end_reason(exc: BaseException, frame_timeout_s: float) -> str:
     if isinstance(exc, PddError):
         return f"{exc.code}: {exc}"
     return f"connection lost: {exc}"
+
+
+def _network(path: str, site: str, flow_open: FlowOpen) -> str:
+    """The network a flow's bytes came over, as ``pdd_kv_bytes_total`` counts them: ``wan``
+    from a sender at another site than the receiver's, ``local`` from its own site, the
+    listener's ``path`` when either site is unknown."""
+    if not (site and flow_open.sender_site):
+        return path
+    return "wan" if flow_open.sender_site != site else "local"
