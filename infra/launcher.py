@@ -30,6 +30,7 @@ from infra.nats_server import (
     SITE_B,
     NatsSite,
     free_port,
+    instances_away,
     leafnode_count,
     nats_server_binary,
     start_nats,
@@ -196,6 +197,7 @@ def _start_all(spec: DeploymentSpec, run_dir: Path, deployment: Deployment):
         leaf_listen_port=free_port(),
         credentials=locked,
         identities=instances,
+        away=instances_away(SITE_A, instances, spec.md_site),
     )
     _start_nats(run_dir, deployment, "nats-a", site_a)
     leaf_port, bulk_link_port = free_port(), free_port()
@@ -212,6 +214,7 @@ def _start_all(spec: DeploymentSpec, run_dir: Path, deployment: Deployment):
         leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}",
         credentials=locked,
         identities=instances,
+        away=instances_away(SITE_B, instances, spec.md_site),
     )
     _start_nats(run_dir, deployment, "nats-b", site_b)
     wait_until(lambda: leafnode_count(site_a) >= 1, 30, "leafnode between the sites did not connect")

@@ -19,6 +19,7 @@ from infra.nats_server import (
     SITE_B,
     NatsSite,
     free_port,
+    instances_away,
     leafnode_count,
     start_nats,
     start_nats_on_free_ports,
@@ -73,6 +74,7 @@ async def start_site_pair(
             leaf_listen_port=free_port(),
             credentials=credentials,
             identities=identities,
+            away=instances_away(SITE_A, identities),
         ),
     )
     leaf_port = await link.add_route(
@@ -89,6 +91,7 @@ async def start_site_pair(
             leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}",
             credentials=credentials,
             identities=identities,
+            away=instances_away(SITE_B, identities),
         ),
     )
     # JetStream behind a leafnode answers cross-domain API calls once both servers are up.

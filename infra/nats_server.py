@@ -59,6 +59,9 @@ class NatsSite:
             mutual TLS; without them (tests of NATS itself only) anyone may connect.
         identities: ``(role, instance_id)`` of every instance, each signing with its own nkey
             and held to subjects of its own; empty: one nkey per role, shared by its instances.
+        away: Those of ``identities`` that live at another site: this server does not admit
+            them, so a compromised instance cannot speak at a site it is not in (publish a
+            heartbeat there that names that site, for one).
     """
 
     site: str
@@ -69,6 +72,7 @@ class NatsSite:
     leaf_remote_url: str | None = None
     credentials: Credentials | None = None
     identities: tuple[tuple[str, str], ...] = ()
+    away: frozenset[str] = frozenset()
 
     @property
     def url(self) -> str:
@@ -87,7 +91,7 @@ class NatsSite:
         creds, hub_lock, remote_lock, url = self.credentials, "", "", self.leaf_remote_url
         if creds:
             tls = _tls_block(creds, PEER_OF_SITE[self.site])
-            lines += [f"tls {{ {tls}, timeout: 5 }}", _authorization(creds, self.identities)]
+            lines += [f"tls {{ {tls}, timeout: 5 }}", _authorization(creds, self.identities, self.away)]
             leaf_tls = f"tls {{ {tls}, verify: true, timeout: 5 }}"
             hub_lock = f", {leaf_tls}"  # the leafnode signs in as the `leafnode` user of _authorization
             remote_lock = f", {leaf_remote(creds)}, {leaf_tls}"
@@ -124,21 +128,30 @@ def write_config_includes(creds: Credentials):
         write_private(creds.folder / name, (text + "\n").encode())
 
 
-def _authorization(creds: Credentials, identities: tuple[tuple[str, str], ...] = ()) -> str:
-    """One user per instance of ``identities`` (its own nkey and subjects), or one per role;
-    the deployment step's ``admin``, the only one that may administer JetStream; and site B's
-    server, allowed in only as a leafnode and held to what must cross. Service users may
-    connect only as clients, so no service credential can join as a leafnode."""
+def _authorization(
+    creds: Credentials, identities: tuple[tuple[str, str], ...] = (), away: frozenset[str] = frozenset()
+) -> str:
+    """One user per instance of ``identities`` not ``away`` (its own nkey and subjects), or one
+    per role; the deployment step's ``admin``, the only one that may administer JetStream; and
+    site B's server, allowed in only as a leafnode and held to what must cross. Service users
+    may connect only as clients, so no service credential can join as a leafnode."""
     main_decoders = tuple(i for role, i in identities if role == "main_decode") or (ANY,)
+    admitted = [(r, i) for r, i in identities if i not in away] if identities else [(r, ANY) for r in ROLES]
     users = [
         _user(creds.public_key(role if instance_id == ANY else instance_id), permissions(role, instance_id), "STANDARD")
-        for role, instance_id in identities or ((role, ANY) for role in ROLES)
+        for role, instance_id in admitted
     ]
     users += [
         _user(creds.public_key(ADMIN), admin_permissions(), "STANDARD"),
         _user(creds.public_key(LEAF_ROLE), leafnode_permissions(SITE_B, main_decoders), "LEAFNODE"),
     ]
     return "authorization { timeout: 5, users: [\n  " + ",\n  ".join(users) + "\n] }"
+
+
+def instances_away(site: str, identities: tuple[tuple[str, str], ...], md_site: str = SITE_B) -> frozenset[str]:
+    """The instances of ``identities`` that live at another site than ``site``: main decoders
+    at ``md_site``, every other role at site A."""
+    return frozenset(i for role, i in identities if (md_site if role == "main_decode" else SITE_A) != site)
 
 
 def _user(public_key: str, allowed: RolePermissions, connection_type: str) -> str:

@@ -169,6 +169,33 @@ async def connect_as(stack, instance_id: str, **options) -> nats.NATS:
     )
 
 
+async def test_a_credential_is_admitted_only_at_its_own_sites_server(stack):
+    """A compromised main decoder at site B holds a valid credential, but site A's server does
+    not admit it: it cannot publish site A's subjects there (a heartbeat naming site A would
+    make placement take it for a decoder beside the prefill). Nor is a site A instance admitted
+    at site B's server. At home each is."""
+    for instance_id, away in (("main-decode-0", "site-a"), ("router-0", "site-b"), ("prefill-0", "site-b")):
+        creds = stack.security(instance_id)
+        try:
+            nc = await nats_client.connect(
+                stack.sites[away].url,
+                role={i: r for r, i in stack.identities}[instance_id],
+                instance_id=instance_id,
+                seed_file=creds["nats_seed_file"],
+                ca_file=creds["tls_ca_file"],
+                allow_reconnect=False,
+                connect_timeout=5,
+                max_reconnect_attempts=0,
+            )
+        except (TimeoutError, nats.errors.Error, OSError):
+            home = await connect_as(stack, instance_id)
+            assert home.is_connected
+            await home.close()
+            continue
+        await nc.close()
+        raise AssertionError(f"{instance_id}'s credential was admitted at {away}")
+
+
 async def forge(stack, instance_id: str, subject: str, payload: bytes) -> list[str]:
     """Publish with ``instance_id``'s credential; return the server's complaints."""
     violations = Violations()
