@@ -56,6 +56,7 @@ async def start_site_pair(
     processes: list,
     credentials: Credentials | None = None,
     identities: tuple[tuple[str, str], ...] = (),
+    md_site: str = SITE_B,
 ) -> dict[str, NatsSite]:
     """Start site A's and site B's nats-servers, the leafnode crossing ``link``.
 
@@ -74,7 +75,7 @@ async def start_site_pair(
             leaf_listen_port=free_port(),
             credentials=credentials,
             identities=identities,
-            away=instances_away(SITE_A, identities),
+            away=instances_away(SITE_A, identities, md_site),
         ),
     )
     leaf_port = await link.add_route(
@@ -91,7 +92,7 @@ async def start_site_pair(
             leaf_remote_url=f"nats-leaf://127.0.0.1:{leaf_port}",
             credentials=credentials,
             identities=identities,
-            away=instances_away(SITE_B, identities),
+            away=instances_away(SITE_B, identities, md_site),
         ),
     )
     # JetStream behind a leafnode answers cross-domain API calls once both servers are up.
@@ -136,8 +137,12 @@ class LocalStack:
         secret: str = "local-stack-secret",
         secure: bool = True,
         engines: dict[str, str] | None = None,
+        md_site: str = SITE_B,
     ):
+        """``md_site``: where the main decoders run (site A: beside the prefill, as the
+        same-site baseline; their KV then crosses no WAN)."""
         self.loaded, self.metadata = loaded, metadata
+        self.md_site = md_site
         self.num_main, self.num_relay, self.num_routers = num_main, num_relay, num_routers
         self.link = WanLink(profile or LinkProfile(bandwidth_bps=0, rtt_ms=0, jitter_ms=0), route_key=route_key(secret))
         self.router_settings = router_settings or {}
@@ -186,7 +191,7 @@ class LocalStack:
     async def start(self) -> "LocalStack":
         """Start NATS, the link and every service; return once the router sees them all."""
         self.sites = await start_site_pair(
-            self.link, self.workdir, self.nats_processes, self.credentials, self.identities
+            self.link, self.workdir, self.nats_processes, self.credentials, self.identities, self.md_site
         )
         await self._start_services()
         await self.wait_ready()
@@ -301,8 +306,8 @@ class LocalStack:
         )
 
     def _main_service(self, i: int, receiver_key: dict, wan_port: int) -> MainDecodeService:
-        """Main decoder ``i``, at site B: its bulk channel on a free port, reached through the
-        link's ``wan_port``."""
+        """Main decoder ``i``, at ``md_site``: its bulk channel on a free port, reached through
+        the link's ``wan_port`` from the other site."""
         bulk_port = free_port()
         return MainDecodeService(
             build_config(
@@ -314,8 +319,8 @@ class LocalStack:
                     **self.engine_settings,
                     **self.decode_settings,
                     **self._engine("main_decode"),
-                    "site": SITE_B,
-                    "nats_url": self.sites[SITE_B].url,
+                    "site": self.md_site,
+                    "nats_url": self.sites[self.md_site].url,
                     "instance_id": f"main-decode-{i}",
                     "bulk_port": bulk_port,
                     "bulk_advertise": f"127.0.0.1:{bulk_port}",

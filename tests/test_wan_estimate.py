@@ -14,7 +14,7 @@ from services.router.placement import Placement
 from services.router.wan_estimate import MIN_SAMPLE_BYTES, WanEstimate, WanEstimator
 from shared.block_hash import hash_blocks
 from shared.messages import InstanceRef, KvReady
-from tests.helpers import chat_body, post, until
+from tests.helpers import chat_body, post, reference_chat_answer, until
 
 
 def test_first_measurement_replaces_the_prior_then_smooths():
@@ -405,6 +405,37 @@ def test_kv_sent_to_a_main_decoder_at_the_prefills_own_site_is_not_counted_as_th
     found = landings.of(["local", "remote"])
     assert found["local"].as_json()["wan_kv_bytes"] == 0  # landed, but over no WAN
     assert found["remote"].as_json()["wan_kv_bytes"] == 4096
+
+
+async def test_a_main_decoder_beside_the_prefill_takes_its_kv_off_the_wan(make_stack, tiny):
+    """Main decode at site A, beside the prefill (as the same-site baseline), on a 1 Mbit/s
+    link that would make any cross-site main decoder's KV seconds late: the answer is exact,
+    placement sends it P-MD with nothing predicted on the link, the response reports no WAN
+    bytes, and the prefill and the main decoder both count the flow as the local network's."""
+    from prometheus_client import REGISTRY
+
+    def kv_bytes() -> dict[tuple[str, str], float]:
+        return {
+            (path, direction): REGISTRY.get_sample_value("pdd_kv_bytes_total", {"path": path, "direction": direction})
+            or 0.0
+            for path in ("wan", "local")
+            for direction in ("sent", "received")
+        }
+
+    stack = await make_stack(profile=LinkProfile(bandwidth_bps=1e6, rtt_ms=40, jitter_ms=0, seed=3), md_site="site-a")
+    messages = [{"role": "user", "content": "Describe a harbour at dawn. " * 30}]
+    before = kv_bytes()
+    status, body = await post(stack, "/chat/completions", {**chat_body("", 8), "messages": messages})
+    after = kv_bytes()
+    assert status == 200, body
+    text, _ = reference_chat_answer(tiny, messages, 8, ignore_eos=True)
+    assert body["choices"][0]["message"]["content"] == text
+    pdd = body["pdd"]
+    assert pdd["pipeline"] == "P-MD" and pdd["predicted_wan_ms"] == 0 and pdd["wan_kv_bytes"] == 0, pdd
+    prompt_kv = pdd["prompt_tokens"] * stack.metadata.kv_bytes_per_token
+    assert after["local", "sent"] - before["local", "sent"] >= prompt_kv
+    assert after["local", "received"] - before["local", "received"] >= prompt_kv
+    assert after["wan", "sent"] == before["wan", "sent"] and after["wan", "received"] == before["wan", "received"]
 
 
 async def test_the_holder_of_a_relayed_request_learns_when_its_kv_landed(make_stack):
