@@ -387,6 +387,13 @@ def test_a_recovered_attempts_late_landing_frees_the_link_and_teaches_its_rate()
     assert wan.current().queue_s == 0
     assert wan.bandwidth_bps == 200e6  # the first sample of a flow that had the link alone
     assert landings.of(["a"])["a"].landed_unix_s == 1000.0
+    # Attempt ar1 fails in turn and the request is placed again on the same decoder: ar1 is
+    # superseded before the new flow is placed (``expect`` names the new attempt only at its
+    # dispatch), so a late landing of ar1 leaves the new flow on the ledger.
+    landings.supersede("ar1")
+    wan.flow_placed("a", "main-decode-1", hash_blocks(list(range(64)), 16), num_bytes, prefill_s=0.1)
+    file_late_kv_ready(kv_ready("ar1", "main-decode-1"), "main-decode-1", landings, wan)
+    assert wan.main_decode_of("a") == "main-decode-1"
 
 
 def test_kv_sent_to_a_main_decoder_at_the_prefills_own_site_is_not_counted_as_the_wans():

@@ -92,6 +92,12 @@ class KvLandings:
         entries = (self._entries.get(rid) for rid in request_ids)
         return {rid: e for rid, e in zip(request_ids, entries, strict=True) if e is not None and e.landed_unix_s}
 
+    def supersede(self, attempt_id: str):
+        """Attempt ``attempt_id`` failed and its request is being placed again: nothing it
+        reports from now on is filed or believed (the new attempt's flow may go to the same
+        main decoder before ``expect`` names it)."""
+        self._request_of_attempt.pop(attempt_id, None)
+
     def request_of(self, attempt_id: str) -> str | None:
         """The request whose latest attempt is ``attempt_id``; None for an earlier attempt, or
         one no longer kept."""

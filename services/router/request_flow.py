@@ -221,6 +221,7 @@ class RequestFlow:
     async def _recover(self, failure: InstanceFailed):
         """Resume the request on a new attempt, or raise the error the client gets."""
         avoid = self.recovery.decide(failure, len(self.outcome.recoveries))
+        self.ctx.kv_landings.supersede(self.attempt_id)
         if self.recovery.instance_gone(failure):
             self.ctx.registry.forget(failure.instance_id)
         placement = await self._place_again(failure, avoid)
