@@ -121,22 +121,33 @@ def leaf_remote(creds: Credentials) -> str:
     )
 
 
+ROLES_AT_SITE = {SITE_A: tuple(r for r in ROLES if r != "main_decode"), SITE_B: ("main_decode",)}
+"""Where compose and Kubernetes run each role (main decode at site B, the rest at site A)."""
+
+
 def write_config_includes(creds: Credentials):
     """Files a static server configuration (docker-compose, Kubernetes) includes from the
-    mounted secrets: the users (services by role, the leafnode, admin), the spoke's remote."""
-    for name, text in (("nats-users.conf", _authorization(creds)), ("nats-leaf-remote.conf", leaf_remote(creds))):
+    mounted secrets: each site's users (the roles that run there, the leafnode, admin), the
+    spoke's remote."""
+    files = {f"nats-users-{site}.conf": _authorization(creds, roles=roles) for site, roles in ROLES_AT_SITE.items()}
+    files["nats-leaf-remote.conf"] = leaf_remote(creds)
+    for name, text in files.items():
         write_private(creds.folder / name, (text + "\n").encode())
 
 
 def _authorization(
-    creds: Credentials, identities: tuple[tuple[str, str], ...] = (), away: frozenset[str] = frozenset()
+    creds: Credentials,
+    identities: tuple[tuple[str, str], ...] = (),
+    away: frozenset[str] = frozenset(),
+    roles: tuple[str, ...] = ROLES,
 ) -> str:
-    """One user per instance of ``identities`` not ``away`` (its own nkey and subjects), or one
-    per role; the deployment step's ``admin``, the only one that may administer JetStream; and
-    site B's server, allowed in only as a leafnode and held to what must cross. Service users
-    may connect only as clients, so no service credential can join as a leafnode."""
+    """One user per instance of ``identities`` not ``away`` (its own nkey and subjects), or
+    without identities one per role of ``roles``; the deployment step's ``admin``, the only
+    one that may administer JetStream; and site B's server, allowed in only as a leafnode and
+    held to what must cross. Service users may connect only as clients, so no service
+    credential can join as a leafnode."""
     main_decoders = tuple(i for role, i in identities if role == "main_decode") or (ANY,)
-    admitted = [(r, i) for r, i in identities if i not in away] if identities else [(r, ANY) for r in ROLES]
+    admitted = [(r, i) for r, i in identities if i not in away] if identities else [(r, ANY) for r in roles]
     users = [
         _user(creds.public_key(role if instance_id == ANY else instance_id), permissions(role, instance_id), "STANDARD")
         for role, instance_id in admitted

@@ -113,10 +113,9 @@ def test_every_variable_is_a_known_valid_setting(name, secrets_dir):
 
 
 ENGINE_FILES = {"prefill", "relay-decode", "main-decode"}
-NATS_FILES = {"ca.pem", "nats-users.conf"}
-MOUNTED_SECRETS = {  # each TLS peer its own certificate, for its own name
-    "nats-a": NATS_FILES | {"nats-a.pem", "nats-a.key"},
-    "nats-b": NATS_FILES | {"nats-b.pem", "nats-b.key", "nats-leaf-remote.conf"},  # the leafnode's seed, here only
+MOUNTED_SECRETS = {  # each TLS peer its own certificate, for its own name; each server its site's users
+    "nats-a": {"ca.pem", "nats-users-site-a.conf", "nats-a.pem", "nats-a.key"},
+    "nats-b": {"ca.pem", "nats-users-site-b.conf", "nats-b.pem", "nats-b.key", "nats-leaf-remote.conf"},  # leaf seed
     "wan-link": {"link-route.key", "control.key"},
     "streams-a": {"ca.pem", "admin.nk"},
     "streams-b": {"ca.pem", "admin.nk"},  # admin: here only
@@ -179,7 +178,7 @@ def test_nats_configs_are_valid_and_joined_through_the_wan_link(tmp_path, secret
         check = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
         assert f'domain: "{site}"' in text and "handshake_first: true" in text
-        assert 'include "secrets/nats-users.conf"' in text
+        assert f'include "secrets/nats-users-{site}.conf"' in text
     leaf = routes["leafnode"]
     assert (leaf.target_host, leaf.target_port, leaf.from_site) == ("nats-a", 7422, "site-b")
     assert f"tls://wan-link:{leaf.listen_port}" in (ROOT / "infra/nats/site-b.conf").read_text()
@@ -337,3 +336,22 @@ def test_the_image_resolves_the_cpu_build_of_torch_and_no_cuda_package(tmp_path)
     assert installs["torch"] == "2.13.0+cpu"
     cuda = sorted(n for n in installs if n.startswith(("nvidia", "cuda")) or n == "triton")
     assert not cuda, cuda
+
+
+def test_each_sites_server_admits_only_the_roles_that_run_there(secrets_dir):
+    """One identity per role is shared by its replicas, but each server lists only the roles
+    of its own site: a main decoder's nkey is not a user of site A's server (where a
+    heartbeat naming site A would pass it off as a decoder beside the prefill), and no site A
+    role's is one of site B's. Admin and the leafnode are users of both as before."""
+    from infra.credentials import LEAF_ROLE, Credentials
+    from shared.nats_roles import ADMIN, ROLES
+
+    creds = Credentials(secrets_dir)
+    users = {site: (secrets_dir / f"nats-users-{site}.conf").read_text() for site in ("site-a", "site-b")}
+    for role in ROLES:
+        home = "site-b" if role == "main_decode" else "site-a"
+        away = "site-a" if home == "site-b" else "site-b"
+        key = creds.public_key(role)
+        assert key in users[home] and key not in users[away], role
+    for shared in (ADMIN, LEAF_ROLE):
+        assert all(creds.public_key(shared) in text for text in users.values()), shared

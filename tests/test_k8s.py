@@ -109,10 +109,15 @@ def test_router_and_prefill_hold_the_same_wan_path(rendered):
 
 
 ENGINES = {"prefill", "relay-decode", "main-decode"}
-NATS_ITEMS = {"ca.pem", "nats-users.conf"}
-POD_SECRETS = {  # each TLS peer its own certificate, for its own name
-    ("site-a", "StatefulSet", "nats-a"): NATS_ITEMS | {"nats-a.pem", "nats-a.key"},
-    ("site-b", "StatefulSet", "nats-b"): NATS_ITEMS | {"nats-b.pem", "nats-b.key", "nats-leaf-remote.conf"},
+POD_SECRETS = {  # each TLS peer its own certificate, for its own name; each server its site's users
+    ("site-a", "StatefulSet", "nats-a"): {"ca.pem", "nats-users-site-a.conf", "nats-a.pem", "nats-a.key"},
+    ("site-b", "StatefulSet", "nats-b"): {
+        "ca.pem",
+        "nats-users-site-b.conf",
+        "nats-b.pem",
+        "nats-b.key",
+        "nats-leaf-remote.conf",
+    },
     ("site-a", "Job", "streams"): {"ca.pem", "admin.nk"},
     ("site-b", "Job", "streams"): {"ca.pem", "admin.nk"},
     ("site-b", "Deployment", "bulk-gateway"): {"link-route.key", "control.key"},
@@ -203,7 +208,7 @@ def test_routers_run_as_replicas_behind_one_service_each_its_own_instance(render
 @pytest.mark.parametrize("site", ["site-a", "site-b"])
 def test_probes_resources_secrets_and_jetstream_volumes(rendered, site):
     secret = next(iter(objects(rendered, site, "Secret").values()))
-    assert {"ca.pem", "nats-a.pem", "main-decode.key", "bulk.secret", "nats-users.conf"} <= set(secret["data"])
+    assert {"ca.pem", "nats-a.pem", "main-decode.key", "bulk.secret", f"nats-users-{site}.conf"} <= set(secret["data"])
     for name, deployment in objects(rendered, site, "Deployment").items():
         pod = deployment["spec"]["template"]["spec"]
         container = pod["containers"][0]
