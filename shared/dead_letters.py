@@ -55,15 +55,14 @@ def sender_problem(message: msgspec.Struct, subject: str) -> str | None:
     claimed = claimed_sender(message)
     if claimed is not None and claimed != sender:
         return f"names {claimed!r} as its sender on {sender!r}'s subject"
-    parts = subject.split(".")
     if isinstance(message, LoadReported):
         if message.service != subjects.service_of_load(subject):
             return f"claims service {message.service!r} on a {subjects.service_of_load(subject)!r} subject"
-        if message.instance.site != parts[2]:  # only site B's own heartbeats cross the leafnode
-            return f"claims site {message.instance.site!r} on a {parts[2]!r} subject"
-    named = getattr(message, "request_id", None)
-    if named is not None and len(parts) == 5 and parts[1] in ("req", "tokens") and named != parts[3]:
-        return f"names request {named!r} on request {parts[3]!r}'s subject"
+        if message.instance.site != subjects.site_of_load(subject):  # each site admits only its own
+            return f"claims site {message.instance.site!r} on a {subjects.site_of_load(subject)!r} subject"
+    named, subject_request = getattr(message, "request_id", None), subjects.request_named_by(subject)
+    if named is not None and subject_request is not None and named != subject_request:
+        return f"names request {named!r} on request {subject_request!r}'s subject"
     return None
 
 

@@ -160,6 +160,17 @@ def service_of_load(subject: str) -> str:
     return subject.split(".")[4]
 
 
+def site_of_load(subject: str) -> str:
+    """The site a ``load`` subject names."""
+    return subject.split(".")[2]
+
+
+def request_named_by(subject: str) -> str | None:
+    """The request id of a ``tokens`` or ``request_events`` subject; None for any other."""
+    parts = subject.split(".")
+    return parts[3] if len(parts) == 5 and parts[0] == PREFIX and parts[1] in ("req", "tokens") else None
+
+
 def kv_events(site: str, instance_id: str) -> str:
     """Stored/evicted block events of one instance."""
     return f"{PREFIX}.evt.{site}.kv.{instance_id}"
