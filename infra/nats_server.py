@@ -121,8 +121,14 @@ def leaf_remote(creds: Credentials) -> str:
     )
 
 
-ROLES_AT_SITE = {SITE_A: tuple(r for r in ROLES if r != "main_decode"), SITE_B: ("main_decode",)}
-"""Where compose and Kubernetes run each role (main decode at site B, the rest at site A)."""
+def home_site(role: str, md_site: str = SITE_B) -> str:
+    """The site instances of ``role`` run at: main decode at ``md_site`` (site B but in the
+    same-site baseline of ``pdd up``), every other role at site A."""
+    return md_site if role == "main_decode" else SITE_A
+
+
+ROLES_AT_SITE = {site: tuple(r for r in ROLES if home_site(r) == site) for site in (SITE_A, SITE_B)}
+"""The roles compose and Kubernetes run at each site."""
 
 
 def write_config_includes(creds: Credentials):
@@ -160,9 +166,8 @@ def _authorization(
 
 
 def instances_away(site: str, identities: tuple[tuple[str, str], ...], md_site: str = SITE_B) -> frozenset[str]:
-    """The instances of ``identities`` that live at another site than ``site``: main decoders
-    at ``md_site``, every other role at site A."""
-    return frozenset(i for role, i in identities if (md_site if role == "main_decode" else SITE_A) != site)
+    """The instances of ``identities`` that live at another site than ``site`` (``home_site``)."""
+    return frozenset(i for role, i in identities if home_site(role, md_site) != site)
 
 
 def _user(public_key: str, allowed: RolePermissions, connection_type: str) -> str:
