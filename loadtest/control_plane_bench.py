@@ -11,7 +11,8 @@ Reported per router count: delivered tokens per second, CPU microseconds per del
 of every process (from ``/proc``, over the whole load, so each request's admission and
 prefill are charged to its tokens), and the p50/p99 gap between consecutive content events
 a client sees (``p99_added_ms``: the p99 gap beyond the engine's step time, what the control
-plane adds).
+plane adds). Each event is timed when its bytes reach the bench's process
+(``loadtest.sse_stream``), not when the client's code gets round to it.
 
 Each router count runs on its own fresh deployment (``pdd up --routers N``: N routers on one
 port, the kernel spreading the clients' connections over them).
@@ -19,24 +20,25 @@ port, the kernel spreading the clients' connections over them).
 
 import asyncio
 import dataclasses
+import json
 import os
 import random
 import re
 import time
 from dataclasses import dataclass, field, replace
 
-import aiohttp
-
 from infra.wan_link import parse_ms
 from loadtest import proc_cpu
 from loadtest.bench_modes import BENCH_SPEC, deployed, mode_spec
 from loadtest.client import auth_headers
+from loadtest.sse_stream import HttpStreamError, SseConnection, SseResponse
 from shared.errors import PddError
 
 _OPEN_EVENT = re.compile(rb'"finish_reason":\s*null')
 _USAGE = re.compile(rb'"completion_tokens":\s*(\d+)')
 WARMUP_STREAMS = 4
 SERVED_MODEL = "pdd-standin"
+STREAM_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -157,50 +159,48 @@ def _quantile(sorted_values: list[float], q: float) -> float | None:
 async def _drive(url: str, load: ControlPlaneLoad) -> _Drive:
     """``load.streams`` clients, ``load.rounds`` requests each; what they saw."""
     drive = _Drive()
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=auth_headers()) as session:
-        await asyncio.gather(*(_client(session, url, load, i, drive) for i in range(load.streams)))
+    await asyncio.gather(*(_client(url, load, i, drive) for i in range(load.streams)))
     return drive
 
 
-async def _client(session: aiohttp.ClientSession, url: str, load: ControlPlaneLoad, index: int, drive: _Drive):
+async def _client(url: str, load: ControlPlaneLoad, index: int, drive: _Drive):
     rng = random.Random(index)
-    for _ in range(load.rounds):
-        body = {
-            "model": SERVED_MODEL,
-            "prompt": [rng.randrange(1000, 20000) for _ in range(load.prompt_tokens)],
-            "max_tokens": load.max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        try:
-            await _stream(session, url, body, drive)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            drive.errors.append(f"{type(exc).__name__}: {exc}")
+    connection = SseConnection(url, auth_headers())
+    try:
+        for _ in range(load.rounds):
+            body = {
+                "model": SERVED_MODEL,
+                "prompt": [rng.randrange(1000, 20000) for _ in range(load.prompt_tokens)],
+                "max_tokens": load.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            try:
+                _record(await connection.post(json.dumps(body).encode(), STREAM_TIMEOUT_S), drive)
+            except (OSError, HttpStreamError, TimeoutError) as exc:
+                drive.errors.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        connection.close()
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, body: dict, drive: _Drive):
-    """One request; its content events' gaps and its usage's tokens go into ``drive``."""
-    async with session.post(url, json=body) as response:
-        if response.status != 200:
-            drive.errors.append(f"HTTP {response.status}: {(await response.text())[:200]}")
-            return
-        last = None
-        async for line in response.content:
-            if not line.startswith(b"data: "):
-                continue
-            if _OPEN_EVENT.search(line):
-                now = time.perf_counter()
-                if last is not None:
-                    drive.gaps_s.append(now - last)
-                last = now
-            elif (usage := _USAGE.search(line)) is not None:
-                drive.tokens += int(usage.group(1))
-            elif b'"error"' in line:
-                drive.errors.append(line[6:200].decode(errors="replace"))
+def _record(response: SseResponse, drive: _Drive):
+    """One response's content events' gaps (by the time their bytes arrived) and its usage's
+    tokens go into ``drive``."""
+    if response.status != 200:
+        drive.errors.append(f"HTTP {response.status}: {response.body[:200].decode(errors='replace')}")
+        return
+    last = None
+    for data, at_s in zip(response.events, response.times_s, strict=True):
+        if _OPEN_EVENT.search(data):
+            if last is not None:
+                drive.gaps_s.append(at_s - last)
+            last = at_s
+        elif (usage := _USAGE.search(data)) is not None:
+            drive.tokens += int(usage.group(1))
+        elif data.startswith(b'{"error"'):
+            drive.errors.append(data[:200].decode(errors="replace"))
 
 
 def format_report(report: dict) -> str:
