@@ -47,6 +47,10 @@ class DecodeService(EngineService):
 
     producer = "MD"
     bulk_path = "wan"
+    overlap_steps = False
+    """Whether the engine thread starts the next step while this service handles the last
+    one's outputs (``shared.engine_loop``): only where handling them never needs to change
+    the next step."""
 
     def __init__(self, config: BulkReceiverConfig, loaded=None):
         super().__init__(config, loaded)
@@ -99,6 +103,7 @@ class DecodeService(EngineService):
             self.worker,
             self._on_outputs,
             step_seconds=ENGINE_STEP_SECONDS.labels(self.config.served_model_name, self.service_name),
+            overlap=self.overlap_steps,
         )
         self.watch(self.loop.start())
         await self.subscribe(

@@ -3,6 +3,13 @@
 Steps the engine whenever it has work, on the engine thread, and hands every step's outputs
 to the service in the asyncio loop. Between two steps the service may add, extend, pause or
 free sequences: those are the step boundaries continuous batching joins at.
+
+Two ways to step. In lock-step (the default) the loop asks for each step after it handled the
+last one's outputs and ran ``between_steps``: what the service does with a step's outputs is
+in place before the next step. Overlapped (``overlap=True``), the engine thread starts the
+next step as soon as the last ends, while the loop handles its outputs (at most one step
+ahead): the step cadence no longer waits for a busy loop, and calls the service makes while
+handling a step's outputs run after the step that has already started.
 """
 
 import asyncio
@@ -27,8 +34,13 @@ class EngineLoop:
         on_outputs: Callable[[list[StepOutput]], Awaitable[None]],
         between_steps: Callable[[], Awaitable[None]] | None = None,
         step_seconds: Histogram | None = None,
+        overlap: bool = False,
     ):
-        """``step_seconds``: a histogram (labels bound) that observes every step's duration."""
+        """``step_seconds``: a histogram (labels bound) that observes every step's duration;
+        ``overlap``: step overlapped (no ``between_steps`` then)."""
+        if overlap and between_steps is not None:
+            raise ValueError("an overlapped engine loop has no between_steps")
+        self._overlap = overlap
         self._worker = worker
         self._step_seconds = step_seconds
         self._on_outputs = on_outputs
@@ -38,18 +50,39 @@ class EngineLoop:
 
     def start(self) -> asyncio.Task:
         """Start stepping in the background; return the task (it ends only by an exception or stop)."""
-        self._task = asyncio.create_task(self._run(), name="engine-loop")
+        run = self._run_overlapped() if self._overlap else self._run()
+        self._task = asyncio.create_task(run, name="engine-loop")
         return self._task
 
     def wake(self):
         """Tell the loop there may be new work."""
-        self._wakeup.set()
+        if self._overlap:
+            self._worker.nudge()
+        else:
+            self._wakeup.set()
 
     async def stop(self):
         """Stop after the current step."""
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run_overlapped(self):
+        delivered: asyncio.Queue = asyncio.Queue()
+        self._worker.start_stepping(lambda outputs, step_s: delivered.put_nowait((outputs, step_s)))
+        try:
+            while True:
+                outputs, step_s = await delivered.get()
+                if isinstance(outputs, Exception):
+                    log.error("engine_step_failed", error=repr(outputs))
+                    raise outputs
+                if self._step_seconds is not None:
+                    self._step_seconds.observe(step_s)
+                if outputs:
+                    await self._on_outputs(outputs)
+                self._worker.step_handled()
+        finally:
+            self._worker.stop_stepping()
 
     async def _run(self):
         engine = self._worker.engine

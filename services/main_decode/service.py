@@ -31,6 +31,7 @@ class MainDecodeService(DecodeService):
     service_name = "main_decode"
     producer = "MD"
     bulk_path = "wan"
+    overlap_steps = True  # nothing it does with a step's outputs changes the next step
 
     def __init__(self, config: BulkReceiverConfig, loaded=None):
         super().__init__(config, loaded)

@@ -1,0 +1,127 @@
+"""The engine thread and the stepping loop: calls in order with their own results, and an
+overlapped loop that keeps stepping while the service handles the last step's outputs, never
+more than one step ahead, with the model's own tokens."""
+
+import asyncio
+import threading
+
+import pytest
+
+from shared.engine.hf_engine import HfEngine
+from shared.engine.sampling import SamplingParams
+from shared.engine_loop import EngineLoop
+from shared.engine_worker import EngineWorker
+from tests.helpers import prompt_of_length, reference_greedy
+
+
+class CountedSteps:
+    """A real engine whose steps are counted; ``stepped[n]`` is set once step n has ended, and
+    ``handled_at_start[n - 1]`` is how many steps' outputs the service had handled when step n
+    started."""
+
+    def __init__(self, engine: HfEngine, fail_at_step: int = 0):
+        self.engine, self.fail_at_step = engine, fail_at_step
+        self.num_steps = self.num_handled = 0
+        self.handled_at_start: list[int] = []
+        self.stepped = [threading.Event() for _ in range(64)]
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def step(self):
+        self.num_steps += 1
+        self.handled_at_start.append(self.num_handled)
+        if self.num_steps == self.fail_at_step:
+            raise RuntimeError("the device fell over")
+        outputs = self.engine.step()
+        self.stepped[self.num_steps].set()
+        return outputs
+
+
+async def test_calls_run_in_order_and_each_caller_gets_its_own_result_or_error():
+    ran: list[int] = []
+
+    def record(i: int) -> int:
+        ran.append(i)
+        if i == 7:
+            raise ValueError("seven")
+        return i * i
+
+    worker = EngineWorker(engine=None, name="t")
+    try:
+        futures = [worker.submit(record, i) for i in range(200)]  # one burst: handed back in batches
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        assert ran == list(range(200))
+        assert isinstance(results[7], ValueError) and str(results[7]) == "seven"
+        assert [r for i, r in enumerate(results) if i != 7] == [i * i for i in range(200) if i != 7]
+    finally:
+        worker.shutdown()
+
+
+async def test_a_call_cancelled_before_it_starts_never_runs():
+    worker = EngineWorker(engine=None, name="t")
+    gate, ran = threading.Event(), []
+    try:
+        blocker = worker.submit(gate.wait, 10)
+        cancelled = worker.submit(ran.append, "cancelled")
+        after = worker.submit(ran.append, "after")
+        cancelled.cancel()
+        gate.set()
+        await asyncio.gather(blocker, after)
+        assert ran == ["after"]
+    finally:
+        worker.shutdown()
+
+
+async def test_an_overlapped_loop_steps_while_the_last_steps_outputs_are_handled_and_never_further(tiny):
+    counted = CountedSteps(HfEngine(tiny, num_blocks=64))
+    worker = EngineWorker(counted, "main-decode-0")
+    prompt = prompt_of_length(tiny, 24)
+    handling, release, finished = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    tokens: list[int] = []
+
+    async def on_outputs(outputs):
+        tokens.extend(o.token_id for o in outputs if o.token_id is not None)
+        if any(o.finished for o in outputs):
+            finished.set()
+        if len(tokens) == 1:  # the service is slow with the first step's outputs
+            handling.set()
+            await release.wait()
+        counted.num_handled += 1
+
+    loop = EngineLoop(worker, on_outputs, overlap=True)
+    try:
+        await worker.call(counted.engine.add_request, "r", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+        loop.start()
+        await asyncio.wait_for(handling.wait(), 30)
+        # The second step runs while the first one's outputs are still being handled ...
+        assert await asyncio.to_thread(counted.stepped[2].wait, 30)
+        assert tokens == [reference_greedy(tiny, prompt, 1)[0]]
+        release.set()
+        await asyncio.wait_for(finished.wait(), 30)
+        assert tokens == reference_greedy(tiny, prompt, 12)  # every token once, in order
+        # Step n started with the outputs of step n - 2 handled, never earlier: one step ahead.
+        assert counted.handled_at_start[:2] == [0, 0]
+        assert all(handled >= n - 2 for n, handled in enumerate(counted.handled_at_start, start=1))
+    finally:
+        await loop.stop()
+        worker.shutdown()
+
+
+async def test_an_overlapped_step_that_raises_ends_the_loop_with_its_error(tiny):
+    counted = CountedSteps(HfEngine(tiny, num_blocks=64), fail_at_step=3)
+    worker = EngineWorker(counted, "main-decode-0")
+
+    async def on_outputs(outputs):
+        pass
+
+    loop = EngineLoop(worker, on_outputs, overlap=True)
+    try:
+        await worker.call(
+            counted.engine.add_request, "r", prompt_of_length(tiny, 8), SamplingParams(max_tokens=8, ignore_eos=True)
+        )
+        with pytest.raises(RuntimeError, match="the device fell over"):
+            await asyncio.wait_for(loop.start(), 30)
+        assert counted.num_steps == 3  # no step after the failed one
+    finally:
+        worker.shutdown()
