@@ -73,7 +73,7 @@ class EngineLoop:
         try:
             while True:
                 outputs, step_s = await delivered.get()
-                if isinstance(outputs, Exception):
+                if isinstance(outputs, BaseException):
                     log.error("engine_step_failed", error=repr(outputs))
                     raise outputs
                 if self._step_seconds is not None:

@@ -31,7 +31,7 @@ MAX_STEPS_AHEAD = 2
 """Steps stepped on the engine thread whose outputs the loop has not handled yet, at most: the
 next step runs while the loop handles the last one's outputs, never further ahead."""
 
-Delivery = Callable[[list | Exception, float], None]
+Delivery = Callable[[list | BaseException, float], None]
 """``deliver(outputs, step_s)``: one step's outputs (or what it raised) and its duration."""
 
 
@@ -51,7 +51,7 @@ class EngineWorker:
         self._call_log = EngineCallLog(call_log, name) if call_log else None
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._finished: list[tuple[asyncio.Future, Exception | None, object]] = []
+        self._finished: list[tuple[asyncio.Future, BaseException | None, object]] = []
         self._handing_back = False  # a hand-back is scheduled on the loop and has not run yet
         self._closed = False
         self._stepping: _Stepping | None = None
@@ -108,10 +108,11 @@ class EngineWorker:
     # ----- stepping on the engine thread -----------------------------------------------------
 
     def start_stepping(self, deliver: Delivery):
-        """From now on the engine thread steps the engine by itself whenever no call is queued
-        and the engine has work (calls queued before a step still run before it), up to
-        ``MAX_STEPS_AHEAD`` steps ahead of ``step_handled``. ``deliver`` gets each step's
-        outputs on the calling loop. The step's cadence then never waits for the loop."""
+        """From now on the engine thread steps the engine by itself whenever it has work, up
+        to ``MAX_STEPS_AHEAD`` steps ahead of ``step_handled``: the calls queued when the last
+        step ended run first, calls queued later wait for the next step (so a stream of calls
+        cannot hold the steps off). ``deliver`` gets each step's outputs, or what its step
+        raised, on the calling loop. The step's cadence then never waits for the loop."""
         self._stepping = _Stepping(asyncio.get_running_loop(), deliver)
         self.nudge()
 
@@ -134,40 +135,46 @@ class EngineWorker:
     # ----- the engine thread ----------------------------------------------------------------
 
     def _serve(self):
+        owed = 0  # calls queued when the last step ended: they run before the next step, later ones after
         while True:
-            try:
-                item = self._calls.get_nowait()
-            except queue.Empty:
-                if self._step():
-                    continue
-                item = self._calls.get()
-            if item is _STOP or self._closed:
+            if (owed <= 0 or self._calls.empty()) and self._step():
+                owed = self._calls.qsize()
+                continue
+            item = self._calls.get()
+            owed -= 1
+            if item is _STOP:
                 return
             if item is _NUDGE:
                 continue
             call, future = item
+            if self._closed:  # shutting down: queued calls are cancelled, not run
+                with contextlib.suppress(RuntimeError):  # its loop is closed
+                    future.get_loop().call_soon_threadsafe(future.cancel)
+                continue
             if future.cancelled():
                 continue
             try:
                 result, error = call(), None
-            except Exception as exc:  # noqa: BLE001 - whatever it is, the awaiting caller gets it
+            except BaseException as exc:  # noqa: BLE001 - whatever it is, the awaiting caller gets it
                 result, error = None, exc
             self._hand_back(future, error, result)
 
     def _step(self) -> bool:
         """One step, if stepping is on, the engine has work and the loop is not too far behind."""
         stepping = self._stepping
-        if stepping is None or stepping.ahead >= MAX_STEPS_AHEAD or not self.engine.has_work():
+        if stepping is None or stepping.ahead >= MAX_STEPS_AHEAD:
             return False
-        with self._lock:
-            stepping.ahead += 1
-        step = self.engine.step
-        if self._call_log is not None:
-            step = self._call_log.wrap(STEP_IF_WORK, step, self.engine)
         started_s = time.perf_counter()
         try:
+            if not self.engine.has_work():
+                return False
+            with self._lock:
+                stepping.ahead += 1
+            step = self.engine.step
+            if self._call_log is not None:
+                step = self._call_log.wrap(STEP_IF_WORK, step, self.engine)
             outputs = step()
-        except Exception as exc:  # noqa: BLE001 - raised on the loop, where the service watches it
+        except BaseException as exc:  # noqa: BLE001 - raised on the loop, where the service watches it
             outputs = exc
             self._stepping = None  # as in lock-step, no step after a failed one
         try:
@@ -176,7 +183,7 @@ class EngineWorker:
             self._stepping = None
         return True
 
-    def _hand_back(self, future: asyncio.Future, error: Exception | None, result):
+    def _hand_back(self, future: asyncio.Future, error: BaseException | None, result):
         """Give a result to the loop: with the batch already on its way, else in a new one."""
         with self._lock:
             self._finished.append((future, error, result))

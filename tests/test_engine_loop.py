@@ -11,7 +11,7 @@ from shared.engine.hf_engine import HfEngine
 from shared.engine.sampling import SamplingParams
 from shared.engine_loop import EngineLoop
 from shared.engine_worker import EngineWorker
-from tests.helpers import prompt_of_length, reference_greedy
+from tests.helpers import prompt_of_length, reference_greedy, until
 
 
 class CountedSteps:
@@ -56,6 +56,38 @@ async def test_calls_run_in_order_and_each_caller_gets_its_own_result_or_error()
         assert [r for i, r in enumerate(results) if i != 7] == [i * i for i in range(200) if i != 7]
     finally:
         worker.shutdown()
+
+
+async def test_calls_still_queued_at_shutdown_are_cancelled_and_a_base_exception_reaches_its_caller():
+    worker = EngineWorker(engine=None, name="t")
+    gate = threading.Event()
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    interrupted = worker.submit(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        await interrupted
+    assert await worker.call(lambda: 42) == 42  # the thread lives on
+    started = threading.Event()
+
+    def hold():
+        started.set()
+        return gate.wait(10)
+
+    running = worker.submit(hold)
+    queued = [worker.submit(lambda: 1) for _ in range(3)]
+    assert await asyncio.to_thread(started.wait, 10)
+    closing = asyncio.create_task(asyncio.to_thread(worker.shutdown))
+    await until(lambda: worker._closed, 10, "the shutdown to begin")
+    gate.set()  # the running call ends; the three behind it must not run
+    await closing
+    assert await running is True
+    for future in queued:
+        with pytest.raises(asyncio.CancelledError):
+            await future
+    with pytest.raises(RuntimeError, match="shut down"):
+        worker.submit(lambda: 1)
 
 
 async def test_a_call_cancelled_before_it_starts_never_runs():
@@ -123,5 +155,61 @@ async def test_an_overlapped_step_that_raises_ends_the_loop_with_its_error(tiny)
         with pytest.raises(RuntimeError, match="the device fell over"):
             await asyncio.wait_for(loop.start(), 30)
         assert counted.num_steps == 3  # no step after the failed one
+    finally:
+        worker.shutdown()
+
+
+class Endless:
+    """An engine that always has work and whose steps produce nothing; it counts them."""
+
+    def __init__(self, has_work_fails: bool = False):
+        self.num_steps, self.has_work_fails = 0, has_work_fails
+
+    def has_work(self) -> bool:
+        if self.has_work_fails:
+            raise RuntimeError("has_work broke")
+        return True
+
+    def step(self):
+        self.num_steps += 1
+        return []
+
+
+async def test_a_stream_of_calls_does_not_hold_off_the_overlapped_steps():
+    engine = Endless()
+    worker = EngineWorker(engine, "main-decode-0")
+
+    async def on_outputs(outputs):
+        pass
+
+    loop = EngineLoop(worker, on_outputs, overlap=True)
+    loop.start()
+    try:
+        # Four calls kept queued, as a flow's frame imports are: the queue seldom runs dry.
+        queued = [worker.submit(sum, range(200_000)) for _ in range(4)]
+        first_step = await worker.call(lambda: engine.num_steps)
+        for _ in range(200):
+            await queued.pop(0)
+            queued.append(worker.submit(sum, range(200_000)))
+        await asyncio.gather(*queued)
+        steps = await worker.call(lambda: engine.num_steps) - first_step
+        # A step after the (at most four) calls queued when the last one ended: about 40 or more.
+        assert steps >= 30, f"{steps} steps beside 200 calls"
+    finally:
+        await loop.stop()
+        worker.shutdown()
+
+
+async def test_a_failing_has_work_ends_the_overlapped_loop_and_calls_still_run():
+    worker = EngineWorker(Endless(has_work_fails=True), "main-decode-0")
+
+    async def on_outputs(outputs):
+        pass
+
+    loop = EngineLoop(worker, on_outputs, overlap=True)
+    try:
+        with pytest.raises(RuntimeError, match="has_work broke"):
+            await asyncio.wait_for(loop.start(), 30)
+        assert await worker.call(lambda: 42) == 42
     finally:
         worker.shutdown()

@@ -83,12 +83,14 @@ class MainDecodeService(DecodeService):
         asyncio.create_task(self.handoffs.accept(handoff, msg))
 
     async def _on_outputs(self, outputs: list[StepOutput]):
+        live = []
         for out in outputs:
             request = self.requests.get(out.request_id)
             if request is None:
-                continue
+                continue  # closed (cancelled) while its step ran: nothing more of it leaves
             if out.absorbed:
                 request.absorbed(out.token_index)
             else:
                 request.end_recompute_span()
-        await super()._on_outputs([o for o in outputs if not o.absorbed])
+                live.append(out)
+        await super()._on_outputs(live)
