@@ -50,10 +50,12 @@ def test_a_drop_is_believed_within_one_transfer_and_rises_are_smoothed():
 
 
 async def test_router_learns_a_slow_link_and_starts_relaying(make_stack):
-    # The router believes 100 Mbit/s; the link gives 5 Mbit/s. A ~700-token tiny-model prompt
-    # (~360 KB of KV) is predicted at ~30 ms (P-MD) but really takes ~0.6 s (relay-worthy).
+    # The router believes 100 Mbit/s; the link gives 2 Mbit/s. A ~700-token tiny-model prompt
+    # (~360 KB of KV) is predicted at ~30 ms (P-MD) but really takes ~1.4 s (relay-worthy). The
+    # KV ships while the prompt computes, so only the transfer's excess over the prefill counts:
+    # at 5 Mbit/s a prefill measured slow (a loaded machine) hid the whole transfer once.
     stack = await make_stack(
-        profile=LinkProfile(bandwidth_bps=5e6, rtt_ms=20, jitter_ms=0, seed=4),
+        profile=LinkProfile(bandwidth_bps=2e6, rtt_ms=20, jitter_ms=0, seed=4),
         engine_settings={"frame_tokens": 16},
         router_settings={
             "ttft_target_ms": 200,
@@ -67,7 +69,7 @@ async def test_router_learns_a_slow_link_and_starts_relaying(make_stack):
     async with aiohttp.ClientSession() as session:
         async with session.get(stack.base_url.removesuffix("/v1") + "/health") as response:
             learnt = (await response.json())["wan_estimate"]
-    assert 3.5 <= learnt["bandwidth_mbit"] <= 6.5, learnt
+    assert 1.4 <= learnt["bandwidth_mbit"] <= 2.6, learnt
     status, second = await post(stack, "/chat/completions", chat_body("Describe a lighthouse. " * 140, 4))
     assert status == 200 and second["pdd"]["pipeline"] == "P-RLD-MD"
 
