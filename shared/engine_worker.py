@@ -99,9 +99,7 @@ class EngineWorker:
             except queue.Empty:
                 break
             if item is not _STOP and item is not _NUDGE:
-                future = item[1]
-                with contextlib.suppress(RuntimeError):  # its loop is closed
-                    future.get_loop().call_soon_threadsafe(future.cancel)
+                _cancel_soon(item[1])
         if self._call_log is not None:
             self._call_log.close()
 
@@ -148,8 +146,7 @@ class EngineWorker:
                 continue
             call, future = item
             if self._closed:  # shutting down: queued calls are cancelled, not run
-                with contextlib.suppress(RuntimeError):  # its loop is closed
-                    future.get_loop().call_soon_threadsafe(future.cancel)
+                _cancel_soon(future)
                 continue
             if future.cancelled():
                 continue
@@ -209,3 +206,9 @@ class EngineWorker:
                 future.set_exception(error)
             else:
                 future.set_result(result)
+
+
+def _cancel_soon(future: asyncio.Future):
+    """From any thread: cancel ``future`` on its loop (nothing if that loop is closed)."""
+    with contextlib.suppress(RuntimeError):
+        future.get_loop().call_soon_threadsafe(future.cancel)
