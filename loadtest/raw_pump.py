@@ -1,19 +1,18 @@
 """The machine's own limits, for ``pdd bench bulk`` to compare the bulk channel with: a raw
 socket pump on loopback (plaintext or TLS) and memcpy on one core.
 
-The pump is the plainest fast Python transfer: two threads, one ``sendall`` of a large
-memoryview after another, the other ``recv_into`` one preallocated buffer until it is full,
-then again from its start. Both buffers are larger than the CPU's caches, as KV is: it comes
-from memory and must land in memory. (A pump that receives every time at the buffer's start
-keeps rewriting the same cached bytes: 10–25 % faster here, and no receiver that keeps what
-it receives can do that.) The GIL is released in the kernel's copies and in OpenSSL, so both
-ends run at once, as the channel's do.
+The pump is the plainest fast Python transfer: one side ``sendall``s a large memoryview after
+another, the other ``recv_into``s one preallocated buffer until it is full, then again from its
+start (``pdd bench bulk`` runs the two in separate processes, as it runs our channel's). Both
+buffers are larger than the CPU's caches, as KV is: it comes from memory and must land in
+memory. (A pump that receives every time at the buffer's start keeps rewriting the same cached
+bytes: 10–25 % faster here, and no receiver that keeps what it receives can do that.)
 """
 
 import socket
 import ssl
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,67 +33,54 @@ class Pumped:
     cipher: str | None
 
 
-def pump(
-    nbytes: int, server_tls: ssl.SSLContext | None = None, client_tls: ssl.SSLContext | None = None, tls_name: str = ""
+def now_s() -> float:
+    """Seconds on the machine-wide monotonic clock (comparable across processes)."""
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+def send_pump(
+    port: int,
+    nbytes: int,
+    received_s: Callable[[], float],
+    client_tls: ssl.SSLContext | None = None,
+    tls_name: str = "",
 ) -> Pumped:
-    """Move ``nbytes`` (rounded up to whole buffers) over a fresh loopback connection, TLS when
-    both contexts are given (the handshake is not timed)."""
-    sender, receiver = _connected_pair(server_tls, client_tls, tls_name)
-    # Both written now, so no page is first touched while timed (np.zeros' are, and made the
-    # first run here 40 % slower than the next ones).
-    source = memoryview(np.ones(PUMP_BUFFER_BYTES, dtype=np.uint8))
-    sink = memoryview(np.ones(PUMP_BUFFER_BYTES, dtype=np.uint8))
-    chunks = -(-nbytes // PUMP_BUFFER_BYTES)
-    failure: list[BaseException] = []
-
-    def send():
-        try:
-            for _ in range(chunks):
-                sender.sendall(source)
-        except BaseException as exc:  # noqa: BLE001 - reported by the receiving side, which this wakes
-            failure.append(exc)
-            socket.socket.shutdown(sender, socket.SHUT_RDWR)
-
-    try:
-        started = time.perf_counter()
-        thread = threading.Thread(target=send, name="raw-pump-send", daemon=True)
-        thread.start()
-        received, total = 0, chunks * PUMP_BUFFER_BYTES
-        while received < total:  # fills the buffer, then again: every byte lands in memory
-            count = receiver.recv_into(sink[received % PUMP_BUFFER_BYTES :])
-            if count == 0:
-                raise ConnectionError(f"pump sender stopped: {failure[:1]}")
-            received += count
-        seconds = time.perf_counter() - started
-        thread.join(PUMP_TIMEOUT_S)
-        cipher = receiver.cipher()[0] if isinstance(receiver, ssl.SSLSocket) else None
-        return Pumped(total, seconds, cipher)
-    finally:
-        sender.close()
-        receiver.close()
+    """Connect to 127.0.0.1:``port`` (TLS with ``client_tls``; the handshake is not timed),
+    send ``nbytes`` (a whole number of buffers), one ``sendall`` of the buffer after another,
+    and time them to ``received_s()``: when the receiving side took the last byte (``now_s``).
+    The socket closes only after that (closed earlier with a TLS session ticket unread, it
+    would reset the connection and drop the bytes still in flight)."""
+    source = memoryview(np.ones(PUMP_BUFFER_BYTES, dtype=np.uint8))  # written now: no first touch while timed
+    with socket.create_connection(("127.0.0.1", port), timeout=PUMP_TIMEOUT_S) as plain:
+        sock = client_tls.wrap_socket(plain, server_hostname=tls_name or "127.0.0.1") if client_tls else plain
+        with sock:
+            started = now_s()
+            for _ in range(nbytes // PUMP_BUFFER_BYTES):
+                sock.sendall(source)
+            seconds = received_s() - started
+            cipher = sock.cipher()[0] if isinstance(sock, ssl.SSLSocket) else None
+    return Pumped(nbytes, seconds, cipher)
 
 
-def _connected_pair(server_tls, client_tls, tls_name: str) -> tuple[socket.socket, socket.socket]:
-    """(sending, receiving) ends of one loopback TCP connection, TLS-wrapped when asked."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        sender = socket.create_connection(listener.getsockname()[:2], timeout=PUMP_TIMEOUT_S)
-        receiver, _ = listener.accept()
-    receiver.settimeout(PUMP_TIMEOUT_S)
-    if server_tls is None or client_tls is None:
-        return sender, receiver
-    accepted: list = []
-    thread = threading.Thread(
-        target=lambda: accepted.append(server_tls.wrap_socket(receiver, server_side=True)), daemon=True
-    )
-    thread.start()
-    try:
-        sender = client_tls.wrap_socket(sender, server_hostname=tls_name or "127.0.0.1")
-    finally:
-        thread.join(PUMP_TIMEOUT_S)
-    if not accepted:
-        sender.close()
-        raise ConnectionError("the pump's TLS handshake failed")
-    return sender, accepted[0]
+def pump_sink() -> memoryview:
+    """The pump's receive buffer, every page already written (none is first touched while timed)."""
+    return memoryview(np.ones(PUMP_BUFFER_BYTES, dtype=np.uint8))
+
+
+def receive_pump(sock: socket.socket, nbytes: int, sink: memoryview) -> float:
+    """Take ``nbytes`` from ``sock`` into ``sink`` (``pump_sink``), round and round (every byte
+    lands in memory); returns when the last one landed (``now_s``).
+
+    Raises:
+        ConnectionError: the sender stopped early.
+    """
+    received = 0
+    while received < nbytes:
+        count = sock.recv_into(sink[received % len(sink) :])
+        if count == 0:
+            raise ConnectionError(f"the pump's sender stopped after {received} of {nbytes} bytes")
+        received += count
+    return now_s()
 
 
 def memcpy_seconds(nbytes: int = PUMP_BUFFER_BYTES, repeats: int = 3) -> float:
