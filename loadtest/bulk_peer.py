@@ -75,14 +75,18 @@ class ReceivingPeer:
         self._process.start()
         return self
 
-    def __exit__(self, *exc_info):
-        try:
-            self._pipe.send(("stop",))
-        except OSError:
-            pass
-        self._process.join(self._setup.timeout_s)
+    def __exit__(self, exc_type, *_):
+        """Stop the child: at once after a failure (it may be waiting out a run that will not
+        come), else once it has read ``stop``, within the setup's ``timeout_s``."""
+        if exc_type is None:
+            try:
+                self._pipe.send(("stop",))
+            except OSError:
+                pass
+            self._process.join(self._setup.timeout_s)
         if self._process.is_alive():
             self._process.kill()
+            self._process.join()
         self._pipe.close()
 
     def listen(self, kind: str, tls: bool, nbytes: int = 0) -> int:
