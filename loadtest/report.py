@@ -157,22 +157,29 @@ def wan_bytes(mode: dict) -> int | None:
 
 
 def _rld_share_why(pdd: dict) -> str:
-    """Why the relay's share of output tokens is high, from the mode's own counts."""
+    """Why the relay's share of output tokens is what it is, from the mode's own counts."""
     relayed = pdd["pipelines"].get("P-RLD-MD", 0)
     on_rld = pdd.get("finished_on", {}).get("RLD", 0)
+    handed_over = sum(pdd.get("handoff_modes", {}).values())
     load = pdd.get("wan_link_load")
-    busy = (
-        f"; the link carried {load}× what it could move in the replay's time, so KV landed ever "
-        "later behind the flows before it"
-        if load is not None and load >= 0.9
-        else ""
+    why = (
+        f"; why: {relayed} of {pdd['requests']} requests were relayed: {handed_over} handed over to "
+        f"main decode, {on_rld} ended on the relay ({pdd.get('odd_traffic', 0)} of them odd traffic)"
     )
-    return (
-        f"; why: {relayed} of {pdd['requests']} requests were relayed and {on_rld} of them "
-        f"ended on the relay — with ~{pdd.get('mean_output_tokens')} output tokens a relayed "
-        "answer is done before its KV lands, and a follow-up sent right after finds main "
-        f"decode's cache still behind the in-flight transfer, so it is relayed again{busy}"
-    )
+    if on_rld > handed_over:
+        why += (
+            f" — with ~{pdd.get('mean_output_tokens')} output tokens a relayed answer is done before "
+            "its KV lands, and a follow-up sent right after finds main decode's cache still behind "
+            "the in-flight transfer, so it is relayed again"
+        )
+    else:
+        why += "; a handed-over request's tokens until its KV landed count for the relay"
+    if load is not None and load >= 0.9:
+        why += (
+            f"; the link carried {load}× what it could move in the replay's time, so KV landed ever "
+            "later behind the flows before it"
+        )
+    return why
 
 
 def render_intervals(intervals: dict) -> list[str]:
