@@ -27,6 +27,12 @@ from loadtest.client import RequestRecord
 from loadtest.runner import run_trace
 from loadtest.trace import generate_trace, load_trace, save_trace
 
+DEFAULT_MAX_TOKENS = 256
+"""Output tokens per turn unless ``--max-tokens`` says otherwise. Long enough that a relayed
+request is still decoding when its KV lands and hands over, as in the paper's setting (1K-token
+answers); with 24-token answers every relayed request ended on the relay at the default link,
+so the relay's token share measured only how many requests were relayed."""
+
 
 def percentiles(values: list[float]) -> dict:
     """p50/p90/p99/mean (None when empty)."""
@@ -392,7 +398,12 @@ def add_bench_run_parser(bench_kinds):
     run.add_argument("--sessions", type=int, default=None, help="sessions in the generated trace")
     run.add_argument("--turns", type=int, default=None, help="turns per session in the generated trace")
     run.add_argument("--cold-lines", type=int, default=40, help="tool-output lines of a first turn (default 40)")
-    run.add_argument("--max-tokens", type=int, default=24, help="output tokens per turn (default 24)")
+    run.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"output tokens per turn (default {DEFAULT_MAX_TOKENS}; odd requests get 2)",
+    )
     run.add_argument("--concurrency", type=int, default=2, help="closed-loop sessions at once (default 2)")
     run.add_argument(
         "--rate", type=float, default=0.0, help="open-loop session starts per second (default 0: closed loop)"
@@ -423,7 +434,12 @@ def add_bench_run_parser(bench_kinds):
     trace.add_argument("--sessions", type=int, default=None, help="sessions (default: 5 quick, 12 full)")
     trace.add_argument("--turns", type=int, default=None, help="turns per session (default: 4 quick, 6 full)")
     trace.add_argument("--cold-lines", type=int, default=40, help="tool-output lines of a first turn")
-    trace.add_argument("--max-tokens", type=int, default=24, help="output tokens per turn")
+    trace.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"output tokens per turn (default {DEFAULT_MAX_TOKENS})",
+    )
     trace.add_argument("--rate", type=float, default=0.0, help="open-loop session starts per second (0: closed loop)")
     trace.add_argument("--seed", type=int, default=0, help="trace seed")
     return run

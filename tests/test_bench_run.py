@@ -30,6 +30,8 @@ def test_bench_run_writes_results_report_and_plots_and_the_simulator_replays_it(
             "2",
             "--cold-lines",
             "12",
+            "--max-tokens",
+            "24",
             "--handoff-trials",
             "2",
             "--modes",
@@ -148,7 +150,8 @@ def test_the_same_site_baseline_reports_no_kv_over_the_wan(tmp_path):
     """Main decode beside the prefill: its KV crosses no WAN, and the responses, the link's
     counters and the KV timing all say so."""
     pdd = str(Path(sys.executable).parent / "pdd")
-    args = ["--model", "tiny", "--sessions", "1", "--turns", "2", "--cold-lines", "12", "--handoff-trials", "1"]
+    args = ["--model", "tiny", "--sessions", "1", "--turns", "2", "--cold-lines", "12", "--max-tokens", "24"]
+    args += ["--handoff-trials", "1"]
     result = subprocess.run(
         [pdd, "bench", "run", "--out", str(tmp_path), *args, "--modes", "same-site"],
         capture_output=True,
