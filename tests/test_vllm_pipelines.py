@@ -47,6 +47,11 @@ ships while the prompt computes, so at 100 Mbit/s the cold turn's 62 MB landed 0
 relay's first token (5 tokens decoded, below the threshold); at 40 Mbit/s they take ~12 s."""
 
 
+def link_bps(name: str) -> float:
+    """The link rate deployment ``name`` was started with, in bit/s."""
+    return float(BANDWIDTH.get(name, "100mbit").removesuffix("mbit")) * 1e6
+
+
 @dataclass
 class Deployment:
     name: str
@@ -112,22 +117,42 @@ def test_both_pipelines_are_exact_with_a_handoff_and_decode_side_cache_hits(depl
             "content": "Tool output:\n" + long_tool_output(30) + "\nExplain what the project does, file by file.",
         },
     ]
-    # Long enough (EOS ignored) that the relay is still decoding when main decode has the KV,
-    # whatever the machine's speed: the relay decoded 160 tokens in 11 s, before a 40 Mbit/s link
-    # had carried the KV, and finished the answer itself.
-    cold = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=320, temperature=0, extra_body={"ignore_eos": True}
-    )
+    # The link crawls while the relay starts decoding and opens up once it has streamed 24
+    # tokens, so the KV lands while the relay still decodes (EOS ignored) with a backlog past
+    # the catch-up threshold, on a slow machine or a fast one. (At a fixed 40 Mbit/s a fast
+    # relay finished the answer before the KV had crossed.) 200 Mbit/s, not more: the router
+    # learns the link's rate from this flow, and the later tests' long prompts must still be
+    # predicted to cross too slowly for P-MD.
+    state = load_state(deployment.run_dir)
+    wan_control.call(state.wan_control_url, {"bandwidth_bps": 10e6}, state.control_key())
+    try:
+        stream = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=320,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        text, pdd = [], None
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                text.append(chunk.choices[0].delta.content)
+                if len(text) == 24:
+                    wan_control.call(state.wan_control_url, {"bandwidth_bps": 200e6}, state.control_key())
+            pdd = (chunk.model_extra or {}).get("pdd", pdd)
+    finally:
+        wan_control.call(state.wan_control_url, {"bandwidth_bps": link_bps(deployment.name)}, state.control_key())
     expected, prompt_len = reference_chat_answer(smollm2, messages, 320, ignore_eos=True)
-    assert cold.choices[0].message.content == expected
-    pdd = cold.model_extra["pdd"]
+    assert "".join(text) == expected
+    cold_pdd = pdd
     assert pdd["pipeline"] == "P-RLD-MD" and pdd["eager_tokens"] >= 1, pdd
     assert pdd["handoff_mode"] in ("one-shot", "catch-up") and pdd["finished_on"] == "MD", pdd
     if deployment.catch_up:
         assert pdd["handoff_mode"] == "catch-up" and pdd["handoff_chunks"] >= 2, pdd
 
     messages += [
-        {"role": "assistant", "content": cold.choices[0].message.content},
+        {"role": "assistant", "content": "".join(text)},
         {"role": "user", "content": "Name one risk of that design."},
     ]
     warm = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0)
@@ -135,7 +160,7 @@ def test_both_pipelines_are_exact_with_a_handoff_and_decode_side_cache_hits(depl
     assert warm.choices[0].message.content == expected
     pdd = warm.model_extra["pdd"]
     assert pdd["pipeline"] == "P-MD" and pdd["cached_blocks_md"] >= prompt_len // BLOCK_SIZE - 1, pdd
-    assert pdd["wan_kv_bytes"] < 0.2 * cold.model_extra["pdd"]["wan_kv_bytes"], pdd
+    assert pdd["wan_kv_bytes"] < 0.2 * cold_pdd["wan_kv_bytes"], pdd
 
 
 def test_a_relay_on_vllm_killed_mid_stream_hands_the_stream_to_main_decode_on_vllm(deployment, smollm2):
