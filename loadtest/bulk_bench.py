@@ -151,26 +151,11 @@ async def _one_flow(
         link = WanLink(replace(profile))
         port = await link.add_route(Route("bench", "127.0.0.1", 0, host, port, from_site="site-a"))
     try:
-        flow = await open_flow(
-            f"127.0.0.1:{port}",
-            _flow_open(kv.prompt),
-            SECRET,
-            path="wan",
-            timeout_s=30,
-            tls=tls.client if tls else None,
-            tls_name=TLS_NAME,
-            streams=streams,
-            buffer_bytes=buffer_bytes,
-        )
-        cipher, started = flow.tls_cipher, time.perf_counter()
-        while flow.bytes_sent < nbytes:
-            for parts in kv.frames:
-                await flow.send_frame(parts)
-        await flow.end([])
+        nbytes_sent, started, cipher = await _send(port, kv, nbytes, tls, streams, buffer_bytes)
         await asyncio.wait_for(handler.done.wait(), TIMEOUT_S)
         if handler.aborted:
             raise RuntimeError(f"the benchmark's flow was aborted: {handler.aborted}")
-        return Sent(flow.bytes_sent, time.perf_counter() - started, cipher)
+        return Sent(nbytes_sent, now_s() - started, cipher)
     finally:
         await receiver.stop()
         if link is not None:
@@ -196,7 +181,17 @@ async def _flow_to_peer(peer: ReceivingPeer, kv: BenchKv, nbytes: int, tls: Cont
     """Our channel on loopback: this process sends at least ``nbytes`` of ``kv``'s frames on one
     flow (over ``streams`` connections) to a ``BulkReceiver`` in ``peer``'s process; the time
     runs from the first KV byte sent to the receiver's end of the flow."""
-    port = peer.listen("ours", tls is not None)
+    nbytes_sent, started, cipher = await _send(peer.listen("ours", tls is not None), kv, nbytes, tls, streams)
+    finished = await asyncio.to_thread(peer.finished_s)
+    return Sent(nbytes_sent, finished - started, cipher)
+
+
+async def _send(
+    port: int, kv: BenchKv, nbytes: int, tls: Contexts | None, streams: int = 1, buffer_bytes: int = 0
+) -> tuple[int, float, str | None]:
+    """Open one flow to 127.0.0.1:``port`` and send at least ``nbytes`` of ``kv``'s frames, then
+    its end. Returns the bytes sent, when the first KV byte left (``now_s``) and the TLS cipher
+    suite (None: plaintext)."""
     flow = await open_flow(
         f"127.0.0.1:{port}",
         _flow_open(kv.prompt),
@@ -206,14 +201,14 @@ async def _flow_to_peer(peer: ReceivingPeer, kv: BenchKv, nbytes: int, tls: Cont
         tls=tls.client if tls else None,
         tls_name=TLS_NAME,
         streams=streams,
+        buffer_bytes=buffer_bytes,
     )
     cipher, started = flow.tls_cipher, now_s()
     while flow.bytes_sent < nbytes:
         for parts in kv.frames:
             await flow.send_frame(parts)
     await flow.end([])
-    finished = await asyncio.to_thread(peer.finished_s)
-    return Sent(flow.bytes_sent, finished - started, cipher)
+    return flow.bytes_sent, started, cipher
 
 
 def _pump_to_peer(peer: ReceivingPeer, nbytes: int, tls: Contexts | None) -> Pumped:
