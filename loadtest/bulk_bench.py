@@ -229,7 +229,8 @@ def measure_loopback(kv: BenchKv, megabytes: int, repeats: int, creds: Credentia
     """Per repeat, back to back: raw pump and our channel, plaintext then TLS (then our TLS
     flow striped over two connections, whose encryption runs on two threads), then memcpy.
     Each transfer's receiving side runs in a process of its own (``bulk_peer``), as in a
-    deployment, which first takes one untimed flow. Returns the runs (Gbit/s) and the TLS cipher suites each side negotiated."""
+    deployment, which first takes one untimed flow. Returns the runs (Gbit/s) and the TLS
+    cipher suites each side negotiated."""
     nbytes = megabytes << 20
     tls = _contexts(creds)
     runs: dict[str, list[float]] = {k: [] for k in LOOPBACK_RATES}
