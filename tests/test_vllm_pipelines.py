@@ -192,7 +192,7 @@ def test_a_relay_on_vllm_killed_mid_stream_hands_the_stream_to_main_decode_on_vl
                 os.kill(state.processes["relay-decode-0"], signal.SIGKILL)
                 killed = True
     finally:
-        wan_control.call(state.wan_control_url, {"bandwidth_bps": 100e6}, state.control_key())
+        wan_control.call(state.wan_control_url, {"bandwidth_bps": link_bps(deployment.name)}, state.control_key())
     assert "".join(text) == reference_chat_answer(smollm2, messages, 200, ignore_eos=True)[0]
     assert killed and pdd["finished_on"] == "MD", pdd
     assert [(r["from"], r["to"]) for r in pdd["recoveries"]] == [("relay-decode-0", "main-decode-0")], pdd
