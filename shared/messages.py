@@ -382,6 +382,8 @@ class LoadReported(_Message, kw_only=True):
             and each reads here what the others hold (``services/router/capacity_share.py``).
         prefill_first_chunk_tokens: For a prefill: the tokens of a prompt's first chunk (a long
             prompt's KV ships chunk by chunk while the rest computes; the first leaves after it).
+        prefill_chunk_tokens: For a prefill: the most tokens of each later chunk (0: not said;
+            taken as the first's).
         prefill_tokens_per_s: For a prefill: its recent rate of computing prompt tokens (0:
             not measured yet).
         unix_s: Sender's clock when sent.
@@ -398,6 +400,7 @@ class LoadReported(_Message, kw_only=True):
     live_request_ids: list[str] = []
     sequences_by_router: dict[str, int] = {}
     prefill_first_chunk_tokens: int = 0
+    prefill_chunk_tokens: int = 0
     prefill_tokens_per_s: float = 0.0
     unix_s: float
 

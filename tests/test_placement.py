@@ -297,10 +297,13 @@ def test_a_conversation_stays_on_the_decoder_whose_cache_keeps_its_kv_off_the_wa
     assert far.main_decode.instance_id == "main-decode-1"
 
 
-def pipeline_for(prefill_report: dict, num_prompt_tokens: int, crossing_bytes: float = 0.0) -> tuple[str, float]:
-    """The pipeline and predicted arrival of a cold prompt on a 100 Mbit/s, 40 ms link (KV of
-    46 KB per token, SmolLM2's) where a flow placed before still has ``crossing_bytes`` to send,
-    the prefill reporting ``prefill_report``."""
+def pipeline_for(
+    prefill_report: dict, num_prompt_tokens: int, crossing_bytes: float = 0.0, hits: dict[str, int] | None = None
+) -> tuple[str, float]:
+    """The pipeline and predicted arrival of a prompt on a 100 Mbit/s, 40 ms link (KV of 46 KB
+    per token, SmolLM2's) where a flow placed before still has ``crossing_bytes`` to send, the
+    prefill reporting ``prefill_report``, the instances holding ``hits`` leading blocks (none:
+    a cold prompt)."""
     registry = InstanceRegistry(ttl_s=60)
     for instance_id, service, extra in (
         ("prefill-0", "prefill", prefill_report),
@@ -319,7 +322,7 @@ def pipeline_for(prefill_report: dict, num_prompt_tokens: int, crossing_bytes: f
     wan = WanEstimate(bandwidth_bps=100e6, rtt_s=0.040, queue_s=crossing_bytes * 8 / 100e6, crossing_bytes=crossing)
     placement = place(
         registry,
-        {},
+        hits or {},
         num_prompt_tokens=num_prompt_tokens,
         block_size=BLOCK_SIZE,
         kv_bytes_per_token=46080,
@@ -343,6 +346,27 @@ def test_kv_shipped_while_the_prompt_computes_lands_soon_after_the_prefill():
     # a prefill that computes the prompt in one step ships it all after its compute
     pipeline, arrival_s = pipeline_for({"prefill_tokens_per_s": rate, "prefill_first_chunk_tokens": 2048}, tokens)
     assert arrival_s == pytest.approx(transfer_s + 0.020) and pipeline == "P-RLD-MD"
+
+
+def test_a_follow_up_turns_new_tail_crosses_only_once_the_chunk_that_computes_it_is_done():
+    """The decoder holds the conversation up to the new tail. The prefill holds less (the last
+    answer was decoded elsewhere), so it computes more than the decoder lacks: the missing
+    blocks come out of its later chunks, and cannot overlap the earlier ones."""
+    report = {"prefill_tokens_per_s": 600.0, "prefill_first_chunk_tokens": 64, "prefill_chunk_tokens": 256}
+    tokens, prefill_holds, decoder_holds = 80 * BLOCK_SIZE, 53 * BLOCK_SIZE, 68 * BLOCK_SIZE
+    hits = {"prefill-0": prefill_holds // BLOCK_SIZE, "main-decode-0": decoder_holds // BLOCK_SIZE}
+    pipeline, arrival_s = pipeline_for(report, tokens, hits=hits)
+    # chunks of 64, 256 and 112 tokens; the decoder lacks tokens from the second chunk on
+    prefill_s = (tokens - prefill_holds) / 600.0
+    ready_s = (64 + 256) / 600.0
+    assert prefill_holds + 64 <= decoder_holds < prefill_holds + 64 + 256
+    transfer_s = (tokens - decoder_holds) * 46080 * 8 / 100e6
+    assert arrival_s == pytest.approx(ready_s + transfer_s - prefill_s + 0.020)
+    assert pipeline == "P-RLD-MD"  # 0.54 s: past the target (overlapped from the first chunk: 0.12 s)
+    # the last chunk's 112 tokens alone cross after the compute: 0.41 s, within it
+    pipeline, arrival_s = pipeline_for(report, tokens, hits={**hits, "main-decode-0": 73})
+    assert arrival_s == pytest.approx(112 * 46080 * 8 / 100e6 + 0.020)
+    assert pipeline == "P-MD"
 
 
 def test_a_cold_prompt_that_fits_an_idle_link_is_relayed_when_earlier_flows_still_hold_it():

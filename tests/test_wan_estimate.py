@@ -102,14 +102,14 @@ async def test_after_the_link_drops_the_second_large_request_is_relayed(make_sta
 def test_placed_flows_hold_the_link_until_their_predicted_last_byte():
     now = [100.0]
     wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
-    wan.flow_placed("r0", "md-0", [1, 2], 0, prefill_s=2.0, first_chunk_s=0.2)  # nothing crosses: no queue
+    wan.flow_placed("r0", "md-0", [1, 2], 0, prefill_s=2.0, ships_from_s=0.2)  # nothing crosses: no queue
     assert wan.current().queue_s == 0.0
     # 37 MB shipped from 0.2 s into a 2 s prefill: 2.96 s on the wire, the last byte leaves at 3.16 s
-    wan.flow_placed("r1", "md-0", [1, 2], 37_000_000, prefill_s=2.0, first_chunk_s=0.2)
+    wan.flow_placed("r1", "md-0", [1, 2], 37_000_000, prefill_s=2.0, ships_from_s=0.2)
     assert wan.current().queue_s == pytest.approx(3.16)
     now[0] += 1.0
     assert wan.current().queue_s == pytest.approx(2.16)
-    wan.flow_placed("r2", "md-1", [7], 1_000_000, prefill_s=0.1, first_chunk_s=0.1)  # 0.08 s, behind r1
+    wan.flow_placed("r2", "md-1", [7], 1_000_000, prefill_s=0.1, ships_from_s=0.1)  # 0.08 s, behind r1
     assert wan.current().queue_s == pytest.approx(2.24)
     wan.flow_landed("r1", "md-1")  # said by another decoder than the flow's: not believed
     assert wan.current().queue_s == pytest.approx(2.24)
@@ -123,7 +123,7 @@ def test_the_flows_are_replanned_when_the_link_proves_faster_or_one_lands_early(
     now = [0.0]
     wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
     for request_id in ("a", "b", "c"):  # three cold prompts' 25 MB each, placed together: 2 s each
-        wan.flow_placed(request_id, "md-0", [hash(request_id)], 25_000_000, prefill_s=0.5, first_chunk_s=0.1)
+        wan.flow_placed(request_id, "md-0", [hash(request_id)], 25_000_000, prefill_s=0.5, ships_from_s=0.1)
     assert wan.current().queue_s == pytest.approx(0.1 + 3 * 25_000_000 * 8 / 100e6)
     now[0] = 1.0  # the link shared by all three since 0.1 s: each sent a third of 0.9 s
     left = 25_000_000 - 0.9 * 100e6 / 8 / 3
@@ -138,8 +138,8 @@ def test_the_flows_are_replanned_when_the_link_proves_faster_or_one_lands_early(
 def test_blocks_on_their_way_count_for_a_follow_up_prompt_until_the_index_lists_them():
     now = [0.0]
     wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
-    wan.flow_placed("a", "md-0", [11, 12, 13], 30_000_000, prefill_s=2.0, first_chunk_s=0.1)  # 2.4 s on the wire
-    wan.flow_placed("b", "md-1", [11, 99], 20_000_000, prefill_s=1.0, first_chunk_s=0.1)
+    wan.flow_placed("a", "md-0", [11, 12, 13], 30_000_000, prefill_s=2.0, ships_from_s=0.1)  # 2.4 s on the wire
+    wan.flow_placed("b", "md-1", [11, 99], 20_000_000, prefill_s=1.0, ships_from_s=0.1)
     # a follow-up turn: the first turn's three blocks plus a new one
     arriving = wan.arriving([11, 12, 13, 14])
     # both share the link from 0.1 s; b's 20 MB are out once it carried 40 MB, then a goes alone
@@ -173,15 +173,36 @@ def test_a_new_flow_shares_the_link_with_the_flows_still_crossing():
     busy = WanEstimate(bandwidth_bps=100e6, rtt_s=0.04, queue_s=5.0, crossing_bytes=(62_500_000.0,))  # 5 s of KV
     transfer_s = 37_000_000 * 8 / 100e6
     # shipping while a 3 s prefill computes: the idle link has it all there 0.02 s after the prefill
-    assert idle.arrival_after_prefill_s(37_000_000, prefill_s=3.0, first_chunk_s=0.2) == pytest.approx(
+    assert idle.arrival_after_prefill_s(37_000_000, prefill_s=3.0, ships_from_s=0.2) == pytest.approx(
         max(0.0, 0.2 + transfer_s - 3.0) + 0.02
     )
     # beside a flow with 5 s of KV still to send, a cold prompt gets half the link: later than alone
-    beside = busy.arrival_after_prefill_s(37_000_000, prefill_s=3.0, first_chunk_s=0.2)
-    assert beside > idle.arrival_after_prefill_s(37_000_000, prefill_s=3.0, first_chunk_s=0.2) + 2.5
+    beside = busy.arrival_after_prefill_s(37_000_000, prefill_s=3.0, ships_from_s=0.2)
+    assert beside > idle.arrival_after_prefill_s(37_000_000, prefill_s=3.0, ships_from_s=0.2) + 2.5
     # a follow-up turn's megabyte does not wait for the other flow's 5 s: two megabytes' time
-    follow_up = busy.arrival_after_prefill_s(1_000_000, prefill_s=0.1, first_chunk_s=0.1)
+    follow_up = busy.arrival_after_prefill_s(1_000_000, prefill_s=0.1, ships_from_s=0.1)
     assert follow_up == pytest.approx(0.1 + 2 * 1_000_000 * 8 / 100e6 - 0.1 + 0.02)
+
+
+def test_kv_out_of_the_last_chunk_crosses_after_the_prefill_however_early_the_first_byte():
+    """A follow-up turn whose decoder holds all but the prompt's new tail: the tail is computed
+    by the prefill's last chunk, so its bytes cross after the compute, not overlapped with it."""
+    idle = WanEstimate(bandwidth_bps=100e6, rtt_s=0.04)
+    tail_bytes = 8_400_000  # 0.67 s on the link
+    overlapped = idle.arrival_after_prefill_s(tail_bytes, prefill_s=0.7, ships_from_s=0.08)
+    assert overlapped == pytest.approx(max(0.0, 0.08 + tail_bytes * 8 / 100e6 - 0.7) + 0.02)
+    after = idle.arrival_after_prefill_s(tail_bytes, prefill_s=0.7, ships_from_s=0.7, tail_bytes=tail_bytes)
+    assert after == pytest.approx(tail_bytes * 8 / 100e6 + 0.02)
+    # a long prompt ships most bytes while it computes; its last chunk's still follow the compute
+    mixed = idle.arrival_after_prefill_s(37_000_000, prefill_s=3.0, ships_from_s=0.1, tail_bytes=tail_bytes)
+    assert mixed == pytest.approx(tail_bytes * 8 / 100e6 + 0.02)
+    assert idle.arrival_after_prefill_s(37_000_000, prefill_s=3.0, ships_from_s=0.1) == pytest.approx(
+        0.1 + 37_000_000 * 8 / 100e6 - 3.0 + 0.02
+    )
+    # beside a flow still crossing, the tail shares the link too
+    busy = WanEstimate(bandwidth_bps=100e6, rtt_s=0.04, crossing_bytes=(100_000_000.0,))
+    shared = busy.arrival_after_prefill_s(tail_bytes, prefill_s=0.7, ships_from_s=0.7, tail_bytes=tail_bytes)
+    assert shared == pytest.approx(2 * tail_bytes * 8 / 100e6 + 0.02)
 
 
 def processor_sharing_finish_s(crossing: list[float], new_bytes: float, joins_s: float, bytes_per_s: float) -> float:
@@ -208,14 +229,14 @@ def processor_sharing_finish_s(crossing: list[float], new_bytes: float, joins_s:
 @given(
     crossing=st.lists(st.floats(1e5, 1e8), max_size=6),
     new_bytes=st.floats(1e5, 1e8),
-    first_chunk_s=st.floats(0.0, 5.0),
+    ships_from_s=st.floats(0.0, 5.0),
 )
-def test_a_new_flows_last_byte_is_what_an_equally_shared_link_gives(crossing, new_bytes, first_chunk_s):
+def test_a_new_flows_last_byte_is_what_an_equally_shared_link_gives(crossing, new_bytes, ships_from_s):
     wan = WanEstimate(bandwidth_bps=100e6, rtt_s=0.04, crossing_bytes=tuple(crossing))
-    first_byte_s = max(first_chunk_s, wan.rtt_s)
+    first_byte_s = max(ships_from_s, wan.rtt_s)
     expected = processor_sharing_finish_s(crossing, new_bytes, first_byte_s, 100e6 / 8)
     # no prefill bound (prefill_s = 0): the arrival is the last byte plus a one-way delay
-    assert wan.arrival_after_prefill_s(int(new_bytes), 0.0, first_chunk_s) == pytest.approx(
+    assert wan.arrival_after_prefill_s(int(new_bytes), 0.0, ships_from_s) == pytest.approx(
         expected + 0.02, rel=1e-6, abs=1e-6
     )
 
@@ -236,8 +257,8 @@ def test_the_ledgers_plan_is_what_an_equally_shared_link_gives(crossing, new_byt
 def test_the_ledger_tells_what_each_placed_flow_still_has_to_send():
     now = [0.0]
     wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
-    wan.flow_placed("a", "md-0", [1], 25_000_000, prefill_s=0.5, first_chunk_s=0.1)  # 2 s from 0.1 s
-    wan.flow_placed("b", "md-1", [2], 12_500_000, prefill_s=0.5, first_chunk_s=0.1)
+    wan.flow_placed("a", "md-0", [1], 25_000_000, prefill_s=0.5, ships_from_s=0.1)  # 2 s from 0.1 s
+    wan.flow_placed("b", "md-1", [2], 12_500_000, prefill_s=0.5, ships_from_s=0.1)
     now[0] = 1.1  # both shared the link for 1 s: 6.25 MB left each
     assert wan.current().crossing_bytes == pytest.approx((18_750_000, 6_250_000))
     wan.flow_stopped("a")  # odd traffic the relay finished: its bytes stop crossing
@@ -248,8 +269,8 @@ def test_the_ledger_tells_what_each_placed_flow_still_has_to_send():
 def test_a_flow_that_shared_the_link_measured_its_share_not_a_slower_link():
     now = [0.0]
     wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
-    wan.flow_placed("a", "md-0", [1], 37_000_000, prefill_s=0.5, first_chunk_s=0.1)
-    wan.flow_placed("b", "md-1", [2], 37_000_000, prefill_s=0.5, first_chunk_s=0.1)
+    wan.flow_placed("a", "md-0", [1], 37_000_000, prefill_s=0.5, ships_from_s=0.1)
+    wan.flow_placed("b", "md-1", [2], 37_000_000, prefill_s=0.5, ships_from_s=0.1)
     now[0] = 6.0  # both crossed together: each measured about half the link
     wan.add_throughput(50e6, 37_000_000, "a")
     assert wan.bandwidth_bps == 100e6
@@ -258,7 +279,7 @@ def test_a_flow_that_shared_the_link_measured_its_share_not_a_slower_link():
     assert wan.bandwidth_bps > 100e6
     wan.flow_landed("b", "md-1")
     now[0] = 20.0
-    wan.flow_placed("c", "md-0", [3], 37_000_000, prefill_s=0.5, first_chunk_s=0.1)
+    wan.flow_placed("c", "md-0", [3], 37_000_000, prefill_s=0.5, ships_from_s=0.1)
     now[0] = 30.0  # alone on the link, and slow: the link dropped, believed at once
     wan.add_throughput(20e6, 37_000_000, "c")
     assert wan.bandwidth_bps == 20e6
@@ -269,10 +290,10 @@ def test_a_later_flow_that_lands_first_delays_the_flows_placed_before_it_by_its_
     before it still crosses. The cold prompt lost what the megabyte took of the link, no more."""
     now = [0.0]
     wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
-    wan.flow_placed("cold", "md-0", [1, 2, 3], 30_000_000, prefill_s=2.0, first_chunk_s=0.1)  # 2.4 s from 0.1 s
+    wan.flow_placed("cold", "md-0", [1, 2, 3], 30_000_000, prefill_s=2.0, ships_from_s=0.1)  # 2.4 s from 0.1 s
     landing = wan.arriving([1, 2, 3, 4])["md-0"].lands_in_s
     now[0] = 1.0
-    wan.flow_placed("warm", "md-1", [7, 8], 1_000_000, prefill_s=0.1, first_chunk_s=0.1)
+    wan.flow_placed("warm", "md-1", [7, 8], 1_000_000, prefill_s=0.1, ships_from_s=0.1)
     now[0] = 1.3
     wan.flow_landed("warm", "md-1")
     delay_s = 1_000_000 * 8 / 100e6
@@ -286,7 +307,7 @@ def test_a_flow_the_index_shows_landed_does_not_push_the_flows_still_listed_behi
     now = [0.0]
     wan = WanEstimator(bandwidth_bps=10e6, rtt_s=0.04, clock=lambda: now[0])
     for request_id, prompt in (("a", [1, 2]), ("b", [1, 3]), ("c", [1, 4])):  # 0.63 s each, a shared first block
-        wan.flow_placed(request_id, "md-0", prompt, 784_000, prefill_s=0.05, first_chunk_s=0.05)
+        wan.flow_placed(request_id, "md-0", prompt, 784_000, prefill_s=0.05, ships_from_s=0.05)
     now[0] = 3.0  # all three landed long ago; the index lists a's prompt at md-0 only now
     wan.seen_cached([1, 2, 5], {"md-0": 2})
     assert wan.current().queue_s == 0.0 and wan.arriving([1, 2, 5]) == {}
@@ -298,7 +319,7 @@ def test_a_flow_waits_for_its_prefill_only_until_the_prefill_says_it_is_done():
     now = [0.0]
     wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
     # 30 MB shipped from 0.2 s of a prompt predicted to compute for 3 s: 2.4 s on the wire
-    wan.flow_placed("turn-1", "md-0", [1, 2], 30_000_000, prefill_s=3.0, first_chunk_s=0.2)
+    wan.flow_placed("turn-1", "md-0", [1, 2], 30_000_000, prefill_s=3.0, ships_from_s=0.2)
     assert wan.arriving([1, 2, 3])["md-0"].lands_in_s == pytest.approx(3.0 + 0.02)
     now[0] = 1.0
     wan.prefill_done("never-placed")  # nothing changes

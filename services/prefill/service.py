@@ -117,6 +117,7 @@ class PrefillService(EngineService):
         return msgspec.structs.replace(
             super().load_report(),
             prefill_first_chunk_tokens=self.config.first_chunk_tokens or self.config.max_batch_tokens,
+            prefill_chunk_tokens=self.config.max_batch_tokens,
             prefill_tokens_per_s=round(self.speed.tokens_per_s, 1),
         )
 

@@ -3,8 +3,10 @@
 P→RLD→MD when the blocks the chosen main decoder lacks are predicted to land there more than
 the TTFT target after the prefill ends; P→MD otherwise. The prefill ships a long prompt's KV
 chunk by chunk while it computes, so the prediction overlaps the transfer with the compute
-(``WanEstimate.arrival_after_prefill_s``, with the chosen prefill's own reported chunk size
-and compute rate). P→RLD alone is chosen
+from the chunk that computes the first block the decoder lacks, and lets the last chunk's
+blocks leave only when the compute ends (``WanEstimate.arrival_after_prefill_s``, with the
+chosen prefill's own reported chunk sizes and compute rate, ``prefill_forecast.py``): a
+follow-up turn whose decoder holds all but its new tail gains no overlap. P→RLD alone is chosen
 only while no main decoder is live (site B unreachable): serving at site A beats failing.
 
 Among main decode instances the cheapest wins, cost counted in KV blocks: the prompt blocks
@@ -24,10 +26,11 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.router.prefill_forecast import PrefillForecast
 from services.router.registry import InstanceRegistry, InstanceState
 from services.router.wan_estimate import Arriving, WanEstimate
 from shared.errors import PddError
-from shared.messages import InstanceRef, LoadReported, Pipeline
+from shared.messages import InstanceRef, Pipeline
 
 
 class NoInstances(PddError):
@@ -54,7 +57,8 @@ class Placement:
         predicted_wan_s: When they are predicted to land, counted from the prefill's end (0
             for a main decoder beside the prefill: the local path is not modelled).
         predicted_prefill_s: The prefill's predicted compute time (0: no rate reported yet).
-        predicted_first_chunk_s: When its first chunk (the first KV it ships) is predicted done.
+        predicted_ships_from_s: When the first block the main decoder lacks is predicted
+            computed (its KV may start crossing), counted from the prefill's start.
         odd_traffic: Marked odd by the odd-traffic filter (relayed; WAN cancelled if the relay wins).
         degraded_reason: Why a ``P-RLD`` request is served at site A alone.
     """
@@ -72,7 +76,7 @@ class Placement:
     degraded_reason: str = ""
     prefill_compute_blocks: int = 0
     predicted_prefill_s: float = 0.0
-    predicted_first_chunk_s: float = 0.0
+    predicted_ships_from_s: float | None = None
 
     @property
     def instance_ids(self) -> list[str]:
@@ -165,20 +169,24 @@ def place(
     prefill_compute_blocks = max(0, num_prompt_blocks - hits.get(prefill.report.instance.instance_id, 0))
     if not mains:
         return _relay_only(prefill, relays, num_prompt_blocks, prefill_compute_blocks)
-    prefill_s, first_chunk_s = _prefill_seconds(prefill.report, prefill_compute_blocks * block_size)
-    arrival_s = functools.partial(wan.arrival_after_prefill_s, prefill_s=prefill_s, first_chunk_s=first_chunk_s)
-    main, missing_bytes, predicted_s = _pick_main(
+    forecast = PrefillForecast.of(
+        prefill.report,
+        num_prompt_tokens,
+        max(0, min(num_prompt_tokens - 1, hits.get(prefill.report.instance.instance_id, 0) * block_size)),
+    )
+    arrival_s = functools.partial(_arrival_s, wan, forecast, kv_bytes_per_token)
+    main, missing_from, predicted_s = _pick_main(
         mains,
         hits,
         num_prompt_tokens,
         block_size,
-        kv_bytes_per_token,
         arrival_s,
         ttft_target_s,
         arriving or {},
-        prefill_s,
+        forecast.compute_s,
         prefill.report.instance.site,
     )
+    missing_bytes = (num_prompt_tokens - missing_from) * kv_bytes_per_token
     odd = policy == "auto" and odd_rule is not None and odd_rule.is_odd(max_tokens, predicted_s)
     wants_relay = predicted_s > ttft_target_s or odd if policy == "auto" else policy == "P-RLD-MD"
     relays = _with_room(relays)
@@ -195,20 +203,22 @@ def place(
         predicted_wan_s=predicted_s,
         odd_traffic=odd and relay is not None,
         prefill_compute_blocks=prefill_compute_blocks,
-        predicted_prefill_s=prefill_s,
-        predicted_first_chunk_s=first_chunk_s,
+        predicted_prefill_s=forecast.compute_s,
+        predicted_ships_from_s=forecast.ready_s(missing_from) if forecast.tokens_per_s > 0 else None,
     )
 
 
-def _prefill_seconds(prefill: LoadReported, compute_tokens: int) -> tuple[float, float]:
-    """``(compute, first chunk)`` seconds of a prompt whose ``compute_tokens`` the chosen
-    prefill computes at its reported rate, shipping each chunk as it is done; (0, 0) without a
-    reported rate."""
-    if prefill.prefill_tokens_per_s <= 0 or compute_tokens <= 0:
-        return 0.0, 0.0
-    chunk_tokens = prefill.prefill_first_chunk_tokens or compute_tokens
-    rate = prefill.prefill_tokens_per_s
-    return compute_tokens / rate, min(compute_tokens, chunk_tokens) / rate
+def _arrival_s(wan: WanEstimate, forecast: PrefillForecast, kv_bytes_per_token: int, missing_from: int) -> float:
+    """When the prompt's KV from token ``missing_from`` on lands across the WAN, counted from
+    the end of the prefill ``forecast`` describes."""
+    num_tokens = forecast.num_prompt_tokens - missing_from
+    tail_tokens = forecast.num_prompt_tokens - max(missing_from, forecast.last_chunk_from)
+    return wan.arrival_after_prefill_s(
+        num_tokens * kv_bytes_per_token,
+        prefill_s=forecast.compute_s,
+        ships_from_s=forecast.ready_s(missing_from),
+        tail_bytes=max(0, tail_tokens) * kv_bytes_per_token if forecast.tokens_per_s > 0 else 0,
+    )
 
 
 def _pick_main(
@@ -216,27 +226,26 @@ def _pick_main(
     hits: dict[str, int],
     num_prompt_tokens: int,
     block_size: int,
-    kv_bytes_per_token: int,
     arrival_s: Callable[[int], float],
     ttft_target_s: float,
     arriving: dict[str, Arriving],
     prefill_s: float,
     prefill_site: str,
 ) -> tuple[InstanceState, int, float]:
-    """The main decoder (those whose missing KV lands within the target first), the KV bytes
-    it lacks and when they are predicted to land after the prefill (``arrival_s`` across the
-    WAN, at once beside the prefill, and no earlier than blocks already on their way to it)."""
+    """The main decoder (those whose missing KV lands within the target first), the first
+    prompt token it lacks and when the KV from there on is predicted to land after the prefill
+    (``arrival_s`` across the WAN, at once beside the prefill, and no earlier than blocks
+    already on their way to it)."""
     held = dict(hits)
     for instance_id, coming in arriving.items():
         held[instance_id] = max(held.get(instance_id, 0), coming.blocks)
 
-    def missing_bytes_at(state: InstanceState) -> int:
-        cached = held.get(state.report.instance.instance_id, 0)
-        return max(0, num_prompt_tokens - cached * block_size) * kv_bytes_per_token
+    def missing_from(state: InstanceState) -> int:
+        return min(num_prompt_tokens, held.get(state.report.instance.instance_id, 0) * block_size)
 
     def lands_s(state: InstanceState) -> float:
         crosses = state.report.instance.site != prefill_site
-        landing = arrival_s(missing_bytes_at(state)) if crosses else 0.0
+        landing = arrival_s(missing_from(state)) if crosses else 0.0
         coming = arriving.get(state.report.instance.instance_id)
         if coming is not None and coming.blocks > hits.get(state.report.instance.instance_id, 0):
             landing = max(landing, coming.lands_in_s - prefill_s)
@@ -245,7 +254,7 @@ def _pick_main(
     candidates = _with_room(mains) or mains
     quick = [s for s in candidates if lands_s(s) <= ttft_target_s]
     main = _pick(quick or candidates, held, -(-num_prompt_tokens // block_size))
-    return main, missing_bytes_at(main), lands_s(main)
+    return main, missing_from(main), lands_s(main)
 
 
 def _with_room(instances: list[InstanceState]) -> list[InstanceState]:

@@ -85,7 +85,7 @@ class Placer:
                 hashes,
                 placement.missing_kv_bytes,
                 placement.predicted_prefill_s,
-                placement.predicted_first_chunk_s,
+                placement.predicted_ships_from_s,
             )
         else:  # a recovery's earlier attempt may have left its flow on the link's ledger
             self.wan.flow_stopped(request_id)

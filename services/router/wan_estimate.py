@@ -68,21 +68,32 @@ class WanEstimate:
     queue_s: float = 0.0
     crossing_bytes: tuple[float, ...] = ()
 
-    def arrival_after_prefill_s(self, num_bytes: int, prefill_s: float = 0.0, first_chunk_s: float = 0.0) -> float:
+    def arrival_after_prefill_s(
+        self, num_bytes: int, prefill_s: float = 0.0, ships_from_s: float = 0.0, tail_bytes: int = 0
+    ) -> float:
         """When the last of ``num_bytes`` of KV lands at main decode, counted from the end of
-        a prefill that computes for ``prefill_s`` and ships chunk by chunk from ``first_chunk_s``
-        on. The flow opens as the compute starts (one round trip), so its first byte leaves at
-        ``max(first_chunk_s, rtt)``; until then the flows crossing drain (each counted as
+        a prefill that computes for ``prefill_s``: the first of them is ready ``ships_from_s``
+        into the compute, and ``tail_bytes`` of them come out of its last chunk, ready when it
+        ends. The flow opens as the compute starts (one round trip), so its first byte leaves
+        at ``max(ships_from_s, rtt)``; until then the flows crossing drain (each counted as
         sending from now, even one whose own first byte is still ahead). From there it shares
         the link: its last byte leaves once the link has carried its bytes and, of each flow
         still crossing, up to as many (``shared_transfer_bytes``), and no earlier than the
-        prefill ends; it lands one one-way delay later. Without a prefill estimate (0, 0): a
-        round trip, the shared transfer and a one-way delay."""
-        first_byte_s = max(first_chunk_s, self.rtt_s)
-        crossing = drained(self.crossing_bytes, first_byte_s * self.bandwidth_bps / 8)
-        link_bytes = shared_transfer_bytes(num_bytes, crossing)
-        last_byte_s = max(prefill_s, first_byte_s + link_bytes * 8 / self.bandwidth_bps)
+        link has carried the tail after the prefill ends; it lands one one-way delay later.
+        Without a prefill estimate (0, 0): a round trip, the shared transfer and a one-way
+        delay."""
+        first_byte_s = max(ships_from_s, self.rtt_s)
+        last_byte_s = max(prefill_s, first_byte_s + self._shared_transfer_s(num_bytes, first_byte_s))
+        if tail_bytes > 0:
+            tail_from_s = max(prefill_s, self.rtt_s)
+            last_byte_s = max(last_byte_s, tail_from_s + self._shared_transfer_s(tail_bytes, tail_from_s))
         return last_byte_s - prefill_s + self.rtt_s / 2
+
+    def _shared_transfer_s(self, num_bytes: float, from_s: float) -> float:
+        """Seconds the link takes to carry ``num_bytes`` from ``from_s`` on, shared with the
+        flows crossing (drained of what the link carried of them until then)."""
+        crossing = drained(self.crossing_bytes, from_s * self.bandwidth_bps / 8)
+        return shared_transfer_bytes(num_bytes, crossing) * 8 / self.bandwidth_bps
 
 
 @dataclass
@@ -172,18 +183,18 @@ class WanEstimator:
         block_hashes: list[int],
         num_bytes: int,
         prefill_s: float,
-        first_chunk_s: float = 0.0,
+        ships_from_s: float | None = None,
     ):
         """``request_id``'s flow of ``num_bytes`` to ``main_decode_id`` for a prompt of
-        ``block_hashes`` was placed now, its prefill predicted to take ``prefill_s`` and ship
-        its first chunk after ``first_chunk_s`` (0: all at the end)."""
+        ``block_hashes`` was placed now, its prefill predicted to take ``prefill_s`` and its
+        first missing block ready to ship ``ships_from_s`` into it (None: all at the end)."""
         now = self._clock()
         for rid in [rid for rid, leaves_at in self._leaving().items() if leaves_at <= now or rid == request_id]:
             self._forget(rid)
         self._num_ledger_changes += 1
         if num_bytes <= 0:
             return
-        first_byte_at = now + max(first_chunk_s or prefill_s, self.rtt_s)
+        first_byte_at = now + max(prefill_s if ships_from_s is None else ships_from_s, self.rtt_s)
         self._flows[request_id] = PlacedFlow(
             main_decode_id, tuple(block_hashes), num_bytes, now, now + prefill_s, Sending(first_byte_at, num_bytes)
         )
