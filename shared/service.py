@@ -56,6 +56,8 @@ class Service:
         self.log = log.bind(service=self.service_name, instance=self.instance_id)
         self._ops = None
         self._started = False
+        self.freeze_start_up_heap = False
+        """Set by ``run_service`` for a service in its own process (see there)."""
 
     # --- to override -------------------------------------------------------------------
 
@@ -115,6 +117,11 @@ class Service:
             )
             self.log.info("metrics_listening", url=f"http://{self.config.metrics_host}:{self._ops.port}/metrics")
         await self.on_start()
+        if self.freeze_start_up_heap:
+            # Before the first heartbeat: the collection holds the interpreter (the loop and the
+            # engine thread) for hundreds of ms, and announced, the instance would take work.
+            gc.collect()  # start-up's own garbage first: frozen, it would never be freed
+            gc.freeze()
         self._started = True
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="heartbeat"))
         if self.holds_requests:
@@ -234,19 +241,20 @@ async def wait_for_termination(failed: asyncio.Event | None = None):
 async def run_service(service: Service, freeze_start_up_heap: bool = False) -> int:
     """Run until SIGTERM/SIGINT or a failure, then stop; return the process exit code.
 
-    ``freeze_start_up_heap`` (a service's own process): once started, what start-up made
-    (imports, the model's metadata and tokenizer, the engine) leaves the garbage collector's
-    sight (``gc.freeze``), so a full collection scans only what the service made since.
-    Measured under ``pdd bench control-plane``: full collections of ~210k start-up objects
-    paused main decoders 235-350 ms and the prefill 300 ms mid-load, each a stall of every
-    stream there; with the heap frozen the main decoders' took 2-10 ms, the prefill's 23-69 ms.
+    ``freeze_start_up_heap`` (a service's own process): once started, and before its first
+    heartbeat announces it, what start-up made (imports, the model's metadata and tokenizer,
+    the engine) leaves the garbage collector's sight (``gc.freeze``), so a full collection
+    scans only what the service made since. Measured under ``pdd bench control-plane``: full
+    collections of ~210k start-up objects paused main decoders 235-350 ms and the prefill
+    300 ms mid-load, each a stall of every stream there; with the heap frozen the main
+    decoders' took 2-10 ms, the prefill's 23-69 ms. The collection before the freeze takes as
+    long, so it runs before the first heartbeat: no request is placed on the instance while it
+    holds the interpreter.
     """
     configure_logging(service.config.log_level)
     configure_tracing(f"pdd-{service.service_name}", service.config.otlp_endpoint, instance_id=service.instance_id)
+    service.freeze_start_up_heap = freeze_start_up_heap
     await service.start()
-    if freeze_start_up_heap:
-        gc.collect()  # start-up's own garbage first: frozen, it would never be freed
-        gc.freeze()
     await wait_for_termination(service.failed)
     await service.stop()
     return 1 if service.failure is not None else 0
