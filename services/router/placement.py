@@ -76,7 +76,7 @@ class Placement:
     degraded_reason: str = ""
     prefill_compute_blocks: int = 0
     predicted_prefill_s: float = 0.0
-    predicted_ships_from_s: float | None = None
+    predicted_ships_from_s: float = 0.0
 
     @property
     def instance_ids(self) -> list[str]:
@@ -204,7 +204,7 @@ def place(
         odd_traffic=odd and relay is not None,
         prefill_compute_blocks=prefill_compute_blocks,
         predicted_prefill_s=forecast.compute_s,
-        predicted_ships_from_s=forecast.ready_s(missing_from) if forecast.tokens_per_s > 0 else None,
+        predicted_ships_from_s=forecast.ready_s(missing_from),
     )
 
 
@@ -217,7 +217,7 @@ def _arrival_s(wan: WanEstimate, forecast: PrefillForecast, kv_bytes_per_token: 
         num_tokens * kv_bytes_per_token,
         prefill_s=forecast.compute_s,
         ships_from_s=forecast.ready_s(missing_from),
-        tail_bytes=max(0, tail_tokens) * kv_bytes_per_token if forecast.tokens_per_s > 0 else 0,
+        tail_bytes=max(0, tail_tokens) * kv_bytes_per_token,
     )
 
 
