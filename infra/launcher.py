@@ -480,15 +480,11 @@ def down(run_dir: Path, quiet: bool = False) -> list[str]:
     if deployment.supervisor_pid:
         _stop(deployment.supervisor_pid, timeout_s=5)
     order = sorted(deployment.processes, key=lambda n: (n.startswith(("nats", "wan")), n))
-    for name in order:
-        _signal(deployment.processes[name], signal.SIGTERM)
-    deadline = time.monotonic() + 20
-    for name in order:
-        pid = deployment.processes[name]
-        while process_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if process_alive(pid):
-            _signal(pid, signal.SIGKILL)
+    services = [name for name in order if not name.startswith(("nats", "wan"))]
+    # Services stop while NATS and the link still carry what their graceful stop sends (the
+    # drain, a prefill's resume-elsewhere notices); then the link and NATS.
+    _stop_all([deployment.processes[name] for name in services], timeout_s=20)
+    _stop_all([deployment.processes[name] for name in order if name not in services], timeout_s=10)
     with locked_state(run_dir):
         (run_dir / "state.json").unlink(missing_ok=True)
     return order
@@ -537,13 +533,20 @@ def _accepts(host: str, port: int) -> bool:
         return False
 
 
-def _stop(pid: int, timeout_s: float):
-    _signal(pid, signal.SIGTERM)
+def _stop_all(pids: list[int], timeout_s: float):
+    """SIGTERM every one of ``pids`` at once, wait for them together, SIGKILL those left."""
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while process_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if process_alive(pid):
-        _signal(pid, signal.SIGKILL)
+    for pid in pids:
+        while process_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if process_alive(pid):
+            _signal(pid, signal.SIGKILL)
+
+
+def _stop(pid: int, timeout_s: float):
+    _stop_all([pid], timeout_s)
 
 
 def status(run_dir: Path, detailed: bool = False) -> dict:

@@ -1,5 +1,7 @@
 """Shared fixtures: models are loaded once per session; references come from HF generate."""
 
+import json
+
 import pytest
 import pytest_asyncio
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -97,6 +99,16 @@ def tiny_deployment(tmp_path_factory):
     assert result.returncode == 0, result.stderr + result.stdout
     assert f"http://127.0.0.1:{ports['--http-port']}/v1" in result.stdout
     yield run_dir, ports
+    # ``pdd down`` stops the services while NATS still serves their graceful stop: none logs an error.
+    logged = {
+        path: path.stat().st_size for path in (run_dir / "logs").glob("*.log") if not path.name.startswith("nats-")
+    }
     stopped = subprocess.run([pdd, "down", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=120)
     assert stopped.returncode == 0, stopped.stderr
     assert load_state(run_dir) is None
+    for path, size in logged.items():
+        with path.open() as log:
+            log.seek(size)
+            lines = [json.loads(line) for line in log.read().splitlines() if line.strip()]
+        errors = [line["event"] for line in lines if line.get("level") == "error"]
+        assert not errors, f"{path.name} while stopping: {errors}"
