@@ -479,12 +479,13 @@ def down(run_dir: Path, quiet: bool = False) -> list[str]:
         return []
     if deployment.supervisor_pid:
         _stop(deployment.supervisor_pid, timeout_s=5)
-    order = sorted(deployment.processes, key=lambda n: (n.startswith(("nats", "wan")), n))
-    services = [name for name in order if not name.startswith(("nats", "wan"))]
+    carriers = sorted(name for name in deployment.processes if name.startswith(("nats", "wan")))
+    services = sorted(name for name in deployment.processes if name not in carriers)
     # Services stop while NATS and the link still carry what their graceful stop sends (the
     # drain, a prefill's resume-elsewhere notices); then the link and NATS.
     _stop_all([deployment.processes[name] for name in services], timeout_s=20)
-    _stop_all([deployment.processes[name] for name in order if name not in services], timeout_s=10)
+    _stop_all([deployment.processes[name] for name in carriers], timeout_s=10)
+    order = services + carriers
     with locked_state(run_dir):
         (run_dir / "state.json").unlink(missing_ok=True)
     return order
