@@ -170,9 +170,7 @@ def place(
     if not mains:
         return _relay_only(prefill, relays, num_prompt_blocks, prefill_compute_blocks)
     forecast = PrefillForecast.of(
-        prefill.report,
-        num_prompt_tokens,
-        max(0, min(num_prompt_tokens - 1, hits.get(prefill.report.instance.instance_id, 0) * block_size)),
+        prefill.report, num_prompt_tokens, hits.get(prefill.report.instance.instance_id, 0) * block_size
     )
     arrival_s = functools.partial(_arrival_s, wan, forecast, kv_bytes_per_token)
     main, missing_from, predicted_s = _pick_main(

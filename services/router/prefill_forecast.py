@@ -36,13 +36,14 @@ class PrefillForecast:
 
     @classmethod
     def of(cls, report: LoadReported, num_prompt_tokens: int, cached_tokens: int) -> "PrefillForecast":
-        """The forecast of a prefill that reported ``report`` (a report without a later chunk
+        """The forecast of a prefill that reported ``report`` and holds ``cached_tokens`` of the
+        prompt (it computes the last token whatever it holds; a report without a later chunk
         size counts every chunk as large as its first)."""
-        compute_tokens = max(0, num_prompt_tokens - cached_tokens)
-        first = report.prefill_first_chunk_tokens or compute_tokens
+        cached_tokens = max(0, min(cached_tokens, num_prompt_tokens - 1))
+        first = report.prefill_first_chunk_tokens or num_prompt_tokens - cached_tokens
         return cls(
             num_prompt_tokens=num_prompt_tokens,
-            cached_tokens=min(cached_tokens, num_prompt_tokens),
+            cached_tokens=cached_tokens,
             tokens_per_s=report.prefill_tokens_per_s,
             first_chunk_tokens=max(1, first),
             chunk_tokens=max(1, report.prefill_chunk_tokens or first),
