@@ -369,21 +369,24 @@ def test_a_follow_up_turns_new_tail_crosses_only_once_the_chunk_that_computes_it
     assert pipeline == "P-MD"
 
 
-def test_a_cold_prompt_that_fits_an_idle_link_is_relayed_when_earlier_flows_still_hold_it():
+def test_a_cold_prompt_that_fits_an_idle_link_is_relayed_when_it_waits_for_an_earlier_flow():
     """Two cold prompts in a row: the first's KV overlaps its prefill; the second, placed while
-    the first's bytes still cross, must not be predicted as if it had the link alone."""
+    the first's bytes still cross, waits for them if they are fewer than its own (the link
+    serves the flow with the least left first) and goes ahead of them if not."""
     report = {"prefill_tokens_per_s": 250.0, "prefill_first_chunk_tokens": 64}
     tokens = 704  # 2.8 s of compute, 32 MB: 2.6 s on the link, shipped as it computes
-    assert pipeline_for(report, tokens)[0] == "P-MD"
-    earlier_bytes = 3.0 * 100e6 / 8  # the flow before still has 3 s of KV to send
-    pipeline, arrival_s = pipeline_for(report, tokens, crossing_bytes=earlier_bytes)
-    # both share the link from the first chunk on; the earlier one has more left, so the new
-    # one's last byte leaves once the link carried its bytes twice
+    alone = pipeline_for(report, tokens)
+    assert alone[0] == "P-MD"
     first_byte_s, own_bytes = 64 / 250.0, tokens * 46080
-    last_byte_s = first_byte_s + 2 * own_bytes * 8 / 100e6
-    assert own_bytes < earlier_bytes - first_byte_s * 100e6 / 8
+    earlier_bytes = 1.5 * 100e6 / 8  # the flow before still has 1.5 s of KV to send
+    pipeline, arrival_s = pipeline_for(report, tokens, crossing_bytes=earlier_bytes)
+    earlier_left = earlier_bytes - first_byte_s * 100e6 / 8  # by the new flow's first byte
+    assert earlier_left < own_bytes
+    last_byte_s = first_byte_s + (own_bytes + earlier_left) * 8 / 100e6
     assert arrival_s == pytest.approx(last_byte_s - tokens / 250.0 + 0.020)
     assert pipeline == "P-RLD-MD"
+    # an earlier flow with more left than the new one's 32 MB waits for it instead
+    assert pipeline_for(report, tokens, crossing_bytes=3.0 * 100e6 / 8) == pytest.approx(alone)
 
 
 def test_a_follow_up_turn_counts_only_its_new_blocks_when_the_earlier_ones_are_on_their_way():

@@ -125,14 +125,15 @@ def test_the_flows_are_replanned_when_the_link_proves_faster_or_one_lands_early(
     for request_id in ("a", "b", "c"):  # three cold prompts' 25 MB each, placed together: 2 s each
         wan.flow_placed(request_id, "md-0", [hash(request_id)], 25_000_000, prefill_s=0.5, ships_from_s=0.1)
     assert wan.current().queue_s == pytest.approx(0.1 + 3 * 25_000_000 * 8 / 100e6)
-    now[0] = 1.0  # the link shared by all three since 0.1 s: each sent a third of 0.9 s
-    left = 25_000_000 - 0.9 * 100e6 / 8 / 3
-    assert wan.current().crossing_bytes == pytest.approx((left, left, left))
+    now[0] = 1.0  # as much left each: the first placed has had the link since 0.1 s
+    left = 25_000_000 - 0.9 * 100e6 / 8
+    assert wan.current().crossing_bytes == pytest.approx((left, 25_000_000, 25_000_000))
     wan.add_throughput(200e6, 25_000_000)  # the first measurement: twice as fast as believed
-    assert wan.current().queue_s == pytest.approx(3 * left * 8 / wan.bandwidth_bps)
-    wan.flow_landed("a", "md-0")  # landed early: b and c have the link
-    assert wan.current().queue_s == pytest.approx(2 * left * 8 / wan.bandwidth_bps)
+    assert wan.current().queue_s == pytest.approx((left + 50_000_000) * 8 / wan.bandwidth_bps)
+    wan.flow_landed("a", "md-0")  # landed early: b, then c, have the link
+    assert wan.current().queue_s == pytest.approx(50_000_000 * 8 / wan.bandwidth_bps)
     assert wan.arriving([hash("c")])["md-0"].lands_in_s == pytest.approx(wan.current().queue_s + 0.02)
+    assert wan.arriving([hash("b")])["md-0"].lands_in_s == pytest.approx(wan.current().queue_s / 2 + 0.02)
 
 
 def test_blocks_on_their_way_count_for_a_follow_up_prompt_until_the_index_lists_them():
@@ -142,8 +143,8 @@ def test_blocks_on_their_way_count_for_a_follow_up_prompt_until_the_index_lists_
     wan.flow_placed("b", "md-1", [11, 99], 20_000_000, prefill_s=1.0, ships_from_s=0.1)
     # a follow-up turn: the first turn's three blocks plus a new one
     arriving = wan.arriving([11, 12, 13, 14])
-    # both share the link from 0.1 s; b's 20 MB are out once it carried 40 MB, then a goes alone
-    a_leaves_s = 0.1 + (2 * 20_000_000 + 10_000_000) * 8 / 100e6
+    # both may send from 0.1 s: b has less to send, so it goes first, then a
+    a_leaves_s = 0.1 + (20_000_000 + 30_000_000) * 8 / 100e6
     assert arriving["md-0"].blocks == 3 and arriving["md-0"].lands_in_s == pytest.approx(a_leaves_s + 0.02)
     assert arriving["md-1"].blocks == 1
     assert wan.arriving([50, 51, 52]) == {}  # another prompt: its chained hashes differ from the first on
@@ -168,20 +169,23 @@ def test_a_prompt_counts_the_leading_blocks_a_placed_flow_shares_with_it(shared,
     assert (arriving["md-0"].blocks if arriving else 0) == expected
 
 
-def test_a_new_flow_shares_the_link_with_the_flows_still_crossing():
+def test_a_new_flow_goes_ahead_of_the_flows_crossing_with_more_left_and_behind_the_others():
     idle = WanEstimate(bandwidth_bps=100e6, rtt_s=0.04)
     busy = WanEstimate(bandwidth_bps=100e6, rtt_s=0.04, queue_s=5.0, crossing_bytes=(62_500_000.0,))  # 5 s of KV
     transfer_s = 37_000_000 * 8 / 100e6
     # shipping while a 3 s prefill computes: the idle link has it all there 0.02 s after the prefill
-    assert idle.arrival_after_prefill_s(37_000_000, prefill_s=3.0, ships_from_s=0.2) == pytest.approx(
-        max(0.0, 0.2 + transfer_s - 3.0) + 0.02
-    )
-    # beside a flow with 5 s of KV still to send, a cold prompt gets half the link: later than alone
-    beside = busy.arrival_after_prefill_s(37_000_000, prefill_s=3.0, ships_from_s=0.2)
-    assert beside > idle.arrival_after_prefill_s(37_000_000, prefill_s=3.0, ships_from_s=0.2) + 2.5
-    # a follow-up turn's megabyte does not wait for the other flow's 5 s: two megabytes' time
+    alone = idle.arrival_after_prefill_s(37_000_000, prefill_s=3.0, ships_from_s=0.2)
+    assert alone == pytest.approx(max(0.0, 0.2 + transfer_s - 3.0) + 0.02)
+    # beside a flow with 5 s of KV still to send (59.9 MB by its first byte), a cold prompt's
+    # 37 MB go first: as if alone
+    assert busy.arrival_after_prefill_s(37_000_000, prefill_s=3.0, ships_from_s=0.2) == pytest.approx(alone)
+    # a follow-up turn's megabyte does not wait for the other flow's 5 s either
     follow_up = busy.arrival_after_prefill_s(1_000_000, prefill_s=0.1, ships_from_s=0.1)
-    assert follow_up == pytest.approx(0.1 + 2 * 1_000_000 * 8 / 100e6 - 0.1 + 0.02)
+    assert follow_up == pytest.approx(1_000_000 * 8 / 100e6 + 0.02)
+    # a longer prompt's 80 MB wait for the other flow's rest
+    behind = busy.arrival_after_prefill_s(80_000_000, prefill_s=3.0, ships_from_s=0.2)
+    crossing_left = 62_500_000 - 0.2 * 100e6 / 8
+    assert behind == pytest.approx(0.2 + (80_000_000 + crossing_left) * 8 / 100e6 - 3.0 + 0.02)
 
 
 def test_kv_out_of_the_last_chunk_crosses_after_the_prefill_however_early_the_first_byte():
@@ -199,30 +203,34 @@ def test_kv_out_of_the_last_chunk_crosses_after_the_prefill_however_early_the_fi
     assert idle.arrival_after_prefill_s(37_000_000, prefill_s=3.0, ships_from_s=0.1) == pytest.approx(
         0.1 + 37_000_000 * 8 / 100e6 - 3.0 + 0.02
     )
-    # beside a flow still crossing, the tail shares the link too
+    # beside a flow crossing with more left, the tail goes first; beside one with less, after it
     busy = WanEstimate(bandwidth_bps=100e6, rtt_s=0.04, crossing_bytes=(100_000_000.0,))
-    shared = busy.arrival_after_prefill_s(tail_bytes, prefill_s=0.7, ships_from_s=0.7, tail_bytes=tail_bytes)
-    assert shared == pytest.approx(2 * tail_bytes * 8 / 100e6 + 0.02)
+    ahead = busy.arrival_after_prefill_s(tail_bytes, prefill_s=0.7, ships_from_s=0.7, tail_bytes=tail_bytes)
+    assert ahead == pytest.approx(after)
+    busy = WanEstimate(bandwidth_bps=100e6, rtt_s=0.04, crossing_bytes=(12_000_000.0,))
+    behind = busy.arrival_after_prefill_s(tail_bytes, prefill_s=0.7, ships_from_s=0.7, tail_bytes=tail_bytes)
+    crossing_left = 12_000_000 - 0.7 * 100e6 / 8  # 3.25 MB by the end of the compute
+    assert behind == pytest.approx((tail_bytes + crossing_left) * 8 / 100e6 + 0.02)
 
 
-def processor_sharing_finish_s(crossing: list[float], new_bytes: float, joins_s: float, bytes_per_s: float) -> float:
-    """When a flow of ``new_bytes`` joining at ``joins_s`` sends its last byte, on a link shared
-    equally by every flow with bytes left: event by event, each flow served at rate / flows."""
+def shortest_first_finish_s(crossing: list[float], new_bytes: float, joins_s: float, bytes_per_s: float) -> float:
+    """When a flow of ``new_bytes`` joining at ``joins_s`` sends its last byte on a link that
+    serves, of the flows with bytes left, the one with the fewest (on a tie the one listed
+    first, the new flow last), event by event (the join, each flow's end)."""
     now, left, new_left = 0.0, [b for b in crossing if b > 0], new_bytes
     while True:
         joined = now >= joins_s
-        flows = len(left) + (1 if joined else 0)
-        rate = bytes_per_s / flows if flows else 0.0
-        smallest = min(left + ([new_left] if joined else []), default=float("inf"))
-        step_s = smallest / rate if rate else float("inf")
-        if not joined:
-            step_s = min(step_s, joins_s - now)
-        if joined and new_left <= smallest and step_s == new_left / rate:
-            return now + step_s
-        left = [b - rate * step_s for b in left if b - rate * step_s > 1e-6 * new_bytes]
-        if joined:
-            new_left -= rate * step_s
+        candidates = [(b, i) for i, b in enumerate(left)] + ([(new_left, len(left))] if joined else [])
+        if not candidates:
+            now = joins_s
+            continue
+        size, i = min(candidates)
+        step_s = size / bytes_per_s if joined else min(size / bytes_per_s, joins_s - now)
         now += step_s
+        if i == len(left):
+            return now
+        left[i] -= step_s * bytes_per_s
+        left = [b for b in left if b > 1e-6 * new_bytes]
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
@@ -231,10 +239,10 @@ def processor_sharing_finish_s(crossing: list[float], new_bytes: float, joins_s:
     new_bytes=st.floats(1e5, 1e8),
     ships_from_s=st.floats(0.0, 5.0),
 )
-def test_a_new_flows_last_byte_is_what_an_equally_shared_link_gives(crossing, new_bytes, ships_from_s):
+def test_a_new_flows_last_byte_is_what_a_shortest_first_link_gives(crossing, new_bytes, ships_from_s):
     wan = WanEstimate(bandwidth_bps=100e6, rtt_s=0.04, crossing_bytes=tuple(crossing))
     first_byte_s = max(ships_from_s, wan.rtt_s)
-    expected = processor_sharing_finish_s(crossing, new_bytes, first_byte_s, 100e6 / 8)
+    expected = shortest_first_finish_s(crossing, int(new_bytes), first_byte_s, 100e6 / 8)
     # no prefill bound (prefill_s = 0): the arrival is the last byte plus a one-way delay
     assert wan.arrival_after_prefill_s(int(new_bytes), 0.0, ships_from_s) == pytest.approx(
         expected + 0.02, rel=1e-6, abs=1e-6
@@ -247,9 +255,9 @@ def test_a_new_flows_last_byte_is_what_an_equally_shared_link_gives(crossing, ne
     new_bytes=st.floats(1e5, 1e8),
     joins_s=st.floats(0.0, 5.0),
 )
-def test_the_ledgers_plan_is_what_an_equally_shared_link_gives(crossing, new_bytes, joins_s):
+def test_the_ledgers_plan_is_what_a_shortest_first_link_gives(crossing, new_bytes, joins_s):
     flows = [Sending(0.0, size) for size in crossing] + [Sending(joins_s, new_bytes)]
-    expected = processor_sharing_finish_s(crossing, new_bytes, joins_s, 100e6 / 8)
+    expected = shortest_first_finish_s(crossing, new_bytes, joins_s, 100e6 / 8)
     assert finish_times(flows, 0.0, 100e6 / 8)[-1] == pytest.approx(expected, rel=1e-6, abs=1e-6)
     assert [flow.unsent_bytes for flow in flows] == [*crossing, new_bytes]  # a projection: nothing sent
 
@@ -259,8 +267,8 @@ def test_the_ledger_tells_what_each_placed_flow_still_has_to_send():
     wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
     wan.flow_placed("a", "md-0", [1], 25_000_000, prefill_s=0.5, ships_from_s=0.1)  # 2 s from 0.1 s
     wan.flow_placed("b", "md-1", [2], 12_500_000, prefill_s=0.5, ships_from_s=0.1)
-    now[0] = 1.1  # both shared the link for 1 s: 6.25 MB left each
-    assert wan.current().crossing_bytes == pytest.approx((18_750_000, 6_250_000))
+    now[0] = 0.6  # b, with less to send, has had the link for 0.5 s
+    assert wan.current().crossing_bytes == pytest.approx((25_000_000, 6_250_000))
     wan.flow_stopped("a")  # odd traffic the relay finished: its bytes stop crossing
     assert wan.current().crossing_bytes == pytest.approx((6_250_000,))
     assert wan.arriving([1]) == {}
@@ -285,9 +293,9 @@ def test_a_flow_that_shared_the_link_measured_its_share_not_a_slower_link():
     assert wan.bandwidth_bps == 20e6
 
 
-def test_a_later_flow_that_lands_first_delays_the_flows_placed_before_it_by_its_share_only():
-    """The link is shared: a follow-up turn's megabyte lands while a cold prompt's 30 MB placed
-    before it still crosses. The cold prompt lost what the megabyte took of the link, no more."""
+def test_a_later_flow_that_lands_first_delays_the_flows_placed_before_it_by_its_own_bytes_only():
+    """A follow-up turn's megabyte goes ahead of a cold prompt's 30 MB placed before it and
+    lands while they cross. The cold prompt lost what the megabyte took of the link, no more."""
     now = [0.0]
     wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: now[0])
     wan.flow_placed("cold", "md-0", [1, 2, 3], 30_000_000, prefill_s=2.0, ships_from_s=0.1)  # 2.4 s from 0.1 s

@@ -38,7 +38,8 @@ class PathShipment:
         all_queued: Resolves once the path's last export is queued (fails with the opening's
             error if the flow could not be opened).
         exports: The path's exports in prompt order, as queued.
-        queue: The same exports for the sending task, then None once the last is queued.
+        queue: The same exports for the sending task, each with its first token, then None
+            once the last is queued.
         exported_to: Token index the path's exports reach (None until the flow is accepted:
             it then starts where the receiver's cache ends).
         opening: The task opening the flow (``FlowOpen`` until ``FlowAccepted``).
@@ -52,7 +53,7 @@ class PathShipment:
     span: trace.Span
     all_queued: asyncio.Future
     exports: list[asyncio.Future] = field(default_factory=list)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[tuple[int, asyncio.Future] | None] = field(default_factory=asyncio.Queue)
     exported_to: int | None = None
     opening: asyncio.Task | None = None
     flow: BulkFlow | None = None
@@ -69,10 +70,10 @@ class PathShipment:
         """Accepted, and its last export not queued yet."""
         return self.exported_to is not None and not self.all_queued.done()
 
-    def queue_export(self, export: asyncio.Future, end: int):
+    def queue_export(self, export: asyncio.Future, export_range: ExportRange):
         self.exports.append(export)
-        self.queue.put_nowait(export)
-        self.exported_to = end
+        self.queue.put_nowait((export_range.start, export))
+        self.exported_to = export_range.end
 
     def close_queue(self):
         """The last export is queued: the sender ends the flow after it."""
@@ -110,7 +111,7 @@ class KvShipping:
                 shipment.route.path, shipment.exported_to, num_kv_tokens, computed, block_size
             )
             if export is not None:
-                shipment.queue_export(self._export(export), export.end)
+                shipment.queue_export(self._export(export), export)
             if computed:
                 shipment.close_queue()
 
@@ -213,10 +214,12 @@ class KvShipping:
 
     async def _send(self, shipment: PathShipment):
         flow, span, model = shipment.flow, shipment.span, self._host.config.served_model_name
+        num_prompt_tokens = len(self.cmd.token_ids)
         with trace.use_span(span, end_on_exit=False):
-            while (export := await shipment.queue.get()) is not None:
+            while (queued := await shipment.queue.get()) is not None:
+                start, export = queued
                 for parts in await export:
-                    await flow.send_frame(parts)
+                    await flow.send_frame(parts, tokens_left=num_prompt_tokens - start)
             first = self.first
             await flow.end(*self.plan.end_tokens(shipment.route.role, first.token_id, first.logprobs))
             shipment.ended = True

@@ -23,6 +23,7 @@ from services.prefill.job import PrefillJob
 from services.prefill.shipping_plan import ShippingPath
 from services.prefill.speed import PrefillSpeed
 from shared import subjects
+from shared.bulk.link_turns import LinkTurns
 from shared.bulk.path_sizing import PathStreams, plan_path
 from shared.bulk.pool import BulkPool
 from shared.bulk.sender import BulkFlow, open_flow
@@ -63,6 +64,8 @@ class PrefillService(EngineService):
             "local": plan_path(0, 0, config.bulk_window_bytes, config.bulk_streams_local),
         }
         """How each path's flows use the network (connections per flow, socket buffers)."""
+        self.wan_turns = LinkTurns()
+        """The WAN flows, which cross the link shortest-remaining-first."""
 
     async def on_start(self):
         config = self.config
@@ -139,8 +142,9 @@ class PrefillService(EngineService):
     async def dial(self, flow_open: FlowOpen, route: ShippingPath) -> BulkFlow:
         """Open one KV flow to ``route``'s receiver: TLS to a main decoder (which listens with
         TLS wherever it runs) and locally if configured; through the WAN link, sized to the WAN
-        path and counted as its bytes when the receiver is at another site, else on the local
-        path; striped over the path's streams on connections the pool keeps per receiver."""
+        path and counted as its bytes when the receiver is at another site (taking turns with
+        the other WAN flows), else on the local path; striped over the path's streams on
+        connections the pool keeps per receiver."""
         config, receiver = self.config, route.receiver
         network = route.network(config.site)
         plan = self.path_streams[network]
@@ -157,6 +161,7 @@ class PrefillService(EngineService):
             streams=plan.streams,
             pool=self.bulk_pool,
             buffer_bytes=plan.buffer_bytes,
+            turns=self.wan_turns if network == "wan" else None,
         )
 
     async def _on_start_msg(self, cmd: StartPrefill, msg):

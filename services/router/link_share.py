@@ -1,10 +1,9 @@
-"""How flows crossing one link share it: each flow whose first byte may leave gets an equal share
-of the link's rate (processor sharing), as TCP connections through one bottleneck do and as the
-WAN link emulator does (it takes turns a chunk per connection). A flow that has sent everything
-drops out and the others' shares grow.
+"""How flows crossing one link share it: shortest remaining first. Of the flows whose first
+byte may leave, the one with the fewest bytes left has the whole link (ties: the one placed
+first); a flow that starts with fewer left than it takes over. This is the order in which a
+prefill sends its WAN flows (``shared/bulk/link_turns.py``).
 """
 
-import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ class Sending:
 
 def advance(flows: Sequence[Sending], from_s: float, to_s: float, bytes_per_s: float):
     """Let the link carry ``flows`` from ``from_s`` to ``to_s`` (their ``unsent_bytes`` shrink)."""
-    _share(flows, from_s, to_s, bytes_per_s, None)
+    _serve(flows, from_s, to_s, bytes_per_s, None)
 
 
 def finish_times(flows: Sequence[Sending], now_s: float, bytes_per_s: float) -> list[float]:
@@ -31,58 +30,50 @@ def finish_times(flows: Sequence[Sending], now_s: float, bytes_per_s: float) -> 
     on (``flows`` are left as they are)."""
     copies = [Sending(flow.first_byte_at, flow.unsent_bytes) for flow in flows]
     finished = [now_s if flow.unsent_bytes <= DONE_BYTES else math.inf for flow in flows]
-    _share(copies, now_s, math.inf, bytes_per_s, finished)
+    _serve(copies, now_s, math.inf, bytes_per_s, finished)
     return finished
 
 
 def drained(crossing_bytes: Sequence[float], sent_bytes: float) -> list[float]:
-    """What flows with ``crossing_bytes`` still to send have left once a link shared equally
-    among them has carried ``sent_bytes`` (each gives up to the same amount; the finished drop
-    out)."""
-    level, left, remaining = 0.0, sent_bytes, len(crossing_bytes)
+    """What flows with ``crossing_bytes`` still to send have left once the link has carried
+    ``sent_bytes`` of them, the smallest first (the finished drop out)."""
+    left = []
     for size in sorted(crossing_bytes):
-        if left <= (size - level) * remaining:
-            level += left / remaining
-            break
-        left -= (size - level) * remaining
-        level, remaining = size, remaining - 1
-    else:
-        return []
-    return [size - level for size in crossing_bytes if size > level]
+        taken = min(size, sent_bytes)
+        sent_bytes -= taken
+        if size - taken > DONE_BYTES:
+            left.append(size - taken)
+    return left
 
 
 def shared_transfer_bytes(num_bytes: float, crossing_bytes: Sequence[float]) -> float:
-    """Bytes the link carries until a flow of ``num_bytes``, sharing it equally with flows that
-    have ``crossing_bytes`` to send, sends its last: its own, and of each other flow as much,
-    or all it has if less."""
-    return num_bytes + sum(min(size, num_bytes) for size in crossing_bytes)
+    """Bytes the link carries until a flow of ``num_bytes`` sends its last beside flows with
+    ``crossing_bytes`` to send: its own, and all of each flow with no more left (placed
+    earlier, it goes first); flows with more left wait for it."""
+    return num_bytes + sum(size for size in crossing_bytes if size <= num_bytes)
 
 
-def _share(flows: Sequence[Sending], now_s: float, until_s: float, bytes_per_s: float, finished: list | None):
-    """Processor sharing by virtual time: ``served`` is what each flow sending has been given
-    so far, growing at ``bytes_per_s / flows sending``; a flow that starts with ``unsent`` left
-    is done when ``served`` reaches its start's ``served + unsent``. O(n log n) in the flows."""
-    waiting = sorted((flow.first_byte_at, i) for i, flow in enumerate(flows) if flow.unsent_bytes > DONE_BYTES)
-    waiting.reverse()  # the next to start at the end
-    sending: list[tuple[float, int]] = []  # (served when done, index), a heap
-    served = 0.0
-    while (sending or waiting) and now_s < until_s:
-        while waiting and waiting[-1][0] <= now_s:
-            i = waiting.pop()[1]
-            heapq.heappush(sending, (served + flows[i].unsent_bytes, i))
-        upcoming_s = waiting[-1][0] if waiting else math.inf
-        if not sending:
+def _serve(flows: Sequence[Sending], now_s: float, until_s: float, bytes_per_s: float, finished: list | None):
+    """Shortest remaining first, event by event (a start or an end): O(n²) in the flows."""
+    while now_s < until_s:
+        started, upcoming_s = None, math.inf
+        for i, flow in enumerate(flows):
+            if flow.unsent_bytes <= DONE_BYTES:
+                continue
+            if flow.first_byte_at > now_s:
+                upcoming_s = min(upcoming_s, flow.first_byte_at)
+            elif started is None or flow.unsent_bytes < flows[started].unsent_bytes:
+                started = i
+        if started is None:
+            if upcoming_s == math.inf:
+                return
             now_s = min(upcoming_s, until_s)
             continue
-        share = bytes_per_s / len(sending)
-        step_s = min(until_s - now_s, upcoming_s - now_s, (sending[0][0] - served) / share)
+        flow = flows[started]
+        step_s = min(until_s - now_s, upcoming_s - now_s, flow.unsent_bytes / bytes_per_s)
         now_s += step_s
-        served += share * step_s
-        done_below = served + max(DONE_BYTES, 1e-12 * served)  # rounding dust
-        while sending and sending[0][0] <= done_below:
-            i = heapq.heappop(sending)[1]
-            flows[i].unsent_bytes = 0.0
+        flow.unsent_bytes -= step_s * bytes_per_s
+        if flow.unsent_bytes <= max(DONE_BYTES, 1e-12 * bytes_per_s * step_s):  # rounding dust
+            flow.unsent_bytes = 0.0
             if finished is not None:
-                finished[i] = now_s
-    for done_at_served, i in sending:
-        flows[i].unsent_bytes = done_at_served - served
+                finished[started] = now_s

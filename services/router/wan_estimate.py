@@ -22,17 +22,17 @@ The link is shared: every flow this router placed is still crossing until its pr
 byte (``flow_placed``), relayed requests' included (their KV still goes to main decode after
 the relay answered), unless the router stopped it (``flow_stopped``: odd traffic the relay
 finished). A flow's last byte leaves no earlier than its prefill ends: predicted from the
-prefill's reported rate until the prefill says it is done (``prefill_done``). Flows crossing
-one bottleneck at once each get a share of it (TCP's fair share; the WAN link emulator takes
-turns a chunk per connection), so the ledger tracks what each placed flow has still to send
-with the link shared equally among those whose first byte may leave
-(``services/router/link_share.py``), and plans their last bytes the same way, each no earlier
-than its prefill ends. A flow that lands (its ``KvReady``) or is stopped leaves the others what
-the link carried of them so far; a faster link measured since moves them all up. A new flow of
-``B`` bytes is done once the link has carried ``B`` plus, of each flow still crossing
-(``WanEstimate.crossing_bytes``), at most ``B`` more: a follow-up turn's megabyte behind a
-cold prompt's 30 MB takes about two megabytes' time, not thirty-one, and two cold prompts in a
-row are still not predicted as if each had the link alone. Blocks a placed
+prefill's reported rate until the prefill says it is done (``prefill_done``). A prefill sends
+its WAN flows shortest-remaining-first (``shared/bulk/link_turns.py``), so the ledger tracks
+what each placed flow has still to send with the link given to the one with the least left
+among those whose first byte may leave (``services/router/link_share.py``), and plans their
+last bytes the same way, each no earlier than its prefill ends. A flow that lands (its
+``KvReady``) or is stopped leaves the others what the link carried of them so far; a faster
+link measured since moves them all up. A new flow of ``B`` bytes is done once the link has
+carried ``B`` plus all of each flow still crossing with no more than ``B`` left
+(``WanEstimate.crossing_bytes``): a follow-up turn's megabyte beside a cold prompt's 30 MB
+takes a megabyte's time, and a cold prompt placed behind another waits for it.
+Blocks a placed
 flow is still bringing to a main decoder do not cross again (a decoder's later flow waits for
 them, ``shared/decode_cache.py``): ``arriving`` says how many of a prompt's leading blocks
 each decoder has on the way and when they land, so a follow-up turn counts only its new
@@ -75,24 +75,29 @@ class WanEstimate:
         a prefill that computes for ``prefill_s``: the first of them is ready ``ships_from_s``
         into the compute, and ``tail_bytes`` of them come out of its last chunk, ready when it
         ends. The flow opens as the compute starts (one round trip), so its first byte leaves
-        at ``max(ships_from_s, rtt)``; until then the flows crossing drain (each counted as
-        sending from now, even one whose own first byte is still ahead). From there it shares
-        the link: its last byte leaves once the link has carried its bytes and, of each flow
-        still crossing, up to as many (``shared_transfer_bytes``), and no earlier than the
-        link has carried the tail after the prefill ends; it lands one one-way delay later.
+        at ``max(ships_from_s, rtt)``; until then the flows crossing drain, the smallest first
+        (each counted as sending from now, even one whose own first byte is still ahead). From
+        there its last byte leaves once the link has carried its bytes and all of each flow
+        crossing with no more left (``shared_transfer_bytes``), and no earlier than the link
+        has carried the tail after the prefill ends (the flows crossing drained until then of
+        what the link did not carry of this flow's earlier bytes); it lands one one-way delay
+        later.
         Without a prefill estimate (0, 0): a round trip, the shared transfer and a one-way
         delay."""
         first_byte_s = max(ships_from_s, self.rtt_s)
         last_byte_s = max(prefill_s, first_byte_s + self._shared_transfer_s(num_bytes, first_byte_s))
         if tail_bytes > 0:
             tail_from_s = max(prefill_s, self.rtt_s)
-            last_byte_s = max(last_byte_s, tail_from_s + self._shared_transfer_s(tail_bytes, tail_from_s))
+            tail_s = self._shared_transfer_s(tail_bytes, tail_from_s, carried_own_bytes=num_bytes - tail_bytes)
+            last_byte_s = max(last_byte_s, tail_from_s + tail_s)
         return last_byte_s - prefill_s + self.rtt_s / 2
 
-    def _shared_transfer_s(self, num_bytes: float, from_s: float) -> float:
-        """Seconds the link takes to carry ``num_bytes`` from ``from_s`` on, shared with the
-        flows crossing (drained of what the link carried of them until then)."""
-        crossing = drained(self.crossing_bytes, from_s * self.bandwidth_bps / 8)
+    def _shared_transfer_s(self, num_bytes: float, from_s: float, carried_own_bytes: float = 0.0) -> float:
+        """Seconds the link takes to carry ``num_bytes`` from ``from_s`` on beside the flows
+        crossing, drained of what the link carried of them until then besides
+        ``carried_own_bytes`` of this flow's."""
+        carried_bytes = max(0.0, from_s * self.bandwidth_bps / 8 - carried_own_bytes)
+        crossing = drained(self.crossing_bytes, carried_bytes)
         return shared_transfer_bytes(num_bytes, crossing) * 8 / self.bandwidth_bps
 
 
@@ -212,7 +217,7 @@ class WanEstimator:
         self._num_ledger_changes += 1
 
     def _advance(self):
-        """Bring the flows' unsent bytes up to now: the link carried them, sharing its rate."""
+        """Bring the flows' unsent bytes up to now: the link carried them, shortest first."""
         now = self._clock()
         if now > self._as_of:
             advance([flow.sending for flow in self._flows.values()], self._as_of, now, self.bandwidth_bps / 8)
@@ -220,8 +225,8 @@ class WanEstimator:
 
     def _leaving(self) -> dict[str, float]:
         """When each placed flow's last byte leaves: from what each has still to send, the
-        link shared equally among those whose first byte may leave, at the bandwidth believed
-        now; no earlier than the flow's prefill ends. Planned again only after the ledger or
+        link serving the one with the least left among those whose first byte may leave, at the
+        bandwidth believed now; no earlier than the flow's prefill ends. Planned again only after the ledger or
         the bandwidth changed: advancing the flows along the plan does not move it."""
         key = (self._num_ledger_changes, self.bandwidth_bps)
         if self._plan[0] == key:

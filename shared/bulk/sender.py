@@ -13,6 +13,7 @@ import msgspec
 from shared.bulk.auth import new_nonce, sign
 from shared.bulk.connection import BulkConnection, dial
 from shared.bulk.link_route import route_key, sign_route
+from shared.bulk.link_turns import PIECE_BYTES, LinkTurns, pieces
 from shared.bulk.path_sizing import MAX_STREAMS
 from shared.bulk.pool import BulkPool
 from shared.errors import PddError
@@ -46,9 +47,11 @@ class BulkFlow:
         first_token_index: int,
         handshake_s: float = 0.0,
         release: Callable[[list[BulkConnection]], None] | None = None,
+        turns: LinkTurns | None = None,
     ):
         """``release`` takes the connections back once the flow ended cleanly (a pool keeps
-        them); without it they are closed."""
+        them); without it they are closed. ``turns``: the link's flows of this process, which
+        send shortest-remaining-first (``shared/bulk/link_turns.py``)."""
         self.request_id = request_id
         self.handshake_s = handshake_s
         self.path = path
@@ -59,6 +62,8 @@ class BulkFlow:
         self._in_flight: collections.deque[asyncio.Task] = collections.deque()
         self._frames_sent = 0
         self._opened = time.monotonic()
+        self._turns = turns
+        self._on_link = turns.open() if turns is not None else None
 
     @property
     def _connection(self) -> BulkConnection:
@@ -80,8 +85,10 @@ class BulkFlow:
         """The TLS cipher suite of the connection (None: plaintext)."""
         return self._connection.cipher
 
-    async def send_frame(self, parts: list[bytes | memoryview]):
-        """Write one frame from its buffers as they are (no copy) on the flow's next connection;
+    async def send_frame(self, parts: list[bytes | memoryview], tokens_left: int = 0):
+        """Write one frame from its buffers as they are (no copy) on the flow's next connection
+        (on a link's turns: in pieces, each when its turn comes, with ``tokens_left`` of the
+        prompt's KV still to send from this frame on);
         returns once at most ``streams - 1`` frames are still on their way to the kernel (one
         stream: once the kernel holds all of this one), so a receiver that stops reading stalls
         the sender within the sockets' buffers. The buffers must stay unchanged until then (if
@@ -97,17 +104,23 @@ class BulkFlow:
         stream = self._streams[self._frames_sent % len(self._streams)]
         self._frames_sent += 1
         if len(self._streams) == 1:  # nothing to overlap: the send itself, as before striping
-            await self._send_on(stream, parts)
+            await self._send_on(stream, parts, tokens_left)
             return
-        sending = asyncio.ensure_future(self._send_on(stream, parts))
+        sending = asyncio.ensure_future(self._send_on(stream, parts, tokens_left))
         sending.add_done_callback(_retrieve_exception)
         self._in_flight.append(sending)
         while len(self._in_flight) >= len(self._streams):
             await asyncio.shield(self._in_flight[0])
             self._in_flight.popleft()
 
-    async def _send_on(self, stream: BulkConnection, parts: list[bytes | memoryview]):
-        size = await stream.send(parts)
+    async def _send_on(self, stream: BulkConnection, parts: list[bytes | memoryview], tokens_left: int):
+        if self._turns is None:
+            size = await stream.send(parts)
+        else:
+            size = 0
+            for piece in pieces(parts, PIECE_BYTES) if self._turns.contended else [parts]:
+                async with self._turns.turn(self._on_link, tokens_left):
+                    size += await stream.send(piece)
         self.bytes_sent += size
         KV_BYTES.labels(self.path, "sent").inc(size)
 
@@ -133,6 +146,7 @@ class BulkFlow:
         if self._release is None:
             await self.close()
         else:
+            self._leave_link()
             self._release(self._streams)
 
     async def _end_stream(self, stream: BulkConnection):
@@ -153,8 +167,13 @@ class BulkFlow:
 
     async def close(self):
         """Close the connections (idempotent); bytes already sent are still delivered."""
+        self._leave_link()
         for stream in self._streams:
             stream.close()
+
+    def _leave_link(self):
+        if self._turns is not None:
+            self._turns.close(self._on_link)
 
 
 def _retrieve_exception(task: asyncio.Task):
@@ -178,6 +197,7 @@ async def open_flow(
     streams: int = 1,
     pool: BulkPool | None = None,
     buffer_bytes: int = 0,
+    turns: LinkTurns | None = None,
 ) -> BulkFlow:
     """Connect to ``endpoint`` (``host:port``), authenticate and wait for FlowAccepted; with
     ``streams`` > 1, join that many connections in all to the flow (each with a signed FlowJoin).
@@ -186,7 +206,8 @@ async def open_flow(
     ``stall_timeout_s`` each later send's wait without progress. ``tls``: mutual TLS for
     ``tls_name``; ``link``: through the WAN link (signed ``LinkRoute``, TLS end to end); ``pool``:
     connections taken from it, given back after a clean end (a stale pooled lead is replaced
-    once); ``buffer_bytes`` sizes new sockets.
+    once); ``buffer_bytes`` sizes new sockets; ``turns``: the flow takes turns with this
+    process's other flows on the same link (``BulkFlow``).
 
     Raises:
         FlowRefused: the receiver said no. ValueError: ``streams`` not within 1 .. ``MAX_STREAMS``.
@@ -208,20 +229,27 @@ async def open_flow(
         await _close_all(extra)
         raise
     if isinstance(reply, FlowAccepted):
-        flow = _accepted_flow(flow_open, path, [lead, *joined], reply, started, pool, peer)
+        flow = _accepted_flow(flow_open, path, [lead, *joined], reply, started, pool, peer, turns)
         await _join(flow, signed, joined, secret, timeout_s)
         return flow
     raise _refused(endpoint, reply, [lead, *joined])
 
 
 def _accepted_flow(
-    flow_open: FlowOpen, path: str, connections: list, reply: FlowAccepted, started: float, pool, peer: tuple
+    flow_open: FlowOpen,
+    path: str,
+    connections: list,
+    reply: FlowAccepted,
+    started: float,
+    pool,
+    peer: tuple,
+    turns: LinkTurns | None,
 ) -> "BulkFlow":
     """The flow over ``connections`` the receiver accepted (``started``: when the lead's
     FlowOpen went out; the receiver's queueing is not handshake time)."""
     handshake_s = max(0.0, time.monotonic() - started - reply.queued_s)
     release = functools.partial(_give_back, pool, peer) if pool is not None else None
-    return BulkFlow(flow_open.request_id, path, connections, reply.first_token_index, handshake_s, release)
+    return BulkFlow(flow_open.request_id, path, connections, reply.first_token_index, handshake_s, release, turns)
 
 
 async def _pooled_or_dialled(pool: BulkPool | None, peer: tuple, dial, timeout_s: float) -> BulkConnection:
