@@ -61,19 +61,21 @@ def run(records, **overrides):
     return simulator, result
 
 
-def test_wan_pipe_shares_its_rate_and_counts_what_a_cancelled_flow_sent():
+def test_wan_pipe_carries_the_flow_with_least_left_first_and_counts_what_a_cancelled_flow_sent():
     events = EventQueue()
     pipe = WanPipe(events, LinkSpec(8e6, 0.0, 0.0))  # 1 MB/s, no latency
     landed = {}
     pipe.send(1_000_000, lambda bps: landed.setdefault("a", events.now))
-    pipe.send(1_000_000, lambda bps: landed.setdefault("b", events.now))
-    cancelled = pipe.send(1_000_000, lambda bps: landed.setdefault("c", events.now))
-    events.at(1.5, lambda: pipe.cancel(cancelled))  # each got 0.5 MB by then
+    cancelled = pipe.send(1_000_000, lambda bps: landed.setdefault("b", events.now))
+    pipe.send(1_000_000, lambda bps: landed.setdefault("c", events.now))
+    events.at(0.5, lambda: pipe.send(250_000, lambda bps: landed.setdefault("warm", events.now)))
+    events.at(2.0, lambda: pipe.cancel(cancelled))  # b had the link from 1.25 s: 0.75 MB sent
     events.run()
-    assert "c" not in landed
-    # after the cancel two flows share 1 MB/s for their remaining 0.5 MB each
-    assert landed["a"] == pytest.approx(2.5) and landed["b"] == pytest.approx(2.5)
-    assert pipe.bytes_carried == pytest.approx(2_500_000, rel=1e-6)
+    assert "b" not in landed
+    # a, sent first, goes first; the warm flow's 0.25 MB, with less left, overtake its rest
+    assert landed["warm"] == pytest.approx(0.75) and landed["a"] == pytest.approx(1.25)
+    assert landed["c"] == pytest.approx(3.0)  # after the cancel c has the link alone
+    assert pipe.bytes_carried == pytest.approx(3_000_000, rel=1e-6)
 
 
 def test_kv_pool_evicts_the_least_recently_used_chain_from_its_tail():
@@ -290,19 +292,23 @@ def test_sessions_share_the_blocks_their_first_prompts_start_with_and_caches_hit
 def test_flows_sharing_the_system_prompts_blocks_wait_in_main_decodes_line():
     # Two cold prompts sent together, one prefill step: without a decode-side cache the second
     # flow waits for the first one's import (they share the template's blocks), as the
-    # importer's InFlightBlocks has it; with unrelated prompts both cross at once.
-    records = [{"session": s, "turn": 0, "kind": "cold", "prompt_tokens": 850, "output_tokens": 4} for s in (0, 1)]
-    transfer_s = 850 * 46080 * 8 / 100e6
+    # importer's InFlightBlocks has it; with unrelated prompts the shorter one's KV, with less
+    # to send, crosses first.
+    records = [
+        {"session": s, "turn": 0, "kind": "cold", "prompt_tokens": tokens, "output_tokens": 4}
+        for s, tokens in ((0, 850), (1, 400))
+    ]
+    long_transfer_s = 850 * 46080 * 8 / 100e6
     ttfts = {}
     for shared in ({0: (-1, -2), 1: (-1, -2)}, None):
         simulator = Simulator(
             deployment(LinkSpec(100e6, 0.04, 0.0), pipeline_policy="P-MD", md_prefix_cache=False, engine_wake_s=0.003)
         )
         result = simulator.run(from_records(records, BLOCK, 2, "t", shared))
-        ttfts[shared is not None] = sorted(r.ttft_s for r in result.requests)
-    in_line, together = ttfts[True], ttfts[False]
-    assert in_line[1] - in_line[0] == pytest.approx(transfer_s, rel=0.1)
-    assert together[1] - together[0] < 0.1 * transfer_s
+        ttfts[shared is not None] = {r.session: r.ttft_s for r in result.requests}
+    in_line, apart = ttfts[True], ttfts[False]
+    assert in_line[1] - apart[1] == pytest.approx(long_transfer_s, rel=0.1)  # the short one waited
+    assert apart[1] < apart[0] and in_line[0] < in_line[1]  # apart the short one goes first
 
 
 def test_open_loop_sessions_run_their_turns_in_order():

@@ -1,4 +1,5 @@
-"""The links: the WAN as one shared pipe (flows share its rate equally, each sees the RTT and
+"""The links: the WAN as one pipe that carries the flow with the least left first (as a
+prefill sends its WAN flows, ``shared/bulk/link_turns.py``; each flow sees the RTT and
 jitter), and the local path (each flow on its own, at the local rate)."""
 
 import random
@@ -13,7 +14,7 @@ class LinkSpec:
     """A link's shape.
 
     Attributes:
-        bandwidth_bps: Bits per second, shared by every flow.
+        bandwidth_bps: Bits per second, given to one flow at a time.
         rtt_s: Round trip.
         jitter_s: Standard deviation of each flow's extra one-way delay.
         buffer_bytes: Bytes a sender has already handed to the network (socket buffers) that a
@@ -38,8 +39,8 @@ class _Flow:
 
 
 class WanPipe:
-    """Processor sharing over active flows; a flow's last byte lands half an RTT (plus jitter)
-    after it left."""
+    """Shortest remaining first over active flows (ties: the one sent first); a flow's last
+    byte lands half an RTT (plus jitter) after it left."""
 
     def __init__(self, events: EventQueue, link: LinkSpec, seed: int = 0):
         self.events, self.link = events, link
@@ -76,29 +77,32 @@ class WanPipe:
                 self._flows.remove(flow)
             self._reschedule()
 
+    def _serving(self) -> _Flow | None:
+        """The flow on the wire: the one with the least left (the first sent on a tie)."""
+        return min(self._flows, key=lambda f: f.remaining_bytes, default=None)
+
     def _advance(self):
         now = self.events.now
-        if self._flows and now > self._last_s:
-            share = self.link.bandwidth_bps / 8 / len(self._flows) * (now - self._last_s)
-            for flow in self._flows:
-                flow.remaining_bytes -= share
+        serving = self._serving()
+        if serving is not None and now > self._last_s:
+            serving.remaining_bytes -= self.link.bandwidth_bps / 8 * (now - self._last_s)
         self._last_s = now
 
     def _reschedule(self):
         self._version += 1
-        if not self._flows:
+        serving = self._serving()
+        if serving is None:
             return
         version = self._version
-        rate = self.link.bandwidth_bps / 8 / len(self._flows)
-        first = min(self._flows, key=lambda f: f.remaining_bytes)
-        self.events.after(max(0.0, first.remaining_bytes) / rate, lambda: self._tick(version))
+        rate = self.link.bandwidth_bps / 8
+        self.events.after(max(0.0, serving.remaining_bytes) / rate, lambda: self._tick(version))
 
     def _tick(self, version: int):
         if version != self._version:
             return
         self._advance()
         # a byte (or a nanosecond's worth) left is float residue, not data
-        tolerance = max(1.0, self.link.bandwidth_bps / 8 / len(self._flows) * 1e-9) if self._flows else 1.0
+        tolerance = max(1.0, self.link.bandwidth_bps / 8 * 1e-9)
         done = [f for f in self._flows if f.remaining_bytes <= tolerance]
         for flow in done:
             self._flows.remove(flow)
