@@ -38,10 +38,12 @@ async def test_the_flow_with_less_left_goes_first_and_one_with_nothing_ready_hol
     cold_piece_sent, warm_piece_sent = asyncio.Event(), asyncio.Event()
 
     async def send(flow, name: str, tokens_left: int, hold: asyncio.Event | None = None):
-        async with turns.turn(flow, tokens_left):
+        turns.hold(flow, tokens_left)
+        async with turns.turn(flow):
             entered.append(name)
             if hold is not None:
                 await hold.wait()
+        turns.let_go(flow)  # its next KV is not ready yet
 
     cold_piece = asyncio.create_task(send(cold, "cold", 800, cold_piece_sent))
     await asyncio.sleep(0)
@@ -64,31 +66,69 @@ async def test_the_flow_with_less_left_goes_first_and_one_with_nothing_ready_hol
     turns.close(warm)
     turns.close(cold)
     turns.close(cold)  # idempotent
-    assert entered[-1] == "cold" and not turns.contended
+    assert entered[-1] == "cold" and turns.num_flows == 0
 
 
-async def test_a_flow_left_behind_by_a_closed_flow_goes_on():
+async def test_closing_a_flow_that_holds_its_turn_lets_the_flows_behind_it_go():
     turns = LinkTurns()
     first, second = turns.open(), turns.open()
     hold = asyncio.Event()
-
-    async def held():
-        async with turns.turn(first, 10):
-            await hold.wait()
-
-    holder = asyncio.create_task(held())
+    holder = asyncio.create_task(_enter(turns, first, 10, hold))
     await asyncio.sleep(0)
     waiter = asyncio.create_task(_enter(turns, second, 20))
     await asyncio.sleep(0)
     assert not waiter.done()
-    holder.cancel()  # the first flow is cancelled mid-piece
-    turns.close(first)
+    turns.close(first)  # still holding: its piece is on its way, but the flow is done
     await asyncio.wait_for(waiter, 5)
+    hold.set()
+    await holder
 
 
-async def _enter(turns: LinkTurns, flow, tokens_left: int):
-    async with turns.turn(flow, tokens_left):
-        pass
+async def test_a_piece_cancelled_while_waiting_gives_up_its_place():
+    turns = LinkTurns()
+    holder_flow, cancelled_flow, last_flow = turns.open(), turns.open(), turns.open()
+    hold = asyncio.Event()
+    holder = asyncio.create_task(_enter(turns, holder_flow, 10, hold))
+    await asyncio.sleep(0)
+    cancelled = asyncio.create_task(_enter(turns, cancelled_flow, 20))
+    last = asyncio.create_task(_enter(turns, last_flow, 30))
+    await asyncio.sleep(0)
+    cancelled.cancel()  # waiting, ahead of the last flow
+    hold.set()
+    await holder
+    await asyncio.wait_for(last, 5)
+    assert cancelled.cancelled() and cancelled_flow.pieces_pending == 0
+
+
+async def test_a_piece_waits_for_its_turn_at_most_the_limit_and_its_flow_then_stops_taking_turns():
+    """A flow whose receiver stopped reading holds its turn: the flows behind it go on after
+    the limit instead of waiting for the stalled send's own timeout."""
+    turns = LinkTurns(max_wait_s=0.05)
+    stalled, behind = turns.open(), turns.open()
+    never = asyncio.Event()
+    holder = asyncio.create_task(_enter(turns, stalled, 10, never))
+    await asyncio.sleep(0)
+    await asyncio.wait_for(_enter(turns, behind, 20), 5)
+    assert not behind.takes_turns and stalled.takes_turns
+    await asyncio.wait_for(_enter(turns, behind, 20), 1)  # no longer waits at all
+    holder.cancel()
+
+
+def test_a_negative_tokens_left_is_refused():
+    turns = LinkTurns()
+    with pytest.raises(ValueError, match="tokens_left"):
+        asyncio.run(_enter(turns, turns.open(), -1))
+
+
+async def _enter(turns: LinkTurns, flow, tokens_left: int, hold: asyncio.Event | None = None):
+    """One piece of ``flow``'s, then nothing in hand (``hold``: the piece is on its way until set)."""
+    turns.hold(flow, tokens_left)
+    try:
+        async with turns.turn(flow):
+            if hold is not None:
+                await hold.wait()
+    finally:
+        turns.let_go(flow)
 
 
 @pytest.fixture
@@ -108,9 +148,11 @@ async def slow_link(tiny):
     await receiver.stop()
 
 
-async def test_two_flows_across_a_slow_link_land_one_after_the_other_not_both_late(slow_link, tiny):
+async def test_two_flows_across_a_slow_link_land_one_after_the_other_not_both_late(slow_link, tiny, monkeypatch):
     """Two 500-token prompts' KV (266 KB each, 1.1 s alone at 2 Mbit/s) sent at once: the first
-    lands before the second has sent half its frames; shared evenly, both would land at 2.2 s."""
+    lands before the second has sent half its frames; shared evenly, both would land at 2.2 s.
+    Frames are cut into pieces (3,000 bytes here) and arrive whole."""
+    monkeypatch.setattr("shared.bulk.sender.PIECE_BYTES", 3000)
     sender, handler, link, endpoint = slow_link
     turns = LinkTurns()
     prompts = {rid: prompt_of_length(tiny, 500, seed=seed) for seed, rid in enumerate(("a", "b"))}
@@ -139,6 +181,48 @@ async def test_two_flows_across_a_slow_link_land_one_after_the_other_not_both_la
         got = handler.engine.export_frames(rid, 0, len(prompt), max_tokens_per_frame=len(prompt))
         want = sender.export_frames(rid, 0, len(prompt), max_tokens_per_frame=len(prompt))
         assert torch.equal(_kv(handler.engine, got), _kv(sender, want))
+
+
+async def test_a_cancel_finishes_the_frame_on_its_way_before_telling_the_receiver(slow_link, tiny, monkeypatch):
+    """A flow cancelled between two pieces of a frame, its next piece waiting behind a flow with
+    less left: the frame goes out whole, then the FlowCancel, so the receiver learns why."""
+    import shared.bulk.sender as sender_module
+
+    sender, handler, link, endpoint = slow_link
+    turns = LinkTurns()
+    rival = turns.open()  # a flow with less left that takes the link mid-frame
+    never, rival_in = asyncio.Event(), asyncio.Event()
+
+    async def rival_piece():
+        turns.hold(rival, 0)
+        async with turns.turn(rival):
+            rival_in.set()
+            await never.wait()
+
+    def cut_then_rival_comes(parts, piece_bytes):
+        cut = iter(pieces(parts, piece_bytes))
+        yield next(cut)
+        rivals.append(asyncio.ensure_future(rival_piece()))
+        yield from cut
+
+    rivals: list[asyncio.Future] = []
+    monkeypatch.setattr(sender_module, "pieces", cut_then_rival_comes)
+    monkeypatch.setattr(sender_module, "PIECE_BYTES", 3000)
+    prompt = prompt_of_length(tiny, 64)
+    sender.add_request("c", prompt, SAMPLING)
+    sender.step()
+    (parts,) = sender.export_frames("c", 0, len(prompt), max_tokens_per_frame=len(prompt))  # 34 KB: 12 pieces
+    flow = await open_flow(
+        endpoint, flow_open_for("c", prompt), SECRET, path="wan", timeout_s=5, link=link, buffer_bytes=4096, turns=turns
+    )
+    sending = asyncio.create_task(flow.send_frame(parts, tokens_left=len(prompt)))
+    await asyncio.wait_for(rival_in.wait(), 5)
+    sending.cancel()
+    await flow.cancel("the client left")
+    await asyncio.wait_for(handler.aborted.wait(), 10)
+    assert handler.events[-2:] == [("frame", "c"), ("abort", "cancelled by sender: the client left")]
+    for task in rivals:
+        task.cancel()
 
 
 async def _ended(handler: RecordingHandler, request_id: str):

@@ -1,6 +1,7 @@
 """The router learns the WAN link from its own KV transfers and routes by what it learnt."""
 
 import asyncio
+import math
 
 import aiohttp
 import pytest
@@ -211,6 +212,12 @@ def test_kv_out_of_the_last_chunk_crosses_after_the_prefill_however_early_the_fi
     behind = busy.arrival_after_prefill_s(tail_bytes, prefill_s=0.7, ships_from_s=0.7, tail_bytes=tail_bytes)
     crossing_left = 12_000_000 - 0.7 * 100e6 / 8  # 3.25 MB by the end of the compute
     assert behind == pytest.approx((tail_bytes + crossing_left) * 8 / 100e6 + 0.02)
+    # a long prompt beside a 40 MB flow of its prefill: its 28.6 MB before the tail go first
+    # as they are computed; the link carries the other flow with the rest of its time (8.9 MB
+    # by the compute's end), so the tail, with less left than the other's 31.1 MB, goes alone
+    busy = WanEstimate(bandwidth_bps=100e6, rtt_s=0.04, crossing_bytes=(40_000_000.0,))
+    mixed = busy.arrival_after_prefill_s(37_000_000, prefill_s=3.0, ships_from_s=0.1, tail_bytes=tail_bytes)
+    assert mixed == pytest.approx(tail_bytes * 8 / 100e6 + 0.02)
 
 
 def shortest_first_finish_s(crossing: list[float], new_bytes: float, joins_s: float, bytes_per_s: float) -> float:
@@ -260,6 +267,73 @@ def test_the_ledgers_plan_is_what_a_shortest_first_link_gives(crossing, new_byte
     expected = shortest_first_finish_s(crossing, new_bytes, joins_s, 100e6 / 8)
     assert finish_times(flows, 0.0, 100e6 / 8)[-1] == pytest.approx(expected, rel=1e-6, abs=1e-6)
     assert [flow.unsent_bytes for flow in flows] == [*crossing, new_bytes]  # a projection: nothing sent
+
+
+def shared_by_prefills_finish_s(flows: list[tuple[float, float, str]], bytes_per_s: float) -> list[float]:
+    """When each flow ``(first byte at, bytes, prefill)`` sends its last byte on a link that
+    gives each prefill with a flow that may send an equal share, spent on that prefill's flow
+    with the fewest bytes left (on a tie the one listed first), event by event."""
+    left = [size for _, size, _ in flows]
+    done = [math.inf] * len(flows)
+    now = 0.0
+    while any(d == math.inf for d in done):
+        started = [i for i, (at, _, _) in enumerate(flows) if at <= now and done[i] == math.inf]
+        upcoming = min((at for i, (at, _, _) in enumerate(flows) if at > now and done[i] == math.inf), default=math.inf)
+        heads = {}
+        for i in started:
+            sender = flows[i][2]
+            if sender not in heads or left[i] < left[heads[sender]]:
+                heads[sender] = i
+        if not heads:
+            now = upcoming
+            continue
+        rate = bytes_per_s / len(heads)
+        step_s = min(upcoming - now, min(left[i] for i in heads.values()) / rate)
+        now += step_s
+        for i in heads.values():
+            left[i] -= rate * step_s
+            if left[i] <= 1e-6 * flows[i][1]:
+                done[i] = now
+    return done
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    flows=st.lists(
+        st.tuples(st.floats(0.0, 3.0), st.floats(1e5, 5e7), st.sampled_from(["prefill-0", "prefill-1", "prefill-2"])),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_the_ledgers_plan_sends_each_prefills_shortest_flow_and_shares_the_link_between_prefills(flows):
+    sendings = [Sending(at, size, sender) for at, size, sender in flows]
+    expected = shared_by_prefills_finish_s(flows, 100e6 / 8)
+    assert finish_times(sendings, 0.0, 100e6 / 8) == pytest.approx(expected, rel=1e-6, abs=1e-6)
+
+
+def test_a_new_flow_shares_the_link_equally_with_another_prefills_flow():
+    """Only one prefill's flows take turns: beside another prefill's flow, a new one gets half
+    the link whichever has less left."""
+    crossing = {"crossing_bytes": (62_500_000.0,), "crossing_senders": ("prefill-1",)}
+    busy = WanEstimate(bandwidth_bps=100e6, rtt_s=0.04, **crossing)
+    shared = busy.arrival_after_prefill_s(37_000_000, ships_from_s=0.2, sender_id="prefill-0")
+    assert shared == pytest.approx(0.2 + 2 * 37_000_000 * 8 / 100e6 + 0.02)
+    follow_up = busy.arrival_after_prefill_s(1_000_000, ships_from_s=0.1, sender_id="prefill-0")
+    assert follow_up == pytest.approx(0.1 + 2 * 1_000_000 * 8 / 100e6 + 0.02)
+    # the same flow from the crossing flow's own prefill goes ahead of it
+    ahead = busy.arrival_after_prefill_s(37_000_000, ships_from_s=0.2, sender_id="prefill-1")
+    assert ahead == pytest.approx(0.2 + 37_000_000 * 8 / 100e6 + 0.02)
+
+
+def test_the_estimator_tells_placement_who_sends_each_flow_crossing():
+    wan = WanEstimator(bandwidth_bps=100e6, rtt_s=0.04, clock=lambda: 0.0)
+    wan.flow_placed("a", "md-0", [1], 25_000_000, prefill_s=0.5, ships_from_s=0.1, sender_id="prefill-0")
+    wan.flow_placed("b", "md-0", [2], 25_000_000, prefill_s=0.5, ships_from_s=0.1, sender_id="prefill-1")
+    estimate = wan.current()
+    assert estimate.crossing_senders == ("prefill-0", "prefill-1")
+    # two prefills: each sends half the rate from 0.1 s, both leave at 0.1 + 4 s
+    assert estimate.queue_s == pytest.approx(0.1 + 2 * 25_000_000 * 8 / 100e6)
+    assert wan.arriving([1])["md-0"].lands_in_s == pytest.approx(estimate.queue_s + 0.02)
 
 
 def test_the_ledger_tells_what_each_placed_flow_still_has_to_send():

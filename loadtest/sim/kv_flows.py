@@ -121,7 +121,11 @@ class KvFlows:
         if self.sim.md_remote():
             flight.result.wan_kv_bytes = num_bytes
             flight.send_s = self.events.now
-            flight.wan_flow = self.wan.send(num_bytes, lambda bps: self.sim.md_landed(flight, num_bytes, bps))
+            flight.wan_flow = self.wan.send(
+                num_bytes,
+                lambda bps: self.sim.md_landed(flight, num_bytes, bps),
+                flight.placement.prefill.instance_id,
+            )
         else:
             self.local.send(num_bytes, lambda bps: self.sim.md_landed(flight, num_bytes, bps))
 

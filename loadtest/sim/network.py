@@ -1,12 +1,15 @@
-"""The links: the WAN as one pipe that carries the flow with the least left first (as a
-prefill sends its WAN flows, ``shared/bulk/link_turns.py``; each flow sees the RTT and
-jitter), and the local path (each flow on its own, at the local rate)."""
+"""The links: the WAN as one pipe shared as the router's ledger models it (each prefill's flow
+with the least left sends, prefills share the rate equally: ``services/router/link_share.py``;
+each flow sees the RTT and jitter), and the local path (each flow on its own, at the local
+rate)."""
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from loadtest.sim.events import EventQueue
+from services.router.link_share import Sending, advance, finish_times
 
 
 @dataclass(frozen=True)
@@ -14,7 +17,7 @@ class LinkSpec:
     """A link's shape.
 
     Attributes:
-        bandwidth_bps: Bits per second, given to one flow at a time.
+        bandwidth_bps: Bits per second, shared by every flow.
         rtt_s: Round trip.
         jitter_s: Standard deviation of each flow's extra one-way delay.
         buffer_bytes: Bytes a sender has already handed to the network (socket buffers) that a
@@ -28,10 +31,10 @@ class LinkSpec:
 
 
 class _Flow:
-    __slots__ = ("cancelled", "num_bytes", "on_done", "remaining_bytes", "started_s")
+    __slots__ = ("cancelled", "num_bytes", "on_done", "sending", "started_s")
 
-    def __init__(self, num_bytes: int, on_done: Callable[[float], None], started_s: float):
-        self.remaining_bytes = float(num_bytes)
+    def __init__(self, num_bytes: int, on_done: Callable[[float], None], started_s: float, sender: str):
+        self.sending = Sending(started_s, float(num_bytes), sender)
         self.num_bytes = num_bytes
         self.on_done = on_done
         self.started_s = started_s
@@ -39,8 +42,8 @@ class _Flow:
 
 
 class WanPipe:
-    """Shortest remaining first over active flows (ties: the one sent first); a flow's last
-    byte lands half an RTT (plus jitter) after it left."""
+    """The flows crossing, shared as ``link_share`` says; a flow's last byte lands half an RTT
+    (plus jitter) after it left."""
 
     def __init__(self, events: EventQueue, link: LinkSpec, seed: int = 0):
         self.events, self.link = events, link
@@ -54,10 +57,11 @@ class WanPipe:
         """Half an RTT plus a jitter draw (never negative)."""
         return max(0.0, self.link.rtt_s / 2 + self._rng.gauss(0.0, self.link.jitter_s))
 
-    def send(self, num_bytes: int, on_done: Callable[[float], None]) -> _Flow:
-        """Start a flow now; ``on_done(throughput_bps)`` runs when its last byte has landed."""
+    def send(self, num_bytes: int, on_done: Callable[[float], None], sender: str = "") -> _Flow:
+        """Start a flow from prefill ``sender`` now; ``on_done(throughput_bps)`` runs when its
+        last byte has landed."""
         self._advance()
-        flow = _Flow(num_bytes, on_done, self.events.now)
+        flow = _Flow(num_bytes, on_done, self.events.now, sender)
         self._flows.append(flow)
         self._reschedule()
         return flow
@@ -68,42 +72,42 @@ class WanPipe:
         if flow in self._flows:
             self._advance()
             flow.cancelled = True
-            left = max(0.0, flow.remaining_bytes)
+            left = max(0.0, flow.sending.unsent_bytes)
             kept = min(left, float(self.link.buffer_bytes))
             flow.num_bytes -= int(left - kept)
-            flow.remaining_bytes = kept
+            flow.sending.unsent_bytes = kept
             if kept <= 0:
                 self.bytes_carried += flow.num_bytes
                 self._flows.remove(flow)
             self._reschedule()
 
-    def _serving(self) -> _Flow | None:
-        """The flow on the wire: the one with the least left (the first sent on a tie)."""
-        return min(self._flows, key=lambda f: f.remaining_bytes, default=None)
+    @property
+    def _bytes_per_s(self) -> float:
+        return self.link.bandwidth_bps / 8
 
     def _advance(self):
         now = self.events.now
-        serving = self._serving()
-        if serving is not None and now > self._last_s:
-            serving.remaining_bytes -= self.link.bandwidth_bps / 8 * (now - self._last_s)
+        if self._flows and now > self._last_s:
+            advance([flow.sending for flow in self._flows], self._last_s, now, self._bytes_per_s)
         self._last_s = now
 
     def _reschedule(self):
         self._version += 1
-        serving = self._serving()
-        if serving is None:
+        if not self._flows:
             return
         version = self._version
-        rate = self.link.bandwidth_bps / 8
-        self.events.after(max(0.0, serving.remaining_bytes) / rate, lambda: self._tick(version))
+        now = self.events.now
+        first_done_s = min(finish_times([flow.sending for flow in self._flows], now, self._bytes_per_s))
+        if first_done_s < math.inf:
+            self.events.after(max(0.0, first_done_s - now), lambda: self._tick(version))
 
     def _tick(self, version: int):
         if version != self._version:
             return
         self._advance()
         # a byte (or a nanosecond's worth) left is float residue, not data
-        tolerance = max(1.0, self.link.bandwidth_bps / 8 * 1e-9)
-        done = [f for f in self._flows if f.remaining_bytes <= tolerance]
+        tolerance = max(1.0, self._bytes_per_s * 1e-9)
+        done = [f for f in self._flows if f.sending.unsent_bytes <= tolerance]
         for flow in done:
             self._flows.remove(flow)
             self.bytes_carried += flow.num_bytes

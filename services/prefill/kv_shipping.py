@@ -200,6 +200,20 @@ class KvShipping:
             )
         return self.exports[export]
 
+    @staticmethod
+    async def _next_export(shipment: PathShipment) -> tuple[int, asyncio.Future] | None:
+        """The path's next export (None: the flow ends); while none is queued, its flow lets
+        the other flows on its link send."""
+        if shipment.queue.empty():
+            shipment.flow.pause_turns()
+        return await shipment.queue.get()
+
+    def _frame_tokens(self) -> int:
+        """Tokens per exported frame (the last of an export may hold fewer): whole blocks, as
+        ``kv_wire.encode_frames`` cuts them."""
+        block_size = self._host.engine.block_size
+        return max(1, self._host.config.frame_tokens // block_size) * block_size
+
     async def _ship(self, shipment: PathShipment):
         """One path: wait for its flow, then send its exports as they come out, then its end."""
         try:
@@ -214,12 +228,14 @@ class KvShipping:
 
     async def _send(self, shipment: PathShipment):
         flow, span, model = shipment.flow, shipment.span, self._host.config.served_model_name
-        num_prompt_tokens = len(self.cmd.token_ids)
+        num_prompt_tokens, frame_tokens = len(self.cmd.token_ids), self._frame_tokens()
         with trace.use_span(span, end_on_exit=False):
-            while (queued := await shipment.queue.get()) is not None:
+            while (queued := await self._next_export(shipment)) is not None:
                 start, export = queued
-                for parts in await export:
-                    await flow.send_frame(parts, tokens_left=num_prompt_tokens - start)
+                if not export.done():
+                    flow.pause_turns()  # the engine thread may be computing a chunk first
+                for index, parts in enumerate(await export):
+                    await flow.send_frame(parts, tokens_left=num_prompt_tokens - start - index * frame_tokens)
             first = self.first
             await flow.end(*self.plan.end_tokens(shipment.route.role, first.token_id, first.logprobs))
             shipment.ended = True

@@ -1,7 +1,8 @@
-"""How flows crossing one link share it: shortest remaining first. Of the flows whose first
-byte may leave, the one with the fewest bytes left has the whole link (ties: the one placed
-first); a flow that starts with fewer left than it takes over. This is the order in which a
-prefill sends its WAN flows (``shared/bulk/link_turns.py``).
+"""How flows crossing one link share it. A prefill sends its WAN flows shortest remaining first
+(``shared/bulk/link_turns.py``): of its flows whose first byte may leave, the one with the
+fewest bytes left sends (ties: the one placed first), and a flow that starts with fewer left
+takes over. Flows of different prefills share the link equally, as TCP connections do: each
+prefill with a flow sending gets an equal share of the rate.
 """
 
 import math
@@ -14,10 +15,12 @@ DONE_BYTES = 1e-6
 
 @dataclass
 class Sending:
-    """A flow on the link: when its first byte may leave, and what it has still to send."""
+    """A flow on the link: when its first byte may leave, what it has still to send, and the
+    prefill sending it."""
 
     first_byte_at: float
     unsent_bytes: float
+    sender: str = ""
 
 
 def advance(flows: Sequence[Sending], from_s: float, to_s: float, bytes_per_s: float):
@@ -28,52 +31,70 @@ def advance(flows: Sequence[Sending], from_s: float, to_s: float, bytes_per_s: f
 def finish_times(flows: Sequence[Sending], now_s: float, bytes_per_s: float) -> list[float]:
     """When each of ``flows`` sends its last byte if the link carries only them from ``now_s``
     on (``flows`` are left as they are)."""
-    copies = [Sending(flow.first_byte_at, flow.unsent_bytes) for flow in flows]
+    copies = [Sending(flow.first_byte_at, flow.unsent_bytes, flow.sender) for flow in flows]
     finished = [now_s if flow.unsent_bytes <= DONE_BYTES else math.inf for flow in flows]
     _serve(copies, now_s, math.inf, bytes_per_s, finished)
     return finished
 
 
 def drained(crossing_bytes: Sequence[float], sent_bytes: float) -> list[float]:
-    """What flows with ``crossing_bytes`` still to send have left once the link has carried
-    ``sent_bytes`` of them, the smallest first (the finished drop out)."""
-    left = []
-    for size in sorted(crossing_bytes):
-        taken = min(size, sent_bytes)
+    """What each of the flows with ``crossing_bytes`` still to send has left (same order; 0:
+    done) once the link has carried ``sent_bytes`` of them, the smallest first (whoever
+    sends them: an estimate for flows of several prefills)."""
+    left = list(crossing_bytes)
+    for i in sorted(range(len(left)), key=left.__getitem__):
+        taken = min(left[i], sent_bytes)
         sent_bytes -= taken
-        if size - taken > DONE_BYTES:
-            left.append(size - taken)
+        left[i] -= taken
     return left
 
 
-def shared_transfer_bytes(num_bytes: float, crossing_bytes: Sequence[float]) -> float:
+def shared_transfer_bytes(
+    num_bytes: float, crossing_bytes: Sequence[float], same_sender: Sequence[bool] | None = None
+) -> float:
     """Bytes the link carries until a flow of ``num_bytes`` sends its last beside flows with
-    ``crossing_bytes`` to send: its own, and all of each flow with no more left (placed
-    earlier, it goes first); flows with more left wait for it."""
-    return num_bytes + sum(size for size in crossing_bytes if size <= num_bytes)
+    ``crossing_bytes`` to send: its own; all of each flow of the same prefill with no more left
+    (placed earlier, it goes first; those with more left wait for it); and of each flow of
+    another prefill (``same_sender`` False; default: every flow is of the same prefill), which
+    shares the link equally, as many as this flow's prefill sends until then, or all it has."""
+    same = [True] * len(crossing_bytes) if same_sender is None else same_sender
+    own = num_bytes + sum(size for size, mine in zip(crossing_bytes, same, strict=True) if mine and size <= num_bytes)
+    return own + sum(min(size, own) for size, mine in zip(crossing_bytes, same, strict=True) if not mine)
 
 
 def _serve(flows: Sequence[Sending], now_s: float, until_s: float, bytes_per_s: float, finished: list | None):
-    """Shortest remaining first, event by event (a start or an end): O(n²) in the flows."""
+    """Event by event (a start or an end): each prefill's flow with the least left among those
+    that may send gets an equal share of the rate. O(n²) in the flows (a router's ledger holds
+    a few dozen at most)."""
     while now_s < until_s:
-        started, upcoming_s = None, math.inf
-        for i, flow in enumerate(flows):
-            if flow.unsent_bytes <= DONE_BYTES:
-                continue
-            if flow.first_byte_at > now_s:
-                upcoming_s = min(upcoming_s, flow.first_byte_at)
-            elif started is None or flow.unsent_bytes < flows[started].unsent_bytes:
-                started = i
-        if started is None:
+        serving, upcoming_s = _serving(flows, now_s)
+        if not serving:
             if upcoming_s == math.inf:
                 return
             now_s = min(upcoming_s, until_s)
             continue
-        flow = flows[started]
-        step_s = min(until_s - now_s, upcoming_s - now_s, flow.unsent_bytes / bytes_per_s)
+        share = bytes_per_s / len(serving)
+        step_s = min(until_s - now_s, upcoming_s - now_s, min(flows[i].unsent_bytes for i in serving) / share)
         now_s += step_s
-        flow.unsent_bytes -= step_s * bytes_per_s
-        if flow.unsent_bytes <= max(DONE_BYTES, 1e-12 * bytes_per_s * step_s):  # rounding dust
-            flow.unsent_bytes = 0.0
-            if finished is not None:
-                finished[started] = now_s
+        for i in serving:
+            flow = flows[i]
+            flow.unsent_bytes -= step_s * share
+            if flow.unsent_bytes <= max(DONE_BYTES, 1e-12 * share * step_s):  # rounding dust
+                flow.unsent_bytes = 0.0
+                if finished is not None:
+                    finished[i] = now_s
+
+
+def _serving(flows: Sequence[Sending], now_s: float) -> tuple[list[int], float]:
+    """(per prefill, its flow with the least left among those that may send at ``now_s``;
+    when the next flow may start)."""
+    first: dict[str, int] = {}
+    upcoming_s = math.inf
+    for i, flow in enumerate(flows):
+        if flow.unsent_bytes <= DONE_BYTES:
+            continue
+        if flow.first_byte_at > now_s:
+            upcoming_s = min(upcoming_s, flow.first_byte_at)
+        elif flow.sender not in first or flow.unsent_bytes < flows[first[flow.sender]].unsent_bytes:
+            first[flow.sender] = i
+    return list(first.values()), upcoming_s

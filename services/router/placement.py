@@ -172,7 +172,7 @@ def place(
     forecast = PrefillForecast.of(
         prefill.report, num_prompt_tokens, hits.get(prefill.report.instance.instance_id, 0) * block_size
     )
-    arrival_s = functools.partial(_arrival_s, wan, forecast, kv_bytes_per_token)
+    arrival_s = functools.partial(_arrival_s, wan, forecast, kv_bytes_per_token, prefill.report.instance.instance_id)
     main, missing_from, predicted_s = _pick_main(
         mains,
         hits,
@@ -206,9 +206,11 @@ def place(
     )
 
 
-def _arrival_s(wan: WanEstimate, forecast: PrefillForecast, kv_bytes_per_token: int, missing_from: int) -> float:
+def _arrival_s(
+    wan: WanEstimate, forecast: PrefillForecast, kv_bytes_per_token: int, prefill_id: str, missing_from: int
+) -> float:
     """When the prompt's KV from token ``missing_from`` on lands across the WAN, counted from
-    the end of the prefill ``forecast`` describes."""
+    the end of the prefill ``forecast`` describes (run by ``prefill_id``)."""
     num_tokens = forecast.num_prompt_tokens - missing_from
     tail_tokens = forecast.num_prompt_tokens - max(missing_from, forecast.last_chunk_from)
     return wan.arrival_after_prefill_s(
@@ -216,6 +218,7 @@ def _arrival_s(wan: WanEstimate, forecast: PrefillForecast, kv_bytes_per_token: 
         prefill_s=forecast.compute_s,
         ships_from_s=forecast.ready_s(missing_from),
         tail_bytes=max(0, tail_tokens) * kv_bytes_per_token,
+        sender_id=prefill_id,
     )
 
 

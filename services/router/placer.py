@@ -86,6 +86,7 @@ class Placer:
                 placement.missing_kv_bytes,
                 placement.predicted_prefill_s,
                 placement.predicted_ships_from_s,
+                placement.prefill.instance_id,
             )
         else:  # a recovery's earlier attempt may have left its flow on the link's ledger
             self.wan.flow_stopped(request_id)

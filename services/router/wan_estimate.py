@@ -23,15 +23,17 @@ byte (``flow_placed``), relayed requests' included (their KV still goes to main 
 the relay answered), unless the router stopped it (``flow_stopped``: odd traffic the relay
 finished). A flow's last byte leaves no earlier than its prefill ends: predicted from the
 prefill's reported rate until the prefill says it is done (``prefill_done``). A prefill sends
-its WAN flows shortest-remaining-first (``shared/bulk/link_turns.py``), so the ledger tracks
-what each placed flow has still to send with the link given to the one with the least left
-among those whose first byte may leave (``services/router/link_share.py``), and plans their
-last bytes the same way, each no earlier than its prefill ends. A flow that lands (its
+its WAN flows shortest-remaining-first (``shared/bulk/link_turns.py``), and the flows of
+different prefills share the link equally, so the ledger tracks what each placed flow has still
+to send with each prefill's flow with the least left, among those whose first byte may leave,
+given an equal share of the link (``services/router/link_share.py``), and plans their last
+bytes the same way, each no earlier than its prefill ends. A flow that lands (its
 ``KvReady``) or is stopped leaves the others what the link carried of them so far; a faster
 link measured since moves them all up. A new flow of ``B`` bytes is done once the link has
-carried ``B`` plus all of each flow still crossing with no more than ``B`` left
-(``WanEstimate.crossing_bytes``): a follow-up turn's megabyte beside a cold prompt's 30 MB
-takes a megabyte's time, and a cold prompt placed behind another waits for it.
+carried ``B`` plus all of each flow of its prefill still crossing with no more than ``B`` left,
+plus as much of each other prefill's flow (``WanEstimate.crossing_bytes``): a follow-up turn's
+megabyte beside a cold prompt's 30 MB from the same prefill takes a megabyte's time, and a
+cold prompt placed behind another waits for it.
 Blocks a placed
 flow is still bringing to a main decoder do not cross again (a decoder's later flow waits for
 them, ``shared/decode_cache.py``): ``arriving`` says how many of a prompt's leading blocks
@@ -61,15 +63,22 @@ class WanEstimate:
         queue_s: Seconds from now until the flows this router already placed have left (shown
             by the router's status; predictions use ``crossing_bytes``).
         crossing_bytes: What each of those flows still has to send, as of now.
+        crossing_senders: The prefill sending each of them (empty: one prefill sends them all).
     """
 
     bandwidth_bps: float
     rtt_s: float
     queue_s: float = 0.0
     crossing_bytes: tuple[float, ...] = ()
+    crossing_senders: tuple[str, ...] = ()
 
     def arrival_after_prefill_s(
-        self, num_bytes: int, prefill_s: float = 0.0, ships_from_s: float = 0.0, tail_bytes: int = 0
+        self,
+        num_bytes: int,
+        prefill_s: float = 0.0,
+        ships_from_s: float = 0.0,
+        tail_bytes: int = 0,
+        sender_id: str = "",
     ) -> float:
         """When the last of ``num_bytes`` of KV lands at main decode, counted from the end of
         a prefill that computes for ``prefill_s``: the first of them is ready ``ships_from_s``
@@ -77,28 +86,34 @@ class WanEstimate:
         ends. The flow opens as the compute starts (one round trip), so its first byte leaves
         at ``max(ships_from_s, rtt)``; until then the flows crossing drain, the smallest first
         (each counted as sending from now, even one whose own first byte is still ahead). From
-        there its last byte leaves once the link has carried its bytes and all of each flow
-        crossing with no more left (``shared_transfer_bytes``), and no earlier than the link
+        there its last byte leaves once the link has carried its bytes, all of each flow of its
+        prefill (``sender_id``) crossing with no more left, and of each other prefill's flow
+        as much as its own prefill sent meanwhile (``shared_transfer_bytes``), and no earlier than the link
         has carried the tail after the prefill ends (the flows crossing drained until then of
         what the link did not carry of this flow's earlier bytes); it lands one one-way delay
         later.
         Without a prefill estimate (0, 0): a round trip, the shared transfer and a one-way
         delay."""
         first_byte_s = max(ships_from_s, self.rtt_s)
-        last_byte_s = max(prefill_s, first_byte_s + self._shared_transfer_s(num_bytes, first_byte_s))
+        transfer_s = self._shared_transfer_s(num_bytes, first_byte_s, sender_id)
+        last_byte_s = max(prefill_s, first_byte_s + transfer_s)
         if tail_bytes > 0:
             tail_from_s = max(prefill_s, self.rtt_s)
-            tail_s = self._shared_transfer_s(tail_bytes, tail_from_s, carried_own_bytes=num_bytes - tail_bytes)
+            tail_s = self._shared_transfer_s(tail_bytes, tail_from_s, sender_id, num_bytes - tail_bytes)
             last_byte_s = max(last_byte_s, tail_from_s + tail_s)
         return last_byte_s - prefill_s + self.rtt_s / 2
 
-    def _shared_transfer_s(self, num_bytes: float, from_s: float, carried_own_bytes: float = 0.0) -> float:
-        """Seconds the link takes to carry ``num_bytes`` from ``from_s`` on beside the flows
-        crossing, drained of what the link carried of them until then besides
-        ``carried_own_bytes`` of this flow's."""
+    def _shared_transfer_s(
+        self, num_bytes: float, from_s: float, sender_id: str, carried_own_bytes: float = 0.0
+    ) -> float:
+        """Seconds the link takes to carry ``num_bytes`` of ``sender_id``'s from ``from_s`` on
+        beside the flows crossing, drained of what the link carried of them until then
+        besides ``carried_own_bytes`` of this flow's."""
         carried_bytes = max(0.0, from_s * self.bandwidth_bps / 8 - carried_own_bytes)
         crossing = drained(self.crossing_bytes, carried_bytes)
-        return shared_transfer_bytes(num_bytes, crossing) * 8 / self.bandwidth_bps
+        senders = self.crossing_senders or (sender_id,) * len(crossing)
+        same = [sender == sender_id for sender in senders]
+        return shared_transfer_bytes(num_bytes, crossing, same) * 8 / self.bandwidth_bps
 
 
 @dataclass
@@ -189,10 +204,12 @@ class WanEstimator:
         num_bytes: int,
         prefill_s: float,
         ships_from_s: float | None = None,
+        sender_id: str = "",
     ):
         """``request_id``'s flow of ``num_bytes`` to ``main_decode_id`` for a prompt of
-        ``block_hashes`` was placed now, its prefill predicted to take ``prefill_s`` and its
-        first missing block ready to ship ``ships_from_s`` into it (None: all at the end)."""
+        ``block_hashes`` was placed now on prefill ``sender_id``, its prefill predicted to take
+        ``prefill_s`` and its first missing block ready to ship ``ships_from_s`` into it (None:
+        all at the end)."""
         now = self._clock()
         for rid in [rid for rid, leaves_at in self._leaving().items() if leaves_at <= now or rid == request_id]:
             self._forget(rid)
@@ -201,7 +218,12 @@ class WanEstimator:
             return
         first_byte_at = now + max(prefill_s if ships_from_s is None else ships_from_s, self.rtt_s)
         self._flows[request_id] = PlacedFlow(
-            main_decode_id, tuple(block_hashes), num_bytes, now, now + prefill_s, Sending(first_byte_at, num_bytes)
+            main_decode_id,
+            tuple(block_hashes),
+            num_bytes,
+            now,
+            now + prefill_s,
+            Sending(first_byte_at, num_bytes, sender_id),
         )
 
     def prefill_done(self, request_id: str):
@@ -296,12 +318,18 @@ class WanEstimator:
         now, leaving = self._clock(), self._leaving()
         self._advance()
         link_free_at = max(leaving.values(), default=now)
-        crossing = tuple(
-            self._flows[rid].sending.unsent_bytes
+        crossing = [
+            self._flows[rid].sending
             for rid, leaves_at in leaving.items()
             if leaves_at > now and self._flows[rid].sending.unsent_bytes > 0
+        ]
+        return WanEstimate(
+            self.bandwidth_bps,
+            self.rtt_s,
+            max(0.0, link_free_at - now),
+            tuple(flow.unsent_bytes for flow in crossing),
+            tuple(flow.sender for flow in crossing),
         )
-        return WanEstimate(self.bandwidth_bps, self.rtt_s, max(0.0, link_free_at - now), crossing)
 
 
 def _covers(a: list[int], b: tuple[int, ...]) -> bool:

@@ -7,26 +7,34 @@ transfer and the second no later than before; a follow-up turn's few blocks over
 prompt's tens of megabytes instead of sharing the link with them. (The router's ledger
 predicts landings under the same rule: ``services/router/link_share.py``.)
 
-A flow sends its KV as pieces; before each piece it waits for its turn (``LinkTurns.turn``),
-given while no other flow with a piece waiting or on its way to the kernel has less left
-(``tokens_left``; ties: the flow opened first). The rule is work-conserving: a flow whose next
-KV is still being computed waits for nothing and holds nothing, so others send meanwhile. A
-piece that has started goes out whole; what the kernel and the link already hold of another
-flow's pieces still shares the link, so pieces are cut small (``PIECE_BYTES``) while flows
-contend (``contended``) and sent whole otherwise.
+A flow's sender says when it has KV in hand (``LinkTurns.hold``, with how much of the prompt
+is still to send) and when it has none (``let_go``: the rest is still being computed or
+exported). It sends its KV as pieces (``PIECE_BYTES``); before each piece it waits for its
+turn (``LinkTurns.turn``), given while no other flow with KV in hand or a piece on its way has
+less left (ties: the flow opened first). The rule is work-conserving: a flow with nothing in
+hand holds nothing up, so others send meanwhile. A piece that has started goes out whole; what
+the kernel and the link already hold of another flow's pieces still shares the link.
+
+No piece waits for its turn longer than ``MAX_TURN_WAIT_S``: its flow then stops taking turns
+and sends whenever it has KV, sharing the link as a TCP connection does. So a flow with much
+left is not starved by a stream of shorter ones until its receiver gives up on it, and a flow
+whose receiver stopped reading (its piece stuck in the kernel) holds the others up for at most
+that long.
 
 Only the flows of this process take turns: flows of other senders share the link as TCP
-connections do.
+connections do. One ``LinkTurns`` serves one link (a prefill's WAN path: two sites, one link).
 """
 
 import asyncio
 import itertools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 PIECE_BYTES = 1 << 20
-"""Most bytes a flow hands the kernel per turn while flows contend (84 ms at 100 Mbit/s)."""
+"""Most bytes a flow hands the kernel per turn (84 ms at 100 Mbit/s)."""
+MAX_TURN_WAIT_S = 10.0
+"""Longest a piece waits for its turn (a twelfth of a receiver's default 120 s wait for a frame)."""
 
 
 @dataclass(eq=False)
@@ -35,14 +43,23 @@ class LinkFlow:
 
     Attributes:
         seq: Opening order (breaks ties between flows with as much left).
-        tokens_left: What the flow has still to send when its latest piece was asked for.
+        tokens_left: What the flow has still to send, as its sender last said (``hold``).
+        in_hand: Its sender has KV for it, between ``hold`` and ``let_go``.
         pieces_pending: Its pieces waiting for a turn or on their way to the kernel.
+        takes_turns: False once a piece waited ``MAX_TURN_WAIT_S``, or the flow is closed: its
+            pieces then go without waiting.
     """
 
     seq: int
     tokens_left: int = 0
+    in_hand: bool = False
     pieces_pending: int = 0
-    closed: bool = field(default=False)
+    takes_turns: bool = True
+
+    @property
+    def pending(self) -> bool:
+        """Whether it has KV in hand or a piece on its way (it keeps flows behind it waiting)."""
+        return self.in_hand or self.pieces_pending > 0
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -52,7 +69,8 @@ class LinkFlow:
 class LinkTurns:
     """The flows of this process that cross one link, and whose piece goes next."""
 
-    def __init__(self):
+    def __init__(self, max_wait_s: float = MAX_TURN_WAIT_S):
+        self.max_wait_s = max_wait_s
         self._flows: list[LinkFlow] = []
         self._seq = itertools.count()
         self._changed = asyncio.Event()
@@ -64,35 +82,63 @@ class LinkTurns:
         return flow
 
     def close(self, flow: LinkFlow):
-        """``flow`` sends no more (idempotent): flows behind it may go on."""
-        if not flow.closed:
-            flow.closed = True
+        """``flow`` is done with the link (idempotent): flows behind it may go on; its pieces
+        still waiting go at once (a frame that has started is finished before a cancel)."""
+        if flow in self._flows:
+            flow.takes_turns, flow.in_hand = False, False
             self._flows.remove(flow)
             self._notify()
 
     @property
-    def contended(self) -> bool:
-        """Whether more than one flow is open on the link."""
-        return len(self._flows) > 1
+    def num_flows(self) -> int:
+        """Flows open on the link."""
+        return len(self._flows)
+
+    def hold(self, flow: LinkFlow, tokens_left: int):
+        """``flow``'s sender has KV in hand, ``tokens_left`` of the prompt's still to send: it
+        keeps its place ahead of flows with more left until ``let_go``.
+
+        Raises:
+            ValueError: ``tokens_left`` is negative.
+        """
+        if tokens_left < 0:
+            raise ValueError(f"tokens_left must be >= 0, got {tokens_left}")
+        flow.tokens_left, flow.in_hand = tokens_left, True
+        self._notify()  # a flow whose rank fell may now be first
+
+    def let_go(self, flow: LinkFlow):
+        """``flow``'s sender has no KV in hand: flows behind it may send meanwhile."""
+        if flow.in_hand:
+            flow.in_hand = False
+            self._notify()
 
     @asynccontextmanager
-    async def turn(self, flow: LinkFlow, tokens_left: int) -> AsyncIterator[None]:
+    async def turn(self, flow: LinkFlow) -> AsyncIterator[None]:
         """Held while one piece of ``flow`` goes to the kernel; entered once no other flow with
-        a piece pending has less left than ``tokens_left`` (or as much, opened earlier)."""
-        flow.tokens_left = tokens_left
+        KV in hand or a piece on its way has less left (or as much, opened earlier), or at once
+        if ``flow`` no longer takes turns. A piece that waited ``max_wait_s`` enters, and its
+        flow stops taking turns. Cancelled while waiting, it gives up its place."""
         flow.pieces_pending += 1
         try:
-            while not flow.closed and self._first_pending() not in (None, flow):
-                changed = self._changed
-                await changed.wait()
+            await self._wait_for_turn(flow)
             yield
         finally:
             flow.pieces_pending -= 1
             self._notify()
 
+    async def _wait_for_turn(self, flow: LinkFlow):
+        deadline_s = asyncio.get_running_loop().time() + self.max_wait_s
+        while flow.takes_turns and self._first_pending() not in (None, flow):
+            changed = self._changed
+            try:  # not wait_for: on 3.11 it can swallow a cancel that comes as the event is set
+                async with asyncio.timeout_at(deadline_s):
+                    await changed.wait()
+            except TimeoutError:
+                flow.takes_turns = False
+
     def _first_pending(self) -> LinkFlow | None:
-        """The flow whose pending piece goes first."""
-        pending = [flow for flow in self._flows if flow.pieces_pending]
+        """The pending flow that goes first."""
+        pending = [flow for flow in self._flows if flow.pending]
         return min(pending, key=lambda flow: flow.rank, default=None)
 
     def _notify(self):

@@ -64,6 +64,7 @@ class BulkFlow:
         self._opened = time.monotonic()
         self._turns = turns
         self._on_link = turns.open() if turns is not None else None
+        self._pieced_frames: set[asyncio.Future] = set()
 
     @property
     def _connection(self) -> BulkConnection:
@@ -85,11 +86,12 @@ class BulkFlow:
         """The TLS cipher suite of the connection (None: plaintext)."""
         return self._connection.cipher
 
-    async def send_frame(self, parts: list[bytes | memoryview], tokens_left: int = 0):
+    async def send_frame(self, parts: list[bytes | memoryview], tokens_left: int | None = None):
         """Write one frame from its buffers as they are (no copy) on the flow's next connection
-        (on a link's turns: in pieces, each when its turn comes, with ``tokens_left`` of the
-        prompt's KV still to send from this frame on);
-        returns once at most ``streams - 1`` frames are still on their way to the kernel (one
+        (on a link's turns: in pieces, each when its turn comes, ``tokens_left`` saying how
+        much of the prompt's KV is still to send from this frame on; the flow keeps its place
+        until ``pause_turns``); returns once at most ``streams - 1`` frames are still on their
+        way to the kernel (one
         stream: once the kernel holds all of this one), so a receiver that stops reading stalls
         the sender within the sockets' buffers. The buffers must stay unchanged until then (if
         this is cancelled: until the flow is closed). A frame whose sender is cancelled still
@@ -100,29 +102,49 @@ class BulkFlow:
         Raises:
             ConnectionError, OSError: a connection broke, or no byte left for the connection's
                 stall timeout (``TimeoutError``).
+            ValueError: the flow takes turns and ``tokens_left`` is not given.
         """
+        if self._turns is not None:
+            if tokens_left is None:
+                raise ValueError("a flow that takes turns on its link needs each frame's tokens_left")
+            self._turns.hold(self._on_link, tokens_left)
         stream = self._streams[self._frames_sent % len(self._streams)]
         self._frames_sent += 1
         if len(self._streams) == 1:  # nothing to overlap: the send itself, as before striping
-            await self._send_on(stream, parts, tokens_left)
+            await self._send_on(stream, parts)
             return
-        sending = asyncio.ensure_future(self._send_on(stream, parts, tokens_left))
+        sending = asyncio.ensure_future(self._send_on(stream, parts))
         sending.add_done_callback(_retrieve_exception)
         self._in_flight.append(sending)
         while len(self._in_flight) >= len(self._streams):
             await asyncio.shield(self._in_flight[0])
             self._in_flight.popleft()
 
-    async def _send_on(self, stream: BulkConnection, parts: list[bytes | memoryview], tokens_left: int):
+    async def _send_on(self, stream: BulkConnection, parts: list[bytes | memoryview]):
         if self._turns is None:
             size = await stream.send(parts)
-        else:
-            size = 0
-            for piece in pieces(parts, PIECE_BYTES) if self._turns.contended else [parts]:
-                async with self._turns.turn(self._on_link, tokens_left):
-                    size += await stream.send(piece)
+        else:  # the pieces go on if the caller is cancelled: the frame goes out whole
+            frame = asyncio.ensure_future(self._send_pieces(stream, parts))
+            frame.add_done_callback(_retrieve_exception)
+            self._pieced_frames.add(frame)
+            frame.add_done_callback(self._pieced_frames.discard)
+            size = await asyncio.shield(frame)
         self.bytes_sent += size
         KV_BYTES.labels(self.path, "sent").inc(size)
+
+    async def _send_pieces(self, stream: BulkConnection, parts: list[bytes | memoryview]) -> int:
+        size = 0
+        for piece in pieces(parts, PIECE_BYTES):
+            async with self._turns.turn(self._on_link):
+                size += await stream.send(piece)
+        return size
+
+    def pause_turns(self):
+        """On a link's turns: the sender has no frame in hand (the next is still being computed
+        or exported), so flows behind this one may send meanwhile; the next ``send_frame``
+        takes its place again. Without turns: nothing."""
+        if self._turns is not None:
+            self._turns.let_go(self._on_link)
 
     async def end(self, output_token_ids: list[int], output_logprobs: list | None = None):
         """Once every frame is sent, tell the receiver so (and which output tokens it starts
@@ -158,12 +180,20 @@ class BulkFlow:
         await stream.send_control(StreamEnd(request_id=self.request_id))
 
     async def cancel(self, reason: str):
-        """Abandon the flow; the receiver discards what arrived."""
+        """Abandon the flow; the receiver discards what arrived. A frame cut into pieces that
+        has started is finished first (its pieces no longer wait for turns), within
+        ``CANCEL_TIMEOUT_S``; else the connections just close."""
         try:
+            self._leave_link()
+            if self._pieced_frames:
+                _, unfinished = await asyncio.wait(list(self._pieced_frames), timeout=CANCEL_TIMEOUT_S)
+                if unfinished:
+                    return
             await self._connection.send_control(FlowCancel(request_id=self.request_id, reason=reason), CANCEL_TIMEOUT_S)
         except (TimeoutError, ConnectionError, OSError):
             pass
-        await self.close()
+        finally:
+            await self.close()
 
     async def close(self):
         """Close the connections (idempotent); bytes already sent are still delivered."""
