@@ -112,6 +112,7 @@ async def test_a_piece_waits_for_its_turn_at_most_the_limit_and_its_flow_then_st
     assert not behind.takes_turns and stalled.takes_turns
     await asyncio.wait_for(_enter(turns, behind, 20), 1)  # no longer waits at all
     holder.cancel()
+    await asyncio.gather(holder, return_exceptions=True)
 
 
 def test_a_negative_tokens_left_is_refused():
@@ -208,6 +209,7 @@ async def test_a_cancel_finishes_the_frame_on_its_way_before_telling_the_receive
     rivals: list[asyncio.Future] = []
     monkeypatch.setattr(sender_module, "pieces", cut_then_rival_comes)
     monkeypatch.setattr(sender_module, "PIECE_BYTES", 3000)
+    monkeypatch.setattr(sender_module, "CANCEL_TIMEOUT_S", 10.0)  # a loaded machine may be slow
     prompt = prompt_of_length(tiny, 64)
     sender.add_request("c", prompt, SAMPLING)
     sender.step()
@@ -223,6 +225,27 @@ async def test_a_cancel_finishes_the_frame_on_its_way_before_telling_the_receive
     assert handler.events[-2:] == [("frame", "c"), ("abort", "cancelled by sender: the client left")]
     for task in rivals:
         task.cancel()
+    await asyncio.gather(*rivals, return_exceptions=True)
+
+
+async def test_a_flow_whose_send_failed_holds_no_place_on_the_link(slow_link, tiny):
+    sender, handler, link, endpoint = slow_link
+    turns = LinkTurns(max_wait_s=60.0)
+    prompt = prompt_of_length(tiny, 32)
+    sender.add_request("ok", prompt, SAMPLING)
+    first = sender.step()[0].token_id
+    flows = [
+        await open_flow(endpoint, flow_open_for(rid, prompt), SECRET, path="wan", timeout_s=5, link=link, turns=turns)
+        for rid in ("broken", "ok")
+    ]
+    with pytest.raises(TypeError):  # not a buffer: the send fails
+        await flows[0].send_frame([object()], tokens_left=1)
+    for parts in sender.export_frames("ok", 0, len(prompt), max_tokens_per_frame=16):
+        await asyncio.wait_for(flows[1].send_frame(parts, tokens_left=len(prompt)), 5)
+    await asyncio.wait_for(flows[1].end([first]), 5)
+    await asyncio.wait_for(_ended(handler, "ok"), 10)
+    assert handler.events.count(("frame", "ok")) == 2
+    await flows[0].close()
 
 
 async def _ended(handler: RecordingHandler, request_id: str):

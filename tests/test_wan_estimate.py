@@ -320,6 +320,10 @@ def test_a_new_flow_shares_the_link_equally_with_another_prefills_flow():
     assert shared == pytest.approx(0.2 + 2 * 37_000_000 * 8 / 100e6 + 0.02)
     follow_up = busy.arrival_after_prefill_s(1_000_000, ships_from_s=0.1, sender_id="prefill-0")
     assert follow_up == pytest.approx(0.1 + 2 * 1_000_000 * 8 / 100e6 + 0.02)
+    # another prefill with two flows crossing still gets one share, not one per flow
+    two = WanEstimate(bandwidth_bps=100e6, rtt_s=0.04, crossing_bytes=(40e6, 40e6), crossing_senders=("p1", "p1"))
+    beside_two = two.arrival_after_prefill_s(37_000_000, ships_from_s=0.0, sender_id="p0")
+    assert beside_two == pytest.approx(0.04 + 2 * 37_000_000 * 8 / 100e6 + 0.02)
     # the same flow from the crossing flow's own prefill goes ahead of it
     ahead = busy.arrival_after_prefill_s(37_000_000, ships_from_s=0.2, sender_id="prefill-1")
     assert ahead == pytest.approx(0.2 + 37_000_000 * 8 / 100e6 + 0.02)

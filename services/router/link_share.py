@@ -50,16 +50,22 @@ def drained(crossing_bytes: Sequence[float], sent_bytes: float) -> list[float]:
 
 
 def shared_transfer_bytes(
-    num_bytes: float, crossing_bytes: Sequence[float], same_sender: Sequence[bool] | None = None
+    num_bytes: float, crossing_bytes: Sequence[float], senders: Sequence[str] | None = None, sender: str = ""
 ) -> float:
-    """Bytes the link carries until a flow of ``num_bytes`` sends its last beside flows with
-    ``crossing_bytes`` to send: its own; all of each flow of the same prefill with no more left
-    (placed earlier, it goes first; those with more left wait for it); and of each flow of
-    another prefill (``same_sender`` False; default: every flow is of the same prefill), which
-    shares the link equally, as many as this flow's prefill sends until then, or all it has."""
-    same = [True] * len(crossing_bytes) if same_sender is None else same_sender
-    own = num_bytes + sum(size for size, mine in zip(crossing_bytes, same, strict=True) if mine and size <= num_bytes)
-    return own + sum(min(size, own) for size, mine in zip(crossing_bytes, same, strict=True) if not mine)
+    """Bytes the link carries until a flow of ``num_bytes`` from prefill ``sender`` sends its
+    last beside flows with ``crossing_bytes`` to send from ``senders`` (default: all from
+    ``sender``): its own; all of each flow of its prefill with no more left (placed earlier, it
+    goes first; those with more left wait for it); and of each other prefill, which shares the
+    link equally, as many as this flow's prefill sends until then, or all that prefill has."""
+    senders = [sender] * len(crossing_bytes) if senders is None else senders
+    own = num_bytes + sum(
+        size for size, by in zip(crossing_bytes, senders, strict=True) if by == sender and size <= num_bytes
+    )
+    others: dict[str, float] = {}
+    for size, by in zip(crossing_bytes, senders, strict=True):
+        if by != sender:
+            others[by] = others.get(by, 0.0) + size
+    return own + sum(min(total, own) for total in others.values())
 
 
 def _serve(flows: Sequence[Sending], now_s: float, until_s: float, bytes_per_s: float, finished: list | None):

@@ -111,9 +111,8 @@ class WanEstimate:
         besides ``carried_own_bytes`` of this flow's."""
         carried_bytes = max(0.0, from_s * self.bandwidth_bps / 8 - carried_own_bytes)
         crossing = drained(self.crossing_bytes, carried_bytes)
-        senders = self.crossing_senders or (sender_id,) * len(crossing)
-        same = [sender == sender_id for sender in senders]
-        return shared_transfer_bytes(num_bytes, crossing, same) * 8 / self.bandwidth_bps
+        senders = self.crossing_senders or None
+        return shared_transfer_bytes(num_bytes, crossing, senders, sender_id) * 8 / self.bandwidth_bps
 
 
 @dataclass
@@ -239,7 +238,7 @@ class WanEstimator:
         self._num_ledger_changes += 1
 
     def _advance(self):
-        """Bring the flows' unsent bytes up to now: the link carried them, shortest first."""
+        """Bring the flows' unsent bytes up to now: the link carried them (``link_share``)."""
         now = self._clock()
         if now > self._as_of:
             advance([flow.sending for flow in self._flows.values()], self._as_of, now, self.bandwidth_bps / 8)
@@ -247,7 +246,7 @@ class WanEstimator:
 
     def _leaving(self) -> dict[str, float]:
         """When each placed flow's last byte leaves: from what each has still to send, the
-        link serving the one with the least left among those whose first byte may leave, at the
+        link shared as ``link_share`` says among those whose first byte may leave, at the
         bandwidth believed now; no earlier than the flow's prefill ends. Planned again only after the ledger or
         the bandwidth changed: advancing the flows along the plan does not move it."""
         key = (self._num_ledger_changes, self.bandwidth_bps)

@@ -108,6 +108,13 @@ class BulkFlow:
             if tokens_left is None:
                 raise ValueError("a flow that takes turns on its link needs each frame's tokens_left")
             self._turns.hold(self._on_link, tokens_left)
+        try:
+            await self._send_frame(parts)
+        except BaseException:  # a flow that failed or was given up holds no place on the link
+            self.pause_turns()
+            raise
+
+    async def _send_frame(self, parts: list[bytes | memoryview]):
         stream = self._streams[self._frames_sent % len(self._streams)]
         self._frames_sent += 1
         if len(self._streams) == 1:  # nothing to overlap: the send itself, as before striping
@@ -122,22 +129,23 @@ class BulkFlow:
 
     async def _send_on(self, stream: BulkConnection, parts: list[bytes | memoryview]):
         if self._turns is None:
-            size = await stream.send(parts)
-        else:  # the pieces go on if the caller is cancelled: the frame goes out whole
-            frame = asyncio.ensure_future(self._send_pieces(stream, parts))
-            frame.add_done_callback(_retrieve_exception)
-            self._pieced_frames.add(frame)
-            frame.add_done_callback(self._pieced_frames.discard)
-            size = await asyncio.shield(frame)
-        self.bytes_sent += size
-        KV_BYTES.labels(self.path, "sent").inc(size)
+            self._count_sent(await stream.send(parts))
+            return
+        # the pieces go on if the caller is cancelled: the frame goes out whole
+        frame = asyncio.ensure_future(self._send_pieces(stream, parts))
+        frame.add_done_callback(_retrieve_exception)
+        self._pieced_frames.add(frame)
+        frame.add_done_callback(self._pieced_frames.discard)
+        await asyncio.shield(frame)
 
-    async def _send_pieces(self, stream: BulkConnection, parts: list[bytes | memoryview]) -> int:
-        size = 0
+    async def _send_pieces(self, stream: BulkConnection, parts: list[bytes | memoryview]):
         for piece in pieces(parts, PIECE_BYTES):
             async with self._turns.turn(self._on_link):
-                size += await stream.send(piece)
-        return size
+                self._count_sent(await stream.send(piece))
+
+    def _count_sent(self, size: int):
+        self.bytes_sent += size
+        KV_BYTES.labels(self.path, "sent").inc(size)
 
     def pause_turns(self):
         """On a link's turns: the sender has no frame in hand (the next is still being computed
@@ -154,6 +162,9 @@ class BulkFlow:
             while self._in_flight:
                 await asyncio.shield(self._in_flight[0])
                 self._in_flight.popleft()
+            for frame in list(self._pieced_frames):  # one whose sender was cancelled goes out whole
+                await asyncio.shield(frame)
+            self._leave_link()
             await asyncio.gather(*(self._end_stream(stream) for stream in self._streams[1:]))
             await self._connection.send_control(
                 FlowEnd(
@@ -168,7 +179,6 @@ class BulkFlow:
         if self._release is None:
             await self.close()
         else:
-            self._leave_link()
             self._release(self._streams)
 
     async def _end_stream(self, stream: BulkConnection):
