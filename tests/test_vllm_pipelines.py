@@ -171,10 +171,12 @@ def test_a_relay_on_vllm_killed_mid_stream_hands_the_stream_to_main_decode_on_vl
     messages = [
         {
             "role": "user",
-            "content": "Tool output:\n" + long_tool_output(32) + "\nWrite a long essay about what this project does.",
+            "content": "Service log:\n" + long_tool_output(32) + "\nWrite a long essay about what this project does.",
         }
     ]
-    # KV ships while the prompt computes, so at 100 Mbit/s it lands soon after the prefill and
+    # A cold prompt: the first test's "Tool output:" turns left their blocks at main decode, and a
+    # prompt that began the same way would miss only its last lines, which can be predicted to
+    # cross within the target (then nothing is relayed). KV ships while the prompt computes, so at 100 Mbit/s it lands soon after the prefill and
     # the relay hands over within a few tokens; at 30 Mbit/s it still crosses (~10 s) when the
     # relay, streaming eager tokens, is killed.
     state = load_state(deployment.run_dir)
