@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,13 @@ relay's first token (5 tokens decoded, below the threshold); at 40 Mbit/s they t
 def link_bps(name: str) -> float:
     """The link rate deployment ``name`` was started with, in bit/s."""
     return float(BANDWIDTH.get(name, "100mbit").removesuffix("mbit")) * 1e6
+
+
+def believed_link_mbit(deployment: "Deployment") -> float:
+    """The router's estimate of the WAN link's rate (its health endpoint)."""
+    url = str(deployment.client.base_url).rstrip("/").removesuffix("/v1") + "/health"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.load(response)["wan_estimate"]["bandwidth_mbit"]
 
 
 @dataclass
@@ -182,6 +190,15 @@ def test_a_relay_on_vllm_killed_mid_stream_hands_the_stream_to_main_decode_on_vl
     state = load_state(deployment.run_dir)
     wan_control.call(state.wan_control_url, {"bandwidth_bps": 30e6}, state.control_key())
     try:
+        # The router must believe the slower link before the request is placed: believing the
+        # first test's 200 Mbit/s, a slow prefill on a loaded machine can hide the whole
+        # crossing in the prediction and send the request P→MD. One cold prompt teaches it.
+        teach = [{"role": "user", "content": "Build output:\n" + long_tool_output(8) + "\nOne word: ok?"}]
+        client.chat.completions.create(model=model, messages=teach, max_tokens=1, temperature=0)
+        deadline_s = time.monotonic() + 120
+        while believed_link_mbit(deployment) > 60:
+            assert time.monotonic() < deadline_s, "the router did not learn the slower link"
+            time.sleep(0.1)
         stream = client.chat.completions.create(
             model=model, messages=messages, max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True}
         )
