@@ -31,13 +31,12 @@ class LinkSpec:
 
 
 class _Flow:
-    __slots__ = ("cancelled", "num_bytes", "on_done", "sending", "started_s")
+    __slots__ = ("cancelled", "num_bytes", "on_done", "sending")
 
     def __init__(self, num_bytes: int, on_done: Callable[[float], None], started_s: float, sender: str):
         self.sending = Sending(started_s, float(num_bytes), sender)
         self.num_bytes = num_bytes
         self.on_done = on_done
-        self.started_s = started_s
         self.cancelled = False
 
 
@@ -111,7 +110,7 @@ class WanPipe:
         for flow in done:
             self._flows.remove(flow)
             self.bytes_carried += flow.num_bytes
-            sent_s = self.events.now - flow.started_s
+            sent_s = self.events.now - flow.sending.first_byte_at  # when it was sent
             throughput = flow.num_bytes * 8 / sent_s if sent_s > 0 else self.link.bandwidth_bps
             self.events.after(self.one_way_s(), lambda f=flow, t=throughput: f.cancelled or f.on_done(t))
         self._reschedule()
