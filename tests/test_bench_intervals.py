@@ -17,15 +17,21 @@ def records(ttfts, eager=0, output=24):
     ]
 
 
-def runs(scale_pdd: float, repetitions: int = 3, seed: int = 0):
+def runs(scale_pdd: float, repetitions: int = 3, seed: int = 0, noise: float = 0.15):
+    """Every mode replays the same 21 turns; each request's TTFT is its turn's cost times the
+    mode's scale times its own noise (lognormal, sigma ``noise``)."""
     rng = random.Random(seed)
+
+    def mode(base, scale):
+        return [t * scale * rng.lognormvariate(0, noise) for t in base]
+
     out = {"pdd": [], "cross-site-pd-drc": [], "cross-site-pd": [], "same-site": []}
     for _ in range(repetitions):
         base = [rng.lognormvariate(7, 0.6) for _ in range(21)]
-        out["cross-site-pd-drc"].append(ModeRun(records(base), 270_000_000))
-        out["cross-site-pd"].append(ModeRun(records([t * 3 for t in base]), 940_000_000))
-        out["same-site"].append(ModeRun(records([t * 0.5 for t in base]), 0))
-        out["pdd"].append(ModeRun(records([t * scale_pdd for t in base], eager=3), 260_000_000))
+        out["cross-site-pd-drc"].append(ModeRun(records(mode(base, 1)), 270_000_000))
+        out["cross-site-pd"].append(ModeRun(records(mode(base, 3)), 940_000_000))
+        out["same-site"].append(ModeRun(records(mode(base, 0.5)), 0))
+        out["pdd"].append(ModeRun(records(mode(base, scale_pdd), eager=3), 260_000_000))
     return out
 
 
@@ -49,15 +55,35 @@ def test_a_target_is_judged_on_the_whole_interval():
     assert verdict(0.55, 0.7, 0.5) == "MISSED"
     assert verdict(0.4, 0.6, 0.5) == "UNDECIDED"
     assert verdict(0.4, 0.6, None) == "MEASURED"
-    # PDD's P99 exactly half of DRC's in every repetition, but 21 requests each: the interval straddles 0.5
+    # PDD's requests half as long as DRC's on average, each with its own noise: the interval straddles 0.5
     assert ratio_intervals(runs(0.5), samples=400)["pdd_vs_drc_ttft_p99"]["verdict"] == "UNDECIDED"
     assert ratio_intervals(runs(1.0), samples=400)["pdd_vs_drc_ttft_p99"]["verdict"] == "MISSED"
     assert ratio_intervals(runs(0.2), samples=400)["pdd_vs_drc_ttft_p99"]["verdict"] == "MET"
 
 
+def test_a_costly_turn_in_every_mode_does_not_widen_the_interval():
+    """The P99 of 21 requests is the costliest turn's. Each mode has that turn's request, and
+    the draws keep the modes paired, so no draw compares one mode with it against another
+    without it."""
+    rng = random.Random(0)
+
+    def width(turn_costs):
+        measured = {"pdd": [], "same-site": []}
+        for _ in range(3):
+            for mode, scale in (("pdd", 1.05), ("same-site", 1.0)):
+                ttfts = [cost * scale * rng.lognormvariate(0, 0.05) for cost in turn_costs]
+                measured[mode].append(ModeRun(records(ttfts), 0))
+        figure = ratio_intervals(measured, samples=400)["pdd_vs_same_site_ttft_p99"]
+        return figure["high"] - figure["low"]
+
+    even = [rng.lognormvariate(7, 0.1) for _ in range(21)]
+    one_costly = [cost * (8 if turn == 7 else 1) for turn, cost in enumerate(even)]
+    assert width(one_costly) < 1.5 * width(even)
+
+
 def test_more_repetitions_narrow_the_interval():
-    few = ratio_intervals(runs(0.5, repetitions=1), samples=400)["pdd_vs_same_site_ttft_p99"]
-    many = ratio_intervals(runs(0.5, repetitions=8), samples=400)["pdd_vs_same_site_ttft_p99"]
+    few = ratio_intervals(runs(0.5, repetitions=1), samples=400)["pdd_vs_drc_ttft_p50"]
+    many = ratio_intervals(runs(0.5, repetitions=8), samples=400)["pdd_vs_drc_ttft_p50"]
     assert len(many["per_repetition"]) == 8
     assert many["high"] - many["low"] < few["high"] - few["low"]
 
