@@ -13,20 +13,10 @@ from infra.wan_link import LinkProfile, Route, WanLink
 from shared import kv_wire
 from shared.bulk.auth import verify_key
 from shared.bulk.link_route import route_key
-from shared.bulk.link_turns import (
-    MAX_PIECE_BYTES,
-    MIN_PIECE_BYTES,
-    PIECE_BYTES,
-    PIECE_WIRE_S,
-    LinkTurns,
-    piece_bytes_for,
-    pieces,
-)
+from shared.bulk.link_turns import LinkTurns, pieces
 from shared.bulk.receiver import BulkReceiver
 from shared.bulk.sender import open_flow
 from shared.engine.hf_engine import HfEngine
-from shared.kv_layout import KvLayout
-from shared.kv_wire import FrameExpectation
 from tests.helpers import SAMPLING, SECRET, RecordingHandler, flow_open_for, prompt_of_length
 
 
@@ -39,14 +29,6 @@ def test_pieces_cut_the_buffers_in_order_without_copying_and_within_the_size(siz
     assert all(sum(len(view) for view in piece) <= piece_bytes for piece in cut)
     assert sum(1 for piece in cut if piece) == -(-sum(sizes) // piece_bytes)  # as few as fit
     assert all(view.obj in parts for piece in cut for view in piece)  # views of the buffers
-
-
-def test_a_piece_is_about_ten_milliseconds_of_the_link_within_bounds():
-    assert piece_bytes_for(100e6) * 8 / 100e6 == pytest.approx(PIECE_WIRE_S, rel=0.01)
-    assert piece_bytes_for(1e6) == MIN_PIECE_BYTES and piece_bytes_for(1e12) == MAX_PIECE_BYTES
-    assert piece_bytes_for(0) == PIECE_BYTES  # the rate is not known
-    with pytest.raises(ValueError, match="piece_bytes"):
-        LinkTurns(piece_bytes=0)
 
 
 async def test_the_flow_with_less_left_goes_first_and_one_with_nothing_ready_holds_nothing_up():
@@ -167,12 +149,13 @@ async def slow_link(tiny):
     await receiver.stop()
 
 
-async def test_two_flows_across_a_slow_link_land_one_after_the_other_not_both_late(slow_link, tiny):
+async def test_two_flows_across_a_slow_link_land_one_after_the_other_not_both_late(slow_link, tiny, monkeypatch):
     """Two 500-token prompts' KV (266 KB each, 1.1 s alone at 2 Mbit/s) sent at once: the first
     lands before the second has sent half its frames; shared evenly, both would land at 2.2 s.
     Frames are cut into pieces (3,000 bytes here) and arrive whole."""
+    monkeypatch.setattr("shared.bulk.sender.PIECE_BYTES", 3000)
     sender, handler, link, endpoint = slow_link
-    turns = LinkTurns(piece_bytes=3000)
+    turns = LinkTurns()
     prompts = {rid: prompt_of_length(tiny, 500, seed=seed) for seed, rid in enumerate(("a", "b"))}
     frames, flows = {}, {}
     for rid, prompt in prompts.items():
@@ -207,7 +190,7 @@ async def test_a_cancel_finishes_the_frame_on_its_way_before_telling_the_receive
     import shared.bulk.sender as sender_module
 
     sender, handler, link, endpoint = slow_link
-    turns = LinkTurns(piece_bytes=3000)
+    turns = LinkTurns()
     rival = turns.open()  # a flow with less left that takes the link mid-frame
     never, rival_in = asyncio.Event(), asyncio.Event()
 
@@ -225,6 +208,7 @@ async def test_a_cancel_finishes_the_frame_on_its_way_before_telling_the_receive
 
     rivals: list[asyncio.Future] = []
     monkeypatch.setattr(sender_module, "pieces", cut_then_rival_comes)
+    monkeypatch.setattr(sender_module, "PIECE_BYTES", 3000)
     monkeypatch.setattr(sender_module, "CANCEL_TIMEOUT_S", 10.0)  # a loaded machine may be slow
     prompt = prompt_of_length(tiny, 64)
     sender.add_request("c", prompt, SAMPLING)
@@ -272,101 +256,3 @@ async def _ended(handler: RecordingHandler, request_id: str):
 
 def _kv(engine: HfEngine, frames) -> torch.Tensor:
     return torch.cat([kv_wire.decode_frame(kv_wire.frame_bytes(p), engine.frame_expectation).kv for p in frames], 2)
-
-
-class _FrameLog:
-    """A receiver's handler that keeps the order frames and ends arrive in, with their sizes."""
-
-    def __init__(self):
-        self.events: list[tuple[str, str, int]] = []
-        self.changed = asyncio.Event()
-
-    async def open_flow(self, flow_open, stats):
-        self.events.append(("open", flow_open.request_id, 0))
-        return 0
-
-    async def import_frame(self, request_id, frame):
-        self.events.append(("frame", request_id, frame.kv.numel() * frame.kv.element_size()))
-        self._changed()
-
-    async def end_flow(self, request_id, end, stats):
-        self.events.append(("end", request_id, 0))
-        self._changed()
-
-    async def abort_flow(self, request_id, reason):
-        self.events.append(("abort", request_id, 0))
-        self._changed()
-
-    def _changed(self):
-        self.changed.set()
-        self.changed = asyncio.Event()
-
-    async def wait_for(self, done):
-        while not done():
-            await asyncio.wait_for(self.changed.wait(), 30)
-
-
-def _random_kv_frames(request_id: str, num_tokens: int, layout: KvLayout) -> tuple[list[int], list[list]]:
-    """A prompt and frames of random KV for it in ``layout``, 16 tokens each."""
-    kv = torch.randn(layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
-    prompt = [10 + i % 1000 for i in range(num_tokens)]
-    return prompt, kv_wire.encode_frames(
-        lambda start, end: kv[:, :, start:end],
-        prompt,
-        0,
-        num_tokens,
-        block_size=layout.block_size,
-        model_fingerprint="turns-test",
-        request_id=request_id,
-        max_tokens_per_frame=16,
-    )
-
-
-async def test_a_flow_that_overtakes_another_shares_the_link_with_one_piece_of_it_not_its_socket_buffers():
-    """A 4 MiB flow crosses a 100 Mbit/s link with 1 MiB socket buffers (2 MiB as the kernel
-    counts them); a 2 MiB flow with less left starts behind it. The first flow's connection
-    keeps at most one piece (125 KB, 10 ms of the link) unsent, so while the second crosses,
-    what lands of the first is what had already left its socket (1.2 MB measured: the link
-    emulator's receive buffer and read-ahead, the piece on its way, frames landing whole). With
-    the kernel free to fill the socket's buffers, 3.8 MB of it landed meanwhile."""
-    layout = KvLayout(4, 4, 64, 16, torch.float32)  # 8 KiB of KV per token
-    log = _FrameLog()
-    receiver = BulkReceiver(
-        log, FrameExpectation("turns-test", layout), verify_key(SECRET), path="wan", frame_timeout_s=30
-    )
-    host, port = await receiver.start()
-    link = WanLink(LinkProfile(bandwidth_bps=100e6, rtt_ms=4, jitter_ms=0), route_key=route_key(SECRET))
-    link_port = await link.add_route(Route("bulk-main-decode", "127.0.0.1", 0, "*", 0, from_site="site-a"))
-    turns = LinkTurns(piece_bytes_for(100e6))
-    try:
-
-        async def ship(request_id: str, num_tokens: int):
-            prompt, frames = _random_kv_frames(request_id, num_tokens, layout)
-            flow = await open_flow(
-                f"{host}:{port}",
-                flow_open_for(request_id, prompt),
-                SECRET,
-                path="wan",
-                timeout_s=5,
-                link=f"127.0.0.1:{link_port}",
-                buffer_bytes=1 << 20,
-                turns=turns,
-            )
-            for index, parts in enumerate(frames):
-                await flow.send_frame(parts, tokens_left=num_tokens - 16 * index)
-            await flow.end([1])
-
-        first = asyncio.create_task(ship("first", 512))
-        await log.wait_for(lambda: sum(1 for e in log.events if e[:2] == ("frame", "first")) >= 2)
-        await asyncio.wait_for(ship("second", 256), 30)
-        await log.wait_for(lambda: ("end", "second", 0) in log.events)
-        await asyncio.wait_for(first, 30)
-        opened = log.events.index(("open", "second", 0))
-        ended = log.events.index(("end", "second", 0))
-        overlap = sum(size for kind, rid, size in log.events[opened:ended] if (kind, rid) == ("frame", "first"))
-        second = sum(size for kind, rid, size in log.events if (kind, rid) == ("frame", "second"))
-        assert second == 256 * 8192
-        assert overlap < 2 << 20, overlap
-    finally:
-        await link.close()
-        await receiver.stop()

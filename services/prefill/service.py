@@ -23,7 +23,7 @@ from services.prefill.job import PrefillJob
 from services.prefill.shipping_plan import ShippingPath
 from services.prefill.speed import PrefillSpeed
 from shared import subjects
-from shared.bulk.link_turns import LinkTurns, piece_bytes_for
+from shared.bulk.link_turns import LinkTurns
 from shared.bulk.path_sizing import PathStreams, plan_path
 from shared.bulk.pool import BulkPool
 from shared.bulk.sender import BulkFlow, open_flow
@@ -64,7 +64,7 @@ class PrefillService(EngineService):
             "local": plan_path(0, 0, config.bulk_window_bytes, config.bulk_streams_local),
         }
         """How each path's flows use the network (connections per flow, socket buffers)."""
-        self.wan_turns = LinkTurns(piece_bytes_for(config.wan_bandwidth_mbit * 1e6))
+        self.wan_turns = LinkTurns()
         """The WAN flows, which cross the link shortest-remaining-first."""
 
     async def on_start(self):

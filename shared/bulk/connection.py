@@ -51,8 +51,6 @@ from shared.messages import BulkControl
 T = TypeVar("T")
 SIOCOUTQNSD = 0x894B
 """Linux's ioctl for a TCP socket's bytes queued and not yet sent (``linux/sockios.h``)."""
-TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
-"""Linux's socket option bounding a TCP socket's unsent bytes (``linux/tcp.h``)."""
 
 _checks: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -236,19 +234,6 @@ class BulkConnection:
         except (OSError, ValueError):
             return 0
         return struct.unpack("i", queued)[0]
-
-    def limit_unsent(self, num_bytes: int) -> bool:
-        """Keep at most about ``num_bytes`` unsent in the kernel (``TCP_NOTSENT_LOWAT``; 0: the
-        system's default, no limit): a send then returns once the rest of its bytes are that
-        close to the wire, and what the socket holds back is the sender's, not the kernel's.
-        Returns whether the kernel took the setting (False: closed, not TCP, or not Linux)."""
-        if self._closed or self._sock.family not in (socket.AF_INET, socket.AF_INET6):
-            return False
-        try:
-            self._sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, num_bytes)
-        except OSError:
-            return False
-        return True
 
     def close(self):
         """Shut the socket down (ending any call in progress), then close it once the calls

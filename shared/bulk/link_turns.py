@@ -9,15 +9,11 @@ predicts landings under the same rule: ``services/router/link_share.py``.)
 
 A flow's sender says when it has KV in hand (``LinkTurns.hold``, with how much of the prompt
 is still to send) and when it has none (``let_go``: the rest is still being computed or
-exported). It sends its KV as pieces (``LinkTurns.piece_bytes``, about ``PIECE_WIRE_S`` of the
-link's time); before each piece it waits for its turn (``LinkTurns.turn``), given while no
-other flow with KV in hand or a piece on its way has less left (ties: the flow opened first).
-The rule is work-conserving: a flow with nothing in hand holds nothing up, so others send
-meanwhile. A piece that has started goes out whole. Its turn lasts until the kernel holds at
-most one piece of it unsent: a flow's connections keep no more than that unsent
-(``BulkConnection.limit_unsent``, TCP_NOTSENT_LOWAT), where their buffers, sized to the path's
-bandwidth-delay product, would otherwise hold a megabyte or more of the flow that was
-overtaken, sharing the link with the flow that overtook it.
+exported). It sends its KV as pieces (``PIECE_BYTES``); before each piece it waits for its
+turn (``LinkTurns.turn``), given while no other flow with KV in hand or a piece on its way has
+less left (ties: the flow opened first). The rule is work-conserving: a flow with nothing in
+hand holds nothing up, so others send meanwhile. A piece that has started goes out whole; what
+the kernel and the link already hold of another flow's pieces still shares the link.
 
 No piece waits for its turn longer than ``MAX_TURN_WAIT_S``: its flow then stops taking turns
 and sends whenever it has KV, sharing the link as a TCP connection does. So a flow with much
@@ -35,12 +31,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-PIECE_WIRE_S = 0.010
-"""A piece's time on the link: what a flow that overtakes another waits for, about."""
 PIECE_BYTES = 1 << 20
-"""A piece where the link's rate is not known (84 ms at 100 Mbit/s)."""
-MIN_PIECE_BYTES = 64 << 10
-MAX_PIECE_BYTES = 4 << 20
+"""Most bytes a flow hands the kernel per turn (84 ms at 100 Mbit/s)."""
 MAX_TURN_WAIT_S = 10.0
 """Longest a piece waits for its turn (a twelfth of a receiver's default 120 s wait for a frame)."""
 
@@ -74,27 +66,10 @@ class LinkFlow:
         return (self.tokens_left, self.seq)
 
 
-def piece_bytes_for(rate_bps: float) -> int:
-    """A piece of about ``PIECE_WIRE_S`` on a link of ``rate_bps`` bits/s, within
-    ``MIN_PIECE_BYTES`` .. ``MAX_PIECE_BYTES`` (``PIECE_BYTES`` when the rate is not known: 0)."""
-    if rate_bps <= 0:
-        return PIECE_BYTES
-    return max(MIN_PIECE_BYTES, min(MAX_PIECE_BYTES, int(rate_bps / 8 * PIECE_WIRE_S)))
-
-
 class LinkTurns:
-    """The flows of this process that cross one link, and whose piece goes next.
+    """The flows of this process that cross one link, and whose piece goes next."""
 
-    Args:
-        piece_bytes: Most bytes a flow hands the kernel per turn, and most it leaves unsent
-            there (``piece_bytes_for`` the link's rate).
-        max_wait_s: Longest a piece waits for its turn.
-    """
-
-    def __init__(self, piece_bytes: int = PIECE_BYTES, max_wait_s: float = MAX_TURN_WAIT_S):
-        if piece_bytes <= 0:
-            raise ValueError(f"piece_bytes must be > 0, got {piece_bytes}")
-        self.piece_bytes = piece_bytes
+    def __init__(self, max_wait_s: float = MAX_TURN_WAIT_S):
         self.max_wait_s = max_wait_s
         self._flows: list[LinkFlow] = []
         self._seq = itertools.count()

@@ -13,7 +13,7 @@ import msgspec
 from shared.bulk.auth import new_nonce, sign
 from shared.bulk.connection import BulkConnection, dial
 from shared.bulk.link_route import route_key, sign_route
-from shared.bulk.link_turns import LinkTurns, pieces
+from shared.bulk.link_turns import PIECE_BYTES, LinkTurns, pieces
 from shared.bulk.path_sizing import MAX_STREAMS
 from shared.bulk.pool import BulkPool
 from shared.errors import PddError
@@ -64,8 +64,6 @@ class BulkFlow:
         self._opened = time.monotonic()
         self._turns = turns
         self._on_link = turns.open() if turns is not None else None
-        for stream in self._streams:  # a pooled connection may come from a flow of another kind
-            stream.limit_unsent(turns.piece_bytes if turns is not None else 0)
         self._pieced_frames: set[asyncio.Future] = set()
 
     @property
@@ -141,7 +139,7 @@ class BulkFlow:
         await asyncio.shield(frame)
 
     async def _send_pieces(self, stream: BulkConnection, parts: list[bytes | memoryview]):
-        for piece in pieces(parts, self._turns.piece_bytes):
+        for piece in pieces(parts, PIECE_BYTES):
             async with self._turns.turn(self._on_link):
                 self._count_sent(await stream.send(piece))
 
