@@ -3,16 +3,18 @@
 One quick run's P99 is the largest of 21 requests, so one run's PDD-vs-DRC ratio is one draw
 (0.40 in one run, 0.61 in a rerun of the same command). ``pdd bench run --repeat N`` runs the
 modes N times, interleaved, and each ratio here is reported as the median of its N
-per-repetition values with a 90 % interval from a two-stage bootstrap: repetitions are drawn
-with replacement, then requests within each drawn repetition. A target is judged on the
+per-repetition values with a 90 % interval from a bootstrap. A target is judged on the
 interval: MET when all of it is on the right side, MISSED when none is, UNDECIDED otherwise.
 
-Every mode replays the same trace, so the draws are paired: one draw of repetitions for all
-modes, and within a repetition one draw of trace turns (session, turn), each taking that
-turn's request from every mode. A ratio then compares the modes on the same resampled
-workload; unpaired draws would compare one mode with the costliest prompt against another
-without it (the interval of PDD/same-site P99 over three quick runs: [0.74, 1.54] unpaired,
-[0.94, 1.12] paired).
+Every repetition of every mode replays the same trace, so repetitions and the trace's sessions
+are crossed, not nested, and each bootstrap sample draws both once: repetitions with
+replacement, and the trace's sessions with replacement, the same sessions for every drawn
+repetition and every mode. A ratio then compares the modes on the same resampled workload, and
+a sample without the trace's costliest session lacks it in every mode and repetition, as a
+trace without it would. Sessions, not turns, are the units: a follow-up turn's TTFT depends on
+its session's earlier turns (their KV, their answers). With a handful of sessions and three
+repetitions the interval is itself rough (a bootstrap's spread is about (n-1)/n of the truth,
+and a P99's bootstrap leans on the few requests at the top).
 
 Link byte counts exist per run, not per request, so their ratio is resampled over repetitions
 only: with ``--repeat 3`` its interval spans the repetitions' values.
@@ -133,27 +135,39 @@ RATIOS = [
 ]
 
 
-def _resample(runs: Runs, rng: np.random.Generator) -> Runs:
-    """Repetitions drawn with replacement, then trace turns within each; every mode gets the
-    same draw (a repetition's modes ran side by side on the same trace)."""
+Grouped = dict[str, list[dict[int, list[RequestRecord]]]]
+"""Per mode, per repetition, the records of each trace session."""
+
+
+def _group(runs: Runs) -> Grouped:
+    """Each run's records by trace session (done once, not per bootstrap sample)."""
+    grouped: Grouped = {}
+    for mode, mode_runs in runs.items():
+        grouped[mode] = []
+        for run in mode_runs:
+            by_session: dict[int, list[RequestRecord]] = {}
+            for record in run.records:
+                by_session.setdefault(record.session, []).append(record)
+            grouped[mode].append(by_session)
+    return grouped
+
+
+def _resample(runs: Runs, grouped: Grouped, rng: np.random.Generator) -> Runs:
+    """One bootstrap sample: repetitions drawn with replacement, and the trace's sessions drawn
+    with replacement once, for every drawn repetition and every mode (see the module)."""
     repetitions = min(len(v) for v in runs.values())
     picked = rng.integers(0, repetitions, repetitions)
-    out: Runs = {mode: [] for mode in runs}
-    for index in picked:
-        by_turn = {mode: _by_turn(mode_runs[index].records) for mode, mode_runs in runs.items()}
-        turns = sorted(set().union(*by_turn.values()))
-        draw = [turns[i] for i in rng.integers(0, len(turns), len(turns))] if turns else []
-        for mode, mode_runs in runs.items():
-            drawn = [record for turn in draw for record in by_turn[mode].get(turn, [])]
-            out[mode].append(ModeRun(drawn, mode_runs[index].link_kv_bytes))
-    return out
-
-
-def _by_turn(records: list[RequestRecord]) -> dict[tuple[int, int], list[RequestRecord]]:
-    """A repetition's records keyed by their trace turn (session, turn)."""
-    out: dict[tuple[int, int], list[RequestRecord]] = {}
-    for record in records:
-        out.setdefault((record.session, record.turn), []).append(record)
+    sessions = sorted({session for per_run in grouped.values() for by_session in per_run for session in by_session})
+    drawn = [sessions[i] for i in rng.integers(0, len(sessions), len(sessions))]
+    out: Runs = {}
+    for mode, mode_runs in runs.items():
+        out[mode] = [
+            ModeRun(
+                [record for session in drawn for record in grouped[mode][index].get(session, [])],
+                mode_runs[index].link_kv_bytes,
+            )
+            for index in picked
+        ]
     return out
 
 
@@ -171,8 +185,10 @@ def ratio_intervals(runs: Runs, seed: int = 0, samples: int = BOOTSTRAP_SAMPLES)
     if not specs:  # e.g. --modes same-site: no ratio has both its modes
         return {}
     draws: dict[str, list[float]] = {spec.name: [] for spec in specs}
+    used = {mode: runs[mode] for spec in specs for mode in spec.modes}
+    grouped = _group(used)
     for _ in range(samples):
-        resampled = _resample({mode: runs[mode] for spec in specs for mode in spec.modes}, rng)
+        resampled = _resample(used, grouped, rng)
         for spec in specs:
             value = spec.statistic(resampled)
             if value is not None:

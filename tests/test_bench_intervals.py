@@ -11,23 +11,24 @@ from loadtest.client import RequestRecord
 
 
 def records(ttfts, eager=0, output=24):
+    """One record per trace turn, three turns per session."""
     return [
-        RequestRecord(0, i, "warm", ttft_ms=t, output_tokens=output, pdd={"eager_tokens": eager})
+        RequestRecord(i // 3, i % 3, "warm", ttft_ms=t, output_tokens=output, pdd={"eager_tokens": eager})
         for i, t in enumerate(ttfts)
     ]
 
 
 def runs(scale_pdd: float, repetitions: int = 3, seed: int = 0, noise: float = 0.15):
-    """Every mode replays the same 21 turns; each request's TTFT is its turn's cost times the
-    mode's scale times its own noise (lognormal, sigma ``noise``)."""
+    """Every mode replays the same 21 turns in every repetition; each request's TTFT is its
+    turn's cost times the mode's scale times its own noise (lognormal, sigma ``noise``)."""
     rng = random.Random(seed)
+    base = [rng.lognormvariate(7, 0.6) for _ in range(21)]
 
     def mode(base, scale):
         return [t * scale * rng.lognormvariate(0, noise) for t in base]
 
     out = {"pdd": [], "cross-site-pd-drc": [], "cross-site-pd": [], "same-site": []}
     for _ in range(repetitions):
-        base = [rng.lognormvariate(7, 0.6) for _ in range(21)]
         out["cross-site-pd-drc"].append(ModeRun(records(mode(base, 1)), 270_000_000))
         out["cross-site-pd"].append(ModeRun(records(mode(base, 3)), 940_000_000))
         out["same-site"].append(ModeRun(records(mode(base, 0.5)), 0))
@@ -79,6 +80,26 @@ def test_a_costly_turn_in_every_mode_does_not_widen_the_interval():
     even = [rng.lognormvariate(7, 0.1) for _ in range(21)]
     one_costly = [cost * (8 if turn == 7 else 1) for turn, cost in enumerate(even)]
     assert width(one_costly) < 1.5 * width(even)
+
+
+def test_a_trace_without_its_costliest_session_lies_within_the_interval():
+    """PDD is 1.05x same-site on the costliest turn and 1.4x on every other: the P99 ratio of
+    this trace is about 1.05, and a trace of the same kind without that turn would give 1.4.
+    Its session is missing from every mode and repetition of about a third of the samples, so
+    the interval reaches 1.4. (Drawn afresh in each of five repetitions, a turn is missing
+    from all of them in 0.6 % of the samples: the interval would end at 1.05.)"""
+    rng = random.Random(1)
+    costs = [rng.lognormvariate(7, 0.1) for _ in range(21)]
+    costs[7] *= 8
+    measured = {"pdd": [], "same-site": []}
+    for _ in range(5):
+        same_site = [cost * rng.lognormvariate(0, 0.02) for cost in costs]
+        pdd = [t * (1.05 if turn == 7 else 1.4) for turn, t in enumerate(same_site)]
+        measured["same-site"].append(ModeRun(records(same_site), 0))
+        measured["pdd"].append(ModeRun(records(pdd), 0))
+    figure = ratio_intervals(measured, samples=400)["pdd_vs_same_site_ttft_p99"]
+    assert figure["median"] == pytest.approx(1.05, abs=0.05)
+    assert figure["high"] > 1.3
 
 
 def test_more_repetitions_narrow_the_interval():
