@@ -135,35 +135,43 @@ RATIOS = [
 ]
 
 
-Grouped = dict[str, list[dict[int, list[RequestRecord]]]]
-"""Per mode, per repetition, the records of each trace session."""
+@dataclass(frozen=True)
+class _Sessions:
+    """The runs' records by trace session, grouped once for every bootstrap sample.
+
+    Attributes:
+        by_mode: Per mode, per repetition, each session's records.
+        ids: Every session of the trace, in order.
+    """
+
+    by_mode: dict[str, list[dict[int, list[RequestRecord]]]]
+    ids: list[int]
+
+    @classmethod
+    def of(cls, runs: Runs) -> "_Sessions":
+        by_mode: dict[str, list[dict[int, list[RequestRecord]]]] = {}
+        for mode, mode_runs in runs.items():
+            by_mode[mode] = []
+            for run in mode_runs:
+                by_session: dict[int, list[RequestRecord]] = {}
+                for record in run.records:
+                    by_session.setdefault(record.session, []).append(record)
+                by_mode[mode].append(by_session)
+        ids = sorted({session for per_run in by_mode.values() for by_session in per_run for session in by_session})
+        return cls(by_mode, ids)
 
 
-def _group(runs: Runs) -> Grouped:
-    """Each run's records by trace session (done once, not per bootstrap sample)."""
-    grouped: Grouped = {}
-    for mode, mode_runs in runs.items():
-        grouped[mode] = []
-        for run in mode_runs:
-            by_session: dict[int, list[RequestRecord]] = {}
-            for record in run.records:
-                by_session.setdefault(record.session, []).append(record)
-            grouped[mode].append(by_session)
-    return grouped
-
-
-def _resample(runs: Runs, grouped: Grouped, rng: np.random.Generator) -> Runs:
+def _resample(runs: Runs, sessions: _Sessions, rng: np.random.Generator) -> Runs:
     """One bootstrap sample: repetitions drawn with replacement, and the trace's sessions drawn
     with replacement once, for every drawn repetition and every mode (see the module)."""
     repetitions = min(len(v) for v in runs.values())
     picked = rng.integers(0, repetitions, repetitions)
-    sessions = sorted({session for per_run in grouped.values() for by_session in per_run for session in by_session})
-    drawn = [sessions[i] for i in rng.integers(0, len(sessions), len(sessions))]
+    drawn = [sessions.ids[i] for i in rng.integers(0, len(sessions.ids), len(sessions.ids))]
     out: Runs = {}
     for mode, mode_runs in runs.items():
         out[mode] = [
             ModeRun(
-                [record for session in drawn for record in grouped[mode][index].get(session, [])],
+                [record for session in drawn for record in sessions.by_mode[mode][index].get(session, [])],
                 mode_runs[index].link_kv_bytes,
             )
             for index in picked
@@ -186,9 +194,9 @@ def ratio_intervals(runs: Runs, seed: int = 0, samples: int = BOOTSTRAP_SAMPLES)
         return {}
     draws: dict[str, list[float]] = {spec.name: [] for spec in specs}
     used = {mode: runs[mode] for spec in specs for mode in spec.modes}
-    grouped = _group(used)
+    sessions = _Sessions.of(used)
     for _ in range(samples):
-        resampled = _resample(used, grouped, rng)
+        resampled = _resample(used, sessions, rng)
         for spec in specs:
             value = spec.statistic(resampled)
             if value is not None:

@@ -188,7 +188,7 @@ def render_intervals(intervals: dict) -> list[str]:
         return []
     lines = [
         "",
-        "## Ratios (median over repetitions, 90 % bootstrap interval)",
+        "## Ratios (median over repetitions, 90 % bootstrap interval over repetitions and sessions)",
         "",
         "| ratio | median | 90 % interval | per repetition | target | verdict |",
         "|---|---|---|---|---|---|",
