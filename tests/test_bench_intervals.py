@@ -103,6 +103,8 @@ def test_a_trace_without_its_costliest_session_lies_within_the_interval():
 
 
 def test_more_repetitions_narrow_the_interval():
+    """On the P50 ratio: a P99 ratio's interval comes from the few requests at the top, whose
+    share of the noise more repetitions of the same trace shrink little."""
     few = ratio_intervals(runs(0.5, repetitions=1), samples=400)["pdd_vs_drc_ttft_p50"]
     many = ratio_intervals(runs(0.5, repetitions=8), samples=400)["pdd_vs_drc_ttft_p50"]
     assert len(many["per_repetition"]) == 8
