@@ -368,6 +368,12 @@ def check_next_frame(header: KvFrameHeader, importing: bool, stands_at: int, pro
         raise FrameOwnershipError(f"frame tokens [{start}, {end}) are not the prompt's")
 
 
+def tokens_per_frame(max_tokens_per_frame: int, block_size: int) -> int:
+    """Tokens in each frame ``encode_frames`` cuts (the last of an export may hold fewer):
+    as many whole blocks as ``max_tokens_per_frame`` holds, at least one."""
+    return max(1, max_tokens_per_frame // block_size) * block_size
+
+
 def encode_frames(
     read_kv,
     token_ids: list[int],
@@ -390,11 +396,13 @@ def encode_frames(
         end_token_index: One past the last token sent.
     """
     hashes = hash_blocks(token_ids[:end_token_index], block_size)
-    blocks_per_frame = max(1, max_tokens_per_frame // block_size)
+    frame_tokens = tokens_per_frame(max_tokens_per_frame, block_size)
     frames = []
-    for first_block in range(first_token_index // block_size, -(-end_token_index // block_size), blocks_per_frame):
+    for first_block in range(
+        first_token_index // block_size, -(-end_token_index // block_size), frame_tokens // block_size
+    ):
         start = first_block * block_size
-        end = min(start + blocks_per_frame * block_size, end_token_index)
+        end = min(start + frame_tokens, end_token_index)
         frames.append(
             encode_frame(
                 kv=read_kv(start, end),

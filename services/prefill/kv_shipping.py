@@ -20,6 +20,7 @@ from services.prefill.host import PrefillHost
 from services.prefill.shipping_plan import ExportRange, ShippingPath, ShippingPlan
 from shared.bulk.sender import BulkFlow
 from shared.engine.backend import StepOutput
+from shared.kv_wire import tokens_per_frame
 from shared.messages import FlowOpen, StartPrefill
 from shared.metrics import KV_TRANSFER_BYTES, KV_TRANSFER_SECONDS
 from shared.tracing import current_traceparent, tracer
@@ -208,12 +209,6 @@ class KvShipping:
             shipment.flow.pause_turns()
         return await shipment.queue.get()
 
-    def _frame_tokens(self) -> int:
-        """Tokens per exported frame (the last of an export may hold fewer): whole blocks, as
-        ``kv_wire.encode_frames`` cuts them."""
-        block_size = self._host.engine.block_size
-        return max(1, self._host.config.frame_tokens // block_size) * block_size
-
     async def _ship(self, shipment: PathShipment):
         """One path: wait for its flow, then send its exports as they come out, then its end."""
         try:
@@ -228,7 +223,8 @@ class KvShipping:
 
     async def _send(self, shipment: PathShipment):
         flow, span, model = shipment.flow, shipment.span, self._host.config.served_model_name
-        num_prompt_tokens, frame_tokens = len(self.cmd.token_ids), self._frame_tokens()
+        frame_tokens = tokens_per_frame(self._host.config.frame_tokens, self._host.engine.block_size)
+        num_prompt_tokens = len(self.cmd.token_ids)
         with trace.use_span(span, end_on_exit=False):
             while (queued := await self._next_export(shipment)) is not None:
                 start, export = queued

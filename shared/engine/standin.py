@@ -43,7 +43,7 @@ from shared.errors import (
     UnknownRequest,
 )
 from shared.kv_layout import KvLayout
-from shared.kv_wire import FrameExpectation, KvFrame, encode_frame
+from shared.kv_wire import FrameExpectation, KvFrame, encode_frame, tokens_per_frame
 
 FINGERPRINT = "standin-v1"
 BYTES_PER_TOKEN = 8
@@ -211,7 +211,7 @@ class StandinEngine(EngineBackend):
     ) -> list[list]:
         seq = self._get(request_id)
         end = len(seq.keys) if end_token_index is None else end_token_index
-        step = max(self.block_size, max_tokens_per_frame // self.block_size * self.block_size)
+        step = tokens_per_frame(max_tokens_per_frame, self.block_size)
         hashes = hash_blocks(seq.token_ids[:end], self.block_size)
         return [
             self._frame(seq, start, min(start + step, end), hashes, traceparent)
