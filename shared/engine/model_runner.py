@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine import attention, paged_kernel
+from shared.engine import attention, heap, paged_kernel
 from shared.engine.attention import SequencePlan, build_plan, forward_plan
 from shared.engine.kv_pool import KvPool
 from shared.engine.llama_forward import LeanLlama
@@ -48,6 +48,8 @@ class ModelRunner:
         self._layout = layout
         self._pool = pool
         self.kernel = paged_kernel.kernel_for(pool.kv, layout.head_dim)
+        if loaded.device.type == "cpu":
+            heap.keep_freed_memory()  # before the engine's thread starts: it then shares the tuned arena
 
     def run(self, batch: list[ScheduledSequence]) -> torch.Tensor:
         """Logits of every sampling entry of ``batch``, in order (shape ``[samplers, vocab]``)."""
