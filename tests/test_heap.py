@@ -13,23 +13,32 @@ import pytest
 from shared.engine import heap
 
 REPO = Path(__file__).resolve().parent.parent
-TENSOR_PAGES = (12 << 20) // os.sysconf("SC_PAGE_SIZE")
-ROUNDS = 20
+GATE_UP_FLOATS = 1024 * 3072
+"""A 1K-token prefill's gate/up product in SmolLM2 (12.6 MB)."""
+GATE_UP_PAGES = GATE_UP_FLOATS * 4 // os.sysconf("SC_PAGE_SIZE")
+LAYERS = 30
 
 # A process that tunes (or not) as an engine does, then, on a thread started afterwards as the
-# engine's is, allocates, fills and frees a 12 MiB tensor (a 1K-token gate/up product's size)
-# ROUNDS times, and prints the minor page faults the thread caused.
+# engine's is, runs a layer's allocations (hidden rows, gate/up, activation, output; filled,
+# then freed) LAYERS times to settle, and prints the minor page faults of LAYERS more.
 PROBE = f"""
 import json, resource, threading, torch
 from shared.engine import heap
 tuned = heap.keep_freed_memory()
 faults = []
+def layer():
+    hidden = torch.empty(1024 * 576).fill_(1.0)
+    gate_up = torch.empty({GATE_UP_FLOATS}).fill_(1.0)
+    activation = torch.empty({GATE_UP_FLOATS // 2}).fill_(1.0)
+    del gate_up
+    out = torch.empty(1024 * 576).fill_(1.0)
+    del activation, hidden, out
 def work():
+    for _ in range({LAYERS}):
+        layer()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range({ROUNDS}):
-        tensor = torch.empty(3 << 20)
-        tensor.fill_(1.0)
-        del tensor
+    for _ in range({LAYERS}):
+        layer()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 thread = threading.Thread(target=work)
 thread.start()
@@ -50,10 +59,10 @@ def _probe(setting: str) -> dict:
 def test_freed_tensors_are_not_faulted_in_again():
     untuned, tuned = _probe("0"), _probe("1")
     assert (untuned["tuned"], tuned["tuned"]) == (False, True)
-    # glibc's defaults hand most of the rounds' pages back and fault them in again.
-    assert untuned["faults"] > ROUNDS // 2 * TENSOR_PAGES
-    # Tuned, the pages are faulted in for the first rounds only.
-    assert tuned["faults"] < 3 * TENSOR_PAGES
+    # glibc's defaults hand the gate/up product's pages back every layer and fault them in again.
+    assert untuned["faults"] > LAYERS * GATE_UP_PAGES // 2
+    # Tuned, the settled layers reuse the pages they had.
+    assert tuned["faults"] < GATE_UP_PAGES
 
 
 def test_an_unknown_setting_is_an_error_that_names_it(monkeypatch):
