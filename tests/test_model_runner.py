@@ -119,3 +119,31 @@ def test_a_llama_outside_the_lean_forward_runs_hf_forward_and_matches_generate(t
     output = engine.generate("r", prompt, SamplingParams(max_tokens=24, ignore_eos=True))
     assert engine.runner.lean is None
     assert output == reference_greedy(loaded, prompt, 24)
+
+
+def test_the_lean_forwards_norm_and_rotation_give_hf_modules_bits(smollm2):
+    """The lean forward's RMSNorm (torch's fused ``rms_norm``) and its one rotation over q's
+    and k's heads together give the same bits as HF's ``LlamaRMSNorm`` and
+    ``apply_rotary_pos_emb`` on q and k apart, at a decode's, an extend's and a prompt's rows."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from shared.engine import llama_forward
+
+    model = smollm2.model
+    layer = model.model.layers[0]
+    config = model.config
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    generator = torch.Generator().manual_seed(0)
+    for tokens in (1, 100, 1024):
+        hidden = torch.randn(tokens, config.hidden_size, generator=generator) * 4
+        norm = layer.input_layernorm
+        assert torch.equal(llama_forward._rms_norm(hidden, norm.weight, norm.variance_epsilon), norm(hidden))
+        positions = torch.arange(tokens)[None]
+        cos, sin = model.model.rotary_emb(hidden, positions)
+        q = torch.randn(1, heads, tokens, dim, generator=generator)
+        k = torch.randn(1, kv_heads, tokens, dim, generator=generator)
+        hf_q, hf_k = apply_rotary_pos_emb(q, k, cos, sin)
+        qk = torch.cat([q, k], dim=1)[0].transpose(0, 1)  # [tokens, heads + kv_heads, dim]
+        ours = llama_forward._rotate(qk, cos[0, :, None, :], sin[0, :, None, :])
+        assert torch.equal(ours[:, :heads], hf_q[0].transpose(0, 1))
+        assert torch.equal(ours[:, heads:], hf_k[0].transpose(0, 1))

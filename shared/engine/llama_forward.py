@@ -121,13 +121,11 @@ class LeanLlama:
         return self._lm_head(last)
 
     def _attention(self, plan: ForwardPlan, index: int, layer: _Layer, x, cos, sin) -> torch.Tensor:
-        tokens, dim = x.shape[0], self._head_dim
-        q, k, v = layer.qkv(x).split(
-            [self._num_heads * dim, self._num_kv_heads * dim, self._num_kv_heads * dim], dim=-1
-        )
-        q = _rotate(q.view(tokens, self._num_heads, dim), cos, sin)
-        k = _rotate(k.view(tokens, self._num_kv_heads, dim), cos, sin)
-        v = v.view(tokens, self._num_kv_heads, dim)
+        tokens, dim, heads = x.shape[0], self._head_dim, self._num_heads
+        qkv = layer.qkv(x).view(tokens, heads + 2 * self._num_kv_heads, dim)
+        # q's and k's heads are adjacent in each row: one rotation for both.
+        qk = _rotate(qkv[:, : heads + self._num_kv_heads], cos, sin)
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + self._num_kv_heads :]
         # paged_attention takes HF's [1, heads, tokens, dim] views.
         out = paged_attention(
             plan, index, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], self._scaling
@@ -152,7 +150,10 @@ def _pack_layer(layer: torch.nn.Module) -> _Layer:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # LlamaRMSNorm's operations in its order (fp32 statistics, weight applied last).
+    # LlamaRMSNorm: fp32 statistics, weight applied last. In fp32 torch's fused rms_norm gives
+    # the same bits as HF's pow/mean/rsqrt sequence (tests/test_model_runner.py) in fewer passes.
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     dtype = x.dtype
     x32 = x.to(torch.float32)
     variance = x32.pow(2).mean(-1, keepdim=True)
