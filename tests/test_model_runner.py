@@ -3,8 +3,9 @@
 import pytest
 import torch
 from transformers import LlamaForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from shared.engine import attention, paged_kernel
+from shared.engine import attention, llama_forward, paged_kernel
 from shared.engine.block_manager import BlockManager
 from shared.engine.hf_engine import HfEngine
 from shared.engine.kv_pool import KvPool
@@ -125,10 +126,6 @@ def test_the_lean_forwards_norm_and_rotation_give_hf_modules_bits(smollm2):
     """The lean forward's RMSNorm (torch's fused ``rms_norm``) and its one rotation over q's
     and k's heads together give the same bits as HF's ``LlamaRMSNorm`` and
     ``apply_rotary_pos_emb`` on q and k apart, at a decode's, an extend's and a prompt's rows."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    from shared.engine import llama_forward
-
     model = smollm2.model
     layer = model.model.layers[0]
     config = model.config

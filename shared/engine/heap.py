@@ -2,15 +2,16 @@
 
 A forward pass on the CPU allocates and frees tensors of megabytes in every layer (a 1K-token
 prefill of SmolLM2: 12 MB for each gate/up product). With glibc's defaults these go back to
-the kernel when freed: either as their own ``mmap`` (past the 128 KiB threshold), as a trimmed
-heap top, or, in a thread's own arena, as a whole heap unmapped once empty. The next layer
-then faults every page in again, zero-filled (measured: docs/engine.md, "The C heap").
+the kernel when freed: as their own ``mmap`` (past the adaptive threshold, 128 KiB at first),
+as a trimmed heap top, or, in a thread's own arena, as an extra heap unmapped once empty. The
+next layer then faults every page in again, zero-filled (measured: docs/engine.md, "The C
+heap").
 
-:func:`keep_freed_memory` asks glibc, through ``mallopt``, to keep that memory: one arena for
-every thread created from then on (the main one, whose top is trimmed by threshold, not whole
-heaps unmapped), allocations below 32 MiB from the heap, and the heap's top trimmed only past
-256 MiB free. The resident peak does not grow: the same tensors live at the same time, they
-are only not handed back between layers.
+:func:`keep_freed_memory` asks glibc, through ``mallopt``, to keep that memory: no new arena
+for threads that first allocate from then on (where no other was made before, they use the
+main one, where only the trim threshold returns memory), allocations below 32 MiB from the
+heap, and the heap's top trimmed only past 256 MiB free. The resident peak does not grow: the
+same tensors live at the same time, they are only not handed back between layers.
 
 ``PDD_HEAP_TUNING``: unset, empty or ``1`` tune; ``0`` leave glibc's defaults; any other value
 is an error that names the setting.
