@@ -2,6 +2,7 @@
 
 import asyncio
 import time
+from functools import partial
 
 import nats
 
@@ -56,8 +57,12 @@ class EngineService(Service):
             standin_step_s=config.standin_step_ms / 1000,
             kv_listener=on_kv_event if self.publishes_kv_events else None,
         )
-        engine = await loop.run_in_executor(None, create_backend, config.engine, options, self._loaded)
-        self.worker = EngineWorker(engine, self.instance_id, self.config.torch_threads, self.config.engine_call_log)
+        self.worker = await EngineWorker.build(
+            partial(create_backend, config.engine, options, self._loaded),
+            self.instance_id,
+            config.torch_threads,
+            config.engine_call_log,
+        )
         await super().start()
         await self.nc.subscribe(
             subjects.instance_work(self.config.site, self.service_name, self.instance_id, subjects.DUMP),

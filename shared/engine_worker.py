@@ -60,6 +60,31 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._serve, name=f"engine-{name}", daemon=True)
         self._thread.start()
 
+    @classmethod
+    async def build(
+        cls, make_engine: Callable[[], EngineBackend], name: str, torch_threads: int = 0, call_log: str = ""
+    ) -> "EngineWorker":
+        """A worker whose engine ``make_engine`` builds (model load included) on the worker's own
+        thread, the thread every later call and step runs on.
+
+        With more than one torch thread, a second thread that has run parallel torch work
+        keeps its own OpenMP team, and the engine thread's team then runs each operation
+        slower (an extend of 100 tokens at 1K context: 205–217 ms instead of 162–166 on 2
+        cores, docs/engine.md). Building here leaves the engine thread the process's only team.
+
+        Raises:
+            Whatever ``make_engine`` raises (the thread is stopped first).
+        """
+        worker = cls(None, name, torch_threads, call_log)
+        built = asyncio.get_running_loop().create_future()
+        worker._calls.put((make_engine, built))  # not in the call log: it records engine calls
+        try:
+            worker.engine = await built
+        except BaseException:
+            worker.shutdown()
+            raise
+        return worker
+
     def submit(self, fn, *args, **kwargs) -> asyncio.Future:
         """Queue ``fn(*args, **kwargs)`` on the engine thread now; its result is the future's.
 

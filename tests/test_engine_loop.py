@@ -105,6 +105,33 @@ async def test_a_call_cancelled_before_it_starts_never_runs():
         worker.shutdown()
 
 
+async def test_a_built_engine_is_built_on_the_thread_that_runs_it_and_a_failed_build_stops_that_thread(tiny):
+    built_on: list[threading.Thread] = []
+
+    def make_engine() -> HfEngine:
+        built_on.append(threading.current_thread())
+        return HfEngine(tiny, num_blocks=64)
+
+    worker = await EngineWorker.build(make_engine, "prefill-0")
+    try:
+        prompt = prompt_of_length(tiny, 12)
+        assert await worker.call(threading.current_thread) is built_on[0] is not threading.current_thread()
+        assert (await worker.call(worker.engine.generate, "g", prompt, SamplingParams(max_tokens=4))) == (
+            reference_greedy(tiny, prompt, 4)
+        )
+    finally:
+        worker.shutdown()
+    assert not built_on[0].is_alive()
+
+    def no_engine():
+        built_on.append(threading.current_thread())
+        raise RuntimeError("no model here")
+
+    with pytest.raises(RuntimeError, match="no model here"):
+        await EngineWorker.build(no_engine, "prefill-1")
+    assert not built_on[-1].is_alive()  # nothing left running
+
+
 async def test_an_overlapped_loop_steps_while_the_last_steps_outputs_are_handled_and_never_further(tiny):
     counted = CountedSteps(HfEngine(tiny, num_blocks=64))
     worker = EngineWorker(counted, "main-decode-0")
