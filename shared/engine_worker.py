@@ -65,12 +65,9 @@ class EngineWorker:
         cls, make_engine: Callable[[], EngineBackend], name: str, torch_threads: int = 0, call_log: str = ""
     ) -> "EngineWorker":
         """A worker whose engine ``make_engine`` builds (model load included) on the worker's own
-        thread, the thread every later call and step runs on.
-
-        With more than one torch thread, a second thread that has run parallel torch work
-        keeps its own OpenMP team, and the engine thread's team then runs each operation
-        slower (an extend of 100 tokens at 1K context: 205–217 ms instead of 162–166 on 2
-        cores, docs/engine.md). Building here leaves the engine thread the process's only team.
+        thread, the thread every later call and step runs on: no other thread then holds an
+        OpenMP team of torch's, which slows an engine on several torch threads (docs/engine.md,
+        "The engine built on the thread that runs it").
 
         Raises:
             Whatever ``make_engine`` raises (the thread is stopped first).
