@@ -368,9 +368,8 @@ def _start_services(spec: DeploymentSpec, services: _Services, bulk_link_port: i
         services.spawn("relay-decode", i, "--engine", engines["relay"])
     link = ["--bulk-link", f"127.0.0.1:{bulk_link_port}"] if spec.md_site == SITE_B else []
     cache = [] if spec.md_prefix_cache else ["--prefix-cache", "false"]
-    for i, local in enumerate(free_port() for _ in range(spec.md)):
-        bulk = ["--bulk-port", str(local), "--bulk-advertise", f"127.0.0.1:{local}"]
-        services.spawn("main-decode", i, *bulk, *link, *cache, "--engine", engines["main"], site=spec.md_site)
+    for i in range(spec.md):  # each receiver listens on a port the kernel gives it and advertises it
+        services.spawn("main-decode", i, *link, *cache, "--engine", engines["main"], site=spec.md_site)
     for i in range(spec.routers):  # every router on the one port: the kernel spreads connections
         services.spawn(
             "router",

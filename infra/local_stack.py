@@ -306,9 +306,9 @@ class LocalStack:
         )
 
     def _main_service(self, i: int, receiver_key: dict, wan_port: int) -> MainDecodeService:
-        """Main decoder ``i``, at ``md_site``: its bulk channel on a free port, reached through
-        the link's ``wan_port`` from the other site."""
-        bulk_port = free_port()
+        """Main decoder ``i``, at ``md_site``: its bulk channel on a port the kernel gives it when
+        it listens (a port drawn earlier can be taken meanwhile as some client's local port),
+        reached through the link's ``wan_port`` from the other site."""
         return MainDecodeService(
             build_config(
                 BulkReceiverConfig,
@@ -322,8 +322,6 @@ class LocalStack:
                     "site": self.md_site,
                     "nats_url": self.sites[self.md_site].url,
                     "instance_id": f"main-decode-{i}",
-                    "bulk_port": bulk_port,
-                    "bulk_advertise": f"127.0.0.1:{bulk_port}",
                     "bulk_link": f"127.0.0.1:{wan_port}",
                 },
                 {},

@@ -117,6 +117,8 @@ class DecodeService(EngineService):
         if self.receiver is None:
             return  # never started
         await self.receiver.stop()
+        if self.loop is None:
+            return  # the receiver never listened
         for _ in range(100):
             if not await self.worker.call(self.engine.has_work):
                 break

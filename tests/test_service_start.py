@@ -1,9 +1,16 @@
-"""A service in its own process freezes its start-up heap before it announces itself."""
+"""A service's start: its start-up heap frozen before it announces itself, and a start that
+fails half-way still stops cleanly."""
 
+import dataclasses
 import gc
+import socket
+import threading
+
+import pytest
 
 from infra.wan_link import LinkProfile
 from services.cache_index.service import CacheIndexService
+from services.main_decode.service import MainDecodeService
 from tests.helpers import until
 
 
@@ -31,3 +38,20 @@ async def test_the_start_up_collection_runs_before_the_first_heartbeat(make_stac
         assert frozen_at_heartbeat[0] > 0
     finally:
         gc.unfreeze()
+
+
+async def test_a_decoder_whose_bulk_port_is_taken_fails_to_start_and_still_stops_cleanly(make_stack):
+    """The failed start names the taken port; the stop after it (a stack's teardown) ends the
+    engine thread instead of failing on the engine loop that never started."""
+    stack = await make_stack(profile=LinkProfile(bandwidth_bps=0, rtt_ms=2, jitter_ms=0))
+    old = stack.mains[0]
+    await old.stop()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        service = MainDecodeService(dataclasses.replace(old.config, bulk_port=taken.getsockname()[1]), stack.loaded)
+        stack.mains[0] = service
+        with pytest.raises(OSError, match="in use"):
+            await service.start()
+    await service.stop()
+    assert f"engine-{service.instance_id}" not in {thread.name for thread in threading.enumerate()}
