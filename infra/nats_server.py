@@ -5,6 +5,7 @@ unlike a gateway, keeps the two JetStream domains separate.
 """
 
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -185,17 +186,41 @@ def _quoted(patterns: tuple[str, ...]) -> str:
 
 _HANDED_OUT: set[int] = set()
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_DRAWN_PORT = 10000
+
+
+def _drawable_ports() -> range | None:
+    """Ports below the kernel's ephemeral range (Linux), or None where it is unknown or leaves
+    fewer than 1,000 ports above ``_LOWEST_DRAWN_PORT``.
+
+    The kernel gives every ``connect()`` and every ``bind`` to port 0 a port from the
+    ephemeral range, so a port drawn below it stays free until its server binds it, however
+    many connections open meanwhile.
+    """
+    try:
+        lowest_ephemeral = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if lowest_ephemeral - _LOWEST_DRAWN_PORT < 1000:
+        return None
+    return range(_LOWEST_DRAWN_PORT, lowest_ephemeral)
+
 
 def free_port() -> int:
-    """A currently free TCP port on loopback, never one this process handed out before.
+    """A currently free TCP port on loopback, never one this process handed out before, drawn
+    at random below the ephemeral range where the system has one (``_drawable_ports``).
 
-    The kernel may give the same ephemeral port to two probes made one after the other (the
-    first is closed before the second), and a deployment picks a dozen at once: a chaos
-    redeploy once gave NATS's monitor the port it had just given a main decoder's receiver.
+    A port is drawn some time before a server binds it (a main decoder binds after its model
+    loads); drawn from the ephemeral range, a client connection opened meanwhile could take it.
     """
+    drawable = _drawable_ports()
     while True:
         with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
+            try:
+                sock.bind(("127.0.0.1", random.choice(drawable) if drawable else 0))
+            except OSError:
+                continue  # taken, or in TIME_WAIT: draw again
             port = sock.getsockname()[1]
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)

@@ -63,6 +63,34 @@ def test_free_port_never_hands_out_the_same_port_twice(monkeypatch):
     assert [nats_server.free_port(), nats_server.free_port()] == [47001, 47002]
 
 
+def test_free_port_draws_below_the_ephemeral_range_or_lets_the_kernel_pick(monkeypatch, tmp_path):
+    """No client connection or listener on port 0 can take a drawn port before its server binds."""
+    from infra import nats_server
+
+    ephemeral = tmp_path / "ip_local_port_range"
+    ephemeral.write_text("20000\t60999\n")
+    monkeypatch.setattr(nats_server, "_EPHEMERAL_RANGE", ephemeral)
+    assert all(10000 <= nats_server.free_port() < 20000 for _ in range(50))
+    ephemeral.unlink()  # no such file (not Linux): the kernel picks
+    assert nats_server.free_port() > 0
+
+
+def test_free_port_draws_again_when_the_drawn_port_is_taken(monkeypatch, tmp_path):
+    from infra import nats_server
+
+    ephemeral = tmp_path / "ip_local_port_range"
+    ephemeral.write_text("32768\t60999\n")
+    monkeypatch.setattr(nats_server, "_EPHEMERAL_RANGE", ephemeral)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", nats_server.free_port()))
+        taken.listen()
+        spare = nats_server.free_port()
+        draws = iter([taken.getsockname()[1], spare])
+        monkeypatch.setattr(nats_server.random, "choice", lambda _ports: next(draws))
+        monkeypatch.setattr(nats_server, "_HANDED_OUT", set())
+        assert nats_server.free_port() == spare
+
+
 def _shipped_configs() -> dict[str, str]:
     root = Path(__file__).resolve().parent.parent
     texts = {str(p.relative_to(root)): p.read_text() for p in root.glob("infra/**/nats.conf")}
