@@ -144,3 +144,22 @@ def test_the_lean_forwards_norm_and_rotation_give_hf_modules_bits(smollm2):
         ours = llama_forward._rotate(qk, cos[0, :, None, :], sin[0, :, None, :])
         assert torch.equal(ours[:, :heads], hf_q[0].transpose(0, 1))
         assert torch.equal(ours[:, heads:], hf_k[0].transpose(0, 1))
+
+
+def test_a_one_row_product_gives_hf_projections_bits_and_several_rows_stay_close(smollm2):
+    """A batch-1 decode step's q/k/v and gate/up products run over the model's own weights, as
+    HF's ``nn.Linear`` modules do; several rows go through the packed concatenation."""
+    layer = smollm2.model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    generator = torch.Generator().manual_seed(0)
+    for parts in ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj], [attn.o_proj]):
+        product = llama_forward.PackedLinear([part.weight for part in parts])
+        for rows in (1, 4, 100):
+            x = torch.randn(rows, parts[0].in_features, generator=generator)
+            with torch.inference_mode():
+                hf = torch.cat([part(x) for part in parts], dim=-1)
+                ours = product(x)
+            if rows == 1:
+                assert torch.equal(ours, hf)
+            else:
+                torch.testing.assert_close(ours, hf, rtol=1e-4, atol=1e-4)  # summation order

@@ -6,9 +6,10 @@ HF writes it, the model's own rotary module for cos/sin, SiLU-gated MLP, residua
 the engine's paged attention (``attention.paged_attention``). Two things differ:
 
 - q/k/v and gate/up are one matrix product each (their weights concatenated once at load);
-- on CPU in fp32 every product uses a oneDNN weight prepacked once at load instead of the
-  strided weight (``PackedLinear``): 1.7-2.2x less CPU than ``F.linear`` for the 4-16 rows of a
-  batched decode step, on SmolLM2's shapes, one thread (docs/engine.md).
+- on CPU in fp32 every product of several rows uses a oneDNN weight prepacked once at load
+  instead of the strided weight (``PackedLinear``): 1.7-2.2x less CPU than ``F.linear`` for the
+  4-16 rows of a batched decode step, on SmolLM2's shapes, one thread (docs/engine.md); a
+  product of one row stays ``F.linear`` over the model's own weights.
 
 Each output element is still one fp32 dot product over the same inputs, summed in the
 kernel's own order, so results differ from HF's at the last bits; the engine's exactness
@@ -38,25 +39,36 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 
 class PackedLinear:
-    """``x @ weight.T`` for one fixed weight ``[out_features, in_features]``, no bias.
+    """``x @ weight.T`` for one fixed weight: the concatenation (along the output features) of
+    ``parts``, each ``[out_features_i, in_features]``, no bias.
 
-    On CPU in fp32 the weight is kept only as a oneDNN-packed copy; elsewhere as given.
+    On CPU in fp32 a product of several rows uses a oneDNN-packed copy of the concatenation,
+    and a product of one row (a batch-1 decode step) runs ``F.linear`` over each part, the
+    model's own weights: oneDNN's packed product of one row ran a batch-1 decode step 22 %
+    slower on two threads (docs/engine.md). Elsewhere every product uses the concatenation as
+    given.
     """
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, parts: list[torch.Tensor]):
+        self._parts = [part.detach() for part in parts]
+        weight = self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
         self.out_features = weight.shape[0]
         if _can_pack(weight):
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
             self._weight = None
         else:
             self._packed = None
-            self._weight = weight.detach()
+            self._weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``[rows, in_features]`` -> ``[rows, out_features]``."""
-        if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
-        return F.linear(x, self._weight)
+        if self._packed is None:
+            return F.linear(x, self._weight)
+        if x.shape[0] == 1:
+            if len(self._parts) == 1:
+                return F.linear(x, self._parts[0])
+            return torch.cat([F.linear(x, part) for part in self._parts], dim=-1)
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
 
 
 @dataclass(frozen=True)
@@ -84,7 +96,7 @@ class LeanLlama:
         self._embed = inner.embed_tokens.weight
         self._rotary = inner.rotary_emb
         self._final_norm = inner.norm.weight
-        self._lm_head = PackedLinear(model.lm_head.weight)
+        self._lm_head = PackedLinear([model.lm_head.weight])
         self._layers = [_pack_layer(layer) for layer in inner.layers]
 
     @staticmethod
@@ -142,10 +154,10 @@ def _pack_layer(layer: torch.nn.Module) -> _Layer:
     return _Layer(
         input_norm=layer.input_layernorm.weight,
         post_norm=layer.post_attention_layernorm.weight,
-        qkv=PackedLinear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
-        o=PackedLinear(attn.o_proj.weight),
-        gate_up=PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-        down=PackedLinear(mlp.down_proj.weight),
+        qkv=PackedLinear([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+        o=PackedLinear([attn.o_proj.weight]),
+        gate_up=PackedLinear([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        down=PackedLinear([mlp.down_proj.weight]),
     )
 
 
