@@ -74,9 +74,12 @@ class EngineService(Service):
             self.watch(self._tasks[-1])
 
     async def stop(self):
-        await super().stop()
-        if self.worker:
-            self.worker.shutdown()
+        """Stop as ``Service.stop`` does, then the engine thread, even when that stop fails."""
+        try:
+            await super().stop()
+        finally:
+            if self.worker:
+                self.worker.shutdown()
 
     async def held_request_ids(self) -> list[str]:
         return await self.worker.call(self.engine.request_ids)

@@ -202,7 +202,8 @@ def engines_idle(stack) -> bool:
 
 
 async def crash(service):
-    """Kill a service actor without a goodbye: engine loop, heartbeats, bulk port and NATS gone."""
+    """Kill a service actor without a goodbye: engine loop and thread, heartbeats, bulk port and
+    NATS gone."""
     await service.nc.close()  # first: a crashed process publishes nothing on its way out
     loop = getattr(service, "loop", None) or getattr(service, "_loop", None)
     if loop is not None:
@@ -212,6 +213,9 @@ async def crash(service):
     receiver = getattr(service, "receiver", None)
     if receiver is not None:
         await receiver.stop()
+    worker = getattr(service, "worker", None)
+    if worker is not None:
+        worker.shutdown()  # the process's engine thread goes with it
 
 
 def lost_cancels() -> dict[str, float]:

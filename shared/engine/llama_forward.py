@@ -9,7 +9,8 @@ the engine's paged attention (``attention.paged_attention``). Two things differ:
 - on CPU in fp32 every product of several rows uses a oneDNN weight prepacked once at load
   instead of the strided weight (``PackedLinear``): 1.7-2.2x less CPU than ``F.linear`` for the
   4-16 rows of a batched decode step, on SmolLM2's shapes, one thread (docs/engine.md); a
-  product of one row stays ``F.linear`` over the model's own weights.
+  product of one row uses it too, or ``F.linear`` over the model's own weights where that
+  timed faster at load (``choose_one_row_path``).
 
 Each output element is still one fp32 dot product over the same inputs, summed in the
 kernel's own order, so results differ from HF's at the last bits; the engine's exactness
@@ -18,15 +19,22 @@ covers (biases, other activations, other architectures, a GPU) keep HF's forward
 (``LeanLlama.supports``).
 """
 
+import time
 from dataclasses import dataclass
 
+import structlog
 import torch
 import torch.nn.functional as F
 
 from shared.engine.attention import ForwardPlan, paged_attention
 
+log = structlog.get_logger(__name__)
+
 PACK_ROWS_HINT = 16
 """Rows oneDNN lays a packed weight out for; with hint 1, products of 4-16 rows ran 1.5x slower."""
+
+ONE_ROW_TRIALS = 3
+"""Passes each way when ``choose_one_row_path`` times one-row products at load."""
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -42,17 +50,18 @@ class PackedLinear:
     """``x @ weight.T`` for one fixed weight: the concatenation (along the output features) of
     ``parts``, each ``[out_features_i, in_features]``, no bias.
 
-    On CPU in fp32 a product of several rows uses a oneDNN-packed copy of the concatenation,
-    and a product of one row (a batch-1 decode step) runs ``F.linear`` over each part, the
-    model's own weights: oneDNN's packed product of one row ran a batch-1 decode step 22 %
-    slower on two threads (docs/engine.md). Elsewhere every product uses the concatenation as
-    given.
+    On CPU in fp32 a product of several rows uses a oneDNN-packed copy of the concatenation. A
+    product of one row (a batch-1 decode step) uses it too, or, with ``one_row_over_parts``,
+    ``F.linear`` over each part, the model's own weights, as HF's modules compute it: which is
+    faster depends on the CPU and the thread count, so ``LeanLlama`` times both at load.
+    Elsewhere every product uses the concatenation as given.
     """
 
     def __init__(self, parts: list[torch.Tensor]):
         self._parts = [part.detach() for part in parts]
         weight = self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
-        self.out_features = weight.shape[0]
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.one_row_over_parts = False
         if _can_pack(weight):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
             self._weight = None
@@ -60,15 +69,44 @@ class PackedLinear:
             self._packed = None
             self._weight = weight
 
+    @property
+    def packs(self) -> bool:
+        """Whether products go through a oneDNN-packed copy (CPU, fp32)."""
+        return self._packed is not None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``[rows, in_features]`` -> ``[rows, out_features]``."""
         if self._packed is None:
             return F.linear(x, self._weight)
-        if x.shape[0] == 1:
+        if self.one_row_over_parts and x.shape[0] == 1:
             if len(self._parts) == 1:
                 return F.linear(x, self._parts[0])
             return torch.cat([F.linear(x, part) for part in self._parts], dim=-1)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
+
+
+def choose_one_row_path(products: list[PackedLinear], trials: int = ONE_ROW_TRIALS) -> dict:
+    """Time one row through every packing product both ways (``trials`` alternating passes over
+    all of them, the weights streamed from memory as in a decode step), keep the faster for
+    all, and return what was measured: ``over_parts`` and the best pass of each, ms."""
+    packing = [product for product in products if product.packs]
+    if not packing:
+        return {"over_parts": False}
+    rows = [torch.zeros(1, product.in_features) for product in packing]
+    best_s = {True: float("inf"), False: float("inf")}
+    with torch.inference_mode():
+        for _ in range(trials):
+            for over_parts in (True, False):
+                for product in packing:
+                    product.one_row_over_parts = over_parts
+                start = time.perf_counter()
+                for product, row in zip(packing, rows, strict=True):
+                    product(row)
+                best_s[over_parts] = min(best_s[over_parts], time.perf_counter() - start)
+    over_parts = best_s[True] < best_s[False]
+    for product in packing:
+        product.one_row_over_parts = over_parts
+    return {"over_parts": over_parts, "parts_ms": best_s[True] * 1000, "packed_ms": best_s[False] * 1000}
 
 
 @dataclass(frozen=True)
@@ -98,6 +136,13 @@ class LeanLlama:
         self._final_norm = inner.norm.weight
         self._lm_head = PackedLinear([model.lm_head.weight])
         self._layers = [_pack_layer(layer) for layer in inner.layers]
+        self.one_row_path = choose_one_row_path(self.products)
+        log.info("one_row_products_chosen", **self.one_row_path)
+
+    @property
+    def products(self) -> list[PackedLinear]:
+        """Every matrix product of the forward, lm_head last."""
+        return [p for layer in self._layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self._lm_head]
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
