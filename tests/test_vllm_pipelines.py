@@ -192,9 +192,11 @@ def test_a_relay_on_vllm_killed_mid_stream_hands_the_stream_to_main_decode_on_vl
     try:
         # The router must believe the slower link before the request is placed: believing the
         # first test's 200 Mbit/s, a slow prefill on a loaded machine can hide the whole
-        # crossing in the prediction and send the request P→MD. One cold prompt teaches it.
+        # crossing in the prediction and send the request P→MD. One cold prompt teaches it, if
+        # its transfer completes: with room for 64 tokens it is not odd traffic (with 1, a router
+        # believing ~100 Mbit/s took it for odd and cancelled the transfer it was to learn from).
         teach = [{"role": "user", "content": "Build output:\n" + long_tool_output(8) + "\nOne word: ok?"}]
-        client.chat.completions.create(model=model, messages=teach, max_tokens=1, temperature=0)
+        client.chat.completions.create(model=model, messages=teach, max_tokens=64, temperature=0)
         deadline_s = time.monotonic() + 120
         while believed_link_mbit(deployment) > 60:
             assert time.monotonic() < deadline_s, "the router did not learn the slower link"
