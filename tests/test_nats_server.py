@@ -75,20 +75,17 @@ def test_free_port_draws_below_the_ephemeral_range_or_lets_the_kernel_pick(monke
     assert nats_server.free_port() > 0
 
 
-def test_free_port_draws_again_when_the_drawn_port_is_taken(monkeypatch, tmp_path):
+def test_free_port_draws_again_when_the_drawn_port_is_taken(monkeypatch, tmp_path, taken_port):
     from infra import nats_server
 
     ephemeral = tmp_path / "ip_local_port_range"
     ephemeral.write_text("32768\t60999\n")
     monkeypatch.setattr(nats_server, "_EPHEMERAL_RANGE", ephemeral)
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", nats_server.free_port()))
-        taken.listen()
-        spare = nats_server.free_port()
-        draws = iter([taken.getsockname()[1], spare])
-        monkeypatch.setattr(nats_server.random, "choice", lambda _ports: next(draws))
-        monkeypatch.setattr(nats_server, "_HANDED_OUT", set())
-        assert nats_server.free_port() == spare
+    spare = nats_server.free_port()
+    draws = iter([taken_port, spare])
+    monkeypatch.setattr(nats_server.random, "choice", lambda _ports: next(draws))
+    monkeypatch.setattr(nats_server, "_HANDED_OUT", set())
+    assert nats_server.free_port() == spare
 
 
 def _shipped_configs() -> dict[str, str]:
